@@ -1,0 +1,32 @@
+# Every target creates/uses .venv; `make test` and `make demo` work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench redis-server clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,flower]'
+	touch $(STAMP)
+
+# Tests need a real redis-server binary; install it where we can (root on Debian).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing redis-server (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "redis-server not found: install it (e.g. apt-get install redis-server) or set REDIS_SERVER=/path/to/redis-server" >&2; \
+	    [ -n "$$REDIS_SERVER" ]; \
+	  fi; }
+
+test: $(STAMP) redis-server
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,135 @@
+"""Renewal of running leases.
+
+One daemon thread per process renews every lease held in that process at a
+third of its TTL, so a run may last any multiple of ``lock_ttl``; a lease that
+stops being renewable is marked lost and its owner is told through a callback.
+
+When Redis does not answer, the keeper keeps trying until the lease would have
+expired; only then does it report the loss (the lock may still exist, but no
+one can vouch for it any more).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from .lock import Lease
+
+__all__ = ["LeaseKeeper", "KeptLease", "get_keeper"]
+
+logger = logging.getLogger("celery_singleton_beat")
+
+#: Renew when a third of the TTL has passed, leaving two more chances before expiry.
+RENEW_FRACTION = 1 / 3
+
+
+class KeptLease:
+    """A lease under renewal; ``lost`` tells whether it still protects the run."""
+
+    def __init__(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None) -> None:
+        self.lease = lease
+        self.on_lost = on_lost
+        self.lost_reason: str | None = None
+        self.renewals = 0
+        self.active = True
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_reason is not None
+
+    def mark_lost(self, reason: str) -> None:
+        if self.lost_reason is None:
+            self.lost_reason = reason
+            if self.on_lost is not None:
+                self.on_lost(self, reason)
+
+
+class LeaseKeeper:
+    """Renews leases from one background thread (started on first use)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[tuple[float, int, KeptLease]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
+        """Start renewing ``lease``; call :meth:`forget` when the run ends."""
+        kept = KeptLease(lease, on_lost)
+        with self._cond:
+            self._schedule(kept, time.monotonic() + lease.ttl * RENEW_FRACTION)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="singleton-lease-keeper", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+        return kept
+
+    def forget(self, kept: KeptLease) -> None:
+        """Stop renewing (the entry is dropped lazily when it comes due)."""
+        kept.active = False
+
+    def _schedule(self, kept: KeptLease, when: float) -> None:
+        heapq.heappush(self._queue, (when, next(self._seq), kept))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    while self._queue and not self._queue[0][2].active:
+                        heapq.heappop(self._queue)
+                    now = time.monotonic()
+                    if self._queue and self._queue[0][0] <= now:
+                        _, _, kept = heapq.heappop(self._queue)
+                        break
+                    timeout = self._queue[0][0] - now if self._queue else None
+                    self._cond.wait(timeout)
+            next_time = self._renew(kept)
+            if next_time is not None:
+                with self._cond:
+                    if kept.active:
+                        self._schedule(kept, next_time)
+
+    @staticmethod
+    def _renew(kept: KeptLease) -> float | None:
+        """Renew once; the monotonic time of the next attempt, or None when done."""
+        lease = kept.lease
+        try:
+            if lease.renew():
+                kept.renewals += 1
+                return time.monotonic() + lease.ttl * RENEW_FRACTION
+            kept.mark_lost("the lock was deleted, expired or taken by another holder")
+            return None
+        except redis.RedisError as exc:
+            now = time.monotonic()
+            if now >= lease.valid_until:
+                kept.mark_lost(f"the lease expired while Redis was unreachable ({exc})")
+                return None
+            logger.warning("cannot renew lock %s, retrying: %s", lease.key, exc)
+            return min(now + max(lease.ttl / 10, 0.05), lease.valid_until)
+        except Exception:  # never let the keeper thread die
+            logger.exception("unexpected error renewing lock %s", lease.key)
+            return time.monotonic() + lease.ttl * RENEW_FRACTION
+
+
+_keeper: tuple[int, LeaseKeeper] | None = None
+_keeper_lock = threading.Lock()
+
+
+def get_keeper() -> LeaseKeeper:
+    """The keeper of this process (a forked child gets its own)."""
+    global _keeper
+    pid = os.getpid()
+    with _keeper_lock:
+        if _keeper is None or _keeper[0] != pid:
+            _keeper = (pid, LeaseKeeper())
+        return _keeper[1]

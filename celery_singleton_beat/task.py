@@ -1,0 +1,317 @@
+"""``SingletonTask``: at most one run at a time per task and arguments.
+
+Lifecycle of a run (``lock_mode="while_executing"``, the default)::
+
+    worker receives message -> __call__ -> acquire lease (1 round trip)
+        held by another run -> on_conflict: skip (state SKIPPED) | raise | retry
+        taken                -> body runs; the keeper renews every lock_ttl/3
+    body ends in any way (return, exception, retry, Ignore, Reject)
+        -> release (1 round trip, only if the lease is still ours)
+
+The lock is taken in ``__call__``, which Celery's tracer calls for every run
+(worker and eager), so a ``finally`` there sees every ending a process
+survives. Endings it cannot see (the pool child killed, a hard time limit, a
+revoke with terminate) are handled by the worker's main process through
+:class:`~celery_singleton_beat.worker.SingletonRequest`, and a node that died
+altogether is cleaned up by its next start or by the lease's TTL.
+
+Publish-time modes add a *claim* taken in ``apply_async``:
+
+* ``until_executed``: the claim is the lock itself; the run adopts it and holds
+  it until it returns. A second publish while one is queued or running conflicts.
+* ``until_executing``: the claim is a separate queue key released when the run
+  starts (the run itself still takes the run lock): at most one copy waits in
+  the queue and at most one runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import redis
+from celery import Task
+from celery.exceptions import Ignore, ImproperlyConfigured
+from celery.result import AsyncResult
+from celery.utils import uuid
+from kombu.utils.functional import maybe_list
+
+from .client import get_redis
+from .config import get_settings
+from .events import SKIPPED, TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event
+from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, describe_holder
+from .keeper import KeptLease, get_keeper
+from .keys import UniqueOn, check_unique_on, lock_key, task_signature
+from .lock import AcquireResult, Holder, acquire, release_task
+from . import worker as worker_support
+
+__all__ = ["SingletonTask", "SingletonRun", "LOCK_MODES", "ON_CONFLICT"]
+
+LOCK_MODES = ("while_executing", "until_executed", "until_executing")
+ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
+#: Suffix of the queue claim of ``until_executing`` (same hash tag as the lock).
+QUEUED_SUFFIX = ":queued"
+
+
+class SingletonRun:
+    """What a running task knows about its lock: ``task.singleton`` in the body.
+
+    ``fence`` is a number that grows with every acquisition of this key: pass it
+    to a downstream store that rejects writes carrying a smaller one, and a run
+    that lost its lease cannot overwrite the work of its successor.
+    """
+
+    def __init__(self, key: str, kept: KeptLease | None) -> None:
+        self.key = key
+        self._kept = kept
+
+    @property
+    def held(self) -> bool:
+        """True while this run holds its lock (False when it runs unlocked, fail-open)."""
+        return self._kept is not None and not self._kept.lost
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease was lost (deleted, expired, taken) during the run."""
+        return self._kept is not None and self._kept.lost
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of this run's lease (None when running unlocked)."""
+        return self._kept.lease.fence if self._kept is not None else None
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LockLost` if the lease is gone; call before irreversible work."""
+        if self._kept is None:
+            raise LockLost(self.key, "the run holds no lock (Redis was unavailable, fail-open)")
+        if self._kept.lost:
+            raise LockLost(self.key, self._kept.lost_reason or "lost")
+
+
+class SingletonTask(Task):
+    """Base class for tasks that must not run twice at once for the same arguments.
+
+    Use it as ``@app.task(base=SingletonTask, unique_on=[...], lock_ttl=60)``.
+    """
+
+    #: Argument names that identify a run, or a callable taking the task's
+    #: arguments and returning a JSON-like identity. ``None``: all arguments.
+    unique_on: ClassVar[UniqueOn] = None
+    #: Lease in seconds, renewed while the run lasts. ``None``: ``singleton_lock_ttl``.
+    lock_ttl: ClassVar[float | None] = None
+    #: ``"while_executing"`` | ``"until_executed"`` | ``"until_executing"``.
+    lock_mode: ClassVar[str] = "while_executing"
+    #: What a run does when another holds the lock: ``"skip"`` (state SKIPPED),
+    #: ``"raise"`` (DuplicateTaskError), ``"retry"`` (later, with back-off).
+    #: At publish (publish-time modes) a conflict returns the holder's
+    #: AsyncResult, except with ``"raise"``; ``"return_existing"`` names that.
+    on_conflict: ClassVar[str] = "skip"
+
+    #: The worker's main process uses this request class to free the locks of
+    #: pool children that died (SIGKILL, hard time limit, revoke+terminate).
+    Request = "celery_singleton_beat.worker:SingletonRequest"
+
+    # -- registration -----------------------------------------------------
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Check the task's singleton options when it is bound to its app."""
+        super().on_bound(app)
+        if cls.__dict__.get("name") is None and cls is SingletonTask:
+            return
+        cls._check_options()
+        worker_support.install(app)
+
+    @classmethod
+    def _check_options(cls) -> None:
+        name = getattr(cls, "name", None) or cls.__name__
+
+        def bad(option: str, message: str) -> ImproperlyConfigured:
+            return ImproperlyConfigured(f"task {name}: {option} {message}")
+
+        if cls.lock_mode not in LOCK_MODES:
+            raise bad("lock_mode", f"must be one of {', '.join(LOCK_MODES)}; got {cls.lock_mode!r}")
+        if cls.on_conflict not in ON_CONFLICT:
+            raise bad("on_conflict", f"must be one of {', '.join(ON_CONFLICT)}; got {cls.on_conflict!r}")
+        ttl = cls.lock_ttl
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
+            raise bad("lock_ttl", f"must be a number of seconds > 0; got {ttl!r}")
+        try:
+            check_unique_on(name, task_signature(cls), cls.unique_on)
+        except ValueError as exc:
+            raise bad("unique_on", str(exc)) from None
+
+    # -- keys and settings ------------------------------------------------
+
+    def singleton_key(self, args: Any = None, kwargs: Any = None) -> str:
+        """The lock key of a call with these arguments."""
+        settings = get_settings(self.app)
+        signature = self.__dict__.get("_singleton_signature")
+        if signature is None:
+            signature = self._singleton_signature = task_signature(self)
+        return lock_key(
+            settings.key_prefix,
+            self.name,
+            signature,
+            tuple(maybe_list(args) or ()),
+            dict(kwargs or {}),
+            self.unique_on,
+        )
+
+    @property
+    def effective_lock_ttl(self) -> float:
+        """The lease of this task in seconds (task option, else the app setting)."""
+        return float(self.lock_ttl) if self.lock_ttl is not None else get_settings(self.app).lock_ttl
+
+    @property
+    def singleton(self) -> SingletonRun | None:
+        """The lock of the current run (None outside a run or when called directly)."""
+        return getattr(self.request, "singleton", None)
+
+    # -- publish ----------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    *more: Any, **options: Any) -> AsyncResult:
+        """Publish; in publish-time modes, claim the key first (see the module docstring)."""
+        if self.lock_mode == "while_executing":
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        task_id = task_id or uuid()
+        key = self.singleton_key(args, kwargs)
+        claim_key = key + QUEUED_SUFFIX if self.lock_mode == "until_executing" else key
+        client = get_redis(self.app)
+        settings = get_settings(self.app)
+        try:
+            result = acquire(client, claim_key, settings.queue_lock_ttl, task=self.name,
+                             task_id=task_id, claim=True, boot=worker_support.boot_id())
+        except redis.RedisError as exc:
+            if not settings.fail_open:
+                raise LockUnavailable(claim_key, exc) from exc
+            logger.error("publishing %s[%s] without its claim on %s, Redis unavailable (fail-open): %s",
+                         self.name, task_id, claim_key, exc)
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        holder = result.holder
+        if not result.acquired and holder is not None and holder.task_id != task_id:
+            if self.on_conflict == "raise":
+                raise DuplicateTaskError(self.name, claim_key, holder.task_id)
+            logger.info("not publishing %s: %s already holds %s; returning its result",
+                        self.name, describe_holder(holder), claim_key)
+            return self.AsyncResult(holder.task_id)
+        # Not acquired but held by this very task id: a retry re-publishing itself.
+        try:
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        except BaseException:
+            if result.acquired:
+                release_task(client, claim_key, task_id)
+            raise
+
+    # -- run --------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            # A plain function call in the caller's process, as with any Celery task.
+            return super().__call__(*args, **kwargs)
+        request.singleton = self._begin(args, kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._end(request.singleton)
+
+    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
+        request = self.request
+        settings = get_settings(self.app)
+        key = self.singleton_key(args, kwargs)
+        ttl = self.effective_lock_ttl
+        client = get_redis(self.app)
+        adopt = request.id if self.lock_mode == "until_executed" else None
+        try:
+            result = acquire(client, key, ttl, task=self.name, task_id=request.id,
+                             node=request.hostname, boot=worker_support.boot_id(),
+                             adopt_claim_of=adopt)
+        except redis.RedisError as exc:
+            return self._redis_unavailable(key, exc, fail_open=settings.fail_open)
+        if self.lock_mode == "until_executing":
+            self._release_queue_claim(client, key)
+        if not result.acquired:
+            self._conflict(key, result)
+        assert result.lease is not None
+        kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback())
+        logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
+        return SingletonRun(key, kept)
+
+    def _release_queue_claim(self, client: redis.Redis, key: str) -> None:
+        try:
+            release_task(client, key + QUEUED_SUFFIX, self.request.id)
+        except redis.RedisError as exc:  # it expires after queue_lock_ttl
+            logger.error("could not release queue claim %s%s: %s", key, QUEUED_SUFFIX, exc)
+
+    def _lease_lost_callback(self) -> Callable[[KeptLease, str], None]:
+        task_name, task_id = self.name, self.request.id
+
+        def on_lost(kept: KeptLease, reason: str) -> None:
+            logger.warning("%s[%s] lost its lock %s while running: %s",
+                           task_name, task_id, kept.lease.key, reason)
+
+        return on_lost
+
+    def _end(self, run: SingletonRun | None) -> None:
+        kept = run._kept if run is not None else None
+        if kept is None:
+            return
+        get_keeper().forget(kept)
+        try:
+            released = kept.lease.release()
+        except redis.RedisError as exc:
+            logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
+                         self.name, self.request.id, kept.lease.key, kept.lease.ttl, exc)
+            return
+        if not released and not kept.lost:
+            kept.mark_lost("the lock was gone when the run ended")
+        if kept.lost:
+            send_task_event(self, TASK_LOCK_LOST, key=kept.lease.key, reason=kept.lost_reason)
+
+    def _redis_unavailable(self, key: str, exc: Exception, *, fail_open: bool) -> SingletonRun:
+        request = self.request
+        if fail_open:
+            logger.error("%s[%s] runs WITHOUT its lock %s: Redis unavailable (fail-open): %s",
+                         self.name, request.id, key, exc)
+            return SingletonRun(key, None)
+        error = LockUnavailable(key, exc)
+        if request.is_eager:
+            raise error from exc
+        countdown = self._backoff(request.retries or 0)
+        logger.error("%s[%s] not started, Redis unavailable for %s; retrying in %.1fs: %s",
+                     self.name, request.id, key, countdown, exc)
+        raise self.retry(exc=error, countdown=countdown, max_retries=None)
+
+    def _backoff(self, retries: int) -> float:
+        """Exponential back-off with full jitter, capped by ``singleton_retry_backoff_max``."""
+        cap = min(get_settings(self.app).retry_backoff_max, 2.0 ** min(retries, 30))
+        return random.uniform(cap / 2, cap)
+
+    def _conflict(self, key: str, result: AcquireResult) -> None:
+        """Handle a run whose lock is held by another run; always raises."""
+        request = self.request
+        holder: Holder | None = result.holder
+        holder_id = holder.task_id if holder else None
+        if self.on_conflict == "raise":
+            logger.info("%s[%s] refused: %s holds %s", self.name, request.id, describe_holder(holder), key)
+            raise DuplicateTaskError(self.name, key, holder_id)
+        if self.on_conflict == "retry":
+            countdown = self._backoff(request.retries or 0)
+            logger.info("%s[%s] waits %.1fs: %s holds %s", self.name, request.id, countdown,
+                        describe_holder(holder), key)
+            raise self.retry(exc=DuplicateTaskError(self.name, key, holder_id), countdown=countdown)
+        logger.info("%s[%s] skipped: duplicate of %s holding %s",
+                    self.name, request.id, describe_holder(holder), key)
+        meta = {"holder_task_id": holder_id, "key": key,
+                "holder_node": holder.node if holder else None}
+        if not self.ignore_result and not request.is_eager:
+            try:
+                self.update_state(state=SKIPPED, meta=meta)
+            except NotImplementedError:  # no result backend configured
+                pass
+        send_task_event(self, TASK_SKIPPED, **meta)
+        raise Ignore(f"duplicate of {holder_id}")
