@@ -1,0 +1,160 @@
+"""The Celery app that worker subprocesses of the task tests run.
+
+Its tasks record every execution in Redis (database RECORD_DB) so tests can
+count runs and detect overlap without trusting clocks: a run increments an
+in-flight counter at start and decrements it at the end; a value above one
+is an overlap and is recorded as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import Ignore, Reject
+
+from celery_singleton_beat import SingletonTask
+
+BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
+
+app = Celery("tasks_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
+app.conf.update(
+    singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BASE}/2"),
+    singleton_lock_ttl=float(os.environ.get("CSB_LOCK_TTL", "30")),
+    singleton_fail_open=os.environ.get("CSB_FAIL_OPEN") == "1",
+    singleton_retry_backoff_max=float(os.environ.get("CSB_BACKOFF_MAX", "60")),
+    singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0},
+    worker_prefetch_multiplier=1,
+    task_acks_late=os.environ.get("CSB_ACKS_LATE") == "1",
+    task_reject_on_worker_lost=os.environ.get("CSB_ACKS_LATE") == "1",
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+    worker_hijack_root_logger=True,
+)
+
+_records: redis.Redis | None = None
+
+
+def records() -> redis.Redis:
+    """Client of the record database (one per process)."""
+    global _records
+    if _records is None or _records.connection_pool.pid != os.getpid():
+        _records = redis.Redis.from_url(f"{BASE}/3")
+    return _records
+
+
+def record_run(key: str, task: Any, seconds: float) -> dict[str, Any]:
+    """Mark a run of ``key`` as in flight for ``seconds``, recording overlap."""
+    r = records()
+    in_flight = r.incr(f"inflight:{key}")
+    if in_flight > 1:
+        r.incr(f"overlap:{key}")
+    run = task.singleton
+    entry = {"task_id": task.request.id, "pid": os.getpid(), "start": time.time(),
+             "fence": run.fence if run else None}
+    r.rpush(f"started:{key}", json.dumps(entry))
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    finally:
+        r.decr(f"inflight:{key}")
+    entry["end"] = time.time()
+    r.rpush(f"runs:{key}", json.dumps(entry))
+    return entry
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"])
+def work(self: SingletonTask, key: str, seconds: float = 0.0, note: str = "") -> str:
+    """A unit of work on ``key`` lasting ``seconds``; ``note`` is not part of the key."""
+    record_run(key, self, seconds)
+    return key
+
+
+@app.task(bind=True, base=SingletonTask, lock_ttl=1.0, unique_on=["key"])
+def long_run(self: SingletonTask, key: str, seconds: float) -> dict[str, Any]:
+    """Runs many times its 1 s lease; reports whether the lease held throughout."""
+    r = records()
+    r.set(f"fence:{key}", self.singleton.fence)
+    start = time.time()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if self.singleton.lost:
+            r.set(f"lost:{key}", "1")
+            break
+        time.sleep(0.05)
+    r.rpush(f"runs:{key}", json.dumps({"lost": self.singleton.lost, "task_id": self.request.id,
+                                       "start": start, "end": time.time()}))
+    return {"lost": self.singleton.lost}
+
+
+@app.task(bind=True, base=SingletonTask, lock_ttl=0.6, unique_on=["key"])
+def watch_lease(self: SingletonTask, key: str, seconds: float) -> str:
+    """Waits until its lease is reported lost (or ``seconds`` pass) and records how it ended."""
+    r = records()
+    r.set(f"running:{key}", self.request.id)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not self.singleton.lost:
+        time.sleep(0.02)
+    try:
+        self.singleton.ensure_held()
+        outcome = "held"
+    except Exception as exc:  # LockLost
+        outcome = type(exc).__name__
+    r.set(f"outcome:{key}", outcome)
+    # Hold on a little so the test can re-take the key before our release runs.
+    wait_until = time.monotonic() + seconds
+    while time.monotonic() < wait_until and not r.exists(f"retaken:{key}"):
+        time.sleep(0.02)
+    return outcome
+
+
+@app.task(bind=True, base=SingletonTask, on_conflict="raise")
+def strict(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
+    record_run(key, self, seconds)
+    return key
+
+
+@app.task(bind=True, base=SingletonTask, on_conflict="retry", max_retries=20)
+def patient(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
+    record_run(key, self, seconds)
+    return key
+
+
+@app.task(bind=True, base=SingletonTask, max_retries=3)
+def ending(self: SingletonTask, key: str, how: str) -> str:
+    """Ends its run the way ``how`` says, after recording that it held the lock."""
+    records().rpush(f"runs:{key}", json.dumps({"how": how, "retries": self.request.retries}))
+    if how == "fail":
+        raise ValueError("boom")
+    if how == "retry" and self.request.retries == 0:
+        raise self.retry(countdown=0.5)
+    if how == "ignore":
+        raise Ignore()
+    if how == "reject":
+        raise Reject("rejected", requeue=False)
+    if how == "exit":
+        os._exit(1)  # the pool child dies mid-run
+    return how
+
+
+@app.task(bind=True, base=SingletonTask, time_limit=1.5)
+def hard_limited(self: SingletonTask, key: str) -> None:
+    records().set(f"running:{key}", self.request.id)
+    time.sleep(30)
+
+
+@app.task(bind=True, base=SingletonTask, lock_mode="until_executed")
+def queued_once(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
+    record_run(key, self, seconds)
+    return key
+
+
+@app.task(bind=True, base=SingletonTask, lock_mode="until_executing")
+def queued_until_start(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
+    record_run(key, self, seconds)
+    return key

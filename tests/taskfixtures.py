@@ -1,0 +1,52 @@
+"""Fixtures shared by the task tests: the test app bound to the session's redis-server."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+
+from .support import BACKEND_DB, LOCK_DB, RECORD_DB, RedisServer
+
+
+@pytest.fixture
+def tasks(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
+    """``tests.apps.tasks_app`` configured for the session's redis-server (clean)."""
+    os.environ["CSB_TEST_REDIS"] = f"redis://127.0.0.1:{redis_server.port}"
+    from .apps import tasks_app
+
+    assert tasks_app.BASE == os.environ["CSB_TEST_REDIS"], "tasks_app was imported for another server"
+    return tasks_app
+
+
+@pytest.fixture
+def locks(redis_server: RedisServer) -> redis.Redis:
+    return redis_server.client(LOCK_DB)
+
+
+@pytest.fixture
+def records(redis_server: RedisServer) -> redis.Redis:
+    return redis_server.client(RECORD_DB)
+
+
+@pytest.fixture
+def backend(redis_server: RedisServer) -> redis.Redis:
+    return redis_server.client(BACKEND_DB)
+
+
+def runs(records: redis.Redis, key: str) -> list[dict[str, Any]]:
+    """Completed runs recorded for ``key``, in completion order."""
+    return [json.loads(item) for item in records.lrange(f"runs:{key}", 0, -1)]
+
+
+def started(records: redis.Redis, key: str) -> list[dict[str, Any]]:
+    return [json.loads(item) for item in records.lrange(f"started:{key}", 0, -1)]
+
+
+def lock_keys(locks: redis.Redis) -> list[str]:
+    """Run locks and claims currently held (fencing counters excluded)."""
+    return sorted(k.decode() for k in locks.scan_iter(match="singleton:{*") if not k.endswith(b":fence"))

@@ -1,0 +1,115 @@
+"""Canonical arguments -> lock key."""
+
+from __future__ import annotations
+
+import datetime as dt
+import inspect
+import uuid
+from decimal import Decimal
+
+import pytest
+from celery import Celery
+from kombu.utils.json import dumps, loads
+
+from celery_singleton_beat import SingletonKeyError
+from celery_singleton_beat.keys import canonical, lock_key, task_signature
+
+
+def sync(customer_id, region="eu", verbose=False, *rest, **extra):  # noqa: ANN001
+    return None
+
+
+SIG = inspect.signature(sync)
+
+
+def key(*args, unique_on=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    return lock_key("p", "proj.sync", SIG, args, kwargs, unique_on)
+
+
+def test_positional_keyword_and_default_spellings_give_one_key() -> None:
+    assert key(1) == key(customer_id=1) == key(1, "eu") == key(1, region="eu", verbose=False)
+
+
+def test_different_arguments_give_different_keys() -> None:
+    assert key(1) != key(2)
+    assert key(1) != key("1")
+    assert key(1, "us") != key(1)
+    assert key(True) != key(1)
+
+
+def test_unique_on_restricts_the_identity() -> None:
+    assert key(1, verbose=True, unique_on=["customer_id"]) == key(1, "us", unique_on=["customer_id"])
+    assert key(1, unique_on=["customer_id"]) != key(2, unique_on=["customer_id"])
+
+
+def test_unique_on_callable_gives_the_identity() -> None:
+    by_region = lambda customer_id, region="eu", **_: region  # noqa: E731
+    assert key(1, unique_on=by_region) == key(2, unique_on=by_region)
+    assert key(1, "us", unique_on=by_region) != key(1, unique_on=by_region)
+
+
+def test_key_has_prefix_task_name_and_a_cluster_hash_tag() -> None:
+    value = key(1)
+    assert value.startswith("p:{proj.sync:") and value.endswith("}")
+    assert len(value.split(":")[-1].rstrip("}")) == 64  # sha256 hex
+
+
+def test_dict_key_order_does_not_matter() -> None:
+    assert key({"a": 1, "b": [1, {"x": 2, "y": 3}]}) == key({"b": [1, {"y": 3, "x": 2}], "a": 1})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        (1, 2, (3, 4)),
+        {"when": dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)},
+        dt.date(2026, 1, 2),
+        uuid.UUID("12345678-1234-5678-1234-567812345678"),
+        Decimal("12.50"),
+        b"\x00\xffbytes",
+        {"nested": [{"deep": (uuid.uuid4(), Decimal("1"))}]},
+    ],
+)
+def test_publisher_and_worker_compute_the_same_key(value: object) -> None:
+    """The worker sees the arguments after a JSON round trip; the key must not change."""
+    after_transport = loads(dumps([value]))[0]
+    assert key(value) == key(after_transport)
+
+
+def test_tuples_and_lists_are_one_value() -> None:
+    assert canonical((1, 2)) == canonical([1, 2])
+
+
+@pytest.mark.parametrize("value", [{1, 2}, object(), lambda: 1, {(1, 2): "tuple key"}])
+def test_unencodable_value_names_task_and_argument(value: object) -> None:
+    with pytest.raises(SingletonKeyError) as info:
+        key(1, extra=value)
+    message = str(info.value)
+    assert "proj.sync" in message and "extra" in message
+
+
+def test_unencodable_nested_value_names_the_path() -> None:
+    with pytest.raises(SingletonKeyError, match=r"region\[0\]\['x'\]"):
+        key(1, [{"x": {1}}])
+
+
+def test_arguments_that_do_not_fit_the_signature_are_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="proj.sync: arguments do not match"):
+        lock_key("p", "proj.sync", inspect.signature(lambda a: None), (1, 2), {}, None)
+
+
+def test_task_signature_excludes_self_of_bound_tasks() -> None:
+    app = Celery("sig", set_as_current=False)
+
+    @app.task(bind=True)
+    def bound(self, a, b=2):  # noqa: ANN001
+        return a
+
+    @app.task
+    def plain(a, b=2):  # noqa: ANN001
+        return a
+
+    bound_task, plain_task = app.tasks[bound.name], app.tasks[plain.name]
+    assert list(task_signature(bound_task).parameters) == ["a", "b"]
+    assert list(task_signature(plain_task).parameters) == ["a", "b"]
+    assert list(task_signature(type(bound_task)).parameters) == ["a", "b"]

@@ -1,0 +1,109 @@
+"""The lease against a real redis-server: acquire, renew, release, fence, keeper."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from celery_singleton_beat.keeper import LeaseKeeper
+from celery_singleton_beat.lock import acquire, fence_key, read_holder, release_task
+
+from .support import RedisServer, wait_for
+
+KEY = "t:{demo.task:abc}"
+
+
+def take(client: redis.Redis, task_id: str = "id-1", ttl: float = 5.0, **kw):  # noqa: ANN003
+    return acquire(client, KEY, ttl, task="demo.task", task_id=task_id, node="w1@host", boot="b1", **kw)
+
+
+def test_acquire_is_exclusive_and_reports_the_holder(redis_db: redis.Redis) -> None:
+    first = take(redis_db)
+    second = take(redis_db, "id-2")
+    assert first.acquired and not second.acquired
+    assert second.holder is not None and second.holder.task_id == "id-1"
+    assert second.holder.node == "w1@host" and second.holder.task == "demo.task"
+    assert 0 < (second.holder_ttl or 0) <= 5.0
+    assert redis_db.pttl(KEY) > 0, "a lock always expires on its own"
+
+
+def test_release_and_renew_only_by_the_holder(redis_db: redis.Redis) -> None:
+    lease = take(redis_db, ttl=1.0).lease
+    assert lease is not None
+    redis_db.delete(KEY)
+    successor = take(redis_db, "id-2").lease
+    assert successor is not None
+    # The old holder's late renew and release must leave the new holder alone.
+    assert lease.renew() is False
+    assert lease.release() is False
+    assert read_holder(redis_db, KEY).task_id == "id-2"
+    assert successor.renew() is True and redis_db.pttl(KEY) > 1000
+    assert successor.release() is True and not redis_db.exists(KEY)
+
+
+def test_fencing_token_grows_even_after_its_counter_expired(redis_db: redis.Redis) -> None:
+    fences = []
+    for i in range(3):
+        lease = take(redis_db, f"id-{i}").lease
+        fences.append(lease.fence)
+        lease.release()
+    assert fences == sorted(fences) and len(set(fences)) == 3
+    redis_db.delete(fence_key(KEY))  # as if the counter expired during a long idle time
+    after = take(redis_db, "id-9").lease
+    assert after.fence > fences[-1]
+    assert read_holder(redis_db, KEY).fence == after.fence
+
+
+def test_scripts_are_reloaded_after_script_flush(redis_db: redis.Redis) -> None:
+    take(redis_db).lease.release()
+    redis_db.script_flush()
+    assert take(redis_db).acquired
+
+
+def test_release_task_frees_only_that_tasks_lock(redis_db: redis.Redis) -> None:
+    take(redis_db, "id-1")
+    assert release_task(redis_db, KEY, "someone-else") is False
+    assert release_task(redis_db, KEY, "id-1") is True
+    assert not redis_db.exists(KEY)
+
+
+def test_a_run_adopts_its_own_publish_claim_only(redis_db: redis.Redis) -> None:
+    assert take(redis_db, "id-1", claim=True).acquired
+    assert not take(redis_db, "id-2", adopt_claim_of="id-2").acquired
+    adopted = take(redis_db, "id-1", adopt_claim_of="id-1")
+    assert adopted.acquired and adopted.lease.holder.claim is False
+    # A run lease is never adopted, even by the same task id (acks_late redelivery).
+    assert not take(redis_db, "id-1", adopt_claim_of="id-1").acquired
+
+
+def test_keeper_keeps_a_lease_alive_for_five_times_its_ttl(redis_db: redis.Redis) -> None:
+    lease = take(redis_db, ttl=0.5).lease
+    kept = LeaseKeeper().keep(lease)
+    started = time.monotonic()
+    wait_for(lambda: time.monotonic() - started > 2.5, timeout=10)
+    assert not kept.lost and kept.renewals >= 4
+    assert read_holder(redis_db, KEY).task_id == "id-1"
+
+
+def test_keeper_reports_a_deleted_lease(redis_db: redis.Redis) -> None:
+    lease = take(redis_db, ttl=0.6).lease
+    reasons: list[str] = []
+    kept = LeaseKeeper().keep(lease, on_lost=lambda _k, reason: reasons.append(reason))
+    redis_db.delete(KEY)
+    wait_for(lambda: kept.lost, timeout=10, message="loss reported")
+    assert reasons and "deleted" in reasons[0]
+
+
+def test_keeper_reports_loss_when_redis_is_gone_past_the_ttl() -> None:
+    server = RedisServer().start()
+    try:
+        client = server.client()
+        client.connection_pool.connection_kwargs.update(socket_timeout=0.2, socket_connect_timeout=0.2)
+        lease = acquire(client, KEY, 0.6, task="demo.task", task_id="id-1").lease
+        kept = LeaseKeeper().keep(lease)
+        server.kill()
+        wait_for(lambda: kept.lost, timeout=10, message="loss reported")
+        assert "unreachable" in (kept.lost_reason or "")
+    finally:
+        server.stop()
