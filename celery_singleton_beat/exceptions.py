@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# Every exception keeps its constructor arguments in ``args`` (plain strings) so
+# Celery's JSON result serializer can rebuild it in the caller's process.
+
 from celery.exceptions import ImproperlyConfigured
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,18 +40,17 @@ class SingletonKeyError(SingletonError, TypeError):
     """
 
     def __init__(self, task_name: str, argument: str, value: Any, reason: str) -> None:
-        self.task_name = task_name
-        self.argument = argument
-        self.value = value
-        super().__init__(
-            f"{task_name}: argument {argument!r} cannot be part of a singleton key: {reason} "
-            f"(value {value!r} of type {type(value).__name__}). Pass a JSON-like value "
-            f"(str, int, float, bool, None, list, tuple, dict, UUID, date, datetime, "
-            f"Decimal, bytes) or leave the argument out with unique_on."
-        )
+        # args are plain strings so the error survives Celery's JSON result encoding.
+        super().__init__(task_name, argument, repr(value), reason)
+        self.task_name, self.argument, self.value, self.reason = task_name, argument, value, reason
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task_name, self.argument, repr(self.value), "see message"))
+    def __str__(self) -> str:
+        return (
+            f"{self.task_name}: argument {self.argument!r} cannot be part of a singleton key: "
+            f"{self.reason} (value {self.args[2]}). Pass a JSON-like value (str, int, float, "
+            f"bool, None, list, tuple, dict, UUID, date, datetime, Decimal, bytes) or leave "
+            f"the argument out with unique_on."
+        )
 
 
 class DuplicateTaskError(SingletonError):
@@ -59,15 +61,11 @@ class DuplicateTaskError(SingletonError):
     """
 
     def __init__(self, task_name: str, key: str, holder_task_id: str | None) -> None:
-        self.task_name = task_name
-        self.key = key
-        self.holder_task_id = holder_task_id
-        super().__init__(
-            f"{task_name}: duplicate of task {holder_task_id} which holds {key}"
-        )
+        super().__init__(task_name, key, holder_task_id)
+        self.task_name, self.key, self.holder_task_id = task_name, key, holder_task_id
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task_name, self.key, self.holder_task_id))
+    def __str__(self) -> str:
+        return f"{self.task_name}: duplicate of task {self.holder_task_id} which holds {self.key}"
 
 
 class LockLost(SingletonError):
@@ -79,12 +77,11 @@ class LockLost(SingletonError):
     """
 
     def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        self.reason = reason
-        super().__init__(f"lock {key} lost: {reason}")
+        super().__init__(key, reason)
+        self.key, self.reason = key, reason
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.key, self.reason))
+    def __str__(self) -> str:
+        return f"lock {self.key} lost: {self.reason}"
 
 
 class LockUnavailable(SingletonError):
@@ -95,12 +92,11 @@ class LockUnavailable(SingletonError):
     """
 
     def __init__(self, key: str, cause: BaseException | str) -> None:
-        self.key = key
-        self.cause = str(cause)
-        super().__init__(f"cannot reach Redis for lock {key}: {cause}")
+        super().__init__(key, str(cause))
+        self.key, self.cause = key, str(cause)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.key, self.cause))
+    def __str__(self) -> str:
+        return f"cannot reach Redis for lock {self.key}: {self.cause}"
 
 
 def describe_holder(holder: "Holder | None") -> str:

@@ -26,8 +26,8 @@ Publish-time modes add a *claim* taken in ``apply_async``:
 
 from __future__ import annotations
 
-import logging
 import random
+import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -284,7 +284,9 @@ class SingletonTask(Task):
         countdown = self._backoff(request.retries or 0)
         logger.error("%s[%s] not started, Redis unavailable for %s; retrying in %.1fs: %s",
                      self.name, request.id, key, countdown, exc)
-        raise self.retry(exc=error, countdown=countdown, max_retries=None)
+        # No cap: a run never starts unlocked (max_retries=None would mean the
+        # task's own default and end in FAILURE after a short outage).
+        raise self.retry(exc=error, countdown=countdown, max_retries=sys.maxsize)
 
     def _backoff(self, retries: int) -> float:
         """Exponential back-off with full jitter, capped by ``singleton_retry_backoff_max``."""

@@ -145,6 +145,13 @@ class CeleryProcess:
 
         wait_for(seen, timeout=timeout, message=f"{text!r} in {self.log}")
 
+    def wait_for_line(self, *parts: str, timeout: float = 60.0) -> str:
+        """Wait for one log line containing every one of ``parts``; return it."""
+        def line() -> str | None:
+            return next((ln for ln in self.output().splitlines() if all(p in ln for p in parts)), None)
+
+        return wait_for(line, timeout=timeout, message=f"a line with {parts!r} in {self.log}")
+
     @property
     def pid(self) -> int:
         assert self.process is not None

@@ -201,3 +201,22 @@ def test_a_redelivered_copy_of_a_running_task_does_not_run_in_parallel(
     wait_for(lambda: records.get("inflight:k") == b"0" and len(runs(records, "k")) == 1, timeout=30)
     assert first.get(timeout=30) == "k"
     assert records.get("overlap:k") is None and len(started(records, "k")) == 1
+
+
+def test_a_lock_redis_restart_mid_run_is_reported_as_lock_lost(
+    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
+) -> None:
+    """Redis without persistence restarts: every lock is gone; running holders are told."""
+    lock_server = RedisServer().start()
+    try:
+        worker = start_worker(redis_server, APP, "w1", concurrency=1,
+                              env={"CSB_LOCK_REDIS": lock_server.url()}, extra=["-Q", "restart"])
+        processes.append(worker)
+        result = tasks.watch_lease.apply_async(("k", 20.0), queue="restart")
+        wait_for(lambda: records.get("running:k"), timeout=30, message="run started")
+        lock_server.restart()
+        records.set("retaken:k", "1")
+        assert result.get(timeout=30) == "LockLost"
+        worker.wait_for_line("lost its lock")
+    finally:
+        lock_server.stop()

@@ -113,13 +113,13 @@ def watch_lease(self: SingletonTask, key: str, seconds: float) -> str:
     return outcome
 
 
-@app.task(bind=True, base=SingletonTask, on_conflict="raise")
+@app.task(bind=True, base=SingletonTask, on_conflict="raise", unique_on=["key"])
 def strict(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     record_run(key, self, seconds)
     return key
 
 
-@app.task(bind=True, base=SingletonTask, on_conflict="retry", max_retries=20)
+@app.task(bind=True, base=SingletonTask, on_conflict="retry", max_retries=20, unique_on=["key"])
 def patient(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     record_run(key, self, seconds)
     return key
@@ -148,13 +148,13 @@ def hard_limited(self: SingletonTask, key: str) -> None:
     time.sleep(30)
 
 
-@app.task(bind=True, base=SingletonTask, lock_mode="until_executed")
+@app.task(bind=True, base=SingletonTask, lock_mode="until_executed", unique_on=["key"])
 def queued_once(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     record_run(key, self, seconds)
     return key
 
 
-@app.task(bind=True, base=SingletonTask, lock_mode="until_executing")
+@app.task(bind=True, base=SingletonTask, lock_mode="until_executing", unique_on=["key"])
 def queued_until_start(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     record_run(key, self, seconds)
     return key

@@ -1,0 +1,111 @@
+"""Bad options and settings are clear errors at registration or start-up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
+
+from celery_singleton_beat import SingletonTask
+from celery_singleton_beat.config import SingletonSettings, get_settings, validate_settings
+
+from .support import CeleryProcess, RedisServer, child_env
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("cfg", broker="memory://", set_as_current=False)
+    app.conf.singleton_redis_url = "redis://127.0.0.1:1/0"
+    yield app
+
+
+@pytest.mark.parametrize(
+    ("options", "option", "detail"),
+    [
+        ({"lock_mode": "forever"}, "lock_mode", "while_executing, until_executed, until_executing"),
+        ({"on_conflict": "ignore"}, "on_conflict", "skip, raise, retry"),
+        ({"lock_ttl": 0}, "lock_ttl", "> 0"),
+        ({"lock_ttl": -5}, "lock_ttl", "> 0"),
+        ({"lock_ttl": "60"}, "lock_ttl", "> 0"),
+        ({"unique_on": ["customer"]}, "unique_on", "'customer', which is not a parameter"),
+        ({"unique_on": "customer_id"}, "unique_on", "list of argument names"),
+    ],
+)
+def test_bad_task_options_fail_at_registration_naming_task_and_option(
+    app: Celery, options: dict, option: str, detail: str
+) -> None:
+    with pytest.raises(ImproperlyConfigured) as info:
+        @app.task(base=SingletonTask, name="proj.sync", shared=False, **options)
+        def sync(customer_id: int, verbose: bool = False) -> None: ...
+
+        app.finalize()
+    message = str(info.value)
+    assert "task proj.sync" in message and option in message and detail in message
+
+
+def test_good_options_register(app: Celery) -> None:
+    @app.task(base=SingletonTask, unique_on=["customer_id"], lock_ttl=5, lock_mode="until_executed",
+              on_conflict="raise", shared=False)
+    def sync(customer_id: int, verbose: bool = False) -> None: ...
+
+    app.finalize()
+    task = app.tasks[sync.name]
+    assert task.effective_lock_ttl == 5.0
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("singleton_redis_url", "amqp://guest@localhost//", "must be a Redis URL"),
+        ("singleton_lock_ttl", 0, "singleton_lock_ttl must be a number of seconds > 0"),
+        ("singleton_lock_tll", 10, "unknown setting singleton_lock_tll; did you mean singleton_lock_ttl?"),
+        ("singleton_fail_open", "yes", "singleton_fail_open must be True or False"),
+        ("singleton_key_prefix", "a{b}", "singleton_key_prefix must be a non-empty string"),
+        ("singleton_redis_options", [1], "singleton_redis_options must be a dict"),
+        ("singleton_beat_catch_up", "all", "singleton_beat_catch_up must be 'latest' or 'none'"),
+    ],
+)
+def test_bad_settings_are_named(app: Celery, setting: str, value: object, message: str) -> None:
+    app.conf[setting] = value
+    with pytest.raises(ImproperlyConfigured, match=message.replace("?", r"\?")):
+        validate_settings(app)
+
+
+def test_redis_url_falls_back_to_the_result_backend_then_the_broker() -> None:
+    app = Celery("fb", broker="redis://broker:6379/0", backend="redis://backend:6379/1", set_as_current=False)
+    assert get_settings(app).redis_url == "redis://backend:6379/1"
+    app2 = Celery("fb2", broker="redis://broker:6379/0", backend="rpc://", set_as_current=False)
+    assert get_settings(app2).redis_url == "redis://broker:6379/0"
+
+
+def test_no_redis_anywhere_is_a_clear_error() -> None:
+    app = Celery("none", broker="amqp://", backend="rpc://", set_as_current=False)
+    with pytest.raises(ImproperlyConfigured, match="set singleton_redis_url"):
+        get_settings(app)
+
+
+def test_defaults() -> None:
+    settings = SingletonSettings()
+    assert (settings.lock_ttl, settings.key_prefix, settings.fail_open) == (60.0, "singleton", False)
+
+
+def test_worker_refuses_to_start_with_a_bad_setting(redis_server: RedisServer, tmp_path) -> None:  # noqa: ANN001
+    """The worker exits at start-up with the setting's name, before taking any task."""
+    (tmp_path / "badapp.py").write_text(
+        "from celery import Celery\n"
+        "from celery_singleton_beat import SingletonTask\n"
+        f"app = Celery('badapp', broker='{redis_server.url(0)}')\n"
+        "app.conf.singleton_redis_url = 'amqp://localhost//'\n"
+        "@app.task(base=SingletonTask)\n"
+        "def job(x):\n    return x\n"
+    )
+    env = child_env(redis_server)
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    worker = CeleryProcess(["-A", "badapp", "worker", "-P", "solo", "--without-mingle",
+                            "--without-gossip", "--without-heartbeat"], env, name="bad").start()
+    assert worker.process is not None
+    code = worker.process.wait(60)
+    assert code != 0
+    assert "singleton_redis_url must be a Redis URL" in worker.output()
