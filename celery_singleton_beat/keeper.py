@@ -71,7 +71,10 @@ class LeaseKeeper:
                     target=self._run, name="singleton-lease-keeper", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            elif self._queue[0][2] is kept:
+                # Only an earlier deadline needs the thread awake; waking it for
+                # every short task would cost a thread switch per run.
+                self._cond.notify()
         return kept
 
     def forget(self, kept: KeptLease) -> None:

@@ -1,0 +1,102 @@
+"""Task overhead: plain Task vs SingletonTask through one solo worker, same run.
+
+N no-op tasks with distinct arguments are queued, then one solo worker drains
+them; throughput is measured inside the worker (first start to last end).
+Variants run interleaved (A B C A B C ...) and are reported as medians with
+min/max, plus the Redis commands each task added on the lock server (INFO
+commandstats delta on a separate redis-server that holds only the locks).
+
+Usage: python -m benchmarks.bench_task [--tasks N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .common import Server, bench_env, markdown_table, progress, start_celery, summary, wait_until
+
+VARIANTS = ("plain", "singleton", "singleton_until_executed")
+
+
+def one_round(variant: str, tasks: int, broker: Server, locks: Server, log: Path) -> dict[str, float]:
+    env = bench_env(BENCH_BROKER=broker.url, BENCH_LOCKS=locks.url)
+    os.environ.update(BENCH_BROKER=broker.url, BENCH_LOCKS=locks.url)
+    from . import task_app
+
+    records = broker.client(3)
+    records.flushdb()
+    task = getattr(task_app, variant)
+    for i in range(tasks):  # queue everything first: the worker is not running yet
+        task.apply_async((i, tasks), queue=f"bench-{variant}")
+    calls_before = locks.command_calls()
+    worker = start_celery(["-A", "benchmarks.task_app", "worker", "-P", "solo", "-Q", f"bench-{variant}",
+                           "-l", "warning", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+                          env, None, log)
+    try:
+        wait_until(lambda: records.get("last"), 600, f"{tasks} {variant} tasks")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
+    seconds = float(records.get("last")) - float(records.get("first"))
+    # Publish-time claims (until_executed) happen before calls_before: this is the worker's side.
+    trips_after, commands_after = locks.command_calls()
+    return {"tasks_per_s": tasks / seconds,
+            "lock_round_trips_per_task": (trips_after - calls_before[0]) / tasks,
+            "lock_commands_per_task": (commands_after - calls_before[1]) / tasks}
+
+
+def run(tasks: int, rounds: int) -> dict[str, Any]:
+    broker, locks = Server(), Server()
+    log = Path(tempfile.mkstemp(prefix="csb-bench-worker-", suffix=".log")[1])
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    try:
+        for r in range(rounds):
+            for variant in VARIANTS:
+                progress(f"round {r + 1}/{rounds}: {variant} x {tasks}")
+                results[variant].append(one_round(variant, tasks, broker, locks, log))
+    finally:
+        broker.stop()
+        locks.stop()
+    plain = summary([x["tasks_per_s"] for x in results["plain"]])["median"]
+    report: dict[str, Any] = {"tasks": tasks, "rounds": rounds, "variants": {}}
+    for variant in VARIANTS:
+        rates = summary([x["tasks_per_s"] for x in results[variant]])
+        report["variants"][variant] = {
+            "tasks_per_s": rates, "ratio_to_plain": rates["median"] / plain,
+            "lock_round_trips_per_task": summary([x["lock_round_trips_per_task"] for x in results[variant]]),
+            "lock_commands_per_task": summary([x["lock_commands_per_task"] for x in results[variant]]),
+        }
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = []
+    for variant, data in report["variants"].items():
+        rate = data["tasks_per_s"]
+        rows.append([variant, f"{rate['median']:.0f} ({rate['min']:.0f}-{rate['max']:.0f})",
+                     f"{data['ratio_to_plain']:.3f}", f"{data['lock_round_trips_per_task']['median']:.2f}",
+                     f"{data['lock_commands_per_task']['median']:.2f}"])
+    return markdown_table(["task", "tasks/s median (min-max)", "ratio to plain",
+                           "lock round trips/task", "Redis commands/task (incl. inside Lua)"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    report = run(args.tasks, args.rounds)
+    print(json.dumps(report, indent=2) if args.json else table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

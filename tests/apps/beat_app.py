@@ -1,0 +1,93 @@
+"""Celery app for beat tests: real beats and a real worker, configured by environment.
+
+* ``CSB_TEST_REDIS``: base URL of the test redis-server (broker db 0, slot
+  claims db 2, run records db 3).
+* ``CSB_BEAT_SCHEDULE``: JSON ``{name: {"every": seconds | "cron": "m h dom mon dow",
+  "args": [...], "options": {...}}}``; every entry runs :func:`record`.
+* ``CSB_BEAT_SETTINGS``: JSON of extra ``app.conf`` settings.
+* ``CSB_CLOCK``: JSON ``{"offset": s, "speed": x, "anchor": real_epoch, "start": fake_epoch}``:
+  this process's clock reads ``start + (real - anchor) * speed + offset``. It
+  is the injectable clock for skew and fast-forward tests: Celery's beat reads
+  time through ``app.now()`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.schedules import crontab
+
+BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
+RUNS_KEY = "beat:runs"
+
+
+class ClockedCelery(Celery):
+    """A Celery app whose clock can be offset and sped up (``CSB_CLOCK``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        clock = json.loads(os.environ.get("CSB_CLOCK") or "{}")
+        self.clock_offset = float(clock.get("offset", 0.0))
+        self.clock_speed = float(clock.get("speed", 1.0))
+        self.clock_anchor = float(clock.get("anchor", 0.0))
+        self.clock_start = float(clock.get("start", self.clock_anchor))
+
+    def now(self) -> datetime:
+        real = time.time()
+        fake = self.clock_start + (real - self.clock_anchor) * self.clock_speed + self.clock_offset
+        return datetime.fromtimestamp(fake, timezone.utc).astimezone(self.timezone)
+
+
+app = ClockedCelery("beat_app", broker=f"{BASE}/0")
+app.conf.update(
+    singleton_redis_url=f"{BASE}/2",
+    beat_scheduler="celery_singleton_beat.beat:SingletonScheduler",
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=True,
+    task_default_queue="beat-tests",
+)
+app.conf.update(json.loads(os.environ.get("CSB_BEAT_SETTINGS") or "{}"))
+
+
+def _schedule_from_env() -> dict[str, dict[str, Any]]:
+    schedule: dict[str, dict[str, Any]] = {}
+    for name, spec in json.loads(os.environ.get("CSB_BEAT_SCHEDULE") or "{}").items():
+        if "cron" in spec:
+            minute, hour, day_of_month, month_of_year, day_of_week = spec["cron"].split()
+            when: Any = crontab(minute, hour, day_of_week, day_of_month, month_of_year)
+        else:
+            when = timedelta(seconds=float(spec["every"]))
+        schedule[name] = {
+            "task": "tests.apps.beat_app.record",
+            "schedule": when,
+            "args": [name, *spec.get("args", [])],
+            "options": spec.get("options", {}),
+        }
+    return schedule
+
+
+app.conf.beat_schedule = _schedule_from_env()
+
+_records: redis.Redis | None = None
+
+
+@app.task(bind=True, name="tests.apps.beat_app.record")
+def record(self: Any, entry: str, *args: Any) -> None:
+    """Record one real execution with the slot and beat instance from the message headers."""
+    global _records
+    if _records is None:
+        _records = redis.Redis.from_url(f"{BASE}/3")
+    _records.rpush(RUNS_KEY, json.dumps({
+        "entry": entry,
+        "args": list(args),
+        "slot": getattr(self.request, "singleton_beat_slot", None),
+        "instance": getattr(self.request, "singleton_beat_instance", None),
+        "task_id": self.request.id,
+        "at": time.time(),
+    }))

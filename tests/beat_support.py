@@ -1,0 +1,168 @@
+"""Helpers for beat tests: real beat processes, run records, and an in-process clock."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.beat import Scheduler
+
+from celery_singleton_beat.beat import SingletonSchedulerMixin
+
+from .support import RECORD_DB, CeleryProcess, RedisServer, child_env, wait_for
+
+BEAT_APP = "tests.apps.beat_app"
+RUNS_KEY = "beat:runs"
+UTC = timezone.utc
+
+
+# ----------------------------------------------------------------- real processes
+
+def start_beat(redis_server: RedisServer, workdir: Path, name: str, schedule: dict[str, Any], *,
+               settings: dict[str, Any] | None = None, clock: dict[str, float] | None = None,
+               scheduler: str = "singleton", wait: bool = True) -> CeleryProcess:
+    """Start ``celery beat -S <scheduler>`` with its own schedule file; wait until it ticks."""
+    env = child_env(
+        redis_server,
+        CSB_BEAT_SCHEDULE=json.dumps(schedule),
+        CSB_BEAT_SETTINGS=json.dumps(settings or {}),
+        CSB_CLOCK=json.dumps(clock or {}),
+    )
+    beat = CeleryProcess(
+        ["-A", BEAT_APP, "beat", "-S", scheduler, "-s", str(workdir / f"{name}-schedule"),
+         "-l", "info"],
+        env, name=f"beat-{name}",
+    ).start()
+    if wait:
+        beat.wait_for_log("beat: Starting...", timeout=60)
+    return beat
+
+
+def read_runs(redis_server: RedisServer) -> list[dict[str, Any]]:
+    """Every execution recorded by the worker so far, in order."""
+    client = redis_server.client(RECORD_DB)
+    return [json.loads(raw) for raw in client.lrange(RUNS_KEY, 0, -1)]
+
+
+def slot_counts(runs: Iterable[dict[str, Any]], entry: str | None = None) -> Counter[str]:
+    """How many executions each slot got."""
+    return Counter(run["slot"] for run in runs if entry is None or run["entry"] == entry)
+
+
+def parse_slot(label: str) -> datetime:
+    return datetime.strptime(label.replace("Z", "+0000"),
+                             "%Y-%m-%dT%H:%M:%S.%f%z" if "." in label else "%Y-%m-%dT%H:%M:%S%z")
+
+
+def expected_slots(first: datetime, last: datetime, period: timedelta) -> list[datetime]:
+    """Every slot from ``first`` to ``last`` (inclusive), ``period`` apart."""
+    slots, at = [], first
+    while at <= last:
+        slots.append(at)
+        at += period
+    return slots
+
+
+def wait_for_slot(redis_server: RedisServer, at: datetime, timeout: float = 30.0) -> None:
+    """Wait until the worker recorded a run for slot ``at`` or a later one."""
+    wait_for(lambda: any(parse_slot(run["slot"]) >= at for run in read_runs(redis_server)
+                         if run["slot"]), timeout=timeout, message=f"a run for slot {at} or later")
+
+
+def assert_once_per_slot(runs: list[dict[str, Any]], entry: str, period: timedelta,
+                         until: datetime) -> list[datetime]:
+    """Each slot of ``entry`` ran exactly once and none is missing up to ``until``."""
+    counts = slot_counts(runs, entry)
+    assert None not in counts, f"a run without a slot header: {runs}"
+    duplicates = {slot: n for slot, n in counts.items() if n > 1}
+    assert not duplicates, f"slots executed more than once: {duplicates}"
+    slots = sorted(parse_slot(label) for label in counts)
+    assert slots, "no run recorded"
+    wanted = expected_slots(slots[0], until, period)
+    missing = sorted(set(wanted) - set(slots))
+    assert not missing, f"slots never executed: {[s.isoformat() for s in missing]}"
+    return slots
+
+
+def slot_floor(at: float, period: float) -> datetime:
+    """The aligned slot containing the epoch time ``at``."""
+    return datetime.fromtimestamp(at // period * period, UTC)
+
+
+# ----------------------------------------------------------------- in-process schedulers
+
+class ManualClock:
+    """A clock tests move by hand."""
+
+    def __init__(self, start: datetime) -> None:
+        self.value = start
+
+    def now(self) -> datetime:
+        return self.value
+
+    def advance(self, seconds: float) -> None:
+        self.value += timedelta(seconds=seconds)
+
+
+class ClockApp(Celery):
+    """An app whose ``now()`` reads a :class:`ManualClock` (what beat reads time through)."""
+
+    clock: ManualClock | None = None
+
+    def now(self) -> datetime:
+        if self.clock is None:
+            return super().now()
+        return self.clock.now().astimezone(self.timezone)
+
+
+class RecordingScheduler(SingletonSchedulerMixin, Scheduler):
+    """The mixin on Celery's plain in-memory ``Scheduler``; sends are recorded, not published."""
+
+    producer = None  # no broker connection: send_task below records instead
+    redis_retry_min = 0.05
+    redis_retry_max = 0.2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sent: list[dict[str, Any]] = []
+        super().__init__(*args, **kwargs)
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+        self.sent.append({"task": name, "args": args, "kwargs": kwargs, "options": options,
+                          "slot": options.get("headers", {}).get("singleton_beat_slot")})
+
+
+def make_app(redis_server: RedisServer, clock: ManualClock, schedule: dict[str, Any],
+             **conf: Any) -> ClockApp:
+    app = ClockApp("beat-unit", set_as_current=False)
+    app.clock = clock
+    app.conf.update(broker_url=redis_server.url(0), singleton_redis_url=redis_server.url(2),
+                    beat_schedule=schedule, **conf)
+    return app
+
+
+def run_ticks(schedulers: Iterable[Any], clock: ManualClock, seconds: float, step: float) -> None:
+    """Drive schedulers like beat's loop would, while the clock advances by ``step``."""
+    schedulers = list(schedulers)
+    end = clock.value + timedelta(seconds=seconds)
+    while clock.value < end:
+        for scheduler in schedulers:
+            for _ in range(100_000):
+                if scheduler.tick() > 0:
+                    break
+        clock.advance(step)
+
+
+def sent_slots(*schedulers: Any, task: str | None = None) -> Counter[str]:
+    return Counter(sent["slot"] for scheduler in schedulers for sent in scheduler.sent
+                   if task is None or sent["task"] == task)
+
+
+def monotonic_wait(seconds: float) -> None:
+    """Let real time pass (Redis back-off runs on the monotonic clock)."""
+    time.sleep(seconds)
