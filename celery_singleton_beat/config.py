@@ -49,6 +49,10 @@ class SingletonSettings:
     #: Upper bound in seconds of the back-off used to retry a task whose lock
     #: could not be asked for (fail-closed), and of ``on_conflict="retry"``.
     retry_backoff_max: float = 60.0
+    #: Keep counters (acquired, skipped, ...) in Redis, updated inside the lock
+    #: scripts (no extra round trip). Off for Redis Cluster, where the counter
+    #: hash lives in another slot than the lock.
+    stats: bool = True
     #: Beat: send an entry whose slot cannot be claimed because Redis is down
     #: (default: no, the slot is skipped and logged). ``None`` follows ``fail_open``.
     beat_fail_open: bool | None = None
@@ -131,7 +135,7 @@ def validate_settings(app: Celery) -> SingletonSettings:
         raise ImproperlyConfigured(
             f"singleton_key_prefix must be a non-empty string without braces or spaces, got {prefix!r}"
         )
-    for flag in ("fail_open",):
+    for flag in ("fail_open", "stats"):
         if flag in given and not isinstance(given[flag], bool):
             raise ImproperlyConfigured(f"{SETTING_PREFIX}{flag} must be True or False, got {given[flag]!r}")
     beat_fail_open = given.get("beat_fail_open")
@@ -154,6 +158,7 @@ def validate_settings(app: Celery) -> SingletonSettings:
             "queue_lock_ttl", given.get("queue_lock_ttl", SingletonSettings.queue_lock_ttl)
         ),
         fail_open=given.get("fail_open", False),
+        stats=given.get("stats", True),
         retry_backoff_max=_positive_number(
             "retry_backoff_max", given.get("retry_backoff_max", SingletonSettings.retry_backoff_max)
         ),

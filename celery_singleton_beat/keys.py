@@ -35,7 +35,16 @@ from typing import Any, Union
 
 from .exceptions import SingletonKeyError
 
-__all__ = ["UniqueOn", "canonical", "lock_key", "call_arguments", "check_unique_on", "task_signature"]
+__all__ = [
+    "UniqueOn",
+    "beat_stats_key",
+    "call_arguments",
+    "canonical",
+    "check_unique_on",
+    "lock_key",
+    "task_signature",
+    "task_stats_key",
+]
 
 #: ``unique_on``: argument names, or a callable taking the task's arguments.
 UniqueOn = Union[Sequence[str], Callable[..., Any], None]
@@ -159,3 +168,13 @@ def lock_key(
         raise SingletonKeyError(task_name, exc.path, exc.value, exc.reason) from None
     digest = hashlib.sha256(encoded).hexdigest()
     return f"{prefix}:{{{task_name}:{digest}}}"
+
+
+def task_stats_key(prefix: str, task_name: str) -> str:
+    """The counter hash of a task: acquired, skipped, released, renewed, lost, reclaimed, ..."""
+    return f"{prefix}:{{stats}}:task:{task_name}"
+
+
+def beat_stats_key(prefix: str, entry_name: str) -> str:
+    """The counter hash of a beat entry: slots won and lost."""
+    return f"{prefix}:{{stats}}:beat:{entry_name}"

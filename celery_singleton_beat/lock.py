@@ -64,11 +64,25 @@ class LuaScript:
             return client.evalsha(self.sha, len(keys), *keys, *args)
 
 
-# KEYS: lock, fence. ARGV: value without its closing brace, ttl ms, fence ttl ms,
-# task id allowed to adopt a publish-time claim ("" for none).
+# Counters: when a stats hash is passed as the last key, the scripts count what
+# they did in it (same round trip) and keep it for STATS_TTL_MS after the last
+# update. Redis Cluster callers pass no stats key (it lives in another slot).
+_COUNT = """
+local function count(stats, field)
+  if stats then
+    redis.call('HINCRBY', stats, field, 1)
+    redis.call('PEXPIRE', stats, ARGV[#ARGV])
+  end
+end
+"""
+
+# KEYS: lock, fence[, stats]. ARGV: value without its closing brace, ttl ms,
+# fence ttl ms, task id allowed to adopt a publish-time claim ("" for none),
+# counter to bump when taken, counter to bump on conflict, stats ttl ms.
 # Returns {1, value, fence} when taken, {0, current value, pttl} when held.
 _ACQUIRE = LuaScript(
-    """
+    _COUNT
+    + """
 local current = redis.call('GET', KEYS[1])
 if current and ARGV[4] ~= '' then
   local ok, holder = pcall(cjson.decode, current)
@@ -77,6 +91,7 @@ if current and ARGV[4] ~= '' then
   end
 end
 if current then
+  count(KEYS[3], ARGV[6])
   return {0, current, redis.call('PTTL', KEYS[1])}
 end
 local fence
@@ -89,42 +104,58 @@ end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 local value = ARGV[1] .. ',"fence":' .. string.format('%d', fence) .. '}'
 redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+count(KEYS[3], ARGV[5])
 return {1, value, fence}
 """
 )
 
-# KEYS: lock. ARGV: value, ttl ms. 1 if extended, 0 if the value is not ours.
+# KEYS: lock[, stats]. ARGV: value, ttl ms, stats ttl ms. 1 if extended, 0 if not ours.
 _RENEW = LuaScript(
-    """
+    _COUNT
+    + """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  count(KEYS[2], 'renewed')
+  return 1
 end
 return 0
 """
 )
 
-# KEYS: lock. ARGV: value. 1 if deleted, 0 if the value is not ours.
+# KEYS: lock[, stats]. ARGV: value, counter if deleted, counter if not ours
+# ("" for none), stats ttl ms. 1 if deleted, 0 if the value is not ours.
 _RELEASE = LuaScript(
-    """
+    _COUNT
+    + """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1])
+  count(KEYS[2], ARGV[2])
+  return 1
 end
+if ARGV[3] ~= '' then count(KEYS[2], ARGV[3]) end
 return 0
 """
 )
 
-# KEYS: lock. ARGV: task id. 1 if that task held the lock and it was deleted.
+# KEYS: lock[, stats]. ARGV: task id, counter, stats ttl ms.
+# 1 if that task held the lock and it was deleted (counted as ARGV[2]).
 _RELEASE_TASK = LuaScript(
-    """
+    _COUNT
+    + """
 local current = redis.call('GET', KEYS[1])
 if not current then return 0 end
 local ok, holder = pcall(cjson.decode, current)
 if ok and holder['task_id'] == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1])
+  count(KEYS[2], ARGV[2])
+  return 1
 end
 return 0
 """
 )
+
+#: How long a counter hash lives after its last update (30 days).
+STATS_TTL_MS = 30 * 24 * 3600 * 1000
 
 
 def fence_key(key: str) -> str:
@@ -180,12 +211,18 @@ def _ms(seconds: float) -> int:
     return max(1, int(round(seconds * 1000)))
 
 
+def _keys(key: str, stats_key: str | None) -> list[str]:
+    return [key, stats_key] if stats_key else [key]
+
+
 class Lease:
     """A lock held by this process: renew it, release it, read its fencing token."""
 
-    def __init__(self, client: redis.Redis, key: str, value: str, ttl: float, fence: int) -> None:
+    def __init__(self, client: redis.Redis, key: str, value: str, ttl: float, fence: int,
+                 stats_key: str | None = None) -> None:
         self.client = client
         self.key = key
+        self.stats_key = stats_key
         self.value = value
         self.ttl = ttl
         self.fence = fence
@@ -200,14 +237,16 @@ class Lease:
         decides (the keeper keeps trying until the lease would have expired).
         """
         started = time.monotonic()
-        renewed = bool(_RENEW(self.client, [self.key], [self.value, _ms(self.ttl)]))
+        renewed = bool(_RENEW(self.client, _keys(self.key, self.stats_key),
+                              [self.value, _ms(self.ttl), STATS_TTL_MS]))
         if renewed:
             self.valid_until = started + self.ttl
         return renewed
 
     def release(self) -> bool:
-        """Delete the lock if it is still ours; True if it was."""
-        return bool(_RELEASE(self.client, [self.key], [self.value]))
+        """Delete the lock if it is still ours; True if it was (else counted as lost)."""
+        return bool(_RELEASE(self.client, _keys(self.key, self.stats_key),
+                             [self.value, "released", "lost", STATS_TTL_MS]))
 
     def __repr__(self) -> str:
         return f"<Lease {self.key} fence={self.fence} ttl={self.ttl}s>"
@@ -240,12 +279,16 @@ def acquire(
     boot: str | None = None,
     claim: bool = False,
     adopt_claim_of: str | None = None,
+    stats_key: str | None = None,
+    counters: tuple[str, str] = ("acquired", "skipped"),
 ) -> AcquireResult:
     """Try once to take ``key`` for ``ttl`` seconds (one round trip).
 
     ``claim=True`` writes a publish-time claim (held for a queued message,
     not renewed). ``adopt_claim_of`` lets the run of that task id take over
-    its own publish-time claim instead of conflicting with it.
+    its own publish-time claim instead of conflicting with it. With
+    ``stats_key``, the outcome is counted there in the same round trip:
+    ``counters`` names the field for "taken" and the one for "held by another".
     """
     record = {
         "v": VALUE_FORMAT,
@@ -261,26 +304,28 @@ def acquire(
     encoded = json.dumps(record, separators=(",", ":"))
     ttl_ms = _ms(ttl)
     fence_ttl_ms = max(ttl_ms * 2, 60_000)
+    keys = [key, fence_key(key)] + ([stats_key] if stats_key else [])
     taken, value, extra = _ACQUIRE(
-        client,
-        [key, fence_key(key)],
-        [encoded[:-1], ttl_ms, fence_ttl_ms, adopt_claim_of or ""],
+        client, keys,
+        [encoded[:-1], ttl_ms, fence_ttl_ms, adopt_claim_of or "", *counters, STATS_TTL_MS],
     )
     if taken:
         text = value.decode("utf-8") if isinstance(value, bytes) else value
-        return AcquireResult(lease=Lease(client, key, text, ttl, int(extra)))
+        return AcquireResult(lease=Lease(client, key, text, ttl, int(extra), stats_key))
     pttl = int(extra)
     return AcquireResult(lease=None, holder=parse_holder(value), holder_ttl=pttl / 1000 if pttl > 0 else None)
 
 
-def release_value(client: redis.Redis, key: str, value: bytes | str) -> bool:
+def release_value(client: redis.Redis, key: str, value: bytes | str, *, stats_key: str | None = None,
+                  counter: str = "released") -> bool:
     """Delete ``key`` if its value is still exactly ``value`` (compare-and-delete)."""
-    return bool(_RELEASE(client, [key], [value]))
+    return bool(_RELEASE(client, _keys(key, stats_key), [value, counter, "", STATS_TTL_MS]))
 
 
-def release_task(client: redis.Redis, key: str, task_id: str) -> bool:
+def release_task(client: redis.Redis, key: str, task_id: str, *, stats_key: str | None = None,
+                 counter: str = "released") -> bool:
     """Delete ``key`` if the task ``task_id`` holds it (run lease or publish claim)."""
-    return bool(_RELEASE_TASK(client, [key], [task_id]))
+    return bool(_RELEASE_TASK(client, _keys(key, stats_key), [task_id, counter, STATS_TTL_MS]))
 
 
 def read_holder(client: redis.Redis, key: str) -> Holder | None:

@@ -43,7 +43,7 @@ from .config import get_settings
 from .events import SKIPPED, TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event
 from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, describe_holder
 from .keeper import KeptLease, get_keeper
-from .keys import UniqueOn, check_unique_on, lock_key, task_signature
+from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .lock import AcquireResult, Holder, acquire, release_task
 from . import worker as worker_support
 
@@ -53,6 +53,8 @@ LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
 #: Suffix of the queue claim of ``until_executing`` (same hash tag as the lock).
 QUEUED_SUFFIX = ":queued"
+#: Counter bumped when a run finds its lock held, by ``on_conflict``.
+_CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
 
 
 class SingletonRun:
@@ -160,6 +162,11 @@ class SingletonTask(Task):
             self.unique_on,
         )
 
+    def singleton_stats_key(self) -> str | None:
+        """The counter hash of this task, or None when counters are off."""
+        settings = get_settings(self.app)
+        return task_stats_key(settings.key_prefix, self.name) if settings.stats else None
+
     @property
     def effective_lock_ttl(self) -> float:
         """The lease of this task in seconds (task option, else the app setting)."""
@@ -184,7 +191,9 @@ class SingletonTask(Task):
         settings = get_settings(self.app)
         try:
             result = acquire(client, claim_key, settings.queue_lock_ttl, task=self.name,
-                             task_id=task_id, claim=True, boot=worker_support.boot_id())
+                             task_id=task_id, claim=True, boot=worker_support.boot_id(),
+                             stats_key=self.singleton_stats_key(),
+                             counters=("claimed", "publish_deduplicated"))
         except redis.RedisError as exc:
             if not settings.fail_open:
                 raise LockUnavailable(claim_key, exc) from exc
@@ -229,7 +238,8 @@ class SingletonTask(Task):
         try:
             result = acquire(client, key, ttl, task=self.name, task_id=request.id,
                              node=request.hostname, boot=worker_support.boot_id(),
-                             adopt_claim_of=adopt)
+                             adopt_claim_of=adopt, stats_key=self.singleton_stats_key(),
+                             counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]))
         except redis.RedisError as exc:
             return self._redis_unavailable(key, exc, fail_open=settings.fail_open)
         if self.lock_mode == "until_executing":

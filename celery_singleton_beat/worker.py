@@ -29,6 +29,7 @@ from celery.worker.request import Request
 from .client import get_redis
 from .config import get_settings
 from .events import logger
+from .keys import task_stats_key
 from .lock import parse_holder, release_task, release_value
 
 __all__ = ["SingletonRequest", "SingletonWorkerStep", "boot_id", "install", "reclaim_node_locks"]
@@ -61,7 +62,9 @@ def _release_for_request(request: Request, why: str) -> None:
         return
     try:
         client = get_redis(task.app)
-        freed = [k for k in (key, key + ":queued") if release_task(client, k, request.id)]
+        stats_key = task.singleton_stats_key()
+        freed = [k for k in (key, key + ":queued")
+                 if release_task(client, k, request.id, stats_key=stats_key, counter="reclaimed")]
     except redis.RedisError as exc:
         logger.error("%s[%s] %s; could not free %s (it expires after its TTL): %s",
                      request.name, request.id, why, key, exc)
@@ -87,7 +90,8 @@ class SingletonRequest(Request):
         return result
 
 
-def reclaim_node_locks(client: redis.Redis, prefix: str, node: str, current_boot: str) -> int:
+def reclaim_node_locks(client: redis.Redis, prefix: str, node: str, current_boot: str,
+                       stats: bool = True) -> int:
     """Delete run locks held by ``node`` under an older boot id; returns how many.
 
     Uses SCAN (never KEYS) and deletes each lock with compare-and-delete, so a
@@ -95,6 +99,7 @@ def reclaim_node_locks(client: redis.Redis, prefix: str, node: str, current_boot
     """
     freed = 0
     batch: list[bytes] = []
+    skip_prefixes = (f"{prefix}:{{beat".encode(), f"{prefix}:{{stats}}".encode())
 
     def flush() -> None:
         nonlocal freed
@@ -102,11 +107,12 @@ def reclaim_node_locks(client: redis.Redis, prefix: str, node: str, current_boot
         for key, raw in zip(batch, values):
             holder = parse_holder(raw)
             if holder and holder.node == node and not holder.claim and holder.boot not in (None, current_boot):
-                freed += release_value(client, key.decode(), raw)
+                stats_key = task_stats_key(prefix, holder.task) if stats and holder.task else None
+                freed += release_value(client, key.decode(), raw, stats_key=stats_key, counter="reclaimed")
         batch.clear()
 
     for key in client.scan_iter(match=f"{prefix}:{{*", count=1000):
-        if key.endswith(b":fence") or key.startswith(f"{prefix}:{{beat:".encode()):
+        if key.endswith(b":fence") or key.startswith(skip_prefixes):
             continue
         batch.append(key)
         if len(batch) >= 500:
@@ -128,7 +134,8 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         try:
             freed = reclaim_node_locks(
-                get_redis(worker.app), self.settings.key_prefix, worker.hostname, boot_id()
+                get_redis(worker.app), self.settings.key_prefix, worker.hostname, boot_id(),
+                stats=self.settings.stats,
             )
         except redis.RedisError as exc:
             logger.error("could not reclaim locks of a previous run of %s: %s", worker.hostname, exc)

@@ -48,5 +48,6 @@ def started(records: redis.Redis, key: str) -> list[dict[str, Any]]:
 
 
 def lock_keys(locks: redis.Redis) -> list[str]:
-    """Run locks and claims currently held (fencing counters excluded)."""
-    return sorted(k.decode() for k in locks.scan_iter(match="singleton:{*") if not k.endswith(b":fence"))
+    """Run locks and claims currently held (fencing counters and counter hashes excluded)."""
+    return sorted(k.decode() for k in locks.scan_iter(match="singleton:{*")
+                  if not k.endswith(b":fence") and not k.startswith(b"singleton:{stats}"))

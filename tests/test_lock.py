@@ -107,3 +107,17 @@ def test_keeper_reports_loss_when_redis_is_gone_past_the_ttl() -> None:
         assert "unreachable" in (kept.lost_reason or "")
     finally:
         server.stop()
+
+
+def test_counters_are_kept_in_the_same_round_trip(redis_db: redis.Redis) -> None:
+    stats = "t:{stats}:task:demo.task"
+    lease = take(redis_db, stats_key=stats).lease
+    take(redis_db, "id-2", stats_key=stats, counters=("acquired", "refused"))
+    lease.renew()
+    lease.release()
+    take(redis_db, "id-3", stats_key=stats).lease
+    redis_db.delete(KEY)
+    assert release_task(redis_db, KEY, "id-3", stats_key=stats) is False  # nothing held: not counted
+    counts = {k.decode(): int(v) for k, v in redis_db.hgetall(stats).items()}
+    assert counts == {"acquired": 2, "refused": 1, "renewed": 1, "released": 1}
+    assert redis_db.pttl(stats) > 0, "counters expire when no longer updated"

@@ -60,6 +60,9 @@ def test_one_key_never_overlaps_while_distinct_keys_all_run(
         assert len(runs(records, f"k{i}")) == 1, f"distinct key k{i} ran once"
     assert all(r.state == "SUCCESS" for r in distinct)
     assert lock_keys(locks) == [], "every lock was released"
+    counts = {k.decode(): int(v) for k, v in locks.hgetall("singleton:{stats}:task:tests.apps.tasks_app.work").items()}
+    assert counts["acquired"] == counts["released"] == len(completed) + 8
+    assert counts["skipped"] == 200 - len(completed)
 
 
 def test_skipped_duplicate_is_logged_stored_and_sent_as_an_event(
