@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench redis-server clean
+.PHONY: test bench redis-server clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ redis-server:
 
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Benchmarks: each starts its own redis-server; the table goes to stdout and benchmarks/results.md.
+bench: $(STAMP) redis-server
+	$(BIN)/python -m benchmarks.run_all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
