@@ -303,7 +303,7 @@ def acquire(
     }
     encoded = json.dumps(record, separators=(",", ":"))
     ttl_ms = _ms(ttl)
-    fence_ttl_ms = max(ttl_ms * 2, 60_000)
+    fence_ttl_ms = max(ttl_ms * 2, 10_000)
     keys = [key, fence_key(key)] + ([stats_key] if stats_key else [])
     taken, value, extra = _ACQUIRE(
         client, keys,

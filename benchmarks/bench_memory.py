@@ -1,0 +1,105 @@
+"""Memory: nothing the library writes outlives its TTL.
+
+Takes and releases the lease of N distinct task keys (what N singleton runs
+write: lock, fencing counter, counter hash) and claims M beat slots, then
+reports Redis ``used_memory`` and the key count at the start, right after, and
+once the TTLs have passed. Run leases use a short ``lock_ttl``; fencing
+counters live max(2 x lock_ttl, 10 s); slot claims live period + margin.
+
+Usage: python -m benchmarks.bench_memory [--runs N] [--slots M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import redis
+
+from celery_singleton_beat.keys import task_stats_key
+from celery_singleton_beat.lock import acquire
+
+from .common import Server, markdown_table, progress, wait_until
+
+PREFIX = "singleton"
+LOCK_TTL = 2.0
+
+
+def snapshot(client: redis.Redis) -> dict[str, int]:
+    return {"used_memory": int(client.info("memory")["used_memory"]), "keys": int(client.dbsize())}
+
+
+def write_runs(client: redis.Redis, runs: int) -> None:
+    stats = task_stats_key(PREFIX, "bench.job")
+    pipe_every = 1000
+    for i in range(runs):
+        lease = acquire(client, f"{PREFIX}:{{bench.job:{i:064x}}}", LOCK_TTL, task="bench.job",
+                        task_id=str(i), stats_key=stats).lease
+        assert lease is not None
+        lease.release()
+        if i and i % (pipe_every * 20) == 0:
+            progress(f"  {i} runs")
+
+
+def write_slots(client: redis.Redis, slots: int, ttl_ms: int) -> None:
+    """Claim ``slots`` beat slots the way the scheduler does (SET NX PX)."""
+    pipe = client.pipeline(transaction=False)
+    for i in range(slots):
+        pipe.set(f"{PREFIX}:{{beat:bench-entry-{i % 100}}}:{1_700_000_000 + i}", "bench", nx=True, px=ttl_ms)
+        if len(pipe) >= 1000:
+            pipe.execute()
+    pipe.execute()
+
+
+def one_pass(client: redis.Redis, runs: int, slots: int, slot_ttl: float, baseline_keys: int) -> dict[str, Any]:
+    progress(f"memory: {runs} distinct runs, {slots} beat slots")
+    write_runs(client, runs)
+    write_slots(client, slots, int(slot_ttl * 1000))
+    peak = snapshot(client)
+    started = time.monotonic()
+    # Everything but the one counter hash per task must expire.
+    wait_until(lambda: client.dbsize() <= baseline_keys + 1, 120, "keys to expire")
+    return {"peak": peak, "after_ttl": snapshot(client), "seconds_to_expire": round(time.monotonic() - started, 1)}
+
+
+def run(runs: int, slots: int, slot_ttl: float) -> dict[str, Any]:
+    """Two identical passes: the second must end where the first did (nothing accumulates)."""
+    server = Server()
+    client = server.client()
+    try:
+        baseline = snapshot(client)
+        passes = [one_pass(client, runs, slots, slot_ttl, baseline["keys"]) for _ in range(2)]
+    finally:
+        server.stop()
+    return {"runs": runs, "slots": slots, "baseline": baseline, "passes": passes,
+            "growth_between_passes": passes[1]["after_ttl"]["used_memory"] - passes[0]["after_ttl"]["used_memory"]}
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [["baseline", report["baseline"]["keys"], f"{report['baseline']['used_memory'] / 1024:.0f}", ""]]
+    for i, one in enumerate(report["passes"], 1):
+        rows.append([f"pass {i} peak", one["peak"]["keys"], f"{one['peak']['used_memory'] / 1024:.0f}", ""])
+        rows.append([f"pass {i} after TTLs", one["after_ttl"]["keys"],
+                     f"{one['after_ttl']['used_memory'] / 1024:.0f}", one["seconds_to_expire"]])
+    return (markdown_table(["moment", "keys", "used_memory KiB", "s to expire"], rows)
+            + f"\n\nEach pass: {report['runs']} distinct runs and {report['slots']} beat slots. "
+              f"used_memory growth from pass 1 to pass 2 after TTLs: {report['growth_between_passes'] / 1024:.0f} KiB.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=100_000)
+    parser.add_argument("--slots", type=int, default=10_000)
+    parser.add_argument("--slot-ttl", type=float, default=5.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    report = run(args.runs, args.slots, args.slot_ttl)
+    print(json.dumps(report, indent=2) if args.json else table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

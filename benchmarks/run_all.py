@@ -1,0 +1,81 @@
+"""Run every benchmark and write one Markdown report (stdout and benchmarks/results.md).
+
+Each benchmark starts its own redis-server and compares variants in the same
+run. Sizes default to the published ones; ``--quick`` shrinks them to seconds
+(the smoke test uses it so the benchmarks keep working).
+
+Usage: python -m benchmarks.run_all [--quick] [--only NAME ...] [--output PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .common import progress
+
+HERE = Path(__file__).resolve().parent
+
+#: name -> (module, title, published sizes, quick sizes)
+BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    "task": ("bench_task", "Task overhead: plain Task vs SingletonTask, one solo worker",
+             {"tasks": 2000, "rounds": 3}, {"tasks": 30, "rounds": 1}),
+    "contention": ("bench_contention", "Contention: 8 pool processes, 1,000 submissions over 10 keys",
+                   {"submissions": 1000, "keys": 10, "rounds": 3}, {"submissions": 20, "keys": 4, "rounds": 1}),
+    "beat": ("bench_beat", "Beat dispatch: entries due at once, PersistentScheduler vs SingletonScheduler",
+             {}, {"quick": True}),
+    "primitives": ("bench_primitives", "Lock primitives: acquire/release pairs per second",
+                   {"pairs": 20000, "rounds": 3}, {"pairs": 200, "rounds": 1}),
+    "memory": ("bench_memory", "Memory: keys and used_memory return to baseline after TTLs",
+               {"runs": 100_000, "slots": 10_000, "slot_ttl": 5.0}, {"runs": 200, "slots": 100, "slot_ttl": 1.0}),
+}
+
+
+def machine() -> str:
+    cpus = os.cpu_count()
+    try:
+        mem_kb = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal")).split()[1])
+        memory = f"{mem_kb / 1024 / 1024:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        memory = "unknown memory"
+    return (f"{platform.system()} {platform.machine()}, {cpus} CPUs, {memory}, "
+            f"Python {platform.python_version()}, redis-server on loopback")
+
+
+def run_one(name: str, quick: bool) -> tuple[str, float]:
+    module_name, title, sizes, quick_sizes = BENCHMARKS[name]
+    module = importlib.import_module(f"benchmarks.{module_name}")
+    run: Callable[..., dict[str, Any]] = module.run
+    started = time.monotonic()
+    report = run(**(quick_sizes if quick else sizes))
+    return f"### {title}\n\n{module.table(report)}\n", time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), default=None)
+    parser.add_argument("--output", type=Path, default=HERE / "results.md")
+    args = parser.parse_args(argv)
+    names = args.only or list(BENCHMARKS)
+    sections = [f"## Benchmark results\n\nMachine: {machine()}.\n"]
+    for name in names:
+        progress(f"== {name}")
+        section, seconds = run_one(name, args.quick)
+        sections.append(section + f"\n_{name}: {seconds:.0f} s_\n")
+    text = "\n".join(sections)
+    print(text)
+    if not args.quick or args.output != HERE / "results.md":
+        args.output.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
