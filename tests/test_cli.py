@@ -1,0 +1,295 @@
+"""``celery -A ... singleton <command>`` run as a real subprocess against a real Redis.
+
+Locks and counters are made by the library itself (``acquire`` with a counter
+hash, a publish-time claim of ``publish_once``); beat slot claims and beat
+counters by two real ``celery beat -S singleton`` processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+
+from celery_singleton_beat.client import get_redis
+from celery_singleton_beat.lock import AcquireResult, acquire
+
+from .beat_support import start_beat
+from .support import LOCK_DB, ROOT, CeleryProcess, RedisServer, child_env, free_port, wait_for
+from .taskfixtures import tasks  # noqa: F401
+
+APP = "tests.apps.ops_app"
+HOLD = "tests.apps.ops_app.hold"
+PUBLISH_ONCE = "tests.apps.ops_app.publish_once"
+
+
+def cli(redis_server: RedisServer, *args: str, settings: dict[str, Any] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    """Run ``celery -A tests.apps.ops_app singleton <args>`` without a terminal (stdin closed)."""
+    env = child_env(redis_server, CSB_OPS_SETTINGS=json.dumps(settings or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
+        env=env, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    )
+
+
+def cli_in_terminal(redis_server: RedisServer, answer: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the command with a pseudo-terminal as stdin, ``answer`` typed in advance."""
+    main, child = pty.openpty()
+    try:
+        os.write(main, answer.encode() + b"\n")
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
+            env=child_env(redis_server), cwd=ROOT, stdin=child, capture_output=True, text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(main)
+        os.close(child)
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.fixture
+def ops(tasks: ModuleType) -> ModuleType:
+    """``tests.apps.ops_app`` on the session's clean redis-server (``tasks`` points the apps there)."""
+    from .apps import ops_app
+
+    assert ops_app.BASE == tasks.BASE, "ops_app was imported for another server"
+    return ops_app
+
+
+@pytest.fixture
+def locks(redis_server: RedisServer) -> redis.Redis:
+    return redis_server.client(LOCK_DB)
+
+
+def hold_lock(ops: ModuleType, key: str, task_id: str, node: str = "w9@gone-host") -> AcquireResult:
+    """Take the lock of ``hold(key)`` as a worker would (with counters), from this process."""
+    return acquire(get_redis(ops.app), ops.hold.singleton_key((key,), {}), 30, task=HOLD, task_id=task_id, node=node,
+                   stats_key=ops.hold.singleton_stats_key())
+
+
+def test_every_command_works_on_an_empty_redis(ops: ModuleType, redis_server: RedisServer) -> None:
+    assert "No task lock is held" in ok(cli(redis_server, "locks"))
+    assert json.loads(ok(cli(redis_server, "locks", "--json"))) == []
+    assert "No beat slot claim is recorded" in ok(cli(redis_server, "slots"))
+    assert json.loads(ok(cli(redis_server, "slots", "--json"))) == []
+    assert "No counters recorded" in ok(cli(redis_server, "stats"))
+    assert json.loads(ok(cli(redis_server, "stats", "--json"))) == {
+        "tasks": {}, "beat": {"entries": {}, "total": {}}}
+    assert "nothing to release" in ok(cli(redis_server, "release", "--task", HOLD))
+    report = json.loads(ok(cli(redis_server, "doctor", "--json")))
+    assert report["ok"] is True
+    assert [(c["check"], c["status"]) for c in report["checks"]] == [
+        ("configuration", "OK"), ("redis", "OK"), ("version", "OK"), ("lua", "OK"),
+        ("eviction", "OK"), ("expiry", "OK")]
+    assert "nothing held" in report["checks"][-1]["detail"]
+
+
+def test_locks_shows_holders_and_stats_counts_them(
+    ops: ModuleType, redis_server: RedisServer, locks: redis.Redis,
+) -> None:
+    first = hold_lock(ops, "a", "task-a")
+    second = hold_lock(ops, "b", "task-b", node="w8@other-host")
+    assert first.acquired and second.acquired
+    assert not hold_lock(ops, "a", "duplicate-of-a").acquired  # counted as skipped
+    claim = ops.publish_once.delay("q")  # queued, no worker: a publish-time claim
+
+    table = ok(cli(redis_server, "locks"))
+    header, *rows = table.splitlines()
+    assert header.split() == ["TASK", "KIND", "HOLDER", "TASK", "ID", "NODE", "PID", "ACQUIRED",
+                              "(UTC)", "TTL", "FENCE", "KEY"]
+    row_a = next(row for row in rows if "task-a" in row)
+    assert row_a.split()[:4] == [HOLD, "run", "task-a", "w9@gone-host"]
+    assert str(first.lease.fence) in row_a and first.lease.key in row_a
+    assert any(claim.id in row and "claim" in row for row in rows)
+    assert "3 lock(s) held." in table
+
+    listed = {item["task_id"]: item for item in json.loads(ok(cli(redis_server, "locks", "--json")))}
+    assert set(listed) == {"task-a", "task-b", claim.id}
+    a = listed["task-a"]
+    assert a["task"] == HOLD and a["kind"] == "run" and a["node"] == "w9@gone-host"
+    assert a["key"] == first.lease.key and a["fence"] == first.lease.fence
+    assert a["pid"] == os.getpid() and a["acquired_at"] == first.lease.holder.acquired_at
+    assert 0 < a["ttl"] <= 30
+    assert listed[claim.id]["kind"] == "claim" and listed[claim.id]["task"] == PUBLISH_ONCE
+
+    only = json.loads(ok(cli(redis_server, "locks", "--task", PUBLISH_ONCE, "--json")))
+    assert [item["task_id"] for item in only] == [claim.id]
+
+    counts = json.loads(ok(cli(redis_server, "stats", "--json")))["tasks"]
+    assert counts[HOLD] == {"acquired": 2, "skipped": 1, "released": 0, "renewed": 0, "lost": 0,
+                            "reclaimed": 0}
+    assert counts[PUBLISH_ONCE]["claimed"] == 1
+    stats_table = ok(cli(redis_server, "stats")).splitlines()
+    assert stats_table[0].split() == ["TASK", "ACQUIRED", "SKIPPED", "RELEASED", "RENEWED", "LOST",
+                                      "RECLAIMED", "OTHER"]
+    assert any(line.split() == [HOLD, "2", "1", "0", "0", "0", "0", "-"] for line in stats_table)
+    assert any(line.split()[0] == PUBLISH_ONCE and line.split()[-1] == "claimed=1" for line in stats_table)
+
+
+def test_release_asks_for_yes_and_deletes_only_what_it_showed(
+    ops: ModuleType, redis_server: RedisServer, locks: redis.Redis,
+) -> None:
+    a = hold_lock(ops, "a", "task-a").lease
+    b = hold_lock(ops, "b", "task-b").lease
+    assert a is not None and b is not None
+
+    refused = cli(redis_server, "release", a.key)
+    assert refused.returncode == 1
+    assert "not an interactive terminal (pass --yes)" in refused.stderr
+    assert locks.get(a.key) == a.value.encode()
+
+    ambiguous = cli(redis_server, "release", "--task", HOLD, "--yes")
+    assert ambiguous.returncode == 1 and "pass --all" in ambiguous.stderr
+    assert locks.exists(a.key, b.key) == 2
+
+    released = ok(cli(redis_server, "release", a.key, "--yes", "--timeout", "0.2"))
+    assert f"released {a.key}" in released
+    assert not locks.exists(a.key) and locks.exists(b.key)
+    # No worker named w9@gone-host answers: the holder is reported as probably gone.
+    assert "did not answer" in cli(redis_server, "release", b.key, "--yes", "--timeout", "0.2").stderr
+    assert not locks.exists(b.key)
+
+    assert "is not held; nothing to release" in ok(cli(redis_server, "release", a.key, "--yes"))
+    c = hold_lock(ops, "c", "task-c").lease
+    d = hold_lock(ops, "d", "task-d").lease
+    assert c is not None and d is not None
+    ok(cli(redis_server, "release", "--task", HOLD, "--all", "--yes", "--timeout", "0.2"))
+    assert not locks.exists(c.key, d.key)
+    assert json.loads(ok(cli(redis_server, "stats", "--json")))["tasks"][HOLD]["force_released"] == 4
+
+    assert cli(redis_server, "release", "singleton:{beat:tick}:2024-01-01T00:00:00Z", "--yes").returncode == 2
+    assert cli(redis_server, "release").returncode == 2
+    assert cli(redis_server, "release", "--all").returncode == 2
+
+
+def test_release_in_a_terminal_asks_first_and_no_keeps_the_lock(
+    ops: ModuleType, redis_server: RedisServer, locks: redis.Redis,
+) -> None:
+    lease = hold_lock(ops, "a", "task-a").lease
+    assert lease is not None
+    declined = cli_in_terminal(redis_server, "n", "release", lease.key, "--timeout", "0.2")
+    assert declined.returncode == 1, declined.stderr
+    assert "Release 1 lock(s)? [y/N]" in declined.stdout and "not released" in declined.stderr
+    assert locks.exists(lease.key)
+    accepted = cli_in_terminal(redis_server, "y", "release", lease.key, "--timeout", "0.2")
+    assert accepted.returncode == 0, accepted.stderr
+    assert not locks.exists(lease.key)
+
+
+def test_slots_and_beat_counters_from_two_real_beats(
+    ops: ModuleType, redis_server: RedisServer, locks: redis.Redis, processes: list[CeleryProcess],
+    tmp_path: Path,
+) -> None:
+    schedule = {"tick": {"every": 1}}
+    beats = [start_beat(redis_server, tmp_path, name, schedule) for name in ("one", "two")]
+    processes.extend(beats)
+
+    def claimed(field: str) -> int:
+        return int(locks.hget("singleton:{stats}:beat:tick", field) or 0)
+
+    wait_for(lambda: claimed("won") >= 3 and claimed("lost") >= 1, timeout=60, interval=0.2,
+             message="both beats claiming slots of 'tick'")
+    for beat in beats:
+        beat.stop()
+    instances = {line.split(" won by ")[1].split(",")[0]
+                 for beat in beats for line in beat.output().splitlines() if " won by " in line}
+
+    claims = json.loads(ok(cli(redis_server, "slots", "--entry", "tick", "--last", "1000", "--json")))
+    assert claims and {c["entry"] for c in claims} == {"tick"}
+    slots = [c["slot"] for c in claims]
+    assert len(slots) == len(set(slots)), "each slot was won once"
+    assert slots == sorted(slots, reverse=True), "newest first"
+    assert {c["winner"] for c in claims} <= instances
+    assert all(c["key"] == f"singleton:{{beat:tick}}:{c['slot']}" for c in claims)
+    beat = json.loads(ok(cli(redis_server, "stats", "--json")))["beat"]
+    entries, total = beat["entries"], beat["total"]
+    assert entries["tick"]["won"] == len(claims) and entries["tick"]["lost"] >= 1
+    assert {counter: sum(e[counter] for e in entries.values()) for counter in total} == total
+    assert total["won"] == len(json.loads(ok(cli(redis_server, "slots", "--last", "1000", "--json"))))
+
+    last_two = json.loads(ok(cli(redis_server, "slots", "--entry", "tick", "--last", "2", "--json")))
+    assert [c["slot"] for c in last_two] == slots[:2]
+    table = ok(cli(redis_server, "slots", "--entry", "tick", "--last", "2")).splitlines()
+    assert table[0].split() == ["SLOT", "(UTC)", "ENTRY", "WON", "BY", "CLAIMED", "AT", "(UTC)", "TASK"]
+    assert table[1].split()[:3] == [slots[0], "tick", claims[0]["winner"]]
+    stats_rows = [line.split() for line in ok(cli(redis_server, "stats")).splitlines()]
+    assert ["BEAT", "ENTRY", "SLOTS", "WON", "SLOTS", "LOST"] in stats_rows
+    assert ["tick", str(entries["tick"]["won"]), str(entries["tick"]["lost"])] in stats_rows
+    assert ["(all", "entries)", str(total["won"]), str(total["lost"])] in stats_rows
+    assert "No beat slot claim of entry nope" in ok(cli(redis_server, "slots", "--entry", "nope"))
+
+    # Without the history list, slots are read from the live claim keys (SCAN).
+    locks.delete("singleton:{beat}:history")
+    fallback = cli(redis_server, "slots", "--entry", "tick", "--last", "1000", "--json")
+    assert "no beat history list" in fallback.stderr
+    from_keys = json.loads(ok(fallback))
+    assert [c["slot"] for c in from_keys] == slots
+    assert [c["winner"] for c in from_keys] == [c["winner"] for c in claims]
+
+
+def test_doctor_flags_an_evicting_redis_and_locks_that_never_expire(ops: ModuleType) -> None:
+    cache = RedisServer("--maxmemory-policy", "allkeys-lru", "--maxmemory", "64mb").start()
+    try:
+        settings = {"singleton_redis_url": cache.url(2)}
+        stuck = "singleton:{tests.apps.ops_app.hold:" + "0" * 64 + "}"
+        cache.client(2).set(stuck, json.dumps({"task": HOLD, "task_id": "t1", "token": "x"}))
+
+        result = cli(cache, "doctor", settings=settings)
+        assert result.returncode == 1, result.stdout
+        lines = {line.split()[1]: line for line in result.stdout.splitlines()[1:-1]}
+        assert lines["eviction"].startswith("FAIL") and "allkeys-lru" in lines["eviction"]
+        assert lines["expiry"].startswith("FAIL") and stuck in lines["expiry"]
+        assert lines["redis"].startswith("OK") and lines["lua"].startswith("OK")
+        assert result.stdout.splitlines()[-1] == "2 problem(s), 0 warning(s)"
+
+        # volatile-ttl evicts the keys closest to expiry first: the locks.
+        cache.client().config_set("maxmemory-policy", "volatile-ttl")
+        cache.client(2).delete(stuck)
+        report = json.loads(cli(cache, "doctor", "--json", settings=settings).stdout)
+        assert report["ok"] is False
+        assert {c["check"]: c["status"] for c in report["checks"]}["eviction"] == "FAIL"
+
+        cache.client().config_set("maxmemory-policy", "noeviction")
+        assert json.loads(ok(cli(cache, "doctor", "--json", settings=settings)))["ok"] is True
+
+        # A user allowed only what the locks need: what it may not read is a warning.
+        cache.client().acl_setuser("locks", enabled=True, passwords=["+pw"], keys=["singleton:*"],
+                                   commands=["-@all", "+ping", "+select", "+scan", "+pttl",
+                                             "+evalsha", "+script|load"])
+        limited = {"singleton_redis_url": f"redis://locks:pw@127.0.0.1:{cache.port}/2"}
+        report = json.loads(ok(cli(cache, "doctor", "--json", settings=limited)))
+        assert {c["check"]: c["status"] for c in report["checks"]} == {
+            "configuration": "OK", "redis": "OK", "version": "WARN", "lua": "OK",
+            "eviction": "WARN", "expiry": "OK"}
+    finally:
+        cache.stop()
+
+
+def test_bad_settings_and_an_unreachable_redis_are_errors(ops: ModuleType, redis_server: RedisServer) -> None:
+    bad = {"singleton_lock_ttl": -1}
+    doctor = cli(redis_server, "doctor", settings=bad)
+    assert doctor.returncode == 1
+    assert doctor.stdout.splitlines()[0].startswith("FAIL") and "singleton_lock_ttl" in doctor.stdout
+    assert cli(redis_server, "locks", settings=bad).returncode == 78
+
+    nowhere = {"singleton_redis_url": f"redis://127.0.0.1:{free_port()}/2"}
+    doctor = cli(redis_server, "doctor", "--json", settings=nowhere)
+    assert doctor.returncode == 1
+    assert [(c["check"], c["status"]) for c in json.loads(doctor.stdout)["checks"]] == [
+        ("configuration", "OK"), ("redis", "FAIL")]
+    unreachable = cli(redis_server, "stats", settings=nowhere)
+    assert unreachable.returncode == 69 and "cannot reach Redis" in unreachable.stderr
