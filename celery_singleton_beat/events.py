@@ -4,6 +4,12 @@ A skipped duplicate sends a ``task-skipped`` task event: Celery's event state
 (and so Flower) turns ``task-<name>`` events into the state ``<NAME>``, so the
 task shows up as ``SKIPPED`` with the holder's task id and the lock key in its
 fields. A lease that ended before its run sends ``task-lock-lost``.
+
+Flower keeps every field of an event on its task, but its task list, task page
+and ``/api/tasks`` show only Celery's standard task fields (``result``,
+``exception``, ...). So a ``task-skipped`` event also carries a one-line
+``result`` naming the holder and the key: that is what an operator reads in
+Flower's Result column, and what ``result:`` searches match.
 """
 
 from __future__ import annotations
@@ -13,25 +19,45 @@ from typing import Any
 
 from celery import Task
 
-__all__ = ["logger", "send_task_event", "TASK_SKIPPED", "TASK_LOCK_LOST", "SKIPPED"]
+__all__ = [
+    "logger",
+    "send_task_event",
+    "skip_summary",
+    "TASK_SKIPPED",
+    "TASK_LOCK_LOST",
+    "SKIPPED",
+]
 
 #: The library's single logger; every decision is one line on it.
 logger = logging.getLogger("celery_singleton_beat")
 
 #: Result/Flower state of a run skipped because another run held its lock.
 SKIPPED = "SKIPPED"
+#: Task event of a skipped duplicate; fields: holder_task_id, key, holder_node, result.
 TASK_SKIPPED = "task-skipped"
+#: Task event of a run whose lease ended before it did; fields: key, reason.
 TASK_LOCK_LOST = "task-lock-lost"
+
+
+def skip_summary(holder_task_id: str | None, key: str | None, holder_node: str | None = None) -> str:
+    """The one line Flower shows as the ``result`` of a skipped duplicate."""
+    where = f" on {holder_node}" if holder_node else ""
+    return f"skipped: duplicate of {holder_task_id or 'an unknown holder'}{where} holding {key}"
 
 
 def send_task_event(task: Task, event_type: str, **fields: Any) -> None:
     """Send a task event about the current run; never fails the run.
 
-    Eager runs have no worker to speak for them and send nothing.
+    ``task-skipped`` events get a ``result`` summary (see the module docstring)
+    unless the caller passes one. Eager runs have no worker to speak for them
+    and send nothing.
     """
     request = task.request
     if request.is_eager or request.id is None:
         return
+    if event_type == TASK_SKIPPED and "result" not in fields:
+        fields["result"] = skip_summary(fields.get("holder_task_id"), fields.get("key"),
+                                        fields.get("holder_node"))
     try:
         task.send_event(event_type, retry=False, **fields)
     except Exception as exc:  # events are best effort, like Celery's own
