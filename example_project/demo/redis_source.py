@@ -17,7 +17,6 @@ import functools
 import os
 import shutil
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +98,12 @@ def start_redis_server(binary: str, origin: str, workdir: Path, attempts: int = 
                       "--appendonly", "no", "--dir", str(workdir)],
             dict(os.environ), workdir, workdir / f"redis-{attempt}.log",
         ).start()
-        wait_until(functools.partial(_up_or_exited, server, url), 20, f"redis-server on port {port}")
+        try:
+            wait_until(functools.partial(_up_or_exited, server, url), 20,
+                       f"redis-server on port {port}")
+        except BaseException:  # timed out, or interrupted: the caller never gets to stop it
+            server.stop(timeout=5)
+            raise
         if server.running:
             return RedisSource(url, f"redis-server from {origin} on 127.0.0.1:{port} (temporary)",
                                server)
@@ -120,5 +124,4 @@ def provide_redis(workdir: Path) -> RedisSource:
     binary, origin = found
     if not os.access(binary, os.X_OK):
         raise DemoError(f"redis-server from {origin} ({binary}) is not an executable file")
-    print(f"redis      starting {binary}", file=sys.stdout, flush=True)
     return start_redis_server(binary, origin, workdir)

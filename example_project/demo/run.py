@@ -98,8 +98,8 @@ def parse_options(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(
         prog="python -m example_project.demo",
         description="Run the example shop with several beats and workers; count every slot.")
-    parser.add_argument("--seconds", type=float,
-                        default=float(os.environ.get("DEMO_SECONDS") or 60),
+    parser.add_argument("--seconds", type=float,  # argparse converts a string default too
+                        default=os.environ.get("DEMO_SECONDS") or "60",
                         help="how long the beats run (default: $DEMO_SECONDS or 60)")
     parser.add_argument("--beats", type=int, default=3, help="beat processes (default 3, at least 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
@@ -237,7 +237,8 @@ class Demo:
             worker = self._celery(f"worker-{index}", "worker", "-n", self._node(index),
                                   "-c", str(WORKER_CONCURRENCY), "-l", "info",
                                   "--without-gossip", "--without-mingle")
-            self.workers.append(worker.start())
+            self.workers.append(worker)  # before it starts: a signal cannot orphan it
+            worker.start()
         if o.flower and importlib.util.find_spec("flower") is not None:
             port = _free_port()
             self.flower = self._celery("flower", "flower", "--address=127.0.0.1", f"--port={port}")
@@ -292,7 +293,7 @@ class Demo:
             while len(self.beats) < o.beats and now >= starts[len(self.beats)]:
                 self._start_beat(len(self.beats) + 1, now - began)
             if kill_at is not None and now >= kill_at:
-                self._kill_a_beat(now - began)
+                self._kill_a_beat(began)
                 kill_at = None
             if now >= end:
                 break
@@ -307,24 +308,27 @@ class Demo:
 
     def _start_beat(self, index: int, elapsed: float) -> None:
         beat = self._celery(f"beat-{index}", "beat", "-s", str(self.workdir / f"beat-{index}-schedule"),
-                            "-l", "info").start()
+                            "-l", "info")
         self.beats.append(beat)
+        beat.start()
         self.say(f"{beat.name:<10} pid {beat.pid} started at +{elapsed:.1f} s")
 
-    def _kill_a_beat(self, elapsed: float) -> None:
+    def _kill_a_beat(self, began: float) -> None:
         """SIGKILL the beat that sent the latest slot (else the first one still running)."""
-        self._read_journal()
         alive = [beat for beat in self.beats if beat.running]
+        if not alive:
+            return
+        self.killed_at = time.time()
+        self._read_journal()
         by_pid = {str(beat.pid): beat for beat in alive}
         sender = beat_pid(self._latest.get("beat") if self._latest else None)
         victim = by_pid.get(sender or "", alive[0])
         victim.kill()
         victim.killed = True
-        self.killed_at = time.time()
         others = ", ".join(beat.name for beat in alive if beat is not victim)
         why = "it sent the latest slot" if sender in by_pid else "the first beat"
-        self.say(f"failover   +{elapsed:.1f} s: SIGKILL {victim.name} (pid {victim.pid}; {why}); "
-                 f"{others} keep every slot covered")
+        self.say(f"failover   +{self.killed_at - began:.1f} s: SIGKILL {victim.name} "
+                 f"(pid {victim.pid}; {why}); {others} keep every slot covered")
 
     def _beat_names(self) -> dict[str, str]:
         return {str(beat.pid): beat.name for beat in self.beats}
@@ -369,38 +373,48 @@ class Demo:
     # ----------------------------------------------------------------- stop
 
     def _shutdown(self, graceful: bool) -> Summary | None:
-        """Stop everything (beats, then workers, then Flower and Redis); count if we can."""
+        """Stop everything (beats, then workers and Flower, then Redis); count if we can.
+
+        Each stage runs even if the one before it failed: no path leaves a
+        process behind.
+        """
         self.status.clear()
-        hurry = lambda: self.hurry  # noqa: E731
-        if self.beats:
-            self.stopped_at = self.stopped_at or time.time()
-            self.say("stopping   beats" + ("" if graceful else " (interrupted)"))
-        for beat in self.beats:
-            beat.terminate()
-        for beat in self.beats:
-            beat.stop(timeout=10, hurry=hurry)
-        if graceful and self.workers:
-            self.say("draining   the queue: workers finish what the beats sent")
+        summary: Summary | None = None
+        try:
+            if self.beats:
+                self.stopped_at = self.stopped_at or time.time()
+                self.say("stopping   beats" + ("" if graceful else " (interrupted)"))
+                self._stop(self.beats, timeout=10)
+            if graceful and self.workers:
+                self.say("draining   the queue: workers finish what the beats sent")
+                try:
+                    self._drain()
+                except Exception as exc:  # broker trouble included; the counts will show it
+                    self._warn(f"could not drain the queue: {exc}")
+        finally:
             try:
-                self._drain()
-            except (DemoError, redis.RedisError) as exc:
-                self._warn(f"could not drain the queue: {exc}")
-        if self.workers:
-            self.say("stopping   workers" + (" and flower" if self.flower else ""))
-        for child in [*self.workers, *([self.flower] if self.flower else [])]:
-            child.terminate()
-        for worker in self.workers:
-            worker.stop(timeout=30 if graceful else 10, hurry=hurry)
-        if self.flower is not None:
-            self.flower.stop(timeout=5, hurry=hurry)
-        summary = None
-        if self.redis is not None and self.shop is not None:
-            try:
-                summary = self._count()
-            except redis.RedisError as exc:
-                self._warn(f"could not read the journal: {exc}")
-        self._release_redis()
+                others = [*self.workers, *([self.flower] if self.flower else [])]
+                if others:
+                    self.say("stopping   " + ("workers and flower" if self.flower else "workers"))
+                    self._stop(others, timeout=30 if graceful else 10)
+                if self.redis is not None and self.shop is not None:
+                    try:
+                        summary = self._count()
+                    except Exception as exc:  # report what we can without the counts
+                        self._warn(f"could not count the executions: {exc}")
+            finally:
+                self._release_redis()
         return summary
+
+    def _stop(self, children: list[Child], timeout: float) -> None:
+        """SIGTERM them all at once, then wait for each (and sweep its group)."""
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.stop(timeout=timeout, hurry=self._hurried)
+
+    def _hurried(self) -> bool:
+        return self.hurry
 
     def _queue_length(self) -> int:
         # kombu's Redis transport keeps a queue's messages in a list named
@@ -449,7 +463,7 @@ class Demo:
         if self.redis is None:
             return
         if self.redis.server is not None:
-            self.redis.server.stop(timeout=5, hurry=lambda: self.hurry)
+            self.redis.server.stop(timeout=5, hurry=self._hurried)
             return
         try:
             client = self._client
@@ -464,34 +478,60 @@ class Demo:
 
     def _conclude(self, summary: Summary | None, interrupted: int | None,
                   error: str | None) -> int:
-        pids = [child.pid for child in self._children() if child.process is not None]
+        """Print the report and the JSON summary line; return the exit status."""
+        if summary is not None:
+            self._print_report(summary)
+        ok = (summary is not None and error is None and interrupted is None
+              and summary.executions > 0 and summary.duplicates == 0 and summary.missed == 0
+              and self.lock_figures.get("overlaps", 0) == 0)
+        result = self._result(summary, ok)
+        if interrupted is not None:
+            result["interrupted"] = signal.Signals(interrupted).name
+            self.say(f"interrupted by {result['interrupted']}: every process was stopped; "
+                     "the counts are partial")
+        elif error is not None:
+            result["error"] = error.splitlines()[0]
+            print(f"demo failed: {error}", file=sys.stderr, flush=True)
+        elif not ok:
+            self.say("FAILED: an execution count is wrong; see the table and the JSON's "
+                     "missed_slots / duplicate_slots")
+        if result["pids"] and (error is not None or (interrupted is None and not ok)):
+            self.say(f"logs kept in {self.workdir}")
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.out.write(json.dumps(result, separators=(", ", ": ")) + "\n")
+        self.out.flush()
+        if interrupted is not None:
+            return 128 + interrupted
+        if error is not None or summary is None:
+            return 2
+        return 0 if ok else 1
+
+    def _print_report(self, summary: Summary) -> None:
+        """The per-entry table and what it means for beats and customer syncs."""
+        self.say("")
+        self.say(format_table(summary))
+        self.say("")
+        if summary.window is not None and self.began is not None:
+            opened, closed = (bound - self.began for bound in summary.window)
+            self.say(f"observed window: first execution at +{opened:.1f} s to the stop at "
+                     f"+{closed:.1f} s, less each entry's last period (at most {SETTLE_SECONDS:g} s)")
+        sent = ", ".join(f"{beat.name} {summary.sent_by.get(beat.name, 0)}" + self._beat_fate(beat)
+                         for beat in self.beats)
+        self.say(f"slots sent per beat: {sent or 'none'}")
+        figures = self.lock_figures
+        if figures:
+            self.say(f"customer syncs: {figures['sync_runs']} runs, {figures['sync_skipped']} "
+                     f"skipped while the customer's lock was held, {figures['overlaps']} overlapping")
+
+    def _result(self, summary: Summary | None, ok: bool) -> dict[str, Any]:
+        """The JSON summary: totals first, then details and what the demo started."""
         result: dict[str, Any] = {
             "executions": summary.executions if summary else 0,
             "duplicates": summary.duplicates if summary else 0,
             "missed": summary.missed if summary else 0,
             "slots": summary.slots if summary else 0,
-        }
-        result.update(self.lock_figures)
-        if summary is not None:
-            self.say("")
-            self.say(format_table(summary))
-            self.say("")
-            if summary.window is not None and self.began is not None:
-                opened, closed = (bound - self.began for bound in summary.window)
-                self.say(f"observed window: first execution at +{opened:.1f} s to the stop at "
-                         f"+{closed:.1f} s, less each entry's last period (at most {SETTLE_SECONDS:g} s)")
-            sent = ", ".join(f"{beat.name} {summary.sent_by.get(beat.name, 0)}"
-                             + self._beat_fate(beat) for beat in self.beats)
-            self.say(f"slots sent per beat: {sent or 'none'}")
-            figures = self.lock_figures
-            if figures:
-                self.say(f"customer syncs: {figures['sync_runs']} runs, "
-                         f"{figures['sync_skipped']} skipped while the customer's lock was held, "
-                         f"{figures['overlaps']} overlapping")
-        ok = (summary is not None and error is None and interrupted is None
-              and summary.duplicates == 0 and summary.missed == 0
-              and result.get("overlaps", 0) == 0 and summary.executions > 0)
-        result.update({
+            **self.lock_figures,
             "ok": ok,
             "entries": {e.name: e.as_dict() for e in summary.entries} if summary else {},
             "sent_by": summary.sent_by if summary else {},
@@ -503,28 +543,11 @@ class Demo:
             "flower": self.flower_url if self.flower is not None else None,
             "redis": self.redis.description if self.redis else None,
             "namespace": self.namespace,
-            "pids": pids,
-        })
+            "pids": [child.pid for child in self._children() if child.process is not None],
+        }
         if self.warnings:
             result["warnings"] = self.warnings
-        if interrupted is not None:
-            result["interrupted"] = signal.Signals(interrupted).name
-            self.say(f"interrupted by {signal.Signals(interrupted).name}: "
-                     "every process was stopped; the counts above are partial")
-        if error is not None:
-            result["error"] = error.splitlines()[0]
-            print(f"demo failed: {error}", file=sys.stderr, flush=True)
-        if pids and (error is not None or (interrupted is None and not ok)):
-            self.say(f"logs kept in {self.workdir}")
-        else:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-        self.out.write(json.dumps(result, separators=(", ", ": ")) + "\n")
-        self.out.flush()
-        if interrupted is not None:
-            return 128 + interrupted
-        if error is not None or summary is None:
-            return 2
-        return 0 if ok else 1
+        return result
 
     def _beat_fate(self, beat: Child) -> str:
         if not beat.killed or self.began is None or self.killed_at is None:
