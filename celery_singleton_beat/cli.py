@@ -504,7 +504,8 @@ def _redis_checks(client: redis.Redis, prefix: str) -> Iterator[Check]:
         return
     yield Check("redis", "OK", f"reachable (PING {1000 * (time.perf_counter() - started):.1f} ms)")
 
-    yield _check_version(client)
+    servers = _servers(client)
+    yield _on_each(servers, _check_version)
     try:
         # The library's own path: EVALSHA, loading the script on NOSCRIPT.
         reply = LuaScript(_LUA_PROBE)(client, [], ['{"lua":"ok"}'])
@@ -515,8 +516,35 @@ def _redis_checks(client: redis.Redis, prefix: str) -> Iterator[Check]:
         raise
     except redis.RedisError as exc:
         yield Check("lua", "FAIL", f"cannot run a script ({exc}): the lock scripts cannot run either")
-    yield _check_eviction(client)
+    yield _on_each(servers, _check_eviction)
     yield _check_expiry(client, prefix)
+
+
+def _servers(client: Any) -> list[tuple[str, redis.Redis]]:
+    """``(name, client)`` of every primary: INFO and CONFIG answer for one server only.
+
+    On Redis Cluster a client sends them to one node; each primary is asked
+    instead (the same as ``client.primary_clients``, which is not yet in every
+    version of the client module).
+    """
+    primaries = getattr(client, "get_primaries", None)
+    if primaries is None:
+        return [("", client)]
+    return [(node.name, client.get_redis_connection(node)) for node in primaries()]
+
+
+_SEVERITY = {"OK": 0, "WARN": 1, "FAIL": 2}
+
+
+def _on_each(servers: Sequence[tuple[str, redis.Redis]], check: Callable[[redis.Redis], Check]) -> Check:
+    """Run a per-server check on every server; the worst outcome, naming its servers."""
+    results = [(name, check(server)) for name, server in servers]
+    if len(results) == 1:
+        return results[0][1]
+    worst = max(_SEVERITY[result.status] for _, result in results)
+    shown = [(name, result) for name, result in results if _SEVERITY[result.status] == worst]
+    return Check(shown[0][1].name, shown[0][1].status,
+                 "; ".join(f"{name}: {result.detail}" for name, result in shown))
 
 
 def run_checks(app: Celery) -> tuple[list[Check], SingletonSettings | None]:
