@@ -117,7 +117,9 @@ class LeaseKeeper:
             if now >= lease.valid_until:
                 kept.mark_lost(f"the lease expired while Redis was unreachable ({exc})")
                 return None
-            logger.warning("cannot renew lock %s, retrying: %s", lease.key, exc)
+            holder = lease.holder
+            logger.error("cannot renew lock %s of %s[%s], retrying until it would expire: %s",
+                         lease.key, holder.task if holder else "?", holder.task_id if holder else "?", exc)
             return min(now + max(lease.ttl / 10, 0.05), lease.valid_until)
         except Exception:  # never let the keeper thread die
             logger.exception("unexpected error renewing lock %s", lease.key)

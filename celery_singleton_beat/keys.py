@@ -41,6 +41,7 @@ __all__ = [
     "call_arguments",
     "canonical",
     "check_unique_on",
+    "is_run_lock_key",
     "lock_key",
     "task_signature",
     "task_stats_key",
@@ -168,6 +169,23 @@ def lock_key(
         raise SingletonKeyError(task_name, exc.path, exc.value, exc.reason) from None
     digest = hashlib.sha256(encoded).hexdigest()
     return f"{prefix}:{{{task_name}:{digest}}}"
+
+
+_DIGEST_HEX = frozenset("0123456789abcdef")
+
+
+def is_run_lock_key(prefix: str, key: str) -> bool:
+    """True for ``<prefix>:{<task name>:<sha256>}``, the key of a run lock.
+
+    Fencing counters, queue claims, beat slots and counter hashes all differ
+    (a suffix after the closing brace, or no 64-hex digest), whatever the task
+    name: a task called ``beat.sync`` or ``stats`` is still a task.
+    """
+    head = f"{prefix}:{{"
+    if not (key.startswith(head) and key.endswith("}")) or len(key) < len(head) + 66:
+        return False
+    digest = key[-65:-1]
+    return key[-66] == ":" and set(digest) <= _DIGEST_HEX
 
 
 def task_stats_key(prefix: str, task_name: str) -> str:

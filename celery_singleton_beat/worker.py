@@ -29,7 +29,7 @@ from celery.worker.request import Request
 from .client import get_redis
 from .config import get_settings
 from .events import logger
-from .keys import task_stats_key
+from .keys import is_run_lock_key, task_stats_key
 from .lock import parse_holder, release_task, release_value
 
 __all__ = ["SingletonRequest", "SingletonWorkerStep", "boot_id", "install", "reclaim_node_locks"]
@@ -95,28 +95,31 @@ def reclaim_node_locks(client: redis.Redis, prefix: str, node: str, current_boot
     """Delete run locks held by ``node`` under an older boot id; returns how many.
 
     Uses SCAN (never KEYS) and deletes each lock with compare-and-delete, so a
-    lock re-taken in the meantime is left alone.
+    lock re-taken in the meantime is left alone. Each freed lock is logged.
     """
     freed = 0
-    batch: list[bytes] = []
-    skip_prefixes = (f"{prefix}:{{beat".encode(), f"{prefix}:{{stats}}".encode())
+    batch: list[str] = []
 
     def flush() -> None:
         nonlocal freed
-        values = client.mget(batch)
-        for key, raw in zip(batch, values):
+        for key, raw in zip(batch, client.mget(batch)):
             holder = parse_holder(raw)
-            if holder and holder.node == node and not holder.claim and holder.boot not in (None, current_boot):
-                stats_key = task_stats_key(prefix, holder.task) if stats and holder.task else None
-                freed += release_value(client, key.decode(), raw, stats_key=stats_key, counter="reclaimed")
+            if holder is None or holder.node != node or holder.claim or holder.boot in (None, current_boot):
+                continue
+            stats_key = task_stats_key(prefix, holder.task) if stats and holder.task else None
+            if release_value(client, key, raw, stats_key=stats_key, counter="reclaimed"):
+                freed += 1
+                logger.warning("reclaimed %s of %s[%s], left by a previous run of %s (pid %s)",
+                               key, holder.task, holder.task_id, node, holder.pid)
         batch.clear()
 
-    for key in client.scan_iter(match=f"{prefix}:{{*", count=1000):
-        if key.endswith(b":fence") or key.startswith(skip_prefixes):
-            continue
-        batch.append(key)
-        if len(batch) >= 500:
-            flush()
+    # Glob braces are literal: this matches keys ending in "}", i.e. run locks.
+    for raw_key in client.scan_iter(match=f"{prefix}:{{*}}", count=1000):
+        key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+        if is_run_lock_key(prefix, key):
+            batch.append(key)
+            if len(batch) >= 500:
+                flush()
     if batch:
         flush()
     return freed

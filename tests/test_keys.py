@@ -113,3 +113,16 @@ def test_task_signature_excludes_self_of_bound_tasks() -> None:
     assert list(task_signature(bound_task).parameters) == ["a", "b"]
     assert list(task_signature(plain_task).parameters) == ["a", "b"]
     assert list(task_signature(type(bound_task)).parameters) == ["a", "b"]
+
+
+def test_run_lock_keys_are_told_apart_from_every_other_key() -> None:
+    from celery_singleton_beat.keys import beat_stats_key, is_run_lock_key, task_stats_key
+
+    lock = key(1)
+    assert is_run_lock_key("p", lock)
+    beat_task = lock_key("p", "beat.sync", SIG, (1,), {}, None)
+    assert is_run_lock_key("p", beat_task), "a task named beat.* is still a task"
+    for other in (lock + ":fence", lock + ":queued", "p:{beat:every-minute}:1700000000",
+                  task_stats_key("p", "proj.sync"), beat_stats_key("p", "x"), "p:{beat}:history",
+                  "other:" + lock[2:], "p:{short:abc}"):
+        assert not is_run_lock_key("p", other), other

@@ -131,7 +131,7 @@ def test_worker_killed_and_restarted_reclaims_its_locks(
     assert read_holder(locks, key).node.startswith("w1@")
     restarted = start_worker(redis_server, APP, "w1", concurrency=2)
     processes.append(restarted)
-    restarted.wait_for_log("reclaimed 1 lock(s) left by a previous run of w1@")
+    restarted.wait_for_line(f"reclaimed {key} of tests.apps.tasks_app.work[", "left by a previous run of w1@")
     assert lock_keys(locks) == []
     assert tasks.work.delay("k", 0.0).get(timeout=30) == "k"
 
