@@ -4,6 +4,18 @@ Settings live in ``app.conf`` like any other Celery setting. They are read and
 validated once per app (at worker or beat start-up, or at first use in a
 client), and any mistake raises :class:`~celery.exceptions.ImproperlyConfigured`
 naming the setting, so a typo never turns into a silent default.
+
+``singleton_redis_url`` names one of three topologies (see ``docs/deployment.md``):
+
+* one server: ``redis://``, ``rediss://`` (TLS) or ``unix://``, as redis-py reads them;
+* Redis Sentinel, written as kombu writes it:
+  ``sentinel://[user:password@]h1:26379[/db][?master_name=NAME];sentinel://h2:26379``;
+* Redis Cluster: ``redis+cluster://[user:password@]h1:7000,h2:7001`` (``rediss+cluster://``
+  for TLS); any reachable node is enough, the client discovers the others.
+
+When the URL is not set, the library uses the result backend's Redis, else the
+broker's, and reuses what those settings say about that Redis: kombu's
+``global_keyprefix``, Sentinel's ``master_name`` and the TLS options.
 """
 
 from __future__ import annotations
@@ -12,17 +24,61 @@ import difflib
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
+from redis.connection import SSLConnection, parse_url
 
-__all__ = ["SingletonSettings", "get_settings", "validate_settings", "REDIS_SCHEMES"]
+__all__ = [
+    "CLUSTER",
+    "CLUSTER_SCHEMES",
+    "DEFAULT_REDIS_OPTIONS",
+    "REDIS_SCHEMES",
+    "SENTINEL",
+    "SENTINEL_OPTIONS",
+    "SENTINEL_SCHEME",
+    "STANDALONE",
+    "SUPPORTED_SCHEMES",
+    "RedisTarget",
+    "SingletonSettings",
+    "clear_settings_cache",
+    "get_settings",
+    "parse_redis_url",
+    "sanitize_redis_url",
+    "topology_of",
+    "validate_settings",
+]
 
-#: URL schemes that point at a Redis server the library can talk to.
+#: URL schemes that point at a single Redis server.
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: Redis Sentinel, kombu style: ``sentinel://h1:26379;sentinel://h2:26379``.
+SENTINEL_SCHEME = "sentinel"
+#: Redis Cluster: ``redis+cluster://h1:7000,h2:7001`` (``rediss+cluster`` with TLS).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+#: Every scheme ``singleton_redis_url`` accepts.
+SUPPORTED_SCHEMES = REDIS_SCHEMES + (SENTINEL_SCHEME,) + CLUSTER_SCHEMES
+
+#: Topologies, as reported by :attr:`SingletonSettings.topology`.
+STANDALONE, SENTINEL, CLUSTER = "standalone", "sentinel", "cluster"
+
+#: Keys of ``singleton_redis_options`` that configure Sentinel itself (the same
+#: names as kombu's transport options); every other key goes to redis-py connections.
+SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
+
+#: Connection options applied unless the URL or ``singleton_redis_options`` say
+#: otherwise. Fail fast: a lock that cannot be asked for within a few seconds is
+#: "Redis unavailable" (fail closed), not a hung worker.
+DEFAULT_REDIS_OPTIONS: dict[str, Any] = {
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+    "health_check_interval": 30,
+}
 
 SETTING_PREFIX = "singleton_"
+
+# Celery spells TLS requirements as the ssl module does; redis-py wants lower-case words.
+_CERT_REQS = {"cert_none": "none", "cert_optional": "optional", "cert_required": "required"}
 
 
 @dataclass(frozen=True)
@@ -32,12 +88,16 @@ class SingletonSettings:
     Each field is set in ``app.conf`` as ``singleton_<field>``.
     """
 
-    #: Redis for locks and beat slots. Default: the result backend if it is
-    #: Redis, else the broker if it is Redis.
+    #: Redis for locks and beat slots (any form of :data:`SUPPORTED_SCHEMES`).
+    #: Default: the result backend if it is Redis, else the broker if it is Redis.
     redis_url: str | None = None
-    #: Extra keyword arguments for the redis-py client (timeouts, TLS, ...).
+    #: Extra keyword arguments for the redis-py client (timeouts, TLS, ...);
+    #: for Sentinel also :data:`SENTINEL_OPTIONS`. After validation it holds
+    #: what was reused from the broker's or result backend's settings too.
     redis_options: dict[str, Any] = field(default_factory=dict)
-    #: Prefix of every key the library writes; gives apps sharing a Redis their own space.
+    #: Prefix of every key the library writes; gives apps sharing a Redis their
+    #: own space. When the library reuses the broker's (result backend's) Redis,
+    #: kombu's (Celery's) ``global_keyprefix`` is put in front of it.
     key_prefix: str = "singleton"
     #: Default lease in seconds for task locks; renewed while the task runs.
     lock_ttl: float = 60.0
@@ -50,8 +110,8 @@ class SingletonSettings:
     #: could not be asked for (fail-closed), and of ``on_conflict="retry"``.
     retry_backoff_max: float = 60.0
     #: Keep counters (acquired, skipped, ...) in Redis, updated inside the lock
-    #: scripts (no extra round trip). Off for Redis Cluster, where the counter
-    #: hash lives in another slot than the lock.
+    #: scripts (no extra round trip). Always off for Redis Cluster, where the
+    #: counter hash lives in another slot than the lock.
     stats: bool = True
     #: Beat: send an entry whose slot cannot be claimed because Redis is down
     #: (default: no, the slot is skipped and logged). ``None`` follows ``fail_open``.
@@ -61,11 +121,152 @@ class SingletonSettings:
     beat_catch_up: str = "latest"
     #: Beat: extra seconds a slot claim is kept beyond the entry's period.
     beat_claim_margin: float = 60.0
+    #: After taking a lock or a beat slot, wait until this many replicas have
+    #: it (Redis ``WAIT``). Fewer within ``wait_timeout`` counts as "Redis
+    #: unavailable": the lock is given back and ``fail_open`` decides. 0: no wait.
+    wait_replicas: int = 0
+    #: Seconds ``WAIT`` may block; below the socket timeout.
+    wait_timeout: float = 1.0
 
     @property
     def beat_fails_open(self) -> bool:
         """Whether beat sends unclaimed slots while Redis is unreachable."""
         return self.fail_open if self.beat_fail_open is None else self.beat_fail_open
+
+    @property
+    def topology(self) -> str:
+        """:data:`STANDALONE`, :data:`SENTINEL` or :data:`CLUSTER`, from ``redis_url``."""
+        return topology_of(self.redis_url or "")
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """What a Redis URL names, in the terms redis-py is built from.
+
+    ``connection`` holds redis-py connection arguments read from the URL (host,
+    port, db, username, password, Unix socket path, TLS and query-string
+    options). For Sentinel it describes connections to the *primary*, for
+    Cluster those to every node (``ssl=True`` for ``rediss+cluster``).
+    ``nodes`` lists the sentinels, or the Cluster nodes to start discovery from.
+    """
+
+    topology: str
+    connection: dict[str, Any]
+    nodes: tuple[tuple[str, int], ...] = ()
+    #: Sentinel only: ``?master_name=`` of the URL, if given there.
+    master_name: str | None = None
+
+
+def sanitize_redis_url(url: str | None, mask: str = "**") -> str:
+    """``url`` with every password masked, for logs and banners; any URL form.
+
+    kombu's ``maybe_sanitize_url`` cannot parse Sentinel lists (``;``) or
+    Cluster node lists (``,``), so it must not be used on ``singleton_redis_url``.
+    """
+    chunks = []
+    for chunk in (url or "").split(";"):
+        scheme, sep, rest = chunk.strip().partition("://")
+        end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+        userinfo, at, hosts = rest[:end].rpartition("@")
+        if at and ":" in userinfo:
+            userinfo = f"{userinfo.split(':', 1)[0]}:{mask}"
+        chunks.append(f"{scheme}{sep}{userinfo}{at}{hosts}{rest[end:]}")
+    return ";".join(chunks)
+
+
+def _scheme(url: str) -> str:
+    """The scheme of a URL, or of the first part of a ``;``-list."""
+    return urlsplit(url.split(";", 1)[0].strip()).scheme.lower()
+
+
+def topology_of(url: str) -> str:
+    """The topology a URL names, from its scheme alone."""
+    scheme = _scheme(url)
+    if scheme == SENTINEL_SCHEME:
+        return SENTINEL
+    if scheme in CLUSTER_SCHEMES:
+        return CLUSTER
+    return STANDALONE
+
+
+def _normalize_connection(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Accept Celery's spelling of ``ssl_cert_reqs`` (``CERT_REQUIRED``) beside redis-py's."""
+    reqs = kwargs.get("ssl_cert_reqs")
+    if isinstance(reqs, str):
+        kwargs["ssl_cert_reqs"] = _CERT_REQS.get(reqs.lower(), reqs.lower())
+    return kwargs
+
+
+def _host_port(text: str, default_port: int, url: str) -> tuple[str, int]:
+    parts = urlsplit(f"//{text}")
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        raise ValueError(f"bad port in {text!r} of {url!r}") from None
+    if not parts.hostname:
+        raise ValueError(f"no host in {text!r} of {url!r}")
+    return parts.hostname, port
+
+
+def _parse_sentinel(url: str) -> RedisTarget:
+    """``sentinel://[user:pw@]h1:26379[/db][?opts];sentinel://h2:26379``, kombu's form.
+
+    Credentials, database and query options belong to the primary (as in kombu
+    and Celery): the first chunk that names them wins. Sentinels' own auth and
+    TLS go in ``sentinel_kwargs``.
+    """
+    nodes: list[tuple[str, int]] = []
+    connection: dict[str, Any] = {}
+    for chunk in filter(None, (part.strip() for part in url.split(";"))):
+        scheme, sep, rest = chunk.partition("://")
+        if not sep or scheme.lower() != SENTINEL_SCHEME:
+            raise ValueError(f"every part of a Sentinel URL must be sentinel://host:port, got {chunk!r}")
+        parsed = parse_url(f"redis://{rest}")
+        nodes.append((parsed.pop("host", None) or "localhost", parsed.pop("port", None) or 26379))
+        for name, value in parsed.items():
+            connection.setdefault(name, value)
+    if "ssl" in connection:  # a query-string flag reaches us as text
+        connection["ssl"] = str(connection["ssl"]).lower() in ("1", "true", "yes", "on")
+    master_name = connection.pop("master_name", None)
+    return RedisTarget(SENTINEL, _normalize_connection(connection), tuple(nodes),
+                       master_name=master_name)
+
+
+def _parse_cluster(url: str) -> RedisTarget:
+    """``redis+cluster://[user:pw@]h1:7000,h2:7001[?opts]``: startup nodes of a Cluster."""
+    scheme, _, rest = url.partition("://")
+    base = "rediss" if scheme.lower() == "rediss+cluster" else "redis"
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    if path.strip("/") not in ("", "0") or "db" in parse_qs(query):
+        raise ValueError(f"Redis Cluster has only database 0, got {url!r}")
+    userinfo, at, hosts = netloc.rpartition("@")
+    nodes = tuple(_host_port(host, 6379, url) for host in hosts.split(",") if host.strip())
+    if not nodes:
+        raise ValueError(f"no node in {url!r}")
+    # Credentials and options read as redis-py reads them for one node; every
+    # node (also those discovered later) is then built from them.
+    connection = parse_url(f"{base}://{userinfo}{at}localhost/" + (f"?{query}" if query else ""))
+    for name in ("host", "port", "db", "connection_class"):
+        connection.pop(name, None)
+    if base == "rediss":
+        connection["ssl"] = True
+    return RedisTarget(CLUSTER, _normalize_connection(connection), nodes)
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Parse any URL form of ``singleton_redis_url``; ``ValueError`` says what is wrong."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"not a URL: {url!r}")
+    url = url.strip()
+    topology = topology_of(url)
+    if topology == SENTINEL:
+        return _parse_sentinel(url)
+    if topology == CLUSTER:
+        return _parse_cluster(url)
+    if _scheme(url) not in REDIS_SCHEMES:
+        raise ValueError(f"unsupported scheme in {url!r}")
+    return RedisTarget(STANDALONE, _normalize_connection(parse_url(url)))
 
 
 _FIELD_NAMES = {f.name for f in fields(SingletonSettings)}
@@ -73,22 +274,25 @@ _CACHE: "weakref.WeakKeyDictionary[Celery, SingletonSettings]" = weakref.WeakKey
 
 
 def _is_redis_url(url: Any) -> bool:
-    return isinstance(url, str) and urlsplit(url).scheme in REDIS_SCHEMES
+    return isinstance(url, str) and _scheme(url) in SUPPORTED_SCHEMES
 
 
 def _first_redis_url(value: Any) -> str | None:
-    """Pick the first Redis URL of a Celery URL setting (which may be a list or ``;``-list)."""
+    """Pick the Redis URL of a Celery URL setting (which may be a list or ``;``-list).
+
+    A Sentinel list is one URL (every ``sentinel://`` part is kept); otherwise
+    the first Redis URL wins, as with kombu's fail-over lists.
+    """
     if isinstance(value, (list, tuple)):
-        candidates = list(value)
+        candidates = [str(v).strip() for v in value]
     elif isinstance(value, str):
-        candidates = value.split(";")
+        candidates = [part.strip() for part in value.split(";")]
     else:
         return None
-    for candidate in candidates:
-        candidate = candidate.strip()
-        if _is_redis_url(candidate):
-            return candidate
-    return None
+    candidates = [c for c in candidates if c]
+    if candidates and _scheme(candidates[0]) == SENTINEL_SCHEME:
+        return ";".join(c for c in candidates if _scheme(c) == SENTINEL_SCHEME)
+    return next((c for c in candidates if _scheme(c) in REDIS_SCHEMES), None)
 
 
 def _positive_number(name: str, value: Any) -> float:
@@ -97,6 +301,106 @@ def _positive_number(name: str, value: Any) -> float:
             f"{SETTING_PREFIX}{name} must be a number of seconds > 0, got {value!r}"
         )
     return float(value)
+
+
+def _mapping(conf: Any, name: str) -> dict[str, Any]:
+    value = conf.get(name) or {}
+    return dict(value) if isinstance(value, dict) else {}
+
+
+@dataclass
+class _Source:
+    """Where the lock URL came from, and what that Celery setting says about its Redis."""
+
+    setting: str
+    transport_options: dict[str, Any]
+    ssl_options: Any
+    global_keyprefix: str
+
+
+def _url_source(conf: Any, given: dict[str, Any]) -> tuple[str, _Source]:
+    """The lock URL and its origin: our setting, else the result backend, else the broker."""
+    url = given.get("redis_url")
+    if url is not None:
+        if not _is_redis_url(url):
+            raise ImproperlyConfigured(
+                "singleton_redis_url must be a Redis URL "
+                f"({', '.join(s + '://' for s in SUPPORTED_SCHEMES)}), got {url!r}"
+            )
+        return url, _Source("singleton_redis_url", {}, None, "")
+    backend = _first_redis_url(conf.result_backend)
+    if backend is not None:
+        options = _mapping(conf, "result_backend_transport_options")
+        prefix = str(options.get("global_keyprefix") or "")
+        if prefix and prefix[-1] not in ":_-.":  # Celery's rule for its own result keys
+            prefix += "_"
+        return backend, _Source("result_backend", options, conf.get("redis_backend_use_ssl"), prefix)
+    broker = _first_redis_url(conf.broker_url)
+    if broker is not None:
+        options = _mapping(conf, "broker_transport_options")
+        return broker, _Source("broker_url", options, conf.get("broker_use_ssl"),
+                               str(options.get("global_keyprefix") or ""))
+    raise ImproperlyConfigured(
+        "celery-singleton-beat needs Redis: set singleton_redis_url "
+        "(neither the result backend nor the broker is a Redis URL)"
+    )
+
+
+def _resolve_options(conf: Any, target: RedisTarget, source: _Source,
+                     given: dict[str, Any]) -> dict[str, Any]:
+    """``singleton_redis_options`` completed with what the URL's origin says (ours win)."""
+    options = given.get("redis_options", {})
+    if not isinstance(options, dict):
+        raise ImproperlyConfigured(f"singleton_redis_options must be a dict, got {options!r}")
+    options = dict(options)
+    if source.ssl_options:
+        # broker_use_ssl / redis_backend_use_ssl: kombu and Celery turn TLS on
+        # whatever the scheme, with the same option names as redis-py.
+        if isinstance(source.ssl_options, dict):
+            for name, value in source.ssl_options.items():
+                options.setdefault(name, value)
+        if target.topology == SENTINEL:
+            options.setdefault("ssl", True)
+        elif "connection_class" not in target.connection:
+            options.setdefault("connection_class", SSLConnection)
+
+    if target.topology != SENTINEL:
+        misplaced = sorted(set(options) & set(SENTINEL_OPTIONS))
+        if misplaced:
+            raise ImproperlyConfigured(
+                f"singleton_redis_options {misplaced} are for sentinel:// URLs only; "
+                f"the lock Redis is {target.topology} ({source.setting})"
+            )
+        return options
+
+    # Sentinel: each option from the URL or our options, else from the setting the
+    # URL came from, else (URL written out) the broker's, then the result backend's.
+    lookups = [source.transport_options] if source.setting != "singleton_redis_url" else [
+        _mapping(conf, "broker_transport_options"), _mapping(conf, "result_backend_transport_options")]
+    if target.master_name:
+        options["master_name"] = target.master_name
+    for name in SENTINEL_OPTIONS:
+        if name not in options:
+            found = next((o[name] for o in lookups if o.get(name) is not None), None)
+            if found is not None:
+                options[name] = found
+    master = options.get("master_name")
+    if not isinstance(master, str) or not master:
+        raise ImproperlyConfigured(
+            "a sentinel:// singleton_redis_url needs the primary's name: set "
+            "singleton_redis_options={'master_name': ...}, ?master_name=... in the URL, "
+            f"or broker_transport_options['master_name']; got {master!r}"
+        )
+    if not isinstance(options.get("sentinel_kwargs", {}), dict):
+        raise ImproperlyConfigured(
+            f"singleton_redis_options['sentinel_kwargs'] must be a dict, got {options['sentinel_kwargs']!r}"
+        )
+    others = options.get("min_other_sentinels", 0)
+    if isinstance(others, bool) or not isinstance(others, int) or others < 0:
+        raise ImproperlyConfigured(
+            f"singleton_redis_options['min_other_sentinels'] must be an int >= 0, got {others!r}"
+        )
+    return options
 
 
 def validate_settings(app: Celery) -> SingletonSettings:
@@ -113,31 +417,33 @@ def validate_settings(app: Celery) -> SingletonSettings:
             raise ImproperlyConfigured(f"unknown setting {key}{suggestion}")
         given[name] = conf[key]
 
-    redis_url = given.get("redis_url")
-    if redis_url is None:
-        redis_url = _first_redis_url(conf.result_backend) or _first_redis_url(conf.broker_url)
-        if redis_url is None:
-            raise ImproperlyConfigured(
-                "celery-singleton-beat needs Redis: set singleton_redis_url "
-                "(neither the result backend nor the broker is a Redis URL)"
-            )
-    elif not _is_redis_url(redis_url):
-        raise ImproperlyConfigured(
-            f"singleton_redis_url must be a Redis URL ({', '.join(s + '://' for s in REDIS_SCHEMES)}), "
-            f"got {redis_url!r}"
-        )
+    redis_url, source = _url_source(conf, given)
+    try:
+        target = parse_redis_url(redis_url)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{source.setting}: cannot use {redis_url!r}: {exc}") from None
+    options = _resolve_options(conf, target, source, given)
 
-    options = given.get("redis_options", {})
-    if not isinstance(options, dict):
-        raise ImproperlyConfigured(f"singleton_redis_options must be a dict, got {options!r}")
     prefix = given.get("key_prefix", SingletonSettings.key_prefix)
     if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{} \n"):
         raise ImproperlyConfigured(
             f"singleton_key_prefix must be a non-empty string without braces or spaces, got {prefix!r}"
         )
+    if any(c in source.global_keyprefix for c in "{} \n"):
+        # A brace would become the Cluster hash tag of every key.
+        raise ImproperlyConfigured(
+            f"the global_keyprefix of {source.setting}'s transport options is put in front of "
+            f"singleton_key_prefix and must not contain braces or spaces, got {source.global_keyprefix!r}"
+        )
     for flag in ("fail_open", "stats"):
         if flag in given and not isinstance(given[flag], bool):
             raise ImproperlyConfigured(f"{SETTING_PREFIX}{flag} must be True or False, got {given[flag]!r}")
+    stats = given.get("stats", target.topology != CLUSTER)
+    if stats and target.topology == CLUSTER:
+        raise ImproperlyConfigured(
+            "singleton_stats must be False with Redis Cluster: the counters live in another "
+            "hash slot than the locks and cannot be updated by the same script"
+        )
     beat_fail_open = given.get("beat_fail_open")
     if beat_fail_open is not None and not isinstance(beat_fail_open, bool):
         raise ImproperlyConfigured(
@@ -148,17 +454,30 @@ def validate_settings(app: Celery) -> SingletonSettings:
         raise ImproperlyConfigured(
             f"singleton_beat_catch_up must be 'latest' or 'none', got {catch_up!r}"
         )
+    wait_replicas = given.get("wait_replicas", SingletonSettings.wait_replicas)
+    if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int) or wait_replicas < 0:
+        raise ImproperlyConfigured(
+            f"singleton_wait_replicas must be an int >= 0, got {wait_replicas!r}"
+        )
+    wait_timeout = _positive_number("wait_timeout", given.get("wait_timeout", SingletonSettings.wait_timeout))
+    socket_timeout = target.connection.get(
+        "socket_timeout", options.get("socket_timeout", DEFAULT_REDIS_OPTIONS["socket_timeout"]))
+    if wait_replicas and socket_timeout is not None and wait_timeout >= float(socket_timeout):
+        raise ImproperlyConfigured(
+            f"singleton_wait_timeout ({wait_timeout}s) must be below the socket timeout "
+            f"({socket_timeout}s), or a slow WAIT reads as a broken connection"
+        )
 
     return SingletonSettings(
         redis_url=redis_url,
-        redis_options=dict(options),
-        key_prefix=prefix,
+        redis_options=options,
+        key_prefix=source.global_keyprefix + prefix,
         lock_ttl=_positive_number("lock_ttl", given.get("lock_ttl", SingletonSettings.lock_ttl)),
         queue_lock_ttl=_positive_number(
             "queue_lock_ttl", given.get("queue_lock_ttl", SingletonSettings.queue_lock_ttl)
         ),
         fail_open=given.get("fail_open", False),
-        stats=given.get("stats", True),
+        stats=stats,
         retry_backoff_max=_positive_number(
             "retry_backoff_max", given.get("retry_backoff_max", SingletonSettings.retry_backoff_max)
         ),
@@ -167,6 +486,8 @@ def validate_settings(app: Celery) -> SingletonSettings:
         beat_claim_margin=_positive_number(
             "beat_claim_margin", given.get("beat_claim_margin", SingletonSettings.beat_claim_margin)
         ),
+        wait_replicas=wait_replicas,
+        wait_timeout=wait_timeout,
     )
 
 
