@@ -55,7 +55,7 @@ from celery_singleton_beat.config import (
 from celery_singleton_beat.lock import acquire, read_holder, release_value
 from celery_singleton_beat.worker import reclaim_node_locks
 
-from .beat_support import ManualClock, RecordingScheduler, make_app, run_ticks, sent_slots
+from .beat_support import ClockApp, ManualClock, RecordingScheduler, run_ticks, sent_slots
 from .support import CeleryProcess, RedisServer, start_worker, wait_for
 from .taskfixtures import records, tasks  # noqa: F401
 from .topology_support import (
@@ -238,6 +238,15 @@ def lock_app(topology: Topology, **conf: Any) -> Celery:
     return app
 
 
+def beat_app(clock: Any, schedule: dict[str, Any], url: str, **conf: Any) -> ClockApp:
+    """An app for in-process schedulers whose slot claims go to ``url`` (sends are recorded)."""
+    app = ClockApp("topo-beat", set_as_current=False)
+    app.clock = clock
+    app.conf.update(broker_url="memory://", beat_schedule=schedule, singleton_redis_url=url,
+                    result_expires=None, **conf)
+    return app
+
+
 def test_the_lease_works(topology: Topology) -> None:
     """Acquire, conflict, renew, release and fencing, and an eager SingletonTask run."""
     app = lock_app(topology)
@@ -269,15 +278,13 @@ def beat_banner(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("kind", ["sentinel", "cluster"])
-def test_beat_starts_with_every_url_form(kind: str, redis_server: RedisServer,
-                                         request: pytest.FixtureRequest) -> None:
+def test_beat_starts_with_every_url_form(kind: str, request: pytest.FixtureRequest) -> None:
     """Beat starts and shows where its claims go (passwords masked), whatever the URL form."""
     topology: Topology = request.getfixturevalue(f"{kind}_topology")
     clear_settings_cache()
     reset_clients()
     url = topology.url.replace("://", "://user:secret@", 1)
-    app = make_app(redis_server, ManualClock(START), {"e": {"task": "t.e", "schedule": 1.0}},
-                   singleton_redis_url=url)
+    app = beat_app(ManualClock(START), {"e": {"task": "t.e", "schedule": 1.0}}, url)
     try:
         beat = RecordingScheduler(app=app)
     except ValueError as exc:
@@ -293,11 +300,11 @@ def test_beat_starts_with_every_url_form(kind: str, redis_server: RedisServer,
 
 
 @pytest.mark.usefixtures("beat_banner")
-def test_beat_sends_each_slot_once(topology: Topology, redis_server: RedisServer) -> None:
+def test_beat_sends_each_slot_once(topology: Topology) -> None:
     """Two schedulers claim three entries' slots (several hash slots on Cluster)."""
     clock = ManualClock(START)
     schedule = {f"entry-{i}": {"task": f"topo.e{i}", "schedule": 1.0} for i in range(3)}
-    beats = [RecordingScheduler(app=make_app(redis_server, clock, schedule, singleton_redis_url=topology.url))
+    beats = [RecordingScheduler(app=beat_app(clock, schedule, topology.url))
              for _ in range(2)]
     run_ticks(beats, clock, 4, 0.25)
     for i in range(3):
@@ -405,7 +412,7 @@ def _commands_used(server: redis.Redis) -> set[str]:
 
 
 @pytest.mark.usefixtures("beat_banner")
-def test_acl_user_needs_exactly_the_documented_commands(redis_server: RedisServer) -> None:
+def test_acl_user_needs_exactly_the_documented_commands() -> None:
     """Under acl_rules(wait=True) every path runs, and every granted command is used.
 
     Locks (with NOSCRIPT reload and counters), worker start-up reclaim, beat
@@ -433,8 +440,8 @@ def test_acl_user_needs_exactly_the_documented_commands(redis_server: RedisServe
                               replicas=1, timeout=0.05, undo=lambda conn, _: conn.delete(key))
 
         clock = ManualClock(START)
-        beats = [RecordingScheduler(app=make_app(redis_server, clock, {"e": {"task": "t.e", "schedule": 1.0}},
-                                                 singleton_redis_url=topology.url)) for _ in range(2)]
+        schedule = {"e": {"task": "t.e", "schedule": 1.0}}
+        beats = [RecordingScheduler(app=beat_app(clock, schedule, topology.url)) for _ in range(2)]
         run_ticks(beats, clock, 2, 0.5)
         assert sent_slots(*beats) and set(sent_slots(*beats).values()) == {1}
 
@@ -503,7 +510,7 @@ def test_worker_reclaim_scans_every_cluster_primary(cluster_topology: Topology) 
 
 
 @pytest.mark.usefixtures("beat_banner")
-def test_a_cluster_outage_is_redis_unavailable(redis_server: RedisServer) -> None:
+def test_a_cluster_outage_is_redis_unavailable() -> None:
     """With every node down, tasks, leases and beats see a RedisError (ClusterUnavailable)
     and follow fail closed, instead of crashing on redis-py's RedisClusterException."""
     topology = start_cluster()
@@ -513,9 +520,8 @@ def test_a_cluster_outage_is_redis_unavailable(redis_server: RedisServer) -> Non
         app = lock_app(topology, task_eager_propagates=True)
         lease = acquire(get_redis(app), "singleton:{topo.sync:x}", 30, task="topo.sync", task_id="a").lease
         assert lease is not None
-        beat = RecordingScheduler(app=make_app(redis_server, ManualClock(START),
-                                               {"e": {"task": "t.e", "schedule": 1.0}},
-                                               singleton_redis_url=topology.url))
+        beat = RecordingScheduler(app=beat_app(ManualClock(START), {"e": {"task": "t.e", "schedule": 1.0}},
+                                               topology.url))
         for server in topology.servers:
             server.kill()
         with pytest.raises(ClusterUnavailable):
@@ -631,10 +637,9 @@ def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records
                                       env={"CSB_LOCK_REDIS": group.url, "CSB_BACKOFF_MAX": "1",
                                            "CSB_LOCK_TTL": "3"}))
         clock = _RealClock()
-        beats = [RecordingScheduler(app=make_app(redis_server, clock, {"tick": {"task": "t.tick", "schedule": 0.5}},
-                                                 singleton_redis_url=group.url,
-                                                 singleton_redis_options={"socket_timeout": 1.0,
-                                                                          "socket_connect_timeout": 1.0}))
+        fast = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
+        beats = [RecordingScheduler(app=beat_app(clock, {"tick": {"task": "t.tick", "schedule": 0.5}}, group.url,
+                                                 singleton_redis_options=fast))
                  for _ in range(2)]
         beat_errors: list[str] = []
         published: list[AsyncResult] = []
