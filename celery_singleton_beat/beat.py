@@ -53,7 +53,8 @@ from kombu.utils.url import maybe_sanitize_url
 from .client import get_redis
 from .config import SingletonSettings, get_settings
 from .events import logger
-from .lock import release_value
+from .keys import beat_stats_key
+from .lock import STATS_TTL_MS, release_value
 
 __all__ = [
     "INSTANCE_HEADER",
@@ -389,7 +390,10 @@ def history_key(prefix: str) -> str:
 
 
 def stats_key(prefix: str) -> str:
-    """Hash of counters: ``won`` and ``lost`` slot claims, over all instances."""
+    """Hash of counters over all entries and instances: ``won`` and ``lost`` slot claims.
+
+    Per-entry counters are in :func:`celery_singleton_beat.keys.beat_stats_key`.
+    """
     return f"{prefix}:{{beat}}:stats"
 
 
@@ -513,6 +517,9 @@ class SingletonSchedulerMixin(_SchedulerBase):
         self._breaker_delay = 0.0
         self._redis_down_since: float | None = None
         self._use_set_get = True
+        # True while consecutive ticks send due entries (a burst), see schedules_equal.
+        self._in_burst = False
+        self._burst_compared = False
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------------------- set-up
@@ -539,14 +546,15 @@ class SingletonSchedulerMixin(_SchedulerBase):
         now = self._now()
         for entry in list(self.schedule.values()):
             try:
-                spec = entry_spec(entry)
-                if spec is not None:
+                if entry_spec(entry) is not None:
                     current_slot(entry.schedule, now)
-            except ValueError as exc:  # SlotError is a ValueError
+            except SlotError as exc:
                 raise ImproperlyConfigured(
                     f"beat entry {entry.name!r}: {exc} (set options={{'{ENTRY_OPTION}': False}} "
                     "to send it from every beat without a claim)"
                 ) from exc
+            except ValueError as exc:
+                raise ImproperlyConfigured(f"beat entry {entry.name!r}: {exc}") from exc
 
     @property
     def info(self) -> str:
@@ -624,11 +632,30 @@ class SingletonSchedulerMixin(_SchedulerBase):
         delay = super().tick(*args, **kwargs)
         if self._retry_names:
             delay = min(delay, self._reschedule_retries())
-        if delay > 0 and self._prefetched:
-            # The burst of due entries is over: give back claims won ahead for
-            # entries that did not come due after all.
-            self._release_prefetched()
+        self._in_burst = delay <= 0
+        if not self._in_burst:
+            self._burst_compared = False
+            if self._prefetched:
+                # The burst of due entries is over: give back claims won ahead
+                # for entries that did not come due after all.
+                self._release_prefetched()
         return delay
+
+    def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
+        """Compare the schedule with its copy once per burst, not once per tick.
+
+        Celery's ``tick`` compares every entry on every tick and sends one due
+        entry per tick, so a burst of n due entries costs O(n^2) comparisons
+        (minutes for 10,000 entries). Within a burst (ticks that return 0) the
+        comparison made at its start stands; changes are picked up when the
+        burst ends, at most a few seconds later.
+        """
+        if (self._in_burst and self._burst_compared and old_schedules is not None
+                and new_schedules is not None and len(old_schedules) == len(new_schedules)):
+            return True
+        equal = bool(super().schedules_equal(old_schedules, new_schedules))
+        self._burst_compared = equal
+        return equal
 
     def close(self) -> None:
         if self._prefetched:
@@ -706,6 +733,12 @@ class SingletonSchedulerMixin(_SchedulerBase):
         entry.options = options
         try:
             return super().apply_async(entry, producer=producer, advance=False, **kwargs)
+        except Exception:
+            # Not published (broker down, ...): give the slot back so that a beat
+            # starting within the slot can still send it.
+            if claim is not None:
+                self._release([claim])
+            raise
         finally:
             entry.options = saved
 
@@ -816,7 +849,6 @@ class SingletonSchedulerMixin(_SchedulerBase):
             found.append((_Claim(name, slot, spec.key(prefix, slot), None), entry))
         return found
 
-
     def _claim_many(self, batch: list[tuple[_Claim, Any]]) -> None:
         """``SET NX PX`` every claim of ``batch`` in one round trip; record the outcome.
 
@@ -826,21 +858,13 @@ class SingletonSchedulerMixin(_SchedulerBase):
         client = get_redis(self.app)
         at = round(self._now().timestamp(), 3)
         value = json.dumps({"instance": self.instance_id, "at": at}, separators=(",", ":"))
-        margin = timedelta(seconds=self.singleton_settings.beat_claim_margin)
-        while True:
-            pipe = client.pipeline(transaction=False)
-            for claim, _ in batch:
-                ttl = claim.slot.period + margin
-                pipe.set(claim.key, value, nx=True, px=max(1, ttl // timedelta(milliseconds=1)),
-                         get=self._use_set_get)
-            try:
-                replies = pipe.execute()
-            except redis.ResponseError as exc:
-                if self._use_set_get and "syntax" in str(exc).lower():
-                    self._use_set_get = False
-                    continue
+        try:
+            replies = self._set_claims(client, batch, value)
+        except redis.ResponseError as exc:
+            if not (self._use_set_get and "syntax" in str(exc).lower()):
                 raise
-            break
+            self._use_set_get = False  # Redis < 7 cannot combine NX and GET
+            replies = self._set_claims(client, batch, value)
         for (claim, _), reply in zip(batch, replies):
             claim.value = value
             if self._use_set_get:
@@ -859,11 +883,24 @@ class SingletonSchedulerMixin(_SchedulerBase):
                 claim.holder = self.instance_id
         self._record(client, batch, at)
 
+    def _set_claims(self, client: redis.Redis, batch: list[tuple[_Claim, Any]],
+                    value: str) -> list[Any]:
+        margin = timedelta(seconds=self.singleton_settings.beat_claim_margin)
+        pipe = client.pipeline(transaction=False)
+        for claim, _ in batch:
+            ttl_ms = (claim.slot.period + margin) // timedelta(milliseconds=1)
+            pipe.set(claim.key, value, nx=True, px=max(1, ttl_ms), get=self._use_set_get)
+        return pipe.execute()
+
     def _record(self, client: redis.Redis, batch: list[tuple[_Claim, Any]], at: float) -> None:
-        """Append won claims to the capped history and bump the counters (best effort)."""
-        prefix = self.singleton_settings.key_prefix
+        """Append won claims to the capped history and bump the counters (best effort).
+
+        Counters (``singleton_stats``): ``won`` / ``lost`` per entry and in total,
+        kept for the library's stats TTL after their last update.
+        """
+        settings = self.singleton_settings
+        prefix = settings.key_prefix
         won = [(claim, entry) for claim, entry in batch if claim.won]
-        lost = len(batch) - len(won)
         records = [
             json.dumps({"entry": entry.name, "key": claim.key, "task": entry.task,
                         "slot": claim.slot.label, "winner": self.instance_id, "at": at},
@@ -875,9 +912,17 @@ class SingletonSchedulerMixin(_SchedulerBase):
             if records:
                 pipe.lpush(history_key(prefix), *records)
                 pipe.ltrim(history_key(prefix), 0, self.history_size - 1)
-                pipe.hincrby(stats_key(prefix), "won", len(won))
-            if lost:
-                pipe.hincrby(stats_key(prefix), "lost", lost)
+            if settings.stats:
+                for claim, entry in batch:
+                    key = beat_stats_key(prefix, entry.name)
+                    pipe.hincrby(key, "won" if claim.won else "lost", 1)
+                    pipe.pexpire(key, STATS_TTL_MS)
+                totals = stats_key(prefix)
+                if won:
+                    pipe.hincrby(totals, "won", len(won))
+                if len(batch) > len(won):
+                    pipe.hincrby(totals, "lost", len(batch) - len(won))
+                pipe.pexpire(totals, STATS_TTL_MS)
             pipe.execute()
         except redis.RedisError as exc:
             logger.warning("beat: could not record %d claim(s) in the history: %s", len(batch), exc)

@@ -13,7 +13,7 @@ from typing import Any
 from celery import Celery
 from celery.beat import Scheduler
 
-from celery_singleton_beat.beat import SingletonSchedulerMixin
+from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin
 
 from .support import RECORD_DB, CeleryProcess, RedisServer, child_env, wait_for
 
@@ -121,8 +121,8 @@ class ClockApp(Celery):
         return self.clock.now().astimezone(self.timezone)
 
 
-class RecordingScheduler(SingletonSchedulerMixin, Scheduler):
-    """The mixin on Celery's plain in-memory ``Scheduler``; sends are recorded, not published."""
+class SendRecorder:
+    """Records what a scheduler sends instead of publishing it (no broker needed)."""
 
     producer = None  # no broker connection: send_task below records instead
     redis_retry_min = 0.05
@@ -137,12 +137,27 @@ class RecordingScheduler(SingletonSchedulerMixin, Scheduler):
                           "slot": options.get("headers", {}).get("singleton_beat_slot")})
 
 
+class RecordingScheduler(SendRecorder, SingletonSchedulerMixin, Scheduler):
+    """The mixin on Celery's plain in-memory ``Scheduler``."""
+
+
+class RecordingSingletonScheduler(SendRecorder, SingletonScheduler):
+    """``SingletonScheduler`` (shelve-backed) with recorded sends."""
+
+
 def make_app(redis_server: RedisServer, clock: ManualClock, schedule: dict[str, Any],
              **conf: Any) -> ClockApp:
+    """An app for in-process schedulers.
+
+    It is made current: entries read back from a shelve file lose their app and
+    fall back to the current one (as in a real beat, where it is the beat's app).
+    """
     app = ClockApp("beat-unit", set_as_current=False)
     app.clock = clock
-    app.conf.update(broker_url=redis_server.url(0), singleton_redis_url=redis_server.url(2),
-                    beat_schedule=schedule, **conf)
+    settings = {"broker_url": redis_server.url(0), "singleton_redis_url": redis_server.url(2),
+                "beat_schedule": schedule, "result_expires": None}
+    app.conf.update({**settings, **conf})
+    app.set_current()
     return app
 
 

@@ -1,0 +1,167 @@
+"""Beat dispatch: entries due in the same tick, PersistentScheduler vs SingletonScheduler.
+
+Measures how fast a scheduler gets a burst of due entries out of the door as
+``celery beat``'s loop drives it (``tick()`` until it asks to sleep), publishing
+real messages to a Redis broker. Variants run interleaved, in the same run:
+
+* ``plain``       Celery's ``PersistentScheduler``.
+* ``singleton``   ``SingletonScheduler``: every slot claimed in Redis (batched).
+* ``opted-out``   ``SingletonScheduler``, every entry ``{"singleton": False}``:
+                  the mixin without claims, to isolate the cost of claiming.
+* ``unbatched``   ``SingletonScheduler`` with ``claim_batch_size = 1``: one
+                  round trip per claim, to show what batching buys.
+* ``loser``       a second ``SingletonScheduler`` on the same burst after a first
+                  one sent it: every claim lost, nothing published.
+
+Usage: python -m benchmarks.bench_beat [--entries N] [--rounds R] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.beat import PersistentScheduler
+
+from celery_singleton_beat.beat import SingletonScheduler
+from celery_singleton_beat.client import reset_clients
+from celery_singleton_beat.config import clear_settings_cache
+
+from .common import Server, markdown_table, progress, summary
+
+QUEUE = "bench-beat"
+VARIANTS = {
+    "plain": "Celery's PersistentScheduler",
+    "singleton": "SingletonScheduler, every slot claimed",
+    "opted-out": "SingletonScheduler, entries opted out (no claims)",
+    "unbatched": "SingletonScheduler, one round trip per claim",
+    "loser": "SingletonScheduler after another beat sent the burst (all claims lost)",
+}
+
+
+class Unbatched(SingletonScheduler):
+    claim_batch_size = 1
+
+
+def make_app(base_url: str, entries: int, opt_out: bool) -> Celery:
+    app = Celery("bench-beat", set_as_current=False)
+    options: dict[str, Any] = {"singleton": False} if opt_out else {}
+    app.conf.update(
+        broker_url=f"{base_url}/0",
+        singleton_redis_url=f"{base_url}/2",
+        task_default_queue=QUEUE,
+        result_expires=None,  # no celery.backend_cleanup entry
+        beat_schedule={
+            f"entry-{i}": {"task": "bench.noop", "schedule": timedelta(hours=1),
+                           "args": [i], "options": options}
+            for i in range(entries)
+        },
+    )
+    app.set_current()  # entries read back from the shelve file use the current app
+    return app
+
+
+def build(cls: type, app: Celery, workdir: str, name: str) -> Any:
+    scheduler = cls(app=app, schedule_filename=str(Path(workdir) / name))
+    # Make every entry due now. (Claimed entries need no help: with the default
+    # catch-up rule a slot nobody claimed is due at start.)
+    long_ago = app.now() - timedelta(hours=2)
+    for entry in scheduler.schedule.values():
+        entry.last_run_at = long_ago
+    scheduler.producer  # connect to the broker before the clock starts  # noqa: B018
+    return scheduler
+
+
+def burst(scheduler: Any) -> float:
+    """Tick until the scheduler wants to sleep; the seconds it took."""
+    started = time.perf_counter()
+    while scheduler.tick() <= 0:
+        pass
+    return time.perf_counter() - started
+
+
+def one_round(variant: str, server: Server, entries: int, workdir: str) -> float:
+    """One measured burst; entries per second."""
+    broker, claims = server.client(0), server.client(2)
+    broker.flushdb()
+    claims.flushdb()
+    clear_settings_cache()
+    reset_clients()
+    app = make_app(server.url, entries, opt_out=(variant == "opted-out"))
+    cls: type = {"plain": PersistentScheduler, "unbatched": Unbatched}.get(variant, SingletonScheduler)
+    tag = f"{variant}-{time.monotonic_ns()}"
+    if variant == "loser":
+        first = build(SingletonScheduler, app, workdir, f"{tag}-first")
+        burst(first)
+        first.close()
+        broker.delete(QUEUE)
+    scheduler = build(cls, app, workdir, tag)
+    try:
+        seconds = burst(scheduler)
+    finally:
+        scheduler.close()
+    published = broker.llen(QUEUE)
+    expected = 0 if variant == "loser" else entries
+    if published != expected:
+        raise RuntimeError(f"{variant}: published {published} messages, expected {expected}")
+    return entries / seconds
+
+
+def run(entries: int = 10_000, rounds: int = 3, quick: bool = False) -> dict[str, Any]:
+    if quick:
+        entries, rounds = 200, 1
+    logging.getLogger("celery").setLevel(logging.WARNING)
+    logging.getLogger("celery_singleton_beat").setLevel(logging.WARNING)
+    server = Server()
+    results: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    try:
+        with tempfile.TemporaryDirectory(prefix="csb-bench-beat-") as workdir:
+            for r in range(rounds):
+                for variant in VARIANTS:  # interleaved: drift hits every variant alike
+                    progress(f"round {r + 1}/{rounds}: {variant} x {entries}")
+                    results[variant].append(one_round(variant, server, entries, workdir))
+    finally:
+        server.stop()
+    plain = summary(results["plain"])["median"]
+    return {
+        "entries": entries, "rounds": rounds,
+        "variants": {v: {"entries_per_s": summary(rates),
+                         "ratio_to_plain": summary(rates)["median"] / plain}
+                     for v, rates in results.items()},
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = []
+    for variant, data in report["variants"].items():
+        rate = data["entries_per_s"]
+        rows.append([variant, VARIANTS[variant],
+                     f"{rate['median']:,.0f} ({rate['min']:,.0f}-{rate['max']:,.0f})",
+                     f"{data['ratio_to_plain']:.2f}"])
+    return (f"{report['entries']:,} entries due in one tick, {report['rounds']} round(s), "
+            "publishing to a Redis broker.\n\n"
+            + markdown_table(["variant", "scheduler", "entries/s median (min-max)", "ratio to plain"],
+                             rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    report = run(args.entries, args.rounds)
+    print(json.dumps(report, indent=2) if args.json else table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

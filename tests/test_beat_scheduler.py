@@ -1,0 +1,401 @@
+"""SingletonSchedulerMixin in-process: several schedulers, one real redis-server, a manual clock.
+
+The schedulers are Celery's own (plain ``Scheduler`` and ``PersistentScheduler``)
+with the mixin; only publishing is replaced by a recorder so that each send
+can be attributed to its slot. Beats as real processes are in
+``test_beat_processes.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shelve
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery.exceptions import ImproperlyConfigured
+from celery.schedules import crontab
+
+from celery_singleton_beat.beat import (
+    INSTANCE_HEADER,
+    SLOT_HEADER,
+    history_key,
+    read_history,
+    slot_key,
+    stats_key,
+)
+from celery_singleton_beat.keys import beat_stats_key
+
+from .beat_support import (
+    ManualClock,
+    RecordingScheduler,
+    RecordingSingletonScheduler,
+    make_app,
+    monotonic_wait,
+    run_ticks,
+    sent_slots,
+)
+from .support import LOCK_DB, RedisServer, wait_for
+
+UTC = timezone.utc
+START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=UTC)
+EVERY_SECOND = {"tick": {"task": "t.tick", "schedule": 1.0}}
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+def labels(start: datetime, count: int, period: timedelta) -> list[str]:
+    return [(start + i * period).strftime("%Y-%m-%dT%H:%M:%SZ") for i in range(count)]
+
+
+def assert_contiguous_once(counts: Any, period: timedelta) -> list[str]:
+    """Each slot sent once and no slot missing between the first and the last."""
+    assert counts, "nothing sent"
+    assert all(n == 1 for n in counts.values()), f"duplicates: {counts}"
+    ordered = sorted(counts)
+    first = datetime.strptime(ordered[0], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert ordered == labels(first, len(ordered), period)
+    return ordered
+
+
+# ----------------------------------------------------------------- one send per slot
+
+def test_two_plain_schedulers_send_each_slot_once(redis_db: redis.Redis,
+                                                  redis_server: RedisServer) -> None:
+    """The mixin on Celery's plain Scheduler: staggered start, 20 s, every slot once."""
+    clock = ManualClock(START)
+    first = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND))
+    clock.advance(0.37)
+    second = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND))
+    run_ticks([first, second], clock, 20, 0.1)
+
+    slots = assert_contiguous_once(sent_slots(first, second), timedelta(seconds=1))
+    assert slots[0] == "2024-05-01T12:00:00Z"  # the slot running when the first beat started
+    assert len(slots) == 21  # 12:00:00 .. 12:00:20
+
+
+def test_persistent_schedulers_with_stale_files_do_not_burst(redis_db: redis.Redis,
+                                                             redis_server: RedisServer,
+                                                             tmp_path: Path,
+                                                             request: pytest.FixtureRequest) -> None:
+    """A (re)started beat whose shelve says "last run a year ago" sends nothing already sent."""
+    clock = ManualClock(START)
+    every_minute = {"report": {"task": "t.report", "schedule": crontab(minute="*")},
+                    "tick": {"task": "t.tick", "schedule": 2.0}}
+    running = RecordingSingletonScheduler(app=make_app(redis_server, clock, every_minute),
+                                          schedule_filename=str(tmp_path / "a"))
+    request.addfinalizer(running.close)
+    run_ticks([running], clock, 130, 0.5)
+    assert sent_slots(running, task="t.report") == {
+        "2024-05-01T12:00:00Z": 1, "2024-05-01T12:01:00Z": 1, "2024-05-01T12:02:00Z": 1}
+
+    # A second beat starts with a schedule file whose state is a year old.
+    stale = tmp_path / "b"
+    with shelve.open(str(stale)) as store:
+        store["entries"] = {}
+    late = RecordingSingletonScheduler(app=make_app(redis_server, clock, every_minute),
+                                       schedule_filename=str(stale))
+    request.addfinalizer(late.close)
+    for entry in late.schedule.values():
+        entry.last_run_at = START - timedelta(days=365)
+    run_ticks([late, running], clock, 70, 0.5)
+
+    assert sent_slots(late, running, task="t.report") == {
+        f"2024-05-01T12:0{m}:00Z": 1 for m in range(4)}
+    assert_contiguous_once(sent_slots(late, running, task="t.tick"), timedelta(seconds=2))
+    # The late beat sent only slots that came due after it started.
+    assert all(s["slot"] >= "2024-05-01T12:02:10Z" for s in late.sent)
+
+
+def test_clock_skew_between_beats_sends_each_slot_once(redis_db: redis.Redis,
+                                                       redis_server: RedisServer) -> None:
+    """Beats whose clocks are 0.4 s ahead and 0.4 s behind, on a 2 s interval."""
+    every_two = {"tick": {"task": "t.tick", "schedule": 2.0}}
+    clocks = [ManualClock(START + timedelta(seconds=offset)) for offset in (-0.4, 0.0, 0.4)]
+    beats = [RecordingScheduler(app=make_app(redis_server, clock, every_two)) for clock in clocks]
+    for _ in range(200):  # 20 s of true time
+        for beat in beats:
+            while beat.tick() <= 0:
+                pass
+        for clock in clocks:
+            clock.advance(0.1)
+    slots = assert_contiguous_once(sent_slots(*beats), timedelta(seconds=2))
+    assert len(slots) >= 10
+    assert sum(1 for beat in beats if beat.sent) >= 2  # the ahead beat wins most, not all
+
+
+def test_crontab_across_spring_forward_in_berlin(redis_db: redis.Redis,
+                                                 redis_server: RedisServer) -> None:
+    """Every minute, Europe/Berlin, 2024-03-31 00:58-01:03 UTC: one send per real minute."""
+    clock = ManualClock(utc(2024, 3, 31, 0, 57, 40))
+    schedule = {"minutely": {"task": "t.m", "schedule": crontab(minute="*")}}
+    beats = [RecordingScheduler(app=make_app(redis_server, clock, schedule,
+                                             timezone="Europe/Berlin")) for _ in range(3)]
+    run_ticks(beats, clock, 6 * 60, 5)
+    slots = assert_contiguous_once(sent_slots(*beats), timedelta(minutes=1))
+    assert slots[0] == "2024-03-31T00:57:00Z" and "2024-03-31T01:00:00Z" in slots
+    assert slots[-1] == "2024-03-31T01:03:00Z"
+
+
+# ----------------------------------------------------------------- start-up and catch-up
+
+def run_then_stop(redis_server: RedisServer, clock: ManualClock, schedule: dict[str, Any],
+                  seconds: float) -> RecordingScheduler:
+    beat = RecordingScheduler(app=make_app(redis_server, clock, schedule))
+    run_ticks([beat], clock, seconds, 0.25)
+    beat.close()
+    return beat
+
+
+@pytest.mark.parametrize("catch_up", ["latest", "none"])
+def test_catch_up_after_every_beat_was_down(redis_db: redis.Redis, redis_server: RedisServer,
+                                            catch_up: str) -> None:
+    clock = ManualClock(START)
+    schedule = {"tick": {"task": "t.tick", "schedule": 10.0},
+                "report": {"task": "t.report", "schedule": crontab(minute="*/5")}}
+    before = run_then_stop(redis_server, clock, schedule, 12)
+    assert sent_slots(before) == {"2024-05-01T12:00:00Z": 2, "2024-05-01T12:00:10Z": 1}
+
+    clock.advance(17 * 60 + 3)  # every beat down: 12:00:12 -> 12:17:15
+    after = RecordingScheduler(app=make_app(redis_server, clock, schedule,
+                                            singleton_beat_catch_up=catch_up))
+    for _ in range(10):
+        after.tick()
+    at_start = sent_slots(after)
+    if catch_up == "latest":  # the latest missed slot of each entry, once
+        assert at_start == {"2024-05-01T12:17:10Z": 1, "2024-05-01T12:15:00Z": 1}
+    else:
+        assert at_start == {}
+    run_ticks([after], clock, 10, 0.25)
+    assert sent_slots(after)["2024-05-01T12:17:20Z"] == 1
+
+
+def test_restarted_beat_does_not_resend_the_current_slot(redis_db: redis.Redis,
+                                                         redis_server: RedisServer) -> None:
+    clock = ManualClock(START)
+    schedule = {"hourly": {"task": "t.h", "schedule": crontab(minute=0)}}
+    first = run_then_stop(redis_server, clock, schedule, 5)
+    assert sent_slots(first) == {"2024-05-01T12:00:00Z": 1}
+    clock.advance(40 * 60)
+    again = RecordingScheduler(app=make_app(redis_server, clock, schedule))
+    run_ticks([again], clock, 5, 0.25)
+    assert again.sent == []
+
+
+# ----------------------------------------------------------------- what is written and sent
+
+def test_claims_history_counters_and_headers(redis_db: redis.Redis,
+                                             redis_server: RedisServer) -> None:
+    clock = ManualClock(START)
+    schedule = {"tick": {"task": "t.tick", "schedule": 30.0, "args": [1],
+                         "options": {"queue": "q1", "headers": {"h": "v"}}}}
+    app = make_app(redis_server, clock, schedule, singleton_key_prefix="app7",
+                   singleton_beat_claim_margin=15)
+    winner = RecordingScheduler(app=app)
+    loser = RecordingScheduler(app=make_app(redis_server, clock, schedule,
+                                            singleton_key_prefix="app7",
+                                            singleton_beat_claim_margin=15))
+    run_ticks([winner, loser], clock, 1, 0.25)
+    assert len(winner.sent) == 1 and loser.sent == []
+
+    sent = winner.sent[0]
+    assert sent["args"] == [1]
+    assert sent["options"]["queue"] == "q1"
+    assert sent["options"]["headers"] == {"h": "v", "celery_beat_task": True,
+                                          SLOT_HEADER: "2024-05-01T12:00:00Z",
+                                          INSTANCE_HEADER: winner.instance_id}
+    assert "singleton" not in sent["options"]
+    # The entry's own options are left as they were.
+    assert winner.schedule["tick"].options == {"queue": "q1", "headers": {"h": "v"}}
+
+    claims = redis_server.client(LOCK_DB)
+    key = slot_key("app7", "tick", utc(2024, 5, 1, 12))
+    value = json.loads(claims.get(key))
+    assert value["instance"] == winner.instance_id
+    assert 30_000 < claims.pttl(key) <= 45_000  # period + margin
+    history = read_history(claims, "app7")
+    assert history == [{"entry": "tick", "key": key, "task": "t.tick",
+                        "slot": "2024-05-01T12:00:00Z", "winner": winner.instance_id,
+                        "at": value["at"]}]
+    assert claims.hgetall(stats_key("app7")) == {b"won": b"1", b"lost": b"1"}
+    assert claims.hgetall(beat_stats_key("app7", "tick")) == {b"won": b"1", b"lost": b"1"}
+    assert claims.pttl(stats_key("app7")) > 0  # counters expire when no longer updated
+
+
+def test_history_is_capped(redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    clock = ManualClock(START)
+    beat = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND))
+    beat.history_size = 5
+    run_ticks([beat], clock, 12, 0.5)
+    claims = redis_server.client(LOCK_DB)
+    assert claims.llen(history_key("singleton")) == 5
+    assert [r["slot"] for r in read_history(claims, "singleton", 2)] == [
+        "2024-05-01T12:00:11Z", "2024-05-01T12:00:10Z"]
+
+
+def test_opt_out_and_args_in_the_key(redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    clock = ManualClock(START)
+    schedule = {
+        "plain": {"task": "t.plain", "schedule": 5.0, "options": {"singleton": False}},
+        "sync-a": {"task": "t.sync", "schedule": 5.0, "args": ["a"],
+                   "options": {"singleton": {"key": "sync", "include_args": True}}},
+        "sync-b": {"task": "t.sync", "schedule": 5.0, "args": ["b"],
+                   "options": {"singleton": {"key": "sync", "include_args": True}}},
+    }
+    beats = [RecordingScheduler(app=make_app(redis_server, clock, schedule)) for _ in range(2)]
+    run_ticks(beats, clock, 16, 0.25)
+
+    opted_out = [s for beat in beats for s in beat.sent if s["task"] == "t.plain"]
+    assert len(opted_out) >= 5  # every beat sends it, like plain Celery
+    assert all(s["slot"] is None and "singleton" not in s["options"] for s in opted_out)
+    sync = [(s["args"][0], s["slot"]) for beat in beats for s in beat.sent if s["task"] == "t.sync"]
+    assert sorted(sync) == sorted((arg, slot) for arg in "ab" for slot in labels(
+        utc(2024, 5, 1, 12), 4, timedelta(seconds=5)))
+    keys = {k.decode() for k in redis_server.client(LOCK_DB).keys("singleton:{beat:sync:*")}
+    assert len({k.split("}")[0] for k in keys}) == 2  # one key family per argument list
+
+
+# ----------------------------------------------------------------- Redis trouble
+
+@pytest.fixture
+def claims_server() -> Any:
+    """A redis-server of its own for slot claims, so a test can stop it."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims_server: RedisServer,
+                                                   redis_server: RedisServer,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="celery_singleton_beat")
+    clock = ManualClock(START)
+    schedule = {"tick": {"task": "t.tick", "schedule": 1.0},
+                "plain": {"task": "t.plain", "schedule": 1.0, "options": {"singleton": False}}}
+    beat = RecordingScheduler(app=make_app(redis_server, clock, schedule,
+                                           singleton_redis_url=claims_server.url(0),
+                                           singleton_redis_options={"socket_timeout": 1}))
+    run_ticks([beat], clock, 3, 0.25)
+    assert sent_slots(beat, task="t.tick") == {f"2024-05-01T12:00:0{i}Z": 1 for i in range(4)}
+
+    claims_server.stop()
+    run_ticks([beat], clock, 3, 0.25)  # 12:00:04 - 12:00:06: cannot claim
+    assert len(sent_slots(beat, task="t.tick")) == 4  # fail closed: nothing more sent
+    assert len(sent_slots(beat, task="t.plain")) == 0 or beat.sent[-1]["task"] == "t.plain"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("tick: slot 2024-05-01T12:00:04Z NOT sent" in m for m in warnings), warnings
+    assert any("unavailable" in m for m in warnings)
+
+    claims_server.start()  # same port; every old claim is gone
+    monotonic_wait(0.3)  # past the (test-sized) back-off
+    run_ticks([beat], clock, 3, 0.25)
+    counts = sent_slots(beat, task="t.tick")
+    assert all(n == 1 for n in counts.values())
+    assert {"2024-05-01T12:00:08Z", "2024-05-01T12:00:09Z"} <= set(counts)
+    assert any("is back" in r.getMessage() for r in caplog.records)
+
+
+def test_redis_down_fail_open_sends_unclaimed(redis_db: redis.Redis, claims_server: RedisServer,
+                                              redis_server: RedisServer) -> None:
+    clock = ManualClock(START)
+    beat = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND,
+                                           singleton_redis_url=claims_server.url(0),
+                                           singleton_beat_fail_open=True))
+    claims_server.stop()
+    run_ticks([beat], clock, 3, 0.25)
+    assert sent_slots(beat) == {f"2024-05-01T12:00:0{i}Z": 1 for i in range(4)}
+
+
+def test_bad_configuration_fails_at_start(redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    clock = ManualClock(START)
+    with pytest.raises(ImproperlyConfigured, match="singleton_beat_catch_up"):
+        RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND,
+                                        singleton_beat_catch_up="all"))
+    with pytest.raises(ImproperlyConfigured, match="unknown setting"):
+        RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND,
+                                        singleton_beat_failopen=True))
+    with pytest.raises(ImproperlyConfigured, match="Redis URL"):
+        RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND,
+                                        singleton_redis_url="http://localhost:6379/0"))
+    with pytest.raises(ImproperlyConfigured, match="'bad'.*include_args"):
+        RecordingScheduler(app=make_app(redis_server, clock, {
+            "bad": {"task": "t", "schedule": 1.0, "options": {"singleton": {"include_args": 1}}}}))
+    with pytest.raises(ImproperlyConfigured, match="'zero'.*positive"):
+        RecordingScheduler(app=make_app(redis_server, clock, {"zero": {"task": "t", "schedule": 0}}))
+
+
+# ----------------------------------------------------------------- many entries at once
+
+def test_many_due_entries_are_claimed_in_batches(redis_db: redis.Redis,
+                                                 redis_server: RedisServer) -> None:
+    clock = ManualClock(START)
+    schedule = {f"e{i}": {"task": "t.e", "schedule": 60.0, "args": [i]} for i in range(2500)}
+
+    class Counting(RecordingScheduler):
+        pipelines = 0
+
+        def _claim_many(self, batch: Any) -> None:
+            type(self).pipelines += 1
+            super()._claim_many(batch)
+
+    beats = [Counting(app=make_app(redis_server, clock, schedule)) for _ in range(2)]
+    run_ticks(beats, clock, 1, 0.5)
+    counts = sent_slots(*beats)
+    assert counts == {"2024-05-01T12:00:00Z": 2500}
+    assert sorted(s["args"][0] for beat in beats for s in beat.sent) == list(range(2500))
+    assert Counting.pipelines == 6  # 2 beats x ceil(2500 / 1000) round trips
+
+
+def test_claims_won_ahead_are_given_back_when_not_sent(redis_db: redis.Redis,
+                                                       redis_server: RedisServer) -> None:
+    clock = ManualClock(START)
+    schedule = {"a": {"task": "t.a", "schedule": 60.0}, "b": {"task": "t.b", "schedule": 60.0}}
+    beat = RecordingScheduler(app=make_app(redis_server, clock, schedule))
+    assert beat.tick() == 0  # one entry sent, the other claimed ahead
+    claims = redis_server.client(LOCK_DB)
+    assert len(claims.keys("singleton:{beat:*}:*")) == 2
+    pending = next(name for name in ("a", "b") if name in beat._prefetched)
+    beat.schedule.pop(pending)  # removed before its turn
+    wait_for(lambda: beat.tick() > 0, timeout=5)
+    assert [s["task"] for s in beat.sent] == [f"t.{'ab'.replace(pending, '')}"]
+    assert claims.keys(f"singleton:{{beat:{pending}}}:*") == []
+
+
+def test_claim_is_given_back_when_publishing_fails(redis_db: redis.Redis,
+                                                   redis_server: RedisServer) -> None:
+    """A slot won but not published (broker down) does not stay claimed."""
+    clock = ManualClock(START)
+
+    class BrokerDown(RecordingScheduler):
+        def send_task(self, *args: Any, **kwargs: Any) -> None:
+            raise ConnectionError("broker unreachable")
+
+    beat = BrokerDown(app=make_app(redis_server, clock, EVERY_SECOND))
+    beat.tick()  # Celery logs the failed publish; beat goes on
+    assert redis_server.client(LOCK_DB).keys("singleton:{beat:tick}:*") == []
+    late = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND))
+    late.tick()
+    assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
+
+
+def test_redis_without_set_nx_get_falls_back_to_plain_set_nx(redis_db: redis.Redis,
+                                                             redis_server: RedisServer) -> None:
+    """Redis < 7 rejects SET NX GET: the scheduler switches to SET NX once and carries on."""
+    clock = ManualClock(START)
+
+    class OldRedis(RecordingScheduler):
+        def _set_claims(self, client: Any, batch: Any, value: str) -> list[Any]:
+            if self._use_set_get:
+                raise redis.ResponseError("ERR syntax error")
+            return super()._set_claims(client, batch, value)
+
+    beats = [OldRedis(app=make_app(redis_server, clock, EVERY_SECOND)) for _ in range(2)]
+    run_ticks(beats, clock, 3, 0.25)
+    assert_contiguous_once(sent_slots(*beats), timedelta(seconds=1))
+    assert not any(beat._use_set_get for beat in beats)
