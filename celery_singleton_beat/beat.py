@@ -48,10 +48,9 @@ import redis
 from celery import schedules
 from celery.beat import PersistentScheduler, Scheduler
 from celery.exceptions import ImproperlyConfigured
-from kombu.utils.url import maybe_sanitize_url
 
 from .client import get_redis
-from .config import SingletonSettings, get_settings
+from .config import SingletonSettings, get_settings, sanitize_redis_url
 from .events import logger
 from .keys import beat_stats_key
 from .lock import STATS_TTL_MS, release_value
@@ -532,7 +531,7 @@ class SingletonSchedulerMixin(_SchedulerBase):
             "beat: singleton scheduler %s: catch-up %s, %s, claims in %s",
             self.instance_id, settings.beat_catch_up,
             "fail open" if settings.beat_fails_open else "fail closed",
-            maybe_sanitize_url(settings.redis_url or ""),
+            sanitize_redis_url(settings.redis_url),
         )
         try:
             get_redis(self.app).ping()
@@ -560,7 +559,7 @@ class SingletonSchedulerMixin(_SchedulerBase):
     def info(self) -> str:
         settings = self.singleton_settings
         line = (
-            f"    . singleton -> {maybe_sanitize_url(settings.redis_url or '')} "
+            f"    . singleton -> {sanitize_redis_url(settings.redis_url)} "
             f"prefix={settings.key_prefix} instance={self.instance_id} "
             f"catch-up={settings.beat_catch_up} "
             f"{'fail-open' if settings.beat_fails_open else 'fail-closed'}"
