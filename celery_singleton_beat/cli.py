@@ -34,12 +34,11 @@ import redis
 from celery import Celery
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException, ImproperlyConfigured
-from kombu.utils.url import maybe_sanitize_url
 
 from .beat import history_key as beat_history_key
 from .beat import stats_key as beat_totals_key
 from .client import get_redis
-from .config import SingletonSettings, get_settings
+from .config import SingletonSettings, get_settings, sanitize_redis_url
 from .keys import beat_stats_key, task_stats_key
 from .lock import Holder, LuaScript, fence_key, parse_holder, release_value
 from .task import QUEUED_SUFFIX
@@ -616,7 +615,7 @@ class _Session:
         except ImproperlyConfigured as exc:
             raise CeleryCommandException(f"invalid configuration: {exc}", EX_CONFIG) from exc
         self.prefix = self.settings.key_prefix
-        self.url = maybe_sanitize_url(self.settings.redis_url or "")
+        self.url = sanitize_redis_url(self.settings.redis_url)
         self.client = get_redis(self.app)
 
     def run(self, read: Callable[[], Any]) -> Any:
@@ -889,7 +888,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
         ctx.obj.echo(_json({"ok": not problems, "checks": [check.as_json() for check in checks]}))
     else:
         if settings is not None:
-            ctx.obj.echo(f"celery-singleton-beat doctor: {maybe_sanitize_url(settings.redis_url or '')}, "
+            ctx.obj.echo(f"celery-singleton-beat doctor: {sanitize_redis_url(settings.redis_url)}, "
                          f"key prefix '{settings.key_prefix}'")
         width = max(len(check.name) for check in checks)
         colors = {"OK": "green", "WARN": "yellow", "FAIL": "red"}

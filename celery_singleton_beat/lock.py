@@ -34,6 +34,8 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+from .client import call_acknowledged
+
 __all__ = [
     "AcquireResult",
     "Holder",
@@ -281,6 +283,8 @@ def acquire(
     adopt_claim_of: str | None = None,
     stats_key: str | None = None,
     counters: tuple[str, str] = ("acquired", "skipped"),
+    wait_replicas: int = 0,
+    wait_timeout: float = 1.0,
 ) -> AcquireResult:
     """Try once to take ``key`` for ``ttl`` seconds (one round trip).
 
@@ -289,6 +293,10 @@ def acquire(
     its own publish-time claim instead of conflicting with it. With
     ``stats_key``, the outcome is counted there in the same round trip:
     ``counters`` names the field for "taken" and the one for "held by another".
+    With ``wait_replicas``, a taken lock must reach that many replicas within
+    ``wait_timeout`` (``WAIT``), else it is given back and
+    :class:`~celery_singleton_beat.client.ReplicasNotAcknowledged` (a
+    ``RedisError``: "Redis unavailable") is raised.
     """
     record = {
         "v": VALUE_FORMAT,
@@ -305,9 +313,15 @@ def acquire(
     ttl_ms = _ms(ttl)
     fence_ttl_ms = max(ttl_ms * 2, 10_000)
     keys = [key, fence_key(key)] + ([stats_key] if stats_key else [])
-    taken, value, extra = _ACQUIRE(
-        client, keys,
-        [encoded[:-1], ttl_ms, fence_ttl_ms, adopt_claim_of or "", *counters, STATS_TTL_MS],
+    args = [encoded[:-1], ttl_ms, fence_ttl_ms, adopt_claim_of or "", *counters, STATS_TTL_MS]
+
+    def give_back(conn: Any, reply: Any) -> None:
+        if reply[0]:
+            _RELEASE(conn, _keys(key, stats_key), [reply[1], "unacknowledged", "", STATS_TTL_MS])
+
+    taken, value, extra = call_acknowledged(
+        client, key, lambda conn: _ACQUIRE(conn, keys, args),
+        replicas=wait_replicas, timeout=wait_timeout, undo=give_back,
     )
     if taken:
         text = value.decode("utf-8") if isinstance(value, bytes) else value

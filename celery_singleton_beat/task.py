@@ -193,7 +193,8 @@ class SingletonTask(Task):
             result = acquire(client, claim_key, settings.queue_lock_ttl, task=self.name,
                              task_id=task_id, claim=True, boot=worker_support.boot_id(),
                              stats_key=self.singleton_stats_key(),
-                             counters=("claimed", "publish_deduplicated"))
+                             counters=("claimed", "publish_deduplicated"),
+                             wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
         except redis.RedisError as exc:
             if not settings.fail_open:
                 raise LockUnavailable(claim_key, exc) from exc
@@ -239,7 +240,8 @@ class SingletonTask(Task):
             result = acquire(client, key, ttl, task=self.name, task_id=request.id,
                              node=request.hostname, boot=worker_support.boot_id(),
                              adopt_claim_of=adopt, stats_key=self.singleton_stats_key(),
-                             counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]))
+                             counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
+                             wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
         except redis.RedisError as exc:
             return self._redis_unavailable(key, exc, fail_open=settings.fail_open)
         if self.lock_mode == "until_executing":

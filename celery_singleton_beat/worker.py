@@ -26,7 +26,7 @@ from celery import Celery, bootsteps, signals
 from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.worker.request import Request
 
-from .client import get_redis
+from .client import get_redis, mget_any, scan_all
 from .config import get_settings
 from .events import logger
 from .keys import is_run_lock_key, task_stats_key
@@ -102,7 +102,7 @@ def reclaim_node_locks(client: redis.Redis, prefix: str, node: str, current_boot
 
     def flush() -> None:
         nonlocal freed
-        for key, raw in zip(batch, client.mget(batch)):
+        for key, raw in zip(batch, mget_any(client, batch)):
             holder = parse_holder(raw)
             if holder is None or holder.node != node or holder.claim or holder.boot in (None, current_boot):
                 continue
@@ -114,7 +114,7 @@ def reclaim_node_locks(client: redis.Redis, prefix: str, node: str, current_boot
         batch.clear()
 
     # Glob braces are literal: this matches keys ending in "}", i.e. run locks.
-    for raw_key in client.scan_iter(match=f"{prefix}:{{*}}", count=1000):
+    for raw_key in scan_all(client, f"{prefix}:{{*}}", count=1000):
         key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
         if is_run_lock_key(prefix, key):
             batch.append(key)
