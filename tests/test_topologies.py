@@ -26,7 +26,6 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 from celery.result import AsyncResult
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
 
 from celery_singleton_beat import LockUnavailable, SingletonTask
 from celery_singleton_beat.client import (
@@ -491,7 +490,7 @@ def test_cluster_helpers_reach_every_primary(cluster_topology: Topology) -> None
 
 
 def test_worker_reclaim_scans_every_cluster_primary(cluster_topology: Topology) -> None:
-    """worker.reclaim_node_locks on Cluster (it must read holders with mget_any)."""
+    """worker.reclaim_node_locks on Cluster reads holders node by node (mget_any)."""
     cluster_topology.flush()
     client = redis_from_url(cluster_topology.url)
     task = lock_app(cluster_topology).tasks["topo.sync"]
@@ -499,12 +498,7 @@ def test_worker_reclaim_scans_every_cluster_primary(cluster_topology: Topology) 
         for i in range(12):
             acquire(client, task.singleton_key((i,), {}), 30, task="topo.sync", task_id=str(i),
                     node="w1@h", boot="before")
-        try:
-            freed = reclaim_node_locks(client, "singleton", "w1@h", "after", stats=False)
-        except RedisClusterException as exc:
-            pytest.xfail(f"worker.reclaim_node_locks reads holders with MGET across slots ({exc}); "
-                         "it should call client.mget_any")
-        assert freed == 12
+        assert reclaim_node_locks(client, "singleton", "w1@h", "after", stats=False) == 12
     finally:
         client.close()
 
