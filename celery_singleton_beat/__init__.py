@@ -3,6 +3,8 @@
 Public API::
 
     from celery_singleton_beat import SingletonTask, SingletonScheduler
+
+``SingletonScheduler`` is also the beat scheduler alias ``-S singleton``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from .exceptions import (
     SingletonError,
     SingletonKeyError,
 )
+from .beat import SingletonScheduler, SingletonSchedulerMixin
 from .task import SingletonRun, SingletonTask
 
 __all__ = [
@@ -23,6 +26,8 @@ __all__ = [
     "SingletonError",
     "SingletonKeyError",
     "SingletonRun",
+    "SingletonScheduler",
+    "SingletonSchedulerMixin",
     "SingletonTask",
 ]
 

@@ -49,7 +49,7 @@ from celery import schedules
 from celery.beat import PersistentScheduler, Scheduler
 from celery.exceptions import ImproperlyConfigured
 
-from .client import get_redis
+from .client import ReplicasNotAcknowledged, get_redis, group_by_node, is_cluster
 from .config import SingletonSettings, get_settings, sanitize_redis_url
 from .events import logger
 from .keys import beat_stats_key
@@ -884,12 +884,54 @@ class SingletonSchedulerMixin(_SchedulerBase):
 
     def _set_claims(self, client: redis.Redis, batch: list[tuple[_Claim, Any]],
                     value: str) -> list[Any]:
+        """``SET NX PX`` each claim, pipelined; the raw replies, in ``batch`` order.
+
+        With ``singleton_wait_replicas``, each server's pipeline ends with
+        ``WAIT`` (same connection as its SETs, so it counts them). Fewer
+        replicas in time: the claims this call won are given back and
+        :class:`ReplicasNotAcknowledged` is raised, a ``RedisError``, so the
+        slots are handled as with Redis down (fail closed unless
+        ``singleton_beat_fail_open``).
+        """
         margin = timedelta(seconds=self.singleton_settings.beat_claim_margin)
-        pipe = client.pipeline(transaction=False)
-        for claim, _ in batch:
-            ttl_ms = (claim.slot.period + margin) // timedelta(milliseconds=1)
-            pipe.set(claim.key, value, nx=True, px=max(1, ttl_ms), get=self._use_set_get)
-        return pipe.execute()
+
+        def add_sets(pipe: Any, items: Iterable[tuple[_Claim, Any]]) -> None:
+            for claim, _ in items:
+                ttl_ms = (claim.slot.period + margin) // timedelta(milliseconds=1)
+                pipe.set(claim.key, value, nx=True, px=max(1, ttl_ms), get=self._use_set_get)
+
+        replicas = self.singleton_settings.wait_replicas
+        if replicas <= 0:
+            pipe = client.pipeline(transaction=False)
+            add_sets(pipe, batch)
+            return pipe.execute()
+
+        timeout = self.singleton_settings.wait_timeout
+        keys = [claim.key for claim, _ in batch]
+        replies: list[Any] = [None] * len(batch)
+        won: list[str] = []
+        try:
+            for group in group_by_node(client, keys):
+                server = (client.get_redis_connection(client.get_node_from_key(keys[group[0]]))
+                          if is_cluster(client) else client)
+                pipe = server.pipeline(transaction=False)
+                add_sets(pipe, (batch[i] for i in group))
+                pipe.execute_command("WAIT", replicas, max(1, round(timeout * 1000)))
+                *sets, acknowledged = pipe.execute()
+                for index, reply in zip(group, sets):
+                    replies[index] = reply
+                    if (reply is None) if self._use_set_get else bool(reply):
+                        won.append(keys[index])
+                if int(acknowledged) < replicas:
+                    raise ReplicasNotAcknowledged(keys[group[0]], int(acknowledged), replicas, timeout)
+        except redis.RedisError:
+            for key in won:  # an unacknowledged claim must not block the slot
+                try:
+                    release_value(client, key, value)
+                except redis.RedisError:
+                    pass  # it expires after its period
+            raise
+        return replies
 
     def _record(self, client: redis.Redis, batch: list[tuple[_Claim, Any]], at: float) -> None:
         """Append won claims to the capped history and bump the counters (best effort).

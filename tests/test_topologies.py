@@ -269,13 +269,6 @@ def test_the_lease_works(topology: Topology) -> None:
     assert not topology.admin.exists(app.tasks["topo.sync"].singleton_key((2,), {}))
 
 
-@pytest.fixture
-def beat_banner(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until beat.py logs its URL with sanitize_redis_url: kombu's sanitizer cannot
-    parse Sentinel and Cluster URLs (test_beat_starts_with_every_url_form tracks it)."""
-    monkeypatch.setattr("celery_singleton_beat.beat.maybe_sanitize_url", sanitize_redis_url, raising=False)
-
-
 @pytest.mark.parametrize("kind", ["sentinel", "cluster"])
 def test_beat_starts_with_every_url_form(kind: str, request: pytest.FixtureRequest) -> None:
     """Beat starts and shows where its claims go (passwords masked), whatever the URL form."""
@@ -284,13 +277,7 @@ def test_beat_starts_with_every_url_form(kind: str, request: pytest.FixtureReque
     reset_clients()
     url = topology.url.replace("://", "://user:secret@", 1)
     app = beat_app(ManualClock(START), {"e": {"task": "t.e", "schedule": 1.0}}, url)
-    try:
-        beat = RecordingScheduler(app=app)
-    except ValueError as exc:
-        if "Port could not be cast" in str(exc):
-            pytest.xfail(f"beat.py logs singleton_redis_url with kombu's maybe_sanitize_url ({exc}); "
-                         "it should use config.sanitize_redis_url")
-        raise
+    beat = RecordingScheduler(app=app)
     try:
         assert "secret" not in beat.info and sanitize_redis_url(url) in beat.info
     finally:
@@ -298,7 +285,6 @@ def test_beat_starts_with_every_url_form(kind: str, request: pytest.FixtureReque
         reset_clients()
 
 
-@pytest.mark.usefixtures("beat_banner")
 def test_beat_sends_each_slot_once(topology: Topology) -> None:
     """Two schedulers claim three entries' slots (several hash slots on Cluster)."""
     clock = ManualClock(START)
@@ -381,6 +367,33 @@ def test_wait_replicas(topology: Topology) -> None:
         assert not topology.admin.exists(key), "an unacknowledged lock is given back"
 
 
+def test_tasks_and_beats_honour_wait_replicas(topology: Topology) -> None:
+    """singleton_wait_replicas=1 through the library's own paths: where a replica
+    exists, tasks run and slots are sent; where none does, nothing runs or is sent
+    (fail closed) and no lock or claim is left behind."""
+    topology.flush()
+    app = lock_app(topology, singleton_wait_replicas=1, singleton_wait_timeout=0.2,
+                   task_eager_propagates=True)
+    task = app.tasks["topo.sync"]
+    clock = ManualClock(START)
+    beat = RecordingScheduler(app=beat_app(clock, {"w": {"task": "topo.w", "schedule": 1.0}}, topology.url,
+                                           singleton_wait_replicas=1, singleton_wait_timeout=0.2))
+    try:
+        if topology.replicas:
+            assert task.delay(4).get()["held"]
+            run_ticks([beat], clock, 2, 0.5)
+            assert sent_slots(beat, task="topo.w"), "acknowledged claims are sent"
+        else:
+            with pytest.raises(LockUnavailable, match="replica"):
+                task.delay(4)
+            run_ticks([beat], clock, 2, 0.5)
+            assert not sent_slots(beat, task="topo.w"), "unacknowledged slots are not sent"
+            assert not list(scan_all(topology.admin, "singleton:{beat:w}*")), "claims were given back"
+        assert not topology.admin.exists(task.singleton_key((4,), {}))
+    finally:
+        beat.close()
+
+
 @pytest.mark.slow
 def test_a_prefork_worker_runs_singleton_tasks(topology: Topology, tasks: ModuleType,  # noqa: F811
                                                redis_server: RedisServer, records: redis.Redis,  # noqa: F811
@@ -410,7 +423,6 @@ def _commands_used(server: redis.Redis) -> set[str]:
             if int(value.get("calls", 0)) > 0}
 
 
-@pytest.mark.usefixtures("beat_banner")
 def test_acl_user_needs_exactly_the_documented_commands() -> None:
     """Under acl_rules(wait=True) every path runs, and every granted command is used.
 
@@ -503,7 +515,6 @@ def test_worker_reclaim_scans_every_cluster_primary(cluster_topology: Topology) 
         client.close()
 
 
-@pytest.mark.usefixtures("beat_banner")
 def test_a_cluster_outage_is_redis_unavailable() -> None:
     """With every node down, tasks, leases and beats see a RedisError (ClusterUnavailable)
     and follow fail closed, instead of crashing on redis-py's RedisClusterException."""
@@ -614,7 +625,6 @@ def _slot_outcome(counts: Counter[str], period: float) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("beat_banner")
 @pytest.mark.parametrize("how", ["sentinel-failover", "kill-primary"])
 def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records: redis.Redis,  # noqa: F811
                                             redis_server: RedisServer,
