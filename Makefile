@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test bench redis-server clean
+.PHONY: test demo bench redis-server clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -13,13 +13,12 @@ real messages to a Redis broker. Variants run interleaved, in the same run:
 * ``loser``       a second ``SingletonScheduler`` on the same burst after a first
                   one sent it: every claim lost, nothing published.
 
-Usage: python -m benchmarks.bench_beat [--entries N] [--rounds R] [--json]
+Usage: python -m benchmarks.bench_beat [--sizes N ...] [--rounds R] [--large-rounds R]
+       [--variants plain singleton loser opted-out unbatched] [--json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from celery_singleton_beat.beat import SingletonScheduler
 from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
 
-from .common import Server, markdown_table, progress, summary
+from .common import Server, bench_cli, markdown_table, progress, summary
 
 QUEUE = "bench-beat"
 VARIANTS = {
@@ -115,52 +114,62 @@ def one_round(variant: str, server: Server, entries: int, workdir: str) -> float
     return entries / seconds
 
 
-def run(entries: int = 10_000, rounds: int = 3, quick: bool = False) -> dict[str, Any]:
+#: Variants of the published table: a lone beat, and the other beats of three.
+DEFAULT_VARIANTS = ("plain", "singleton", "loser")
+
+
+def run(sizes: list[int] | tuple[int, ...] = (1, 100, 10_000), rounds: int = 3, large_rounds: int = 1,
+        variants: list[str] | tuple[str, ...] = DEFAULT_VARIANTS, quick: bool = False) -> dict[str, Any]:
+    """Entries/s per burst size and variant, variants interleaved within each round.
+
+    Bursts above 1,000 entries run ``large_rounds`` rounds: Celery's plain
+    scheduler needs minutes for 10,000 (see ``docs/beat.md``).
+    """
     if quick:
-        entries, rounds = 200, 1
+        sizes, rounds, large_rounds = (1, 50), 1, 1
+    unknown = set(variants) - set(VARIANTS)
+    if unknown or "plain" not in variants:
+        raise SystemExit(f"variants must include plain and come from {sorted(VARIANTS)}")
     logging.getLogger("celery").setLevel(logging.WARNING)
     logging.getLogger("celery_singleton_beat").setLevel(logging.WARNING)
     server = Server()
-    results: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    results: dict[int, dict[str, list[float]]] = {size: {v: [] for v in variants} for size in sizes}
     try:
         with tempfile.TemporaryDirectory(prefix="csb-bench-beat-") as workdir:
-            for r in range(rounds):
-                for variant in VARIANTS:  # interleaved: drift hits every variant alike
-                    progress(f"round {r + 1}/{rounds}: {variant} x {entries}")
-                    results[variant].append(one_round(variant, server, entries, workdir))
+            for size in sizes:
+                size_rounds = rounds if size <= 1000 else large_rounds
+                for r in range(size_rounds):
+                    for variant in variants:  # interleaved: drift hits every variant alike
+                        progress(f"beat: {size} entries, round {r + 1}/{size_rounds}: {variant}")
+                        results[size][variant].append(one_round(variant, server, size, workdir))
     finally:
         server.stop()
-    plain = summary(results["plain"])["median"]
-    return {
-        "entries": entries, "rounds": rounds,
-        "variants": {v: {"entries_per_s": summary(rates),
-                         "ratio_to_plain": summary(rates)["median"] / plain}
-                     for v, rates in results.items()},
-    }
+    report: dict[str, Any] = {"sizes": {}}
+    for size, by_variant in results.items():
+        plain = summary(by_variant["plain"])["median"]
+        report["sizes"][size] = {
+            "rounds": len(by_variant["plain"]),
+            "variants": {v: {"entries_per_s": summary(rates), "ratio_to_plain": summary(rates)["median"] / plain}
+                         for v, rates in by_variant.items()},
+        }
+    return report
 
 
 def table(report: dict[str, Any]) -> str:
     rows = []
-    for variant, data in report["variants"].items():
-        rate = data["entries_per_s"]
-        rows.append([variant, VARIANTS[variant],
-                     f"{rate['median']:,.0f} ({rate['min']:,.0f}-{rate['max']:,.0f})",
-                     f"{data['ratio_to_plain']:.2f}"])
-    return (f"{report['entries']:,} entries due in one tick, {report['rounds']} round(s), "
-            "publishing to a Redis broker.\n\n"
-            + markdown_table(["variant", "scheduler", "entries/s median (min-max)", "ratio to plain"],
-                             rows))
+    for size, data in report["sizes"].items():
+        for variant, numbers in data["variants"].items():
+            rate = numbers["entries_per_s"]
+            rows.append([f"{int(size):,}", variant, VARIANTS[variant],
+                         f"{rate['median']:,.0f} ({rate['min']:,.0f}-{rate['max']:,.0f})",
+                         f"{numbers['ratio_to_plain']:.2f}", data["rounds"]])
+    return markdown_table(["entries due", "variant", "what", "entries/s median (min-max)",
+                           "ratio to plain", "rounds"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--entries", type=int, default=10_000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    report = run(args.entries, args.rounds)
-    print(json.dumps(report, indent=2) if args.json else table(report))
-    return 0
+    return bench_cli(__doc__, run, table, argv, sizes=[1, 100, 10_000], rounds=3, large_rounds=1,
+                     variants=list(DEFAULT_VARIANTS))
 
 
 if __name__ == "__main__":

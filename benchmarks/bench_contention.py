@@ -9,9 +9,9 @@ Usage: python -m benchmarks.bench_contention [--submissions N] [--keys K] [--rou
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import sys
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .common import Server, bench_env, markdown_table, progress, start_celery, summary, wait_until
+from .common import Server, bench_cli, bench_env, markdown_table, progress, start_celery, summary, wait_until
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -40,8 +40,9 @@ def one_round(variant: str, submissions: int, keys: int, server: Server, log: Pa
                            "--without-gossip", "--without-mingle", "--without-heartbeat"],
                           bench_env(BENCH_BROKER=server.url), None, log)
     try:
-        for i in range(submissions):
-            task.apply_async((f"key-{i % keys}",), queue=f"contention-{variant}")
+        order = random.Random(submissions)  # the same key sequence for every variant and round
+        for _ in range(submissions):
+            task.apply_async((f"key-{order.randrange(keys)}",), queue=f"contention-{variant}")
         wait_until(lambda: int(records.get(f"done:{task.name}") or 0) >= submissions, 600,
                    f"{submissions} {variant} tasks")
     finally:
@@ -92,15 +93,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--submissions", type=int, default=1000)
-    parser.add_argument("--keys", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    report = run(args.submissions, args.keys, args.rounds)
-    print(json.dumps(report, indent=2) if args.json else table(report))
-    return 0
+    return bench_cli(__doc__, run, table, argv, submissions=1000, keys=10, rounds=3)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ Usage: python -m benchmarks.bench_memory [--runs N] [--slots M]
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -22,7 +20,7 @@ import redis
 from celery_singleton_beat.keys import task_stats_key
 from celery_singleton_beat.lock import acquire
 
-from .common import Server, markdown_table, progress, wait_until
+from .common import Server, bench_cli, markdown_table, progress, wait_until
 
 PREFIX = "singleton"
 LOCK_TTL = 2.0
@@ -90,15 +88,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=100_000)
-    parser.add_argument("--slots", type=int, default=10_000)
-    parser.add_argument("--slot-ttl", type=float, default=5.0)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    report = run(args.runs, args.slots, args.slot_ttl)
-    print(json.dumps(report, indent=2) if args.json else table(report))
-    return 0
+    return bench_cli(__doc__, run, table, argv, runs=100_000, slots=10_000, slot_ttl=5.0)
 
 
 if __name__ == "__main__":

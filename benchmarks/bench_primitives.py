@@ -12,8 +12,6 @@ Usage: python -m benchmarks.bench_primitives [--pairs N] [--rounds R]
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import shutil
 import subprocess
@@ -23,7 +21,7 @@ from typing import Any
 
 from celery_singleton_beat.lock import acquire
 
-from .common import Server, markdown_table, progress, summary
+from .common import Server, bench_cli, markdown_table, progress, summary
 
 
 def redis_benchmark_set(server: Server, requests: int) -> float:
@@ -90,14 +88,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=20000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    report = run(args.pairs, args.rounds)
-    print(json.dumps(report, indent=2) if args.json else table(report))
-    return 0
+    return bench_cli(__doc__, run, table, argv, pairs=20000, rounds=3)
 
 
 if __name__ == "__main__":

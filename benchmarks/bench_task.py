@@ -11,8 +11,6 @@ Usage: python -m benchmarks.bench_task [--tasks N] [--rounds R]
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import sys
@@ -20,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .common import Server, bench_env, markdown_table, progress, start_celery, summary, wait_until
+from .common import Server, bench_cli, bench_env, markdown_table, progress, start_celery, summary, wait_until
 
 VARIANTS = ("plain", "singleton", "singleton_until_executed")
 
@@ -88,14 +86,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    report = run(args.tasks, args.rounds)
-    print(json.dumps(report, indent=2) if args.json else table(report))
-    return 0
+    return bench_cli(__doc__, run, table, argv, tasks=2000, rounds=3)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import socket
@@ -70,7 +72,7 @@ class Server:
         """
         stats = self.client().info("commandstats")
         inner = {"cmdstat_get", "cmdstat_set", "cmdstat_del", "cmdstat_incr", "cmdstat_incrby",
-                 "cmdstat_exists", "cmdstat_pexpire", "cmdstat_pttl", "cmdstat_time"}
+                 "cmdstat_exists", "cmdstat_pexpire", "cmdstat_pttl", "cmdstat_time", "cmdstat_hincrby"}
         commands = sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
         trips = sum(v["calls"] for k, v in stats.items() if k not in inner and k != "cmdstat_info")
         return trips, commands
@@ -111,3 +113,21 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def bench_cli(doc: str, run: Callable[..., dict[str, Any]], table: Callable[[dict[str, Any]], str],
+              argv: list[str] | None, **defaults: Any) -> int:
+    """The command line of a benchmark: one ``--option`` per keyword of ``run``, plus ``--json``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, (list, tuple)):
+            parser.add_argument(flag, type=type(default[0]), nargs="+", default=list(default))
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    options = vars(parser.parse_args(argv))
+    as_json = options.pop("json")
+    report = run(**options)
+    print(json.dumps(report, indent=2) if as_json else table(report))
+    return 0

@@ -30,9 +30,9 @@ BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "contention": ("bench_contention", "Contention: 8 pool processes, 1,000 submissions over 10 keys",
                    {"submissions": 1000, "keys": 10, "rounds": 3}, {"submissions": 20, "keys": 4, "rounds": 1}),
     "beat": ("bench_beat", "Beat dispatch: entries due at once, PersistentScheduler vs SingletonScheduler",
-             {}, {"quick": True}),
+             {"sizes": (1, 100, 10_000), "rounds": 3, "large_rounds": 1}, {"quick": True}),
     "primitives": ("bench_primitives", "Lock primitives: acquire/release pairs per second",
-                   {"pairs": 20000, "rounds": 3}, {"pairs": 200, "rounds": 1}),
+                   {"pairs": 10000, "rounds": 3}, {"pairs": 200, "rounds": 1}),
     "memory": ("bench_memory", "Memory: keys and used_memory return to baseline after TTLs",
                {"runs": 100_000, "slots": 10_000, "slot_ttl": 5.0}, {"runs": 200, "slots": 100, "slot_ttl": 1.0}),
 }

@@ -13,14 +13,19 @@ import redis
 from .support import BACKEND_DB, LOCK_DB, RECORD_DB, RedisServer
 
 
-@pytest.fixture
-def tasks(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
-    """``tests.apps.tasks_app`` configured for the session's redis-server (clean)."""
+def load_tasks_app(redis_server: RedisServer) -> ModuleType:
+    """``tests.apps.tasks_app``, which reads the server's address at import time."""
     os.environ["CSB_TEST_REDIS"] = f"redis://127.0.0.1:{redis_server.port}"
     from .apps import tasks_app
 
     assert tasks_app.BASE == os.environ["CSB_TEST_REDIS"], "tasks_app was imported for another server"
     return tasks_app
+
+
+@pytest.fixture
+def tasks(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
+    """``tests.apps.tasks_app`` configured for the session's redis-server (clean)."""
+    return load_tasks_app(redis_server)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ and record databases.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -19,7 +18,7 @@ from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
-from .taskfixtures import lock_keys, runs, started
+from .taskfixtures import load_tasks_app, lock_keys, locks, records, runs, started  # noqa: F401
 
 APP = "tests.apps.tasks_app"
 
@@ -36,24 +35,12 @@ def worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
 
 @pytest.fixture
 def tasks(worker: CeleryProcess, redis_server: RedisServer) -> ModuleType:
+    """The test app, with empty lock and record databases (the broker is left to the worker)."""
     for db in (LOCK_DB, RECORD_DB):
         redis_server.client(db).flushdb()
     clear_settings_cache()
     reset_clients()
-    os.environ["CSB_TEST_REDIS"] = f"redis://127.0.0.1:{redis_server.port}"
-    from .apps import tasks_app
-
-    return tasks_app
-
-
-@pytest.fixture
-def locks(redis_server: RedisServer) -> redis.Redis:
-    return redis_server.client(LOCK_DB)
-
-
-@pytest.fixture
-def records(redis_server: RedisServer) -> redis.Redis:
-    return redis_server.client(RECORD_DB)
+    return load_tasks_app(redis_server)
 
 
 def test_success_releases(tasks: ModuleType, locks: redis.Redis) -> None:
