@@ -39,9 +39,8 @@ from .beat import history_key as beat_history_key
 from .beat import stats_key as beat_totals_key
 from .client import get_redis
 from .config import SingletonSettings, get_settings, sanitize_redis_url
-from .keys import beat_stats_key, task_stats_key
+from .keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
 from .lock import Holder, LuaScript, fence_key, parse_holder, release_value
-from .task import QUEUED_SUFFIX
 
 __all__ = [
     "Check",

@@ -36,6 +36,7 @@ from typing import Any, Union
 from .exceptions import SingletonKeyError
 
 __all__ = [
+    "QUEUED_SUFFIX",
     "UniqueOn",
     "beat_stats_key",
     "call_arguments",
@@ -89,15 +90,18 @@ def _normalize(value: Any, path: str) -> Any:
     raise _Unencodable(path, value, f"values of type {type(value).__name__} have no stable encoding")
 
 
+def _dumps(normalized: Any) -> bytes:
+    """The one byte encoding of normalized data: sorted keys, no spaces, UTF-8."""
+    return json.dumps(normalized, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 def canonical(value: Any) -> bytes:
     """The canonical byte encoding of a JSON-like value (see the module docstring).
 
     Raises ``TypeError`` (a private subclass) for unencodable values; use
     :func:`lock_key` to get a :class:`SingletonKeyError` naming the argument.
     """
-    return json.dumps(
-        _normalize(value, "value"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    ).encode("utf-8")
+    return _dumps(_normalize(value, "value"))
 
 
 def task_signature(task: Any) -> inspect.Signature:
@@ -159,17 +163,15 @@ def lock_key(
             arguments = {name: arguments[name] for name in unique_on}
         identity, names = arguments, list(arguments)
     try:
-        encoded = json.dumps(
-            {name: _normalize(identity[name], name) for name in names},
-            sort_keys=True,
-            separators=(",", ":"),
-            ensure_ascii=False,
-        ).encode("utf-8")
+        encoded = _dumps({name: _normalize(identity[name], name) for name in names})
     except _Unencodable as exc:
         raise SingletonKeyError(task_name, exc.path, exc.value, exc.reason) from None
     digest = hashlib.sha256(encoded).hexdigest()
     return f"{prefix}:{{{task_name}:{digest}}}"
 
+
+#: Suffix of the queue claim of ``until_executing`` (same hash tag as the lock).
+QUEUED_SUFFIX = ":queued"
 
 _DIGEST_HEX = frozenset("0123456789abcdef")
 

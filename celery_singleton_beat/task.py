@@ -43,7 +43,7 @@ from .config import get_settings
 from .events import SKIPPED, TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event
 from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, describe_holder
 from .keeper import KeptLease, get_keeper
-from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
+from .keys import QUEUED_SUFFIX, UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .lock import AcquireResult, Holder, acquire, release_task
 from . import worker as worker_support
 
@@ -51,8 +51,6 @@ __all__ = ["SingletonTask", "SingletonRun", "LOCK_MODES", "ON_CONFLICT"]
 
 LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
-#: Suffix of the queue claim of ``until_executing`` (same hash tag as the lock).
-QUEUED_SUFFIX = ":queued"
 #: Counter bumped when a run finds its lock held, by ``on_conflict``.
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
 

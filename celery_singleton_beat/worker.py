@@ -29,7 +29,7 @@ from celery.worker.request import Request
 from .client import get_redis, mget_any, scan_all
 from .config import get_settings
 from .events import logger
-from .keys import is_run_lock_key, task_stats_key
+from .keys import QUEUED_SUFFIX, is_run_lock_key, task_stats_key
 from .lock import parse_holder, release_task, release_value
 
 __all__ = ["SingletonRequest", "SingletonWorkerStep", "boot_id", "install", "reclaim_node_locks"]
@@ -63,7 +63,7 @@ def _release_for_request(request: Request, why: str) -> None:
     try:
         client = get_redis(task.app)
         stats_key = task.singleton_stats_key()
-        freed = [k for k in (key, key + ":queued")
+        freed = [k for k in (key, key + QUEUED_SUFFIX)
                  if release_task(client, k, request.id, stats_key=stats_key, counter="reclaimed")]
     except redis.RedisError as exc:
         logger.error("%s[%s] %s; could not free %s (it expires after its TTL): %s",
