@@ -15,13 +15,15 @@ Flower's Result column, and what ``result:`` searches match.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
-from celery import Task
+from celery import Celery, Task
 
 __all__ = [
     "logger",
     "send_task_event",
+    "send_task_event_soon",
     "skip_summary",
     "TASK_SKIPPED",
     "TASK_LOCK_LOST",
@@ -62,3 +64,21 @@ def send_task_event(task: Task, event_type: str, **fields: Any) -> None:
         task.send_event(event_type, retry=False, **fields)
     except Exception as exc:  # events are best effort, like Celery's own
         logger.warning("could not send %s event for %s[%s]: %s", event_type, task.name, request.id, exc)
+
+
+def send_task_event_soon(app: Celery, hostname: str | None, task_id: str, event_type: str,
+                         **fields: Any) -> None:
+    """Send a task event about ``task_id`` from a short-lived background thread.
+
+    For decisions taken outside the task's own thread (the lease keeper
+    noticing a lost lease): the keeper must not wait on the broker while other
+    leases are due for renewal.
+    """
+    def send() -> None:
+        try:
+            with app.events.default_dispatcher(hostname=hostname) as dispatcher:
+                dispatcher.send(event_type, uuid=task_id, retry=False, **fields)
+        except Exception as exc:  # events are best effort, like Celery's own
+            logger.warning("could not send %s event for %s: %s", event_type, task_id, exc)
+
+    threading.Thread(target=send, name=f"singleton-{event_type}", daemon=True).start()

@@ -40,7 +40,7 @@ from kombu.utils.functional import maybe_list
 
 from .client import get_redis
 from .config import get_settings
-from .events import SKIPPED, TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event
+from .events import SKIPPED, TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event, send_task_event_soon
 from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, describe_holder
 from .keeper import KeptLease, get_keeper
 from .keys import QUEUED_SUFFIX, UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
@@ -258,11 +258,15 @@ class SingletonTask(Task):
             logger.error("could not release queue claim %s%s: %s", key, QUEUED_SUFFIX, exc)
 
     def _lease_lost_callback(self) -> Callable[[KeptLease, str], None]:
-        task_name, task_id = self.name, self.request.id
+        """Report a lost lease once, the moment it is noticed (keeper or release)."""
+        app, task_name, request = self.app, self.name, self.request
+        task_id, hostname, eager = request.id, request.hostname, request.is_eager
 
         def on_lost(kept: KeptLease, reason: str) -> None:
             logger.warning("%s[%s] lost its lock %s while running: %s",
                            task_name, task_id, kept.lease.key, reason)
+            if not eager:
+                send_task_event_soon(app, hostname, task_id, TASK_LOCK_LOST, key=kept.lease.key, reason=reason)
 
         return on_lost
 
@@ -277,10 +281,8 @@ class SingletonTask(Task):
             logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
                          self.name, self.request.id, kept.lease.key, kept.lease.ttl, exc)
             return
-        if not released and not kept.lost:
+        if not released:  # reported once, by the callback, unless the keeper already did
             kept.mark_lost("the lock was gone when the run ended")
-        if kept.lost:
-            send_task_event(self, TASK_LOCK_LOST, key=kept.lease.key, reason=kept.lost_reason)
 
     def _redis_unavailable(self, key: str, exc: Exception, *, fail_open: bool) -> SingletonRun:
         request = self.request

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -56,3 +57,44 @@ def lock_keys(locks: redis.Redis) -> list[str]:
     """Run locks and claims currently held (fencing counters and counter hashes excluded)."""
     return sorted(k.decode() for k in locks.scan_iter(match="singleton:{*")
                   if not k.endswith(b":fence") and not k.startswith(b"singleton:{stats}"))
+
+
+class EventCapture:
+    """Collects task events of one type from the broker in a background thread.
+
+    Start it before the events are sent (events are not stored); ``wait``
+    returns the first one, or fails after the deadline.
+    """
+
+    def __init__(self, app: Any, event_type: str) -> None:
+        self.app, self.event_type = app, event_type
+        self.events: list[dict[str, Any]] = []
+        self._ready = threading.Event()
+        self._got = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+
+    def __enter__(self) -> "EventCapture":
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._thread.join(5)
+
+    def _listen(self) -> None:
+        with self.app.connection_for_read() as conn:
+            def on_event(event: dict[str, Any]) -> None:
+                self.events.append(event)
+                self._got.set()
+                receiver.should_stop = True
+
+            receiver = self.app.events.Receiver(conn, handlers={self.event_type: on_event})
+            self._ready.set()
+            try:
+                receiver.capture(limit=None, timeout=60, wakeup=False)
+            except Exception:  # a timeout: wait() reports it
+                pass
+
+    def wait(self, timeout: float = 30) -> dict[str, Any]:
+        assert self._got.wait(timeout), f"no {self.event_type} event within {timeout}s"
+        return self.events[0]

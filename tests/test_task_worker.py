@@ -15,7 +15,7 @@ from celery.result import AsyncResult
 from celery_singleton_beat.lock import acquire, read_holder
 
 from .support import CeleryProcess, RedisServer, start_worker, wait_for
-from .taskfixtures import backend, lock_keys, locks, records, runs, started, tasks  # noqa: F401
+from .taskfixtures import EventCapture, backend, lock_keys, locks, records, runs, started, tasks  # noqa: F401
 
 APP = "tests.apps.tasks_app"
 
@@ -70,34 +70,16 @@ def test_skipped_duplicate_is_logged_stored_and_sent_as_an_event(
 ) -> None:
     worker = start_worker(redis_server, APP, "w1", concurrency=2)
     processes.append(worker)
-    events: list[dict] = []
-    receiving = threading.Event()
-
-    def listen() -> None:
-        with tasks.app.connection_for_read() as conn:
-            def on_skipped(event: dict) -> None:
-                events.append(event)
-                receiver.should_stop = True
-
-            receiver = tasks.app.events.Receiver(conn, handlers={"task-skipped": on_skipped})
-            receiving.set()
-            try:
-                receiver.capture(limit=None, timeout=60, wakeup=False)
-            except Exception:  # timeout: the assertion below reports it
-                pass
-
-    listener = threading.Thread(target=listen, daemon=True)
-    listener.start()
-    receiving.wait(10)
-    holder = tasks.work.delay("k", 3.0)
-    wait_for(lambda: started(records, "k"), timeout=30, message="holder running")
-    duplicate = tasks.work.delay("k")
-    wait_for(lambda: duplicate.state == "SKIPPED", timeout=30, message="SKIPPED state")
+    with EventCapture(tasks.app, "task-skipped") as capture:
+        holder = tasks.work.delay("k", 3.0)
+        wait_for(lambda: started(records, "k"), timeout=30, message="holder running")
+        duplicate = tasks.work.delay("k")
+        wait_for(lambda: duplicate.state == "SKIPPED", timeout=30, message="SKIPPED state")
+        event = capture.wait()
     assert duplicate.info["holder_task_id"] == holder.id
     assert duplicate.info["key"].startswith("singleton:{tests.apps.tasks_app.work:")
-    listener.join(30)
-    assert events and events[0]["uuid"] == duplicate.id
-    assert events[0]["holder_task_id"] == holder.id and events[0]["key"] == duplicate.info["key"]
+    assert event["uuid"] == duplicate.id
+    assert event["holder_task_id"] == holder.id and event["key"] == duplicate.info["key"]
     worker.wait_for_log(f"skipped: duplicate of task {holder.id}")
     assert holder.get(timeout=30) == "k"
 
@@ -181,9 +163,12 @@ def test_a_deleted_lock_is_reported_lost_and_the_late_release_spares_the_new_hol
     result = tasks.watch_lease.delay("k", 20.0)
     wait_for(lambda: records.get("running:k"), timeout=30, message="run started")
     [key] = lock_keys(locks)
-    locks.delete(key)  # an operator, an eviction or a failover removes the lock mid-run
-    wait_for(lambda: records.get("outcome:k"), timeout=10, message="run told")
-    assert records.get("outcome:k") == b"LockLost"
+    with EventCapture(tasks.app, "task-lock-lost") as capture:
+        locks.delete(key)  # an operator, an eviction or a failover removes the lock mid-run
+        wait_for(lambda: records.get("outcome:k"), timeout=10, message="run told")
+        assert records.get("outcome:k") == b"LockLost"
+        event = capture.wait()  # sent while the run still waits for "retaken": at detection
+    assert event["uuid"] == result.id and event["key"] == key and not result.ready()
     new_holder = acquire(locks, key, 30, task="other", task_id="new-holder")
     assert new_holder.acquired
     records.set("retaken:k", "1")
