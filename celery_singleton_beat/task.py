@@ -225,7 +225,9 @@ class SingletonTask(Task):
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            self._end(request.singleton)
+            # SystemExit here: the pool child is being terminated (hard time
+            # limit, revoke+terminate); the main process frees the lock first.
+            self._end(request.singleton, terminated=isinstance(sys.exc_info()[1], SystemExit))
 
     def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
         request = self.request
@@ -270,7 +272,7 @@ class SingletonTask(Task):
 
         return on_lost
 
-    def _end(self, run: SingletonRun | None) -> None:
+    def _end(self, run: SingletonRun | None, terminated: bool = False) -> None:
         kept = run._kept if run is not None else None
         if kept is None:
             return
@@ -281,7 +283,10 @@ class SingletonTask(Task):
             logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
                          self.name, self.request.id, kept.lease.key, kept.lease.ttl, exc)
             return
-        if not released:  # reported once, by the callback, unless the keeper already did
+        if not released and terminated:
+            logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
+                        self.name, self.request.id, kept.lease.key)
+        elif not released:  # reported once, by the callback, unless the keeper already did
             kept.mark_lost("the lock was gone when the run ended")
 
     def _redis_unavailable(self, key: str, exc: Exception, *, fail_open: bool) -> SingletonRun:

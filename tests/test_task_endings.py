@@ -89,6 +89,9 @@ def test_hard_time_limit_releases(tasks: ModuleType, locks: redis.Redis, records
     wait_for(lambda: records.get("running:k"), timeout=30)
     wait_for(lambda: lock_keys(locks) == [], timeout=30, message="lock freed after the hard time limit")
     worker.wait_for_line(f"hard_limited[{result.id}]", "freed its lock")
+    # The terminated child knows the main process freed its lock: no false "lost" alarm.
+    worker.wait_for_line(f"hard_limited[{result.id}] terminated; its lock")
+    assert f"hard_limited[{result.id}] lost its lock" not in worker.output()
 
 
 def test_revoke_with_terminate_releases(tasks: ModuleType, locks: redis.Redis, records: redis.Redis,
