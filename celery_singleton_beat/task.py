@@ -188,11 +188,8 @@ class SingletonTask(Task):
         client = get_redis(self.app)
         settings = get_settings(self.app)
         try:
-            result = acquire(client, claim_key, settings.queue_lock_ttl, task=self.name,
-                             task_id=task_id, claim=True, boot=worker_support.boot_id(),
-                             stats_key=self.singleton_stats_key(),
-                             counters=("claimed", "publish_deduplicated"),
-                             wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
+            result = self._take(claim_key, settings.queue_lock_ttl, ("claimed", "publish_deduplicated"),
+                                task_id=task_id, claim=True)
         except redis.RedisError as exc:
             if not settings.fail_open:
                 raise LockUnavailable(claim_key, exc) from exc
@@ -229,23 +226,25 @@ class SingletonTask(Task):
             # limit, revoke+terminate); the main process frees the lock first.
             self._end(request.singleton, terminated=isinstance(sys.exc_info()[1], SystemExit))
 
+    def _take(self, key: str, ttl: float, counters: tuple[str, str], **holder: Any) -> AcquireResult:
+        """One acquire of ``key`` as this task: its name, counters and the WAIT settings."""
+        settings = get_settings(self.app)
+        return acquire(get_redis(self.app), key, ttl, task=self.name, boot=worker_support.boot_id(),
+                       stats_key=self.singleton_stats_key(), counters=counters,
+                       wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout, **holder)
+
     def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
         request = self.request
-        settings = get_settings(self.app)
         key = self.singleton_key(args, kwargs)
-        ttl = self.effective_lock_ttl
-        client = get_redis(self.app)
         adopt = request.id if self.lock_mode == "until_executed" else None
         try:
-            result = acquire(client, key, ttl, task=self.name, task_id=request.id,
-                             node=request.hostname, boot=worker_support.boot_id(),
-                             adopt_claim_of=adopt, stats_key=self.singleton_stats_key(),
-                             counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
-                             wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
+            result = self._take(key, self.effective_lock_ttl,
+                                ("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
+                                task_id=request.id, node=request.hostname, adopt_claim_of=adopt)
         except redis.RedisError as exc:
-            return self._redis_unavailable(key, exc, fail_open=settings.fail_open)
+            return self._redis_unavailable(key, exc, fail_open=get_settings(self.app).fail_open)
         if self.lock_mode == "until_executing":
-            self._release_queue_claim(client, key)
+            self._release_queue_claim(get_redis(self.app), key)
         if not result.acquired:
             self._conflict(key, result)
         assert result.lease is not None
