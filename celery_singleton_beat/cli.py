@@ -37,7 +37,7 @@ from celery.exceptions import CeleryCommandException, ImproperlyConfigured
 
 from .beat import history_key as beat_history_key
 from .beat import stats_key as beat_totals_key
-from .client import get_redis
+from .client import get_redis, primaries, scan_all
 from .config import SingletonSettings, get_settings, sanitize_redis_url
 from .keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
 from .lock import Holder, LuaScript, fence_key, parse_holder, release_value
@@ -151,7 +151,7 @@ class KeySpace:
 def _scan(client: redis.Redis, match: str) -> Iterator[list[str]]:
     """Keys matching ``match`` in batches of at most ``BATCH`` (SCAN, never KEYS)."""
     batch: list[str] = []
-    for key in client.scan_iter(match=match, count=SCAN_COUNT):
+    for key in scan_all(client, match, count=SCAN_COUNT):
         batch.append(_text(key))
         if len(batch) >= BATCH:
             yield batch
@@ -502,7 +502,7 @@ def _redis_checks(client: redis.Redis, prefix: str) -> Iterator[Check]:
         return
     yield Check("redis", "OK", f"reachable (PING {1000 * (time.perf_counter() - started):.1f} ms)")
 
-    servers = _servers(client)
+    servers = primaries(client)
     yield _on_each(servers, _check_version)
     try:
         # The library's own path: EVALSHA, loading the script on NOSCRIPT.
@@ -516,19 +516,6 @@ def _redis_checks(client: redis.Redis, prefix: str) -> Iterator[Check]:
         yield Check("lua", "FAIL", f"cannot run a script ({exc}): the lock scripts cannot run either")
     yield _on_each(servers, _check_eviction)
     yield _check_expiry(client, prefix)
-
-
-def _servers(client: Any) -> list[tuple[str, redis.Redis]]:
-    """``(name, client)`` of every primary: INFO and CONFIG answer for one server only.
-
-    On Redis Cluster a client sends them to one node; each primary is asked
-    instead (the same as ``client.primary_clients``, which is not yet in every
-    version of the client module).
-    """
-    primaries = getattr(client, "get_primaries", None)
-    if primaries is None:
-        return [("", client)]
-    return [(node.name, client.get_redis_connection(node)) for node in primaries()]
 
 
 _SEVERITY = {"OK": 0, "WARN": 1, "FAIL": 2}

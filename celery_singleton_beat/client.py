@@ -67,6 +67,7 @@ __all__ = [
     "is_cluster",
     "mget_any",
     "pinned",
+    "primaries",
     "primary_clients",
     "redis_from_url",
     "reset_clients",
@@ -277,15 +278,20 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def primary_clients(client: RedisClient) -> list[redis.Redis]:
-    """One client per primary server: every Cluster primary, else ``client`` itself.
+def primaries(client: RedisClient) -> list[tuple[str, redis.Redis]]:
+    """``(node name, client)`` of every primary server; ``("", client)`` off Cluster.
 
     For per-server commands (``INFO``, ``CONFIG GET``, ``SCAN``, ``DBSIZE``):
     on Cluster, the client would send them to one node only.
     """
     if isinstance(client, RedisCluster):
-        return [client.get_redis_connection(node) for node in client.get_primaries()]
-    return [client]
+        return [(node.name, client.get_redis_connection(node)) for node in client.get_primaries()]
+    return [("", client)]
+
+
+def primary_clients(client: RedisClient) -> list[redis.Redis]:
+    """One client per primary server (see :func:`primaries`)."""
+    return [server for _, server in primaries(client)]
 
 
 def scan_all(client: RedisClient, match: str, count: int = 1000) -> Iterator[bytes]:
