@@ -76,9 +76,14 @@ def sync_customer(self: SingletonTask, customer_id: int, reason: str = "schedule
 
 
 @app.task(bind=True, base=SingletonTask, name="shop.build_sales_report",
-          lock_ttl=REPORT_LEASE_SECONDS)
+          lock_ttl=REPORT_LEASE_SECONDS, on_conflict="retry", max_retries=10)
 def build_sales_report(self: SingletonTask) -> dict[str, Any]:
     """Aggregate sales chunk by chunk, for longer than the lock's 2 s lease.
+
+    A report for a new slot is new work, so a run that finds the previous
+    report still going waits for it (``on_conflict="retry"``) instead of being
+    skipped: the start-up catch-up report can still be running when the next
+    slot comes due.
 
     The library renews the lease every third of ``lock_ttl`` while the body
     runs. Before the irreversible write the run checks that it still holds the
