@@ -8,10 +8,22 @@ SHA-256 of the *canonical form* of the call's arguments:
   are one key;
 * ``unique_on`` restricts them to some argument names, or replaces them with
   the value a callable returns;
-* values are encoded the way they look after a trip through Celery's JSON
-  serializer, so a key computed by the publisher equals the key computed by the
-  worker: tuples are lists, UUIDs, dates, datetimes and Decimals are their
-  string forms, dict keys are sorted, bytes are tagged base64.
+* values are encoded so that a value and its copy after the trip to the worker
+  get the same key. Celery's JSON serializer (kombu 5.3 and later) carries
+  ``datetime``, ``date``, ``time``, ``Decimal``, ``UUID`` and ``bytes`` as
+  typed values, and so does pickle; the canonical form keeps their type too::
+
+      date(2024, 1, 1)  ->  {"__type__":"date","__value__":"2024-01-01"}
+      "2024-01-01"      ->  "2024-01-01"                  (another key)
+
+  ``datetime``/``date``/``time`` are their ``isoformat()``, ``Decimal`` its
+  ``str()`` (``Decimal("1.50")`` and ``Decimal("1.5")`` are two keys), ``UUID``
+  its hyphenated form, ``bytes`` (and ``bytearray``/``memoryview``) base64.
+  Tuples are lists (JSON has no tuples), dict keys are sorted, and number or
+  ``None`` dict keys are the strings JSON makes of them. An object with a
+  ``__json__()`` method is what that method returns (kombu's rule), and a dict
+  shaped like kombu's ``{"__type__", "__value__"}`` envelope is read the way
+  kombu reads it on the worker.
 
 Anything else (a set, a model instance, a lambda) raises :class:`SingletonKeyError`
 naming the task and the argument: silently hashing ``repr()`` would give keys
@@ -32,6 +44,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, Union
+
+from kombu.utils import json as kombu_json
 
 from .exceptions import SingletonKeyError
 
@@ -60,34 +74,71 @@ class _Unencodable(TypeError):
         self.path, self.value, self.reason = path, value, reason
 
 
+#: The keys of kombu's envelope of a typed JSON value (kombu 5.3 and later).
+_ENVELOPE = frozenset(("__type__", "__value__"))
+
+
+def _typed(kind: str, value: str) -> dict[str, str]:
+    """The canonical form of a typed value: ``{"__type__": kind, "__value__": value}``."""
+    return {"__type__": kind, "__value__": value}
+
+
 def _normalize(value: Any, path: str) -> Any:
-    """Turn ``value`` into plain JSON data, or raise ``_Unencodable``."""
+    """Turn ``value`` into plain JSON data, or raise ``_Unencodable``.
+
+    The result is the same for ``value`` and for what the worker receives
+    after kombu's JSON round trip (or pickle's): see the module docstring.
+    """
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, (list, tuple)):
         return [_normalize(item, f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict) and len(value) == 2 and value.keys() == _ENVELOPE:
+        # kombu's object hook turns such a dict into a typed value on the
+        # worker (or refuses it); compute the key from what the worker gets.
+        try:
+            decoded = kombu_json.loads(kombu_json.dumps(value))
+        except (TypeError, ValueError) as exc:
+            raise _Unencodable(path, value, f"kombu's JSON cannot carry this "
+                                            f"{{'__type__', '__value__'}} dict: {exc}") from None
+        if not (isinstance(decoded, dict) and decoded.keys() == _ENVELOPE):
+            return _normalize(decoded, path)
+    if isinstance(value, dict):
+        return _normalize_mapping(value, path)
+    reducer = getattr(value, "__json__", None)
+    if reducer is not None and callable(reducer):
+        return _normalize(reducer(), path)
     if isinstance(value, Mapping):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            if isinstance(key, str):
-                name = key
-            elif isinstance(key, (int, float, bool)) or key is None:
-                name = json.dumps(key)  # what json does to such keys
-            else:
-                raise _Unencodable(path, value, f"dict key {key!r} is not a string or number")
-            if name in out:
-                raise _Unencodable(path, value, f"dict keys collide as {name!r}")
-            out[name] = _normalize(item, f"{path}[{key!r}]")
-        return out
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    if isinstance(value, (dt.datetime, dt.date, dt.time)):
-        return value.isoformat()
+        return _normalize_mapping(value, path)
+    # datetime before date: a datetime is a date.
+    if isinstance(value, dt.datetime):
+        return _typed("datetime", dt.datetime.isoformat(value))
+    if isinstance(value, dt.date):
+        return _typed("date", dt.date.isoformat(value))
+    if isinstance(value, dt.time):
+        return _typed("time", dt.time.isoformat(value))
     if isinstance(value, Decimal):
-        return str(value)
+        return _typed("decimal", str(value))
+    if isinstance(value, uuid.UUID):
+        return _typed("uuid", str(value))
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
+        return _typed("bytes", base64.b64encode(bytes(value)).decode("ascii"))
     raise _Unencodable(path, value, f"values of type {type(value).__name__} have no stable encoding")
+
+
+def _normalize_mapping(value: Mapping[Any, Any], path: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if isinstance(key, str):
+            name = key
+        elif isinstance(key, (int, float, bool)) or key is None:
+            name = json.dumps(key)  # what json does to such keys
+        else:
+            raise _Unencodable(path, value, f"dict key {key!r} is not a string or number")
+        if name in out:
+            raise _Unencodable(path, value, f"dict keys collide as {name!r}")
+        out[name] = _normalize(item, f"{path}[{key!r}]")
+    return out
 
 
 def _dumps(normalized: Any) -> bytes:
