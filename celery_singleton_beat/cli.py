@@ -12,9 +12,11 @@ The commands read the Redis of ``singleton_redis_url`` (the one the workers
 and beats use) with ``SCAN``, never ``KEYS``: ``KEYS`` blocks the server for the
 whole walk, which on a production Redis stalls every lock of every worker.
 
-Exit codes: 0 success (also "nothing held"); 1 ``doctor`` found a problem, or
+Exit codes (every command, ``doctor`` included): 0 success (also "nothing
+held"; ``doctor`` with warnings only); 1 ``doctor`` found a problem, or
 ``release`` refused, was declined or found a lock re-taken; 2 usage error;
-69 Redis unreachable; 78 invalid ``singleton_*`` settings.
+69 Redis unreachable (a Redis Cluster whose nodes do not answer too);
+78 invalid ``singleton_*`` settings.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import redis
 from celery import Celery
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException, ImproperlyConfigured
+from redis.exceptions import RedisClusterException
 
 from .beat import history_key as beat_history_key
 from .beat import stats_key as beat_totals_key
@@ -48,12 +51,14 @@ __all__ = [
     "KeySpace",
     "SlotClaim",
     "active_tasks",
+    "doctor_exit_code",
     "read_lock",
     "read_slots",
     "read_stats",
     "run_checks",
     "scan_locks",
     "singleton",
+    "version_check",
 ]
 
 EX_FAILURE = 1
@@ -62,8 +67,18 @@ EX_CONFIG = getattr(os, "EX_CONFIG", 78)
 
 #: Task counters every ``stats`` table shows (others appear in its OTHER column).
 TASK_COUNTERS = ("acquired", "skipped", "released", "renewed", "lost", "reclaimed")
-#: Beat counters: slot claims won (sent) and lost (another beat sent).
+#: Beat counters: slot claims won and lost (another beat held the slot). A
+#: claim won ahead of its turn in a burst and given back unsent still counts as won.
 BEAT_COUNTERS = ("won", "lost")
+#: Oldest Redis the lock scripts run on: they write after calling TIME, which
+#: needs effects replication (the default from 5.0 on).
+MIN_REDIS = (5, 0)
+#: Oldest Redis this project tests with; beat's ``SET NX GET`` (which names the
+#: holder of a lost slot in the log) needs 7.0, older servers get ``SET NX``.
+TESTED_REDIS = (7, 0)
+#: Errors that mean "the Redis of the locks cannot be used": redis-py reports
+#: some Cluster failures as RedisClusterException, which is not a RedisError.
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)
 #: Eviction policies under which Redis never deletes a key to make room.
 SAFE_EVICTION = ("noeviction",)
 #: SCAN page size and keys read back per pipeline round trip.
@@ -472,8 +487,30 @@ def _check_expiry(client: redis.Redis, prefix: str) -> Check:
 _LUA_PROBE = "return cjson.decode(ARGV[1])['lua']"
 
 
+def version_check(version: str, role: str, mode: str = "standalone") -> Check:
+    """The ``version`` check of a server from its ``INFO`` fields.
+
+    FAIL for a replica (locks must be written to the primary) and for Redis
+    older than :data:`MIN_REDIS`; WARN below :data:`TESTED_REDIS`.
+    """
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if role != "master":
+        return Check("version", "FAIL", f"Redis {version} is a {role}: locks must be written to the "
+                                        "primary (a replica's keys are not shared with the others)")
+    if numbers and numbers < MIN_REDIS:
+        return Check("version", "FAIL", f"Redis {version} is too old: the lock scripts need "
+                                        f"{MIN_REDIS[0]}.{MIN_REDIS[1]} or later (they write after "
+                                        "TIME, which needs effects replication)")
+    if numbers and numbers < TESTED_REDIS:
+        return Check("version", "WARN", f"Redis {version} ({mode}, {role}) is older than the "
+                                        f"{TESTED_REDIS[0]}.{TESTED_REDIS[1]} this library is tested "
+                                        "with; beat cannot name the holder of a slot it lost "
+                                        "(SET NX GET needs 7.0)")
+    return Check("version", "OK", f"Redis {version} ({mode}, {role})")
+
+
 def _check_version(client: redis.Redis) -> Check:
-    """Locks need a primary (a replica's writes stay local) with SET NX PX, Lua and SCAN."""
+    """Locks need a primary (a replica's writes stay local) running Redis 5.0 or later."""
     try:
         server = client.info("server")
         role = client.info("replication").get("role", "?")
@@ -481,23 +518,17 @@ def _check_version(client: redis.Redis) -> Check:
         raise
     except redis.RedisError as exc:  # INFO denied by an ACL, or renamed
         return Check("version", "WARN", f"cannot read INFO ({exc}); check by hand that this is a "
-                                        "primary running Redis 2.8 or later")
-    version = str(server.get("redis_version", "?"))
-    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    if role != "master":
-        return Check("version", "FAIL", f"Redis {version} is a {role}: locks must be written to the "
-                                        "primary (a replica's keys are not shared with the others)")
-    if numbers and numbers < (2, 8):
-        return Check("version", "FAIL", f"Redis {version} is too old: needs 2.8 or later "
-                                        "(SET NX PX, Lua, SCAN)")
-    return Check("version", "OK", f"Redis {version} ({server.get('redis_mode', 'standalone')}, {role})")
+                                        f"primary running Redis {MIN_REDIS[0]}.{MIN_REDIS[1]} or "
+                                        "later (7.0 or later is tested)")
+    return version_check(str(server.get("redis_version", "?")), str(role),
+                         str(server.get("redis_mode", "standalone")))
 
 
 def _redis_checks(client: redis.Redis, prefix: str) -> Iterator[Check]:
     started = time.perf_counter()
     try:
         client.ping()
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         yield Check("redis", "FAIL", f"unreachable: {type(exc).__name__}: {exc}")
         return
     yield Check("redis", "OK", f"reachable (PING {1000 * (time.perf_counter() - started):.1f} ms)")
@@ -548,9 +579,21 @@ def run_checks(app: Celery) -> tuple[list[Check], SingletonSettings | None]:
                     f"singleton_* settings valid; {len(names)} singleton task(s) registered{listed}")]
     try:
         checks.extend(_redis_checks(get_redis(app), settings.key_prefix))
-    except redis.RedisError as exc:  # lost in the middle of the checks
-        checks.append(Check("redis", "FAIL", f"{type(exc).__name__}: {exc}"))
+    except REDIS_ERRORS as exc:  # unreachable from the start (Cluster), or lost in the middle
+        checks.append(Check("redis", "FAIL", f"unreachable: {type(exc).__name__}: {exc}"))
     return checks, settings
+
+
+def doctor_exit_code(checks: Sequence[Check]) -> int:
+    """0 without FAIL; 78 for invalid settings, 69 for an unreachable Redis, else 1."""
+    failed = {check.name for check in checks if check.status == "FAIL"}
+    if not failed:
+        return 0
+    if "configuration" in failed:
+        return EX_CONFIG
+    if "redis" in failed:
+        return EX_UNAVAILABLE
+    return EX_FAILURE
 
 
 # --------------------------------------------------------------------------- output
@@ -602,13 +645,14 @@ class _Session:
             raise CeleryCommandException(f"invalid configuration: {exc}", EX_CONFIG) from exc
         self.prefix = self.settings.key_prefix
         self.url = sanitize_redis_url(self.settings.redis_url)
-        self.client = get_redis(self.app)
+        # A Cluster client asks its nodes for the slot layout when it is made.
+        self.client = self.run(lambda: get_redis(self.app))
 
     def run(self, read: Callable[[], Any]) -> Any:
-        """Call ``read`` (which talks to Redis); an unreachable Redis ends the command."""
+        """Call ``read`` (which talks to Redis); an unreachable Redis ends the command (69)."""
         try:
             return read()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise CeleryCommandException(
                 f"cannot reach Redis at {self.url}: {type(exc).__name__}: {exc}", EX_UNAVAILABLE
             ) from exc
@@ -801,7 +845,8 @@ def slots(ctx: click.Context, entry: str | None, last: int, as_json: bool) -> No
     """List recent beat slot claims: entry, slot (UTC), winning beat instance.
 
     Read from the beat's capped history list; without one, from the live claim
-    keys (which expire a period after their slot). JSON: a list of objects
+    keys (each expires the entry's period plus singleton_beat_claim_margin
+    after it was claimed). JSON: a list of objects
     with entry, slot, winner, claimed_at (epoch seconds), key and task.
     """
     session = _Session(ctx)
@@ -858,10 +903,14 @@ def stats(ctx: click.Context, as_json: bool) -> None:
 @_JSON
 @click.pass_context
 def doctor(ctx: click.Context, as_json: bool) -> None:
-    """Check the configuration and the Redis server; exit 1 on any problem.
+    """Check the configuration and the Redis server.
 
-    Checks: singleton_* settings; Redis reachable; version and role (a
-    primary); Lua (a cjson script, run as the lock scripts are); eviction policy (anything but noeviction
+    Exit code: 0 when no check fails (warnings allowed), 78 when the
+    singleton_* settings are invalid, 69 when Redis is unreachable, 1 for
+    any other failed check.
+
+    Checks: singleton_* settings; Redis reachable; version (5.0 or later, 7.0
+    or later tested) and role (a primary); Lua (a cjson script, run as the lock scripts are); eviction policy (anything but noeviction
     can evict locks, and an evicted lock lets a duplicate run); keys under
     the prefix that never expire (a lock without TTL blocks its task for
     good). FAIL is a problem, WARN worth a look.
@@ -882,5 +931,6 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
             status = ctx.obj.style(check.status.ljust(4), fg=colors[check.status], bold=True)
             ctx.obj.echo(f"{status}  {check.name.ljust(width)}  {check.detail}")
         ctx.obj.echo(f"{problems} problem(s), {warnings} warning(s)")
-    if problems:
-        ctx.exit(EX_FAILURE)
+    code = doctor_exit_code(checks)
+    if code:
+        ctx.exit(code)

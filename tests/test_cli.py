@@ -282,14 +282,48 @@ def test_doctor_flags_an_evicting_redis_and_locks_that_never_expire(ops: ModuleT
 def test_bad_settings_and_an_unreachable_redis_are_errors(ops: ModuleType, redis_server: RedisServer) -> None:
     bad = {"singleton_lock_ttl": -1}
     doctor = cli(redis_server, "doctor", settings=bad)
-    assert doctor.returncode == 1
+    assert doctor.returncode == 78  # EX_CONFIG, as for every command
     assert doctor.stdout.splitlines()[0].startswith("FAIL") and "singleton_lock_ttl" in doctor.stdout
     assert cli(redis_server, "locks", settings=bad).returncode == 78
 
     nowhere = {"singleton_redis_url": f"redis://127.0.0.1:{free_port()}/2"}
     doctor = cli(redis_server, "doctor", "--json", settings=nowhere)
-    assert doctor.returncode == 1
+    assert doctor.returncode == 69  # EX_UNAVAILABLE, as for every command
     assert [(c["check"], c["status"]) for c in json.loads(doctor.stdout)["checks"]] == [
         ("configuration", "OK"), ("redis", "FAIL")]
     unreachable = cli(redis_server, "stats", settings=nowhere)
     assert unreachable.returncode == 69 and "cannot reach Redis" in unreachable.stderr
+
+
+def test_an_unreachable_redis_cluster_is_one_line_and_exit_69(ops: ModuleType, redis_server: RedisServer) -> None:
+    """A Cluster client asks its nodes for the slot layout when it is made: no traceback."""
+    nowhere = {"singleton_redis_url": f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"}
+    for command in (["locks"], ["slots"], ["stats"], ["release", "--task", HOLD, "--yes"]):
+        result = cli(redis_server, *command, settings=nowhere)
+        assert result.returncode == 69, (command, result.stderr)
+        assert result.stderr.count("\n") == 1 and "cannot reach Redis at redis+cluster://" in result.stderr
+        assert "Traceback" not in result.stderr
+    doctor = cli(redis_server, "doctor", "--json", settings=nowhere)
+    assert doctor.returncode == 69, doctor.stderr
+    assert [(c["check"], c["status"]) for c in json.loads(doctor.stdout)["checks"]] == [
+        ("configuration", "OK"), ("redis", "FAIL")]
+
+
+def test_doctor_version_check_and_exit_codes() -> None:
+    """Redis 5.0 is the oldest the lock scripts run on (writes after TIME); 7.0 is tested."""
+    from celery_singleton_beat.cli import Check, doctor_exit_code, version_check
+
+    assert version_check("7.0.15", "master").status == "OK"
+    assert version_check("7.2.4", "master", "cluster").status == "OK"
+    assert version_check("6.2.14", "master").status == "WARN"
+    assert version_check("5.0.0", "master").status == "WARN"
+    assert version_check("4.0.14", "master").status == "FAIL"
+    assert version_check("7.0.15", "slave").status == "FAIL"
+
+    def checks(**status: str) -> list[Check]:
+        return [Check(name, value, "") for name, value in status.items()]
+
+    assert doctor_exit_code(checks(configuration="OK", redis="OK", eviction="WARN")) == 0
+    assert doctor_exit_code(checks(configuration="OK", redis="OK", eviction="FAIL")) == 1
+    assert doctor_exit_code(checks(configuration="OK", redis="FAIL")) == 69
+    assert doctor_exit_code(checks(configuration="FAIL")) == 78
