@@ -15,6 +15,7 @@ from .exceptions import (
     LockUnavailable,
     SingletonError,
     SingletonKeyError,
+    TaskSkipped,
 )
 from .beat import SingletonScheduler, SingletonSchedulerMixin
 from .task import SingletonRun, SingletonTask
@@ -29,6 +30,7 @@ __all__ = [
     "SingletonScheduler",
     "SingletonSchedulerMixin",
     "SingletonTask",
+    "TaskSkipped",
 ]
 
 __version__ = "0.1.0"

@@ -127,6 +127,16 @@ class SingletonSettings:
     wait_replicas: int = 0
     #: Seconds ``WAIT`` may block; below the socket timeout.
     wait_timeout: float = 1.0
+    #: Seconds a worker incarnation counts as alive after its last heartbeat
+    #: (renewed every third of it by the worker's main process). A lock whose
+    #: holder's worker stopped proving it is alive for this long is taken over
+    #: by the next run that wants it: a dead pod costs this, not ``lock_ttl``.
+    liveness_ttl: float = 10.0
+    #: Seconds the "this task id completed" marker of an ``acks_late`` run is
+    #: kept, so a copy of its message delivered again later (visibility timeout,
+    #: lost connection) ends without running. Default: twice the broker's
+    #: ``visibility_timeout`` (one hour if unset).
+    done_ttl: float = 7200.0
 
     @property
     def beat_fails_open(self) -> bool:
@@ -488,7 +498,19 @@ def validate_settings(app: Celery) -> SingletonSettings:
         ),
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,
+        liveness_ttl=_positive_number(
+            "liveness_ttl", given.get("liveness_ttl", SingletonSettings.liveness_ttl)),
+        done_ttl=_positive_number("done_ttl", given.get("done_ttl", _default_done_ttl(conf))),
     )
+
+
+def _default_done_ttl(conf: Any) -> float:
+    """Twice the broker's visibility timeout: a redelivered copy arrives within one."""
+    timeout = _mapping(conf, "broker_transport_options").get("visibility_timeout", 3600)
+    try:
+        return 2 * float(timeout)
+    except (TypeError, ValueError):
+        return SingletonSettings.done_ttl
 
 
 def get_settings(app: Celery) -> SingletonSettings:

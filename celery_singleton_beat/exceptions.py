@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 # Every exception keeps its constructor arguments in ``args`` (plain strings) so
 # Celery's JSON result serializer can rebuild it in the caller's process.
 
-from celery.exceptions import ImproperlyConfigured
+from celery.exceptions import ImproperlyConfigured, TaskRevokedError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lock import Holder
@@ -25,6 +25,7 @@ __all__ = [
     "LockUnavailable",
     "SingletonError",
     "SingletonKeyError",
+    "TaskSkipped",
 ]
 
 
@@ -66,6 +67,24 @@ class DuplicateTaskError(SingletonError):
 
     def __str__(self) -> str:
         return f"{self.task_name}: duplicate of task {self.holder_task_id} which holds {self.key}"
+
+
+class TaskSkipped(TaskRevokedError, SingletonError):
+    """The stored outcome of a run skipped as a duplicate (``on_conflict="skip"``).
+
+    The run is recorded as ``REVOKED`` with this exception, a state Celery
+    treats as ready: ``AsyncResult.get()`` raises it (it is a
+    :class:`~celery.exceptions.TaskRevokedError`), a chain stops and its
+    remaining tasks are marked ``REVOKED`` too, a chord's body fails with a
+    ``ChordError`` naming it. Flower shows ``SKIPPED`` (the ``task-skipped`` event).
+    """
+
+    def __init__(self, task_name: str, key: str, holder_task_id: str | None) -> None:
+        super().__init__(task_name, key, holder_task_id)
+        self.task_name, self.key, self.holder_task_id = task_name, key, holder_task_id
+
+    def __str__(self) -> str:
+        return f"{self.task_name}: skipped, duplicate of task {self.holder_task_id} which holds {self.key}"
 
 
 class LockLost(SingletonError):

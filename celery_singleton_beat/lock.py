@@ -35,6 +35,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from .client import call_acknowledged
+from .liveness import is_alive
 
 __all__ = [
     "AcquireResult",
@@ -42,6 +43,7 @@ __all__ = [
     "Lease",
     "LuaScript",
     "acquire",
+    "done_key",
     "fence_key",
     "parse_holder",
     "release_task",
@@ -66,34 +68,58 @@ class LuaScript:
             return client.evalsha(self.sha, len(keys), *keys, *args)
 
 
-# Counters: when a stats hash is passed as the last key, the scripts count what
-# they did in it (same round trip) and keep it for STATS_TTL_MS after the last
-# update. Redis Cluster callers pass no stats key (it lives in another slot).
+# Counters: when a stats hash is passed as the key at index ``stats``, the
+# scripts count what they did in it (same round trip) and keep it for
+# STATS_TTL_MS (the last ARGV) after the last update. Redis Cluster callers
+# pass no stats key (it lives in another slot).
 _COUNT = """
 local function count(stats, field)
-  if stats then
+  if stats and field ~= '' then
     redis.call('HINCRBY', stats, field, 1)
     redis.call('PEXPIRE', stats, ARGV[#ARGV])
   end
 end
 """
 
-# KEYS: lock, fence[, stats]. ARGV: value without its closing brace, ttl ms,
-# fence ttl ms, task id allowed to adopt a publish-time claim ("" for none),
-# counter to bump when taken, counter to bump on conflict, stats ttl ms.
-# Returns {1, value, fence} when taken, {0, current value, pttl} when held.
+# KEYS: lock, fence, done marker of this task id[, stats].
+# ARGV: 1 value without its closing brace, 2 ttl ms, 3 fence ttl ms,
+#       4 task id allowed to adopt a publish-time claim ("" for none),
+#       5 counter when taken, 6 counter on conflict,
+#       7 a dead holder's exact value to take over ("" for none),
+#       8 "1" to refuse when the done marker exists, 9 this task id,
+#       10 stats ttl ms.
+# Returns {1, value, fence} when taken, {0, current value, pttl} when held,
+# {2, "", 0} when the done marker says this task id already completed.
+# A value that starts with ARGV[1] is this very attempt (a client library
+# replayed the call after a lost reply): it is reported as taken.
 _ACQUIRE = LuaScript(
     _COUNT
     + """
+if ARGV[8] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
+  count(KEYS[4], 'completed_copies')
+  return {2, '', 0}
+end
 local current = redis.call('GET', KEYS[1])
-if current and ARGV[4] ~= '' then
-  local ok, holder = pcall(cjson.decode, current)
-  if ok and holder['claim'] == true and holder['task_id'] == ARGV[4] then
+if current then
+  if string.sub(current, 1, string.len(ARGV[1])) == ARGV[1] then
+    return {1, current, string.match(current, '"fence":(%d+)}$')}
+  end
+  if current == ARGV[7] then
     current = false
+    count(KEYS[4], 'taken_over')
+  elseif ARGV[4] ~= '' then
+    local ok, holder = pcall(cjson.decode, current)
+    if ok and holder['claim'] == true and holder['task_id'] == ARGV[4] then
+      current = false
+    end
   end
 end
 if current then
-  count(KEYS[3], ARGV[6])
+  if ARGV[9] ~= '' and string.find(current, '"task_id":"' .. ARGV[9] .. '"', 1, true) then
+    count(KEYS[4], 'redelivered')
+  else
+    count(KEYS[4], ARGV[6])
+  end
   return {0, current, redis.call('PTTL', KEYS[1])}
 end
 local fence
@@ -106,7 +132,7 @@ end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 local value = ARGV[1] .. ',"fence":' .. string.format('%d', fence) .. '}'
 redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
-count(KEYS[3], ARGV[5])
+count(KEYS[4], ARGV[5])
 return {1, value, fence}
 """
 )
@@ -124,17 +150,26 @@ return 0
 """
 )
 
-# KEYS: lock[, stats]. ARGV: value, counter if deleted, counter if not ours
-# ("" for none), stats ttl ms. 1 if deleted, 0 if the value is not ours.
+# KEYS: lock, done marker[, stats]. ARGV: 1 value, 2 counter if ours,
+# 3 counter if not ours ("" for none), 4 done marker ttl ms ("" for none),
+# 5 value to leave in the lock's place ("" to delete it), 6 its ttl ms,
+# 7 stats ttl ms. 1 if the lock was ours (deleted or replaced), 0 if not.
 _RELEASE = LuaScript(
     _COUNT
     + """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  count(KEYS[2], ARGV[2])
+  if ARGV[5] ~= '' then
+    redis.call('SET', KEYS[1], ARGV[5], 'PX', ARGV[6])
+  else
+    redis.call('DEL', KEYS[1])
+  end
+  if ARGV[4] ~= '' then
+    redis.call('SET', KEYS[2], '1', 'PX', ARGV[4])
+  end
+  count(KEYS[3], ARGV[2])
   return 1
 end
-if ARGV[3] ~= '' then count(KEYS[2], ARGV[3]) end
+count(KEYS[3], ARGV[3])
 return 0
 """
 )
@@ -165,6 +200,16 @@ def fence_key(key: str) -> str:
     return f"{key}:fence"
 
 
+def done_key(key: str, task_id: str | None) -> str:
+    """The marker that ``task_id`` completed a run under ``key`` (same Redis Cluster slot).
+
+    Written on release for tasks with ``acks_late`` (the only ones whose
+    message can be delivered again after their run); a later copy of the same
+    message finds it and ends without running.
+    """
+    return f"{key}:done:{task_id or ''}"
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a lock, as recorded in its value."""
@@ -178,6 +223,10 @@ class Holder:
     fence: int | None
     claim: bool
     token: str | None
+    #: The holder's worker publishes a liveness key (see :mod:`.liveness`).
+    live: bool = False
+    #: The lock's value exactly as stored (for compare-and-delete).
+    raw: str | None = None
 
     @property
     def is_claim(self) -> bool:
@@ -206,6 +255,8 @@ def parse_holder(raw: bytes | str | None) -> Holder | None:
         fence=data.get("fence"),
         claim=bool(data.get("claim", False)),
         token=data.get("token"),
+        live=bool(data.get("live", False)),
+        raw=text,
     )
 
 
@@ -245,10 +296,27 @@ class Lease:
             self.valid_until = started + self.ttl
         return renewed
 
-    def release(self) -> bool:
-        """Delete the lock if it is still ours; True if it was (else counted as lost)."""
-        return bool(_RELEASE(self.client, _keys(self.key, self.stats_key),
-                             [self.value, "released", "lost", STATS_TTL_MS]))
+    def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None) -> bool:
+        """Give the lock up if it is still ours; True if it was (else counted as lost).
+
+        ``done_ttl``: also leave this task id's done marker for that long.
+        ``claim_ttl``: instead of deleting the lock, turn it into a publish-time
+        claim of the same task id for that long (a retry of an
+        ``until_executed`` task stays covered while it waits in the queue).
+        """
+        holder = self.holder
+        replacement = ""
+        if claim_ttl is not None:
+            record = json.loads(self.value)
+            record.update(claim=True, at=round(time.time(), 3), live=False)
+            record.pop("fence", None)
+            replacement = json.dumps(record, separators=(",", ":"))
+        task_id = holder.task_id if holder else None
+        return bool(_RELEASE(
+            self.client, [self.key, done_key(self.key, task_id), *([self.stats_key] if self.stats_key else [])],
+            [self.value, "released", "lost", _ms(done_ttl) if done_ttl else "",
+             replacement, _ms(claim_ttl) if claim_ttl else "", STATS_TTL_MS],
+        ))
 
     def __repr__(self) -> str:
         return f"<Lease {self.key} fence={self.fence} ttl={self.ttl}s>"
@@ -256,11 +324,18 @@ class Lease:
 
 @dataclass(frozen=True)
 class AcquireResult:
-    """The outcome of :func:`acquire`: a ``lease``, or the current ``holder``."""
+    """The outcome of :func:`acquire`.
+
+    ``lease`` when taken; else ``holder`` (who holds it, and ``holder_ttl``)
+    or ``completed`` (the done marker of this task id exists). ``taken_over``
+    names the dead holder whose lock was taken over, if any.
+    """
 
     lease: Lease | None
     holder: Holder | None = None
     holder_ttl: float | None = None
+    completed: bool = False
+    taken_over: Holder | None = None
 
     @property
     def acquired(self) -> bool:
@@ -279,26 +354,35 @@ def acquire(
     task_id: str | None,
     node: str | None = None,
     boot: str | None = None,
+    live: bool = False,
     claim: bool = False,
     adopt_claim_of: str | None = None,
+    check_done: bool = False,
+    liveness_prefix: str | None = None,
     stats_key: str | None = None,
     counters: tuple[str, str] = ("acquired", "skipped"),
     wait_replicas: int = 0,
     wait_timeout: float = 1.0,
 ) -> AcquireResult:
-    """Try once to take ``key`` for ``ttl`` seconds (one round trip).
+    """Try once to take ``key`` for ``ttl`` seconds (one round trip when free).
 
     ``claim=True`` writes a publish-time claim (held for a queued message,
     not renewed). ``adopt_claim_of`` lets the run of that task id take over
-    its own publish-time claim instead of conflicting with it. With
-    ``stats_key``, the outcome is counted there in the same round trip:
-    ``counters`` names the field for "taken" and the one for "held by another".
-    With ``wait_replicas``, a taken lock must reach that many replicas within
-    ``wait_timeout`` (``WAIT``), else it is given back and
+    its own publish-time claim instead of conflicting with it.
+    ``check_done`` refuses when this task id's done marker exists.
+    ``liveness_prefix``: when the lock is held by a worker incarnation that
+    publishes liveness and its liveness key is gone, the holder is dead and
+    the lock is taken over (one ``EXISTS`` and one more script call, both
+    only on that path); the compare is on the holder's exact value, so a lock
+    re-taken meanwhile is left alone. With ``stats_key``, the outcome is
+    counted there in the same round trip: ``counters`` names the field for
+    "taken" and the one for "held by another". With ``wait_replicas``, a taken
+    lock must reach that many replicas within ``wait_timeout`` (``WAIT``),
+    else it is given back and
     :class:`~celery_singleton_beat.client.ReplicasNotAcknowledged` (a
     ``RedisError``: "Redis unavailable") is raised.
     """
-    record = {
+    record: dict[str, Any] = {
         "v": VALUE_FORMAT,
         "token": secrets.token_hex(12),
         "task": task,
@@ -309,31 +393,50 @@ def acquire(
         "at": round(time.time(), 3),
         "claim": claim,
     }
+    if live:
+        record["live"] = True
     encoded = json.dumps(record, separators=(",", ":"))
     ttl_ms = _ms(ttl)
     fence_ttl_ms = max(ttl_ms * 2, 10_000)
-    keys = [key, fence_key(key)] + ([stats_key] if stats_key else [])
-    args = [encoded[:-1], ttl_ms, fence_ttl_ms, adopt_claim_of or "", *counters, STATS_TTL_MS]
+    keys = [key, fence_key(key), done_key(key, task_id)] + ([stats_key] if stats_key else [])
 
-    def give_back(conn: Any, reply: Any) -> None:
-        if reply[0]:
-            _RELEASE(conn, _keys(key, stats_key), [reply[1], "unacknowledged", "", STATS_TTL_MS])
+    def attempt(replace: str) -> AcquireResult:
+        args = [encoded[:-1], ttl_ms, fence_ttl_ms, adopt_claim_of or "", *counters, replace,
+                "1" if check_done else "", task_id or "", STATS_TTL_MS]
 
-    taken, value, extra = call_acknowledged(
-        client, key, lambda conn: _ACQUIRE(conn, keys, args),
-        replicas=wait_replicas, timeout=wait_timeout, undo=give_back,
-    )
-    if taken:
+        def give_back(conn: Any, reply: Any) -> None:
+            if reply[0] == 1:
+                _RELEASE(conn, [key, done_key(key, task_id), *([stats_key] if stats_key else [])],
+                         [reply[1], "unacknowledged", "", "", "", "", STATS_TTL_MS])
+
+        status, value, extra = call_acknowledged(
+            client, key, lambda conn: _ACQUIRE(conn, keys, args),
+            replicas=wait_replicas, timeout=wait_timeout, undo=give_back,
+        )
+        if status == 2:
+            return AcquireResult(lease=None, completed=True)
         text = value.decode("utf-8") if isinstance(value, bytes) else value
-        return AcquireResult(lease=Lease(client, key, text, ttl, int(extra), stats_key))
-    pttl = int(extra)
-    return AcquireResult(lease=None, holder=parse_holder(value), holder_ttl=pttl / 1000 if pttl > 0 else None)
+        if status == 1:
+            return AcquireResult(lease=Lease(client, key, text, ttl, int(extra), stats_key))
+        pttl = int(extra)
+        return AcquireResult(lease=None, holder=parse_holder(text), holder_ttl=pttl / 1000 if pttl > 0 else None)
+
+    result = attempt("")
+    holder = result.holder
+    if (liveness_prefix is None or holder is None or not holder.live or holder.claim
+            or not holder.boot or is_alive(client, liveness_prefix, holder.boot)):
+        return result
+    taken = attempt(holder.raw or "")
+    if taken.acquired:
+        return AcquireResult(lease=taken.lease, taken_over=holder)
+    return taken
 
 
 def release_value(client: redis.Redis, key: str, value: bytes | str, *, stats_key: str | None = None,
                   counter: str = "released") -> bool:
     """Delete ``key`` if its value is still exactly ``value`` (compare-and-delete)."""
-    return bool(_RELEASE(client, _keys(key, stats_key), [value, counter, "", STATS_TTL_MS]))
+    return bool(_RELEASE(client, [key, done_key(key, None), *([stats_key] if stats_key else [])],
+                         [value, counter, "", "", "", "", STATS_TTL_MS]))
 
 
 def release_task(client: redis.Redis, key: str, task_id: str, *, stats_key: str | None = None,

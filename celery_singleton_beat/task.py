@@ -3,7 +3,7 @@
 Lifecycle of a run (``lock_mode="while_executing"``, the default)::
 
     worker receives message -> __call__ -> acquire lease (1 round trip)
-        held by another run -> on_conflict: skip (state SKIPPED) | raise | retry
+        held by another run -> on_conflict: skip (REVOKED: TaskSkipped) | raise | retry
         taken                -> body runs; the keeper renews every lock_ttl/3
     body ends in any way (return, exception, retry, Ignore, Reject)
         -> release (1 round trip, only if the lease is still ours)
@@ -15,6 +15,13 @@ revoke with terminate) are handled by the worker's main process through
 :class:`~celery_singleton_beat.worker.SingletonRequest`, and a node that died
 altogether is cleaned up by its next start or by the lease's TTL.
 
+Another delivery of the same message (same task id: ``acks_late`` redelivery
+after a visibility timeout or a lost connection) is the same work, not a
+duplicate: it waits (re-published with a countdown, nothing stored) while the
+original runs on a live worker, ends without running once the original
+completed (the done marker of ``acks_late`` runs), and runs when the original's
+worker died (its lock is taken over, see :mod:`.liveness`).
+
 Publish-time modes add a *claim* taken in ``apply_async``:
 
 * ``until_executed``: the claim is the lock itself; the run adopts it and holds
@@ -22,6 +29,12 @@ Publish-time modes add a *claim* taken in ``apply_async``:
 * ``until_executing``: the claim is a separate queue key released when the run
   starts (the run itself still takes the run lock): at most one copy waits in
   the queue and at most one runs.
+
+A claim covers ``countdown``/``eta``; a task's own re-publish (retry, or a
+redelivered copy waiting for its original) never conflicts with its own claim;
+a publish that is part of a canvas (chain, group, chord, callbacks) is never
+deduplicated at publish time (the canvas waits on the task id it froze): the
+run decides, with a ready outcome.
 """
 
 from __future__ import annotations
@@ -29,21 +42,24 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 import redis
 from celery import Task
-from celery.exceptions import Ignore, ImproperlyConfigured
+from celery import states
+from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
 from kombu.utils.functional import maybe_list
 
 from .client import get_redis
 from .config import get_settings
-from .events import SKIPPED, TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event, send_task_event_soon
-from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, describe_holder
+from .events import TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event, send_task_event_soon
+from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, TaskSkipped, describe_holder
 from .keeper import KeptLease, get_keeper
 from .keys import QUEUED_SUFFIX, UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
+from .liveness import boot_id, publishes_liveness
 from .lock import AcquireResult, Holder, acquire, release_task
 from . import worker as worker_support
 
@@ -53,6 +69,27 @@ LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
 #: Counter bumped when a run finds its lock held, by ``on_conflict``.
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
+#: Options that make a publish part of a canvas: the canvas froze the task id
+#: and waits on it, so a publish-time duplicate must still be sent (the run decides).
+_CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error", "chain")
+
+
+def _in_canvas(options: dict[str, Any]) -> bool:
+    return any(options.get(name) for name in _CANVAS_OPTIONS)
+
+
+def _delay_of(options: dict[str, Any]) -> float:
+    """Seconds until a message published with these options may run (countdown / eta)."""
+    countdown = options.get("countdown")
+    if countdown:
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if isinstance(eta, datetime):
+        now = datetime.now(eta.tzinfo or timezone.utc) if eta.tzinfo else datetime.now()
+        return max(0.0, (eta - now).total_seconds())
+    return 0.0
 
 
 class SingletonRun:
@@ -103,7 +140,7 @@ class SingletonTask(Task):
     lock_ttl: ClassVar[float | None] = None
     #: ``"while_executing"`` | ``"until_executed"`` | ``"until_executing"``.
     lock_mode: ClassVar[str] = "while_executing"
-    #: What a run does when another holds the lock: ``"skip"`` (state SKIPPED),
+    #: What a run does when another holds the lock: ``"skip"`` (REVOKED, TaskSkipped),
     #: ``"raise"`` (DuplicateTaskError), ``"retry"`` (later, with back-off).
     #: At publish (publish-time modes) a conflict returns the holder's
     #: AsyncResult, except with ``"raise"``; ``"return_existing"`` names that.
@@ -122,6 +159,8 @@ class SingletonTask(Task):
         if cls.__dict__.get("name") is None and cls is SingletonTask:
             return
         cls._check_options()
+        # A task's own Request class keeps working, with ours mixed in front.
+        cls.Request = worker_support.compose_request(cls.Request)
         worker_support.install(app)
 
     @classmethod
@@ -177,10 +216,21 @@ class SingletonTask(Task):
 
     # -- publish ----------------------------------------------------------
 
+    def _republishing(self, task_id: str | None) -> bool:
+        """True when the running task publishes its own message again (retry, deferral)."""
+        request = self.request
+        return task_id is not None and not request.called_directly and request.id == task_id
+
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     *more: Any, **options: Any) -> AsyncResult:
         """Publish; in publish-time modes, claim the key first (see the module docstring)."""
         if self.lock_mode == "while_executing":
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        if self._republishing(task_id):
+            self._reclaim_queue(args, kwargs, task_id, options)
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        if _in_canvas(options):
+            # Nothing at publish: the run takes (or conflicts on) the key itself.
             return super().apply_async(args, kwargs, task_id, *more, **options)
         task_id = task_id or uuid()
         key = self.singleton_key(args, kwargs)
@@ -188,8 +238,8 @@ class SingletonTask(Task):
         client = get_redis(self.app)
         settings = get_settings(self.app)
         try:
-            result = self._take(claim_key, settings.queue_lock_ttl, ("claimed", "publish_deduplicated"),
-                                task_id=task_id, claim=True)
+            result = self._take(claim_key, settings.queue_lock_ttl + _delay_of(options),
+                                ("claimed", "publish_deduplicated"), task_id=task_id, claim=True)
         except redis.RedisError as exc:
             if not settings.fail_open:
                 raise LockUnavailable(claim_key, exc) from exc
@@ -203,13 +253,28 @@ class SingletonTask(Task):
             logger.info("not publishing %s: %s already holds %s; returning its result",
                         self.name, describe_holder(holder), claim_key)
             return self.AsyncResult(holder.task_id)
-        # Not acquired but held by this very task id: a retry re-publishing itself.
         try:
             return super().apply_async(args, kwargs, task_id, *more, **options)
         except BaseException:
             if result.acquired:
                 release_task(client, claim_key, task_id)
             raise
+
+    def _reclaim_queue(self, args: Any, kwargs: Any, task_id: str, options: dict[str, Any]) -> None:
+        """``until_executing``: a re-published message waits in the queue under its claim again.
+
+        Best effort: the message is published whatever happens here (a retry
+        must not be lost); a copy queued meanwhile by another publish is met
+        by the run lock instead.
+        """
+        if self.lock_mode != "until_executing":
+            return  # until_executed: the lock itself became the claim (see _end)
+        try:
+            self._take(self.singleton_key(args, kwargs) + QUEUED_SUFFIX,
+                       get_settings(self.app).queue_lock_ttl + _delay_of(options),
+                       ("claimed", ""), task_id=task_id, claim=True)
+        except redis.RedisError as exc:
+            logger.warning("%s[%s] re-published without its queue claim: %s", self.name, task_id, exc)
 
     # -- run --------------------------------------------------------------
 
@@ -222,35 +287,69 @@ class SingletonTask(Task):
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            # SystemExit here: the pool child is being terminated (hard time
-            # limit, revoke+terminate); the main process frees the lock first.
-            self._end(request.singleton, terminated=isinstance(sys.exc_info()[1], SystemExit))
+            self._end(request.singleton, sys.exc_info()[1])
 
     def _take(self, key: str, ttl: float, counters: tuple[str, str], **holder: Any) -> AcquireResult:
         """One acquire of ``key`` as this task: its name, counters and the WAIT settings."""
         settings = get_settings(self.app)
-        return acquire(get_redis(self.app), key, ttl, task=self.name, boot=worker_support.boot_id(),
+        return acquire(get_redis(self.app), key, ttl, task=self.name, boot=boot_id(),
                        stats_key=self.singleton_stats_key(), counters=counters,
                        wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout, **holder)
 
     def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
         request = self.request
+        settings = get_settings(self.app)
         key = self.singleton_key(args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
         try:
             result = self._take(key, self.effective_lock_ttl,
                                 ("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
-                                task_id=request.id, node=request.hostname, adopt_claim_of=adopt)
+                                task_id=request.id, node=request.hostname, adopt_claim_of=adopt,
+                                live=publishes_liveness(), liveness_prefix=settings.key_prefix,
+                                check_done=bool(self.acks_late) and not request.is_eager)
         except redis.RedisError as exc:
-            return self._redis_unavailable(key, exc, fail_open=get_settings(self.app).fail_open)
+            return self._redis_unavailable(key, exc, fail_open=settings.fail_open)
         if self.lock_mode == "until_executing":
             self._release_queue_claim(get_redis(self.app), key)
+        if result.completed:
+            logger.info("%s[%s] already completed; this delivery of the same message ends without "
+                        "running", self.name, request.id)
+            raise Ignore(f"{request.id} already completed")
+        if result.taken_over is not None:
+            logger.warning("%s[%s] took over %s from %s, whose worker is gone",
+                           self.name, request.id, key, describe_holder(result.taken_over))
         if not result.acquired:
+            holder = result.holder
+            if holder is not None and holder.task_id == request.id and not holder.claim:
+                self._wait_for_original(key, holder)
             self._conflict(key, result)
         assert result.lease is not None
         kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback())
         logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
         return SingletonRun(key, kept)
+
+    def _wait_for_original(self, key: str, holder: Holder) -> None:
+        """Another delivery of a message whose original still runs on a live worker.
+
+        Neither a duplicate to skip nor work to run now: the message is
+        published again with a countdown and this delivery ends without storing
+        anything (the original's state stands). The next look finds the
+        original completed (done marker: ends), gone (taken over: runs) or
+        still running (waits again). Always raises.
+        """
+        request = self.request
+        if request.is_eager:
+            raise DuplicateTaskError(self.name, key, holder.task_id)
+        countdown = get_settings(self.app).liveness_ttl / 2
+        logger.warning("%s[%s] is already running on %s (another delivery of the same message); "
+                       "looking again in %.1fs", self.name, request.id, describe_holder(holder), countdown)
+        try:
+            self.signature_from_request(request, countdown=countdown).apply_async()
+        except Exception as exc:
+            logger.error("%s[%s] could not be re-published (%s); the message goes back to the queue",
+                         self.name, request.id, exc)
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore(f"{request.id} is still running on {holder.node}")
 
     def _release_queue_claim(self, client: redis.Redis, key: str) -> None:
         try:
@@ -271,18 +370,30 @@ class SingletonTask(Task):
 
         return on_lost
 
-    def _end(self, run: SingletonRun | None, terminated: bool = False) -> None:
+    def _end(self, run: SingletonRun | None, exc: BaseException | None) -> None:
         kept = run._kept if run is not None else None
         if kept is None:
             return
         get_keeper().forget(kept)
+        settings = get_settings(self.app)
+        # The same task id runs again after a retry or a requeue: no done marker then.
+        again = isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue)
+        done_ttl = settings.done_ttl if self.acks_late and not again and not self.request.is_eager else None
+        claim_ttl = None
+        if isinstance(exc, Retry) and self.lock_mode == "until_executed":
+            # The retry waits in the queue under the lock, turned into its claim.
+            when = exc.when
+            delay = (when.timestamp() - datetime.now(timezone.utc).timestamp() if isinstance(when, datetime)
+                     else float(when or 0))
+            claim_ttl = settings.queue_lock_ttl + max(0.0, delay)
         try:
-            released = kept.lease.release()
-        except redis.RedisError as exc:
+            released = kept.lease.release(done_ttl=done_ttl, claim_ttl=claim_ttl)
+        except redis.RedisError as error:
             logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
-                         self.name, self.request.id, kept.lease.key, kept.lease.ttl, exc)
+                         self.name, self.request.id, kept.lease.key, kept.lease.ttl, error)
             return
-        if not released and terminated:
+        if not released and isinstance(exc, SystemExit):
+            # The pool child is being terminated (hard time limit, revoke+terminate).
             logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
                         self.name, self.request.id, kept.lease.key)
         elif not released:  # reported once, by the callback, unless the keeper already did
@@ -301,8 +412,18 @@ class SingletonTask(Task):
         logger.error("%s[%s] not started, Redis unavailable for %s; retrying in %.1fs: %s",
                      self.name, request.id, key, countdown, exc)
         # No cap: a run never starts unlocked (max_retries=None would mean the
-        # task's own default and end in FAILURE after a short outage).
-        raise self.retry(exc=error, countdown=countdown, max_retries=sys.maxsize)
+        # task's own default and end in FAILURE after a short outage). Celery
+        # keeps an explicit max_retries on the shared task object, where
+        # autoretry_for would read it for later runs: put back what was there.
+        had = "override_max_retries" in self.__dict__
+        previous = self.__dict__.get("override_max_retries")
+        try:
+            raise self.retry(exc=error, countdown=countdown, max_retries=sys.maxsize)
+        finally:
+            if had:
+                self.override_max_retries = previous
+            else:
+                self.__dict__.pop("override_max_retries", None)
 
     def _backoff(self, retries: int) -> float:
         """Exponential back-off with full jitter, capped by ``singleton_retry_backoff_max``."""
@@ -324,12 +445,26 @@ class SingletonTask(Task):
             raise self.retry(exc=DuplicateTaskError(self.name, key, holder_id), countdown=countdown)
         logger.info("%s[%s] skipped: duplicate of %s holding %s",
                     self.name, request.id, describe_holder(holder), key)
-        meta = {"holder_task_id": holder_id, "key": key,
-                "holder_node": holder.node if holder else None}
-        if not self.ignore_result and not request.is_eager:
-            try:
-                self.update_state(state=SKIPPED, meta=meta)
-            except NotImplementedError:  # no result backend configured
-                pass
-        send_task_event(self, TASK_SKIPPED, **meta)
+        send_task_event(self, TASK_SKIPPED, holder_task_id=holder_id, key=key,
+                        holder_node=holder.node if holder else None)
+        if not request.is_eager:
+            self._store_skipped(TaskSkipped(self.name, key, holder_id))
         raise Ignore(f"duplicate of {holder_id}")
+
+    def _store_skipped(self, exc: TaskSkipped) -> None:
+        """Record a skip as ``REVOKED`` so callers, chains and chords see an end.
+
+        Celery's own failure path does the propagation: the rest of a chain is
+        marked ``REVOKED``, a chord counts its part (its body fails with a
+        ``ChordError``). The task's own errbacks are not called: a skip is not
+        an error of the task.
+        """
+        request = self.request
+        try:
+            self.backend.mark_as_failure(request.id, exc, request=request, state=states.REVOKED,
+                                         store_result=not self.ignore_result, call_errbacks=False)
+        except NotImplementedError:  # no result backend configured
+            pass
+        except Exception as error:  # the skip itself stands; say why waiters may not see it
+            logger.error("%s[%s] could not record its skip in the result backend: %s",
+                         self.name, request.id, error)

@@ -1,48 +1,46 @@
-"""Worker-side support: locks of runs that could not release them themselves.
+"""Worker-side support: liveness, and locks of runs that could not release them.
 
+* :class:`SingletonWorkerStep` runs when a worker starts: it validates the
+  ``singleton_*`` settings (a mistake stops the worker with a clear error) and
+  starts the :class:`~celery_singleton_beat.liveness.Heartbeat` that proves
+  this incarnation alive. Locks of incarnations that stopped proving it are
+  taken over by the next run that wants them (see :mod:`.liveness`), so no
+  start-up sweep and no trust in node names is needed.
 * :class:`SingletonRequest` runs in the worker's main process. When a pool
   child dies with a singleton run on it (SIGKILL, OOM killer, hard time limit,
   revoke with ``terminate=True``), the child's ``finally`` never runs; the main
-  process learns of it at once and deletes the lock if that task id still
-  holds it.
-* :class:`SingletonWorkerStep` runs at worker start-up: it validates the
-  ``singleton_*`` settings (a mistake stops the worker with a clear error)
-  and reclaims locks left by a previous incarnation of the same node name
-  (a worker restarted after ``kill -9``), instead of waiting out their TTL.
-
-Every lock value records the worker incarnation (``boot``) that took it; a
-node name is unique among running workers, so a lock with this node's name
-and another boot id belongs to a process that is gone.
+  process deletes the lock if that task id still holds it, once the child is
+  really gone (billiard reports a hard time limit before it kills the child).
+  A message revoked or expired before it ran frees its publish-time claims.
 """
 
 from __future__ import annotations
 
-import uuid
+import os
+import threading
+import time
 from typing import Any
 
 import redis
 from billiard.exceptions import WorkerLostError
 from celery import Celery, bootsteps, signals
 from celery.exceptions import Terminated, TimeLimitExceeded
+from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
-from .client import get_redis, mget_any, scan_all
+from .client import get_redis
 from .config import get_settings
 from .events import logger
-from .keys import QUEUED_SUFFIX, is_run_lock_key, task_stats_key
-from .lock import parse_holder, release_task, release_value
+from .keys import QUEUED_SUFFIX
+from .liveness import Heartbeat, boot_id
+from .lock import release_task
 
-__all__ = ["SingletonRequest", "SingletonWorkerStep", "boot_id", "install", "reclaim_node_locks"]
-
-_boot_id = uuid.uuid4().hex
+__all__ = ["SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install"]
 
 #: Endings after which the pool child cannot have released its lock.
 _CHILD_GONE = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
-
-
-def boot_id() -> str:
-    """The id of this worker incarnation (inherited by prefork pool children)."""
-    return _boot_id
+#: How long the main process waits for a timed-out child to exit before giving up.
+_EXIT_WAIT = 30.0
 
 
 def install(app: Celery) -> None:
@@ -50,8 +48,36 @@ def install(app: Celery) -> None:
     app.steps["worker"].add(SingletonWorkerStep)
 
 
-def _release_for_request(request: Request, why: str) -> None:
-    """Delete the locks the request's task id holds, from the main process."""
+def compose_request(request_cls: Any) -> type[Request]:
+    """A request class that is both the task's own and :class:`SingletonRequest`.
+
+    A task that sets its own ``Request`` keeps it; the singleton behaviour
+    (freeing locks of lost children, claims of revoked messages) is mixed in
+    front of it, so the two cooperate through ``super()``.
+    """
+    cls = symbol_by_name(request_cls) if isinstance(request_cls, str) else request_cls
+    if issubclass(cls, SingletonRequest):
+        return cls
+    return type(f"Singleton{cls.__name__}", (SingletonRequest, cls), {"__module__": cls.__module__})
+
+
+def _process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def _release_for_request(request: Request, why: str, *, run_lock: bool = True) -> None:
+    """Delete the locks (and claims) the request's task id holds, from the main process."""
     task = request.task
     key_of = getattr(task, "singleton_key", None)
     if key_of is None:
@@ -63,88 +89,88 @@ def _release_for_request(request: Request, why: str) -> None:
     try:
         client = get_redis(task.app)
         stats_key = task.singleton_stats_key()
-        freed = [k for k in (key, key + QUEUED_SUFFIX)
+        freed = [k for k in ((key, key + QUEUED_SUFFIX) if run_lock or task.lock_mode == "until_executed"
+                             else (key + QUEUED_SUFFIX,))
                  if release_task(client, k, request.id, stats_key=stats_key, counter="reclaimed")]
     except redis.RedisError as exc:
         logger.error("%s[%s] %s; could not free %s (it expires after its TTL): %s",
                      request.name, request.id, why, key, exc)
         return
     if freed:
-        logger.warning("%s[%s] %s; freed its lock %s", request.name, request.id, why, key)
+        logger.warning("%s[%s] %s; freed its lock %s", request.name, request.id, why, ", ".join(freed))
 
 
 class SingletonRequest(Request):
     """Request class of singleton tasks: frees locks of pool children that died."""
 
+    _singleton_released = False
+
+    def _release_once(self, why: str) -> None:
+        """Free the run's lock once its process is gone (never while the body may still run)."""
+        if self._singleton_released:
+            return
+        self._singleton_released = True
+        pid = self.worker_pid
+        if not pid or pid == os.getpid():
+            # Threads, gevent, eventlet, solo: the body ran here and its own
+            # ``finally`` released (a timed-out greenlet is killed with an exception).
+            return
+        if _process_gone(pid):
+            _release_for_request(self, why)
+            return
+
+        def wait_then_release() -> None:
+            deadline = time.monotonic() + _EXIT_WAIT
+            while not _process_gone(pid):
+                if time.monotonic() >= deadline:
+                    logger.error("%s[%s] %s, but pool process %s has not exited after %.0fs; its lock "
+                                 "is left to its lease", self.name, self.id, why, pid, _EXIT_WAIT)
+                    return
+                time.sleep(0.02)
+            _release_for_request(self, why)
+
+        threading.Thread(target=wait_then_release, name="singleton-release", daemon=True).start()
+
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback wraps the real one
         if isinstance(exc, _CHILD_GONE):
-            _release_for_request(self, f"ended without releasing ({type(exc).__name__})")
+            self._release_once(f"ended without releasing ({type(exc).__name__})")
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
         result = super().on_timeout(soft, timeout)
         if not soft:
-            _release_for_request(self, f"hit the hard time limit ({timeout}s)")
+            self._release_once(f"hit the hard time limit ({timeout}s)")
         return result
 
-
-def reclaim_node_locks(client: redis.Redis, prefix: str, node: str, current_boot: str,
-                       stats: bool = True) -> int:
-    """Delete run locks held by ``node`` under an older boot id; returns how many.
-
-    Uses SCAN (never KEYS) and deletes each lock with compare-and-delete, so a
-    lock re-taken in the meantime is left alone. Each freed lock is logged.
-    """
-    freed = 0
-    batch: list[str] = []
-
-    def flush() -> None:
-        nonlocal freed
-        for key, raw in zip(batch, mget_any(client, batch)):
-            holder = parse_holder(raw)
-            if holder is None or holder.node != node or holder.claim or holder.boot in (None, current_boot):
-                continue
-            stats_key = task_stats_key(prefix, holder.task) if stats and holder.task else None
-            if release_value(client, key, raw, stats_key=stats_key, counter="reclaimed"):
-                freed += 1
-                logger.warning("reclaimed %s of %s[%s], left by a previous run of %s (pid %s)",
-                               key, holder.task, holder.task_id, node, holder.pid)
-        batch.clear()
-
-    # Glob braces are literal: this matches keys ending in "}", i.e. run locks.
-    for raw_key in scan_all(client, f"{prefix}:{{*}}", count=1000):
-        key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-        if is_run_lock_key(prefix, key):
-            batch.append(key)
-            if len(batch) >= 500:
-                flush()
-    if batch:
-        flush()
-    return freed
+    def revoked(self) -> bool:
+        revoked = bool(super().revoked())
+        if revoked and not self._singleton_released and self.worker_pid is None:
+            # Revoked or expired before it started: its publish-time claims
+            # would otherwise block every publish until they expire.
+            self._singleton_released = True
+            _release_for_request(self, "was revoked or expired before it ran", run_lock=False)
+        return revoked
 
 
 class SingletonWorkerStep(bootsteps.StartStopStep):
-    """Validates settings when the worker starts and reclaims this node's stale locks."""
+    """Validates settings when the worker starts and keeps its liveness key.
+
+    The heartbeat starts while the worker is being built, before the pool
+    forks or any message is consumed, and is never stopped before the process
+    ends: during a warm shutdown the running tasks still hold their locks.
+    """
 
     label = "singleton"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.settings = get_settings(worker.app)  # raises ImproperlyConfigured
-
-    def start(self, worker: Any) -> None:
-        try:
-            freed = reclaim_node_locks(
-                get_redis(worker.app), self.settings.key_prefix, worker.hostname, boot_id(),
-                stats=self.settings.stats,
-            )
-        except redis.RedisError as exc:
-            logger.error("could not reclaim locks of a previous run of %s: %s", worker.hostname, exc)
-            return
-        if freed:
-            logger.warning("reclaimed %d lock(s) left by a previous run of %s", freed, worker.hostname)
+        self.heartbeat = Heartbeat(get_redis(worker.app), self.settings.key_prefix,
+                                   self.settings.liveness_ttl, worker.hostname).start()
+        logger.info("%s: liveness key %s (ttl %.0fs)", worker.hostname, self.heartbeat.key,
+                    self.settings.liveness_ttl)
 
 
 @signals.worker_init.connect

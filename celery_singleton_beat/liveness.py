@@ -1,0 +1,122 @@
+"""Which worker incarnations are alive: liveness keys and boot ids.
+
+A worker process tree (main process and its pool) is one *incarnation*, named
+by a random boot id that pool children inherit. While it runs, the worker's
+main process keeps ``<prefix>:live:<boot>`` in Redis with a TTL of
+``singleton_liveness_ttl`` seconds, rewritten every third of it by a
+:class:`Heartbeat` thread.
+
+Every lock records the boot id of the run that took it and whether that
+process publishes liveness (``"live": true``). A lock held by an incarnation
+whose liveness key is gone belongs to a process tree that died (a pod or VM
+lost with its worker, ``kill -9`` of the main process): any worker may take it
+over, whatever node names are involved. Two live workers never free each
+other's locks, duplicate node names included, because the decision rests on
+the boot id, not the name.
+
+Processes that are not workers (a web process running a task eagerly, a
+script) publish no liveness: their locks are only ever freed by their owner
+or by the lease TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import redis
+
+__all__ = ["Heartbeat", "boot_id", "is_alive", "live_key", "publishes_liveness"]
+
+logger = logging.getLogger("celery_singleton_beat")
+
+_boot_id = uuid.uuid4().hex
+_publishing = False
+
+
+def boot_id() -> str:
+    """The id of this incarnation (inherited by forked pool children)."""
+    return _boot_id
+
+
+def publishes_liveness() -> bool:
+    """True in a worker (and its pool children) whose main process keeps a liveness key."""
+    return _publishing
+
+
+def live_key(prefix: str, boot: str) -> str:
+    """The liveness key of the incarnation ``boot``."""
+    return f"{prefix}:live:{boot}"
+
+
+def is_alive(client: Any, prefix: str, boot: str) -> bool:
+    """Whether the incarnation ``boot`` still proves it is alive (one ``EXISTS``)."""
+    return boot == _boot_id or bool(client.exists(live_key(prefix, boot)))
+
+
+class Heartbeat:
+    """Keeps this incarnation's liveness key alive from a daemon thread.
+
+    Started by the worker's boot step before the pool forks or consumes, so
+    every lock a run of this worker takes is covered from its first moment.
+    The key is never deleted on a warm shutdown: running tasks still finish
+    and release their locks, and the key then expires on its own. When the
+    thread finds its key gone (Redis restarted, or unreachable for longer
+    than the TTL), it logs it: other workers may have taken over this
+    worker's locks, and its runs learn it at their next renewal (``LockLost``).
+    """
+
+    def __init__(self, client: Any, prefix: str, ttl: float, node: str) -> None:
+        self.client = client
+        self.key = live_key(prefix, _boot_id)
+        self.ttl_ms = max(1, int(ttl * 1000))
+        self.interval = ttl / 3
+        self.value = json.dumps({"node": node, "host": socket.gethostname(), "pid": os.getpid(),
+                                 "started": round(time.time(), 3)}, separators=(",", ":"))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.beats = 0
+
+    def beat(self) -> bool:
+        """Write the key once; False when an earlier write of it had lapsed."""
+        previous = self.client.set(self.key, self.value, px=self.ttl_ms, get=True)
+        lapsed = self.beats > 0 and previous is None
+        self.beats += 1
+        return not lapsed
+
+    def start(self) -> "Heartbeat":
+        """Mark this process as publishing liveness, write the key, start renewing it."""
+        global _publishing
+        _publishing = True
+        try:
+            self.beat()
+        except redis.RedisError as exc:
+            logger.error("cannot write liveness key %s yet (retrying): %s", self.key, exc)
+        self._thread = threading.Thread(target=self._run, name="singleton-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop renewing (the key expires after its TTL)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        wait = self.interval
+        while not self._stop.wait(wait):
+            try:
+                if not self.beat():
+                    logger.error("liveness key %s had expired: this worker counted as dead for a "
+                                 "while; other workers may have taken over its locks", self.key)
+                wait = self.interval
+            except redis.RedisError as exc:
+                logger.error("cannot renew liveness key %s: %s", self.key, exc)
+                wait = min(self.interval, 1.0)
+            except Exception:  # never let the thread die
+                logger.exception("unexpected error renewing liveness key %s", self.key)
+                wait = self.interval
