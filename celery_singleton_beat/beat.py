@@ -8,8 +8,9 @@ for, in UTC -- and claims it in Redis before sending::
 
 Only the instance whose ``SET`` succeeds sends; the others log that they
 skipped. Claims expire by themselves (``ttl`` = the entry's period + the
-``singleton_beat_claim_margin``), so Redis holds about one key per entry
-whatever the number of ticks.
+``singleton_beat_claim_margin``), so an entry has ``1 + margin / period``
+claim keys alive at a time (one for a daily entry, 61 for a 1 s entry with
+the default 60 s margin), whatever the number of ticks.
 
 Slots are a pure function of the schedule and the instance's clock, so every
 instance names the same slot without talking to the others:

@@ -1,0 +1,212 @@
+"""Claims the README and docs/ make, each checked against the code.
+
+Beat claims run in-process: two or three schedulers (the mixin on Celery's
+plain ``Scheduler``) share the real redis-server and a clock moved by hand;
+sends are recorded instead of published. Some tests pin today's *limits*
+(docs/beat.md, "Guarantees and limits"): a beat that dies or stops in the
+middle of a burst loses the slots it claimed ahead. When the scheduler stops
+losing them, these tests and the docs change together.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.beat import Scheduler
+
+from celery_singleton_beat.beat import SingletonSchedulerMixin, read_history, stats_key
+from celery_singleton_beat.keys import beat_stats_key
+from celery_singleton_beat.lock import VALUE_FORMAT, acquire
+
+from .support import LOCK_DB, RedisServer
+
+UTC = timezone.utc
+START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=UTC)
+PREFIX = "singleton"
+
+
+# ----------------------------------------------------------------- in-process beats
+
+class Clock:
+    def __init__(self, start: datetime) -> None:
+        self.value = start
+
+    def advance(self, seconds: float) -> None:
+        self.value += timedelta(seconds=seconds)
+
+
+class ClockApp(Celery):
+    """``now()`` (what beat reads the time through) follows a :class:`Clock`."""
+
+    clock: Clock
+
+    def now(self) -> datetime:
+        return self.clock.value.astimezone(self.timezone)
+
+
+class Beat(SingletonSchedulerMixin, Scheduler):
+    """The mixin on Celery's in-memory scheduler; sends are recorded, not published."""
+
+    producer = None
+    redis_retry_min = 0.05
+    redis_retry_max = 0.2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sent: list[dict[str, Any]] = []
+        super().__init__(*args, **kwargs)
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+        self.sent.append({"task": name, "args": args,
+                          "slot": options.get("headers", {}).get("singleton_beat_slot")})
+
+
+def beat(redis_server: RedisServer, clock: Clock, schedule: dict[str, float], cls: type = Beat,
+         **conf: Any) -> Any:
+    app = ClockApp("doc-claims-beat", set_as_current=False)
+    app.clock = clock
+    app.conf.update(broker_url=redis_server.url(0), singleton_redis_url=redis_server.url(LOCK_DB),
+                    beat_schedule={name: {"task": f"t.{name}", "schedule": period}
+                                   for name, period in schedule.items()},
+                    **conf)
+    return cls(app=app)
+
+
+def drain(scheduler: Any) -> None:
+    """Tick until nothing is due now (the end of a burst), as beat's loop would."""
+    for _ in range(10_000):
+        if scheduler.tick() > 0:
+            return
+    raise AssertionError("the scheduler never went idle")
+
+
+def tick_through(schedulers: list[Any], clock: Clock, seconds: int) -> None:
+    """Drive ``schedulers`` second by second for ``seconds`` seconds of the manual clock."""
+    for _ in range(seconds):
+        for scheduler in schedulers:
+            drain(scheduler)
+        clock.advance(1)
+
+
+def claim_keys(claims: redis.Redis, entry: str = "*") -> list[str]:
+    return sorted(key.decode() for key in claims.keys(f"{PREFIX}:{{beat:{entry}}}:*"))
+
+
+@pytest.fixture
+def claims(redis_db: redis.Redis, redis_server: RedisServer) -> redis.Redis:
+    return redis_server.client(LOCK_DB)
+
+
+# ----------------------------------------------------------------- beat: keys
+
+def test_each_slot_has_its_own_claim_key_living_period_plus_margin(
+        claims: redis.Redis, redis_server: RedisServer) -> None:
+    """docs/beat.md: a claim key per slot, expiring period + margin after the claim,
+    so an entry has 1 + margin/period claim keys alive at a time."""
+    clock = Clock(START)
+    scheduler = beat(redis_server, clock, {"e": 600.0}, singleton_beat_claim_margin=3600)
+    for _ in range(3):
+        drain(scheduler)
+        clock.advance(600)
+    keys = claim_keys(claims, "e")
+    assert keys == [f"{PREFIX}:{{beat:e}}:2024-05-01T12:{m}0:00Z" for m in range(3)]
+    assert len(scheduler.sent) == 3
+    for key in keys:
+        # The TTL set is period + margin; a read above the margin alone tells it
+        # was not the margin only (the margin is an hour: no race with real time).
+        assert 3600_000 < claims.pttl(key) <= (600 + 3600) * 1000
+
+
+# ----------------------------------------------------------------- beat: history and counters
+
+def test_won_and_history_count_a_claim_won_ahead_and_given_back_unsent(
+        claims: redis.Redis, redis_server: RedisServer) -> None:
+    """docs/monitoring.md, docs/beat.md: ``won`` and the history count claims won,
+    including a slot claimed ahead in a burst and given back without being sent."""
+    clock = Clock(START)
+    scheduler = beat(redis_server, clock, {"a": 60.0, "b": 60.0})
+    assert scheduler.tick() == 0  # one entry sent, the other claimed ahead in the same pipeline
+    pending = next(name for name in ("a", "b") if name in scheduler._prefetched)
+    scheduler.schedule.pop(pending)  # no longer due when its turn would come
+    drain(scheduler)
+
+    assert [sent["task"] for sent in scheduler.sent] == [f"t.{'ab'.replace(pending, '')}"]
+    assert claim_keys(claims, pending) == [], "the unsent claim was given back"
+    assert sorted(record["entry"] for record in read_history(claims, PREFIX)) == ["a", "b"]
+    assert int(claims.hget(stats_key(PREFIX), "won")) == 2
+    assert int(claims.hget(beat_stats_key(PREFIX, pending), "won")) == 1
+
+
+# ----------------------------------------------------------------- beat: today's limits
+
+class Killed(BaseException):
+    """Stands for SIGKILL: raised from the publish, it runs none of the beat's code."""
+
+
+class DiesWhilePublishing(Beat):
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+        raise Killed(name)
+
+
+def test_a_beat_killed_while_publishing_loses_that_slot_and_its_claims_ahead(
+        claims: redis.Redis, redis_server: RedisServer) -> None:
+    """docs/beat.md "Guarantees and limits": the claim-to-publish window loses the
+    slot, and a burst's claims made ahead stay with the dead beat until they expire."""
+    clock = Clock(START)
+    schedule = {f"e{i}": 60.0 for i in range(3)}
+    dying = beat(redis_server, clock, schedule, cls=DiesWhilePublishing)
+    survivor = beat(redis_server, clock, schedule)
+    with pytest.raises(Killed):
+        dying.tick()  # claimed all three slots, died publishing the first
+    holders = {json.loads(claims.get(key))["instance"] for key in claim_keys(claims)}
+    assert len(claim_keys(claims)) == 3 and holders == {dying.instance_id}
+
+    tick_through([survivor], clock, 59)  # the rest of the 12:00 slot
+    assert survivor.sent == [], "nobody sends the slots the dead beat claimed"
+    tick_through([survivor], clock, 2)  # 12:01: the next slots are sent as usual
+    assert sorted(sent["task"] for sent in survivor.sent) == ["t.e0", "t.e1", "t.e2"]
+    assert {sent["slot"] for sent in survivor.sent} == {"2024-05-01T12:01:00Z"}
+
+
+def test_a_beat_stopped_in_a_burst_gives_its_claims_back_but_nobody_resends_them(
+        claims: redis.Redis, redis_server: RedisServer) -> None:
+    """docs/beat.md: a clean stop gives back the claims made ahead; beats that already
+    found those slots taken do not try again; a beat starting within the slot sends them."""
+    clock = Clock(START)
+    schedule = {f"e{i}": 60.0 for i in range(3)}
+    stopping = beat(redis_server, clock, schedule)
+    other = beat(redis_server, clock, schedule)
+    assert stopping.tick() == 0 and len(stopping.sent) == 1  # the rest claimed ahead
+    drain(other)  # finds all three slots taken
+    stopping.close()
+    assert len(claim_keys(claims)) == 1, "the two claims made ahead were given back"
+
+    tick_through([other], clock, 58)
+    assert other.sent == [], "the beat that found them taken does not send them"
+    late = beat(redis_server, clock, schedule)
+    drain(late)
+    sent_first = stopping.sent[0]["task"]
+    assert sorted(sent["task"] for sent in late.sent) == sorted(
+        {"t.e0", "t.e1", "t.e2"} - {sent_first})
+
+
+# ----------------------------------------------------------------- lock value
+
+def test_the_lock_value_is_format_1_with_the_documented_fields(redis_db: redis.Redis,
+                                                               redis_server: RedisServer) -> None:
+    """README "Value": the JSON record, its fields and its format version."""
+    client = redis_server.client(LOCK_DB)
+    key = f"{PREFIX}:{{proj.task:{'0' * 64}}}"
+    result = acquire(client, key, 10, task="proj.task", task_id="id-1", node="w1@host", boot="b1")
+    value = json.loads(client.get(key))
+    # Readers take fields by name and ignore the ones they do not know, so fields
+    # may be added without a new format; these are the documented ones.
+    assert set(value) >= {"v", "token", "task", "task_id", "node", "pid", "boot", "at", "claim", "fence"}
+    assert value["v"] == VALUE_FORMAT == 1
+    assert (value["task"], value["task_id"], value["node"], value["boot"], value["claim"]) == (
+        "proj.task", "id-1", "w1@host", "b1", False)
+    assert result.lease is not None and value["fence"] == result.lease.fence
