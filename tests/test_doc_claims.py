@@ -11,6 +11,7 @@ losing them, these tests and the docs change together.
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -23,7 +24,7 @@ from celery_singleton_beat.beat import SingletonSchedulerMixin, read_history, st
 from celery_singleton_beat.keys import beat_stats_key
 from celery_singleton_beat.lock import VALUE_FORMAT, acquire
 
-from .support import LOCK_DB, RedisServer
+from .support import LOCK_DB, RedisServer, wait_for
 
 UTC = timezone.utc
 START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=UTC)
@@ -210,3 +211,29 @@ def test_the_lock_value_is_format_1_with_the_documented_fields(redis_db: redis.R
     assert (value["task"], value["task_id"], value["node"], value["boot"], value["claim"]) == (
         "proj.task", "id-1", "w1@host", "b1", False)
     assert result.lease is not None and value["fence"] == result.lease.fence
+
+
+# ----------------------------------------------------------------- task-lock-lost with Redis unreachable
+
+def test_with_redis_unreachable_a_loss_is_reported_once_when_the_lease_would_have_expired() -> None:
+    """docs/monitoring.md: while Redis does not answer, the renewal thread keeps trying
+    and reports the loss (what sends ``task-lock-lost``) only when the lease would have
+    expired, once."""
+    from celery_singleton_beat.keeper import LeaseKeeper
+
+    server = RedisServer().start()
+    try:
+        client = server.client()
+        client.connection_pool.connection_kwargs.update(socket_timeout=0.2, socket_connect_timeout=0.2)
+        lease = acquire(client, f"{PREFIX}:{{proj.task:{'1' * 64}}}", 0.6, task="proj.task", task_id="id-1").lease
+        assert lease is not None
+        reports: list[tuple[float, str]] = []
+        kept = LeaseKeeper().keep(lease, on_lost=lambda _, reason: reports.append((time.monotonic(), reason)))
+        server.kill()
+        wait_for(lambda: reports, timeout=30, message="the loss reported")
+        reported_at, reason = reports[0]
+        assert reported_at >= lease.valid_until, "reported before the lease would have expired"
+        assert "unreachable" in reason and kept.lost
+        assert len(reports) == 1
+    finally:
+        server.stop()
