@@ -75,8 +75,8 @@ class TaskSkipped(TaskRevokedError, SingletonError):
     The run is recorded as ``REVOKED`` with this exception, a state Celery
     treats as ready: ``AsyncResult.get()`` raises it (it is a
     :class:`~celery.exceptions.TaskRevokedError`), a chain stops and its
-    remaining tasks are marked ``REVOKED`` too, a chord's body fails with a
-    ``ChordError`` naming it. Flower shows ``SKIPPED`` (the ``task-skipped`` event).
+    remaining tasks are marked ``REVOKED`` too, a chord never runs its body and
+    its result raises this exception. Flower shows ``SKIPPED`` (the ``task-skipped`` event).
     """
 
     def __init__(self, task_name: str, key: str, holder_task_id: str | None) -> None:

@@ -60,7 +60,7 @@ from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, TaskSkipp
 from .keeper import KeptLease, get_keeper
 from .keys import QUEUED_SUFFIX, UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .liveness import boot_id, publishes_liveness
-from .lock import AcquireResult, Holder, acquire, release_task
+from .lock import AcquireResult, Holder, acquire, release_task, release_value
 from . import worker as worker_support
 
 __all__ = ["SingletonTask", "SingletonRun", "LOCK_MODES", "ON_CONFLICT"]
@@ -247,6 +247,12 @@ class SingletonTask(Task):
                          self.name, task_id, claim_key, exc)
             return super().apply_async(args, kwargs, task_id, *more, **options)
         holder = result.holder
+        if not result.acquired and holder is not None and self._stale_claim(holder):
+            # The queued message of that claim was revoked or expired: it will never run.
+            release_value(client, claim_key, holder.raw or "")
+            result = self._take(claim_key, settings.queue_lock_ttl + _delay_of(options),
+                                ("claimed", "publish_deduplicated"), task_id=task_id, claim=True)
+            holder = result.holder
         if not result.acquired and holder is not None and holder.task_id != task_id:
             if self.on_conflict == "raise":
                 raise DuplicateTaskError(self.name, claim_key, holder.task_id)
@@ -259,6 +265,15 @@ class SingletonTask(Task):
             if result.acquired:
                 release_task(client, claim_key, task_id)
             raise
+
+    def _stale_claim(self, holder: Holder) -> bool:
+        """A claim whose message already ended: revoked (Celery records that at once), expired."""
+        if not holder.claim or not holder.task_id:
+            return False
+        try:
+            return self.AsyncResult(holder.task_id).state in states.READY_STATES
+        except Exception:  # no result backend, or it is down: the claim stands
+            return False
 
     def _reclaim_queue(self, args: Any, kwargs: Any, task_id: str, options: dict[str, Any]) -> None:
         """``until_executing``: a re-published message waits in the queue under its claim again.

@@ -31,7 +31,7 @@ BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 app = Celery("delivery_app", broker=os.environ.get("CSB_BROKER", f"{BASE}/0"), backend=f"{BASE}/1")
 app.conf.update(
     singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BASE}/2"),
-    singleton_lock_ttl=30.0,
+    singleton_lock_ttl=float(os.environ.get("CSB_LOCK_TTL", "300")),
     singleton_liveness_ttl=float(os.environ.get("CSB_LIVENESS_TTL", "2")),
     singleton_retry_backoff_max=1.0,
     singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0},

@@ -1,0 +1,166 @@
+"""Exactly once where Celery really runs: acks_late redelivery, dead pods, node names.
+
+Real worker processes (``tests.apps.delivery_app``, every task ``acks_late``)
+on the session's redis-server as broker; a whole worker (main process and
+pool) is SIGKILLed as when a pod or VM dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+
+from celery_singleton_beat.client import reset_clients
+from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.lock import read_holder
+
+from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
+
+APP = "tests.apps.delivery_app"
+
+
+def load_app(redis_server: RedisServer, **env: str) -> ModuleType:
+    """``tests.apps.delivery_app`` bound to the session's server (re-imported per test)."""
+    import importlib
+    import sys
+
+    os.environ["CSB_TEST_REDIS"] = f"redis://127.0.0.1:{redis_server.port}"
+    for name, value in env.items():
+        os.environ[name] = value
+    sys.modules.pop("tests.apps.delivery_app", None)
+    clear_settings_cache()
+    reset_clients()
+    return importlib.import_module("tests.apps.delivery_app")
+
+
+@pytest.fixture
+def delivery_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
+    """Environment of the delivery app's workers; the client side reads the same."""
+    env: dict[str, str] = {}
+    yield env
+    for name in ("CSB_VISIBILITY", "CSB_BROKER", "CSB_LOCK_REDIS", "CSB_LIVENESS_TTL"):
+        os.environ.pop(name, None)
+
+
+def entries(records: redis.Redis, name: str) -> list[dict[str, Any]]:
+    return [json.loads(item) for item in records.lrange(name, 0, -1)]
+
+
+def worker(redis_server: RedisServer, processes: list[CeleryProcess], name: str, env: dict[str, str],
+           *, concurrency: int = 1, pool: str = "prefork") -> CeleryProcess:
+    process = start_worker(redis_server, APP, name, pool=pool, concurrency=concurrency, env=env)
+    processes.append(process)
+    return process
+
+
+def test_whole_worker_killed_mid_run_the_redelivered_task_completes_once_on_another_node(
+    redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]
+) -> None:
+    """Redis broker, visibility timeout 3 s: the copy arrives on a worker with another node name."""
+    delivery_env.update(CSB_VISIBILITY="3")
+    app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    first = worker(redis_server, processes, "pod-a", delivery_env)
+    result = app.slow.delay("k", 4)
+    wait_for(lambda: entries(records, "started:k"), timeout=30, message="the run started on pod-a")
+    first.kill_group()  # the pod dies: main process and pool child
+    records.delete("inflight:k")  # the dead run never counts itself out
+
+    worker(redis_server, processes, "pod-b", delivery_env)
+    assert result.get(timeout=60).startswith("pod-b@"), "the task completed, on the surviving node"
+    completed = entries(records, "runs:k")
+    assert len(completed) == 1, f"exactly one completed run, got {completed}"
+    assert [e["node"].split("@")[0] for e in entries(records, "started:k")] == ["pod-a", "pod-b"]
+    assert records.get("overlap:k") is None
+    assert redis_server.client(LOCK_DB).keys("singleton:{*}") == [], "the lock was released"
+
+
+def test_copy_of_a_live_original_waits_and_the_original_result_stands(
+    redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]
+) -> None:
+    """The visibility timeout (2 s) ends while the original (5 s) still runs: the copy arrives."""
+    delivery_env.update(CSB_VISIBILITY="2")
+    app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    worker(redis_server, processes, "orig", delivery_env)
+    result = app.strict.delay("k", 5)  # on_conflict="raise": a wrong duplicate would store FAILURE
+    wait_for(lambda: entries(records, "started:k"), timeout=30, message="the original started")
+    copy_worker = worker(redis_server, processes, "copy", delivery_env)
+
+    seen: set[str] = set()
+
+    def finished() -> bool:
+        state = result.state
+        seen.add(state)
+        return state == "SUCCESS"
+
+    wait_for(finished, timeout=60, interval=0.02, message="the original's SUCCESS")
+    copy_worker.wait_for_line("already running on", timeout=30)
+    assert seen <= {"PENDING", "STARTED", "SUCCESS"}, f"the copy overwrote the original's state: {seen}"
+    assert result.get(timeout=5).startswith("orig@"), "the original's result stands"
+    assert len(entries(records, "started:k")) == 1, "the copy never ran the body"
+    # Once the original completed, the waiting copy ends without running.
+    copy_worker.wait_for_line("already completed", timeout=30)
+    assert len(entries(records, "runs:k")) == 1
+
+
+def test_live_workers_with_one_node_name_never_free_each_others_locks(
+    redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]
+) -> None:
+    """A Deployment with a fixed ``-n``: replica 2 restarts while replica 1 runs a task."""
+    app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    locks = redis_server.client(LOCK_DB)
+    worker(redis_server, processes, "same", delivery_env)
+    running = app.slow.delay("k", 8)
+    wait_for(lambda: entries(records, "started:k"), timeout=30, message="replica 1 runs the task")
+    key = next(k for k in locks.keys("singleton:{*}") if not b":" in k.split(b"}")[-1])
+
+    second = worker(redis_server, processes, "same", delivery_env)
+    second.kill_group()
+    worker(redis_server, processes, "same", delivery_env)  # replica 2 again, same name
+
+    holder = read_holder(locks, key.decode())
+    assert holder is not None and holder.task_id == running.id, "replica 1's live lock survived"
+    duplicate = app.slow.delay("k", 0)
+    with pytest.raises(Exception) as caught:
+        duplicate.get(timeout=30)
+    assert type(caught.value).__name__ == "TaskSkipped"
+    assert running.get(timeout=30).startswith("same@")
+    assert records.get("overlap:k") is None
+    assert len(entries(records, "runs:k")) == 1
+
+
+def test_a_dead_pods_lock_is_taken_over_by_a_worker_with_another_name(
+    redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]
+) -> None:
+    """The pod comes back under a new name; its dead run's lock frees with its liveness key."""
+    app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    locks = redis_server.client(LOCK_DB)
+    first = worker(redis_server, processes, "old-pod", delivery_env)
+    app.slow.delay("k", 60)
+    wait_for(lambda: entries(records, "started:k"), timeout=30, message="the run started")
+    dead_holder = next(read_holder(locks, k.decode()) for k in locks.keys("singleton:{*}")
+                       if b":" not in k.split(b"}")[-1])
+    first.kill_group()
+    records.delete("inflight:k")  # the dead run never counts itself out
+    new = worker(redis_server, processes, "new-pod", delivery_env)
+
+    def a_new_run_succeeds() -> bool:
+        attempt = app.slow.delay("k", 0)
+        wait_for(lambda: attempt.ready(), timeout=30, message="the attempt ended")
+        return attempt.successful()
+
+    # Without liveness the dead run's lock would hold for lock_ttl; the wait here is longer,
+    # so the take-over line is what tells the two apart.
+    wait_for(a_new_run_succeeds, timeout=60, interval=0.2, message="a run of k on new-pod")
+    line = new.wait_for_line("took over", timeout=5)
+    assert dead_holder.task_id in line and "old-pod" in line
+    assert records.get("overlap:k") is None
