@@ -87,8 +87,8 @@ ACL_COMMANDS: dict[str, tuple[str, ...]] = {
     # acquire / renew / release and their scripts (with counters, singleton_stats)
     "locks": ("evalsha", "script|load", "get", "set", "del", "exists", "incr", "incrby",
               "pexpire", "pttl", "time", "hincrby"),
-    # worker start-up: locks left by a previous run of the same node
-    "reclaim": ("scan", "mget"),
+    # worker liveness: the heartbeat (SET ... GET) and the take-over check (EXISTS)
+    "liveness": ("set", "exists"),
     # beat: slot claims, history and counters, start-up check
     "beat": ("set", "lpush", "ltrim", "hincrby", "ping"),
     # idle connections' health checks (health_check_interval)
@@ -109,7 +109,7 @@ def acl_rules(prefix: str = "singleton", *, cluster: bool = False, wait: bool = 
     ``prefix`` is the effective ``singleton_key_prefix`` (with any global key
     prefix in front). Example: ``ACL SETUSER app on >secret`` followed by these.
     """
-    groups = ["locks", "reclaim", "beat", "health"]
+    groups = ["locks", "liveness", "beat", "health"]
     groups += ["wait"] * wait + ["cluster"] * cluster + ["select"] * select
     commands = sorted({command for group in groups for command in ACL_COMMANDS[group]})
     return ["resetkeys", f"~{prefix}:*", "resetchannels", "-@all", *(f"+{c}" for c in commands)]

@@ -45,7 +45,7 @@ def test_thread_pool_worker_serialises_one_key_and_runs_distinct_keys_in_paralle
     app.loader.import_module("celery.contrib.testing.tasks")
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING"):
         results = [job.delay("same") for _ in range(12)] + [job.delay(f"k{i}") for i in range(4)]
-        wait_for(lambda: all(r.state in ("SUCCESS", "SKIPPED") for r in results), timeout=60)
+        wait_for(lambda: all(r.state in ("SUCCESS", "REVOKED") for r in results), timeout=60)
     assert peak["same"] == 1, "one key never ran twice at once"
     assert ran["same"] == sum(r.state == "SUCCESS" for r in results[:12]) >= 1
     assert all(ran[f"k{i}"] == 1 for i in range(4))

@@ -52,7 +52,6 @@ from celery_singleton_beat.config import (
     validate_settings,
 )
 from celery_singleton_beat.lock import acquire, read_holder, release_value
-from celery_singleton_beat.worker import reclaim_node_locks
 
 from .beat_support import ClockApp, ManualClock, RecordingScheduler, run_ticks, sent_slots
 from .support import CeleryProcess, RedisServer, start_worker, wait_for
@@ -409,7 +408,7 @@ def test_a_prefork_worker_runs_singleton_tasks(topology: Topology, tasks: Module
     assert holder is not None and holder.task_id == first.id
     assert (holder.node or "").startswith(f"w-{topology.name}@"), "the lock lives in the topology"
     second = tasks.long_run.delay("topo", 2.5)
-    wait_for(lambda: second.state == "SKIPPED", timeout=30, message="the duplicate skipped")
+    wait_for(lambda: second.state == "REVOKED", timeout=30, message="the duplicate skipped")
     assert first.get(timeout=60) == {"lost": False}
     wait_for(lambda: not topology.admin.exists(key), timeout=10, message="the lock released")
 
@@ -426,7 +425,7 @@ def _commands_used(server: redis.Redis) -> set[str]:
 def test_acl_user_needs_exactly_the_documented_commands() -> None:
     """Under acl_rules(wait=True) every path runs, and every granted command is used.
 
-    Locks (with NOSCRIPT reload and counters), worker start-up reclaim, beat
+    Locks (with NOSCRIPT reload and counters), take-over of a dead worker's lock, beat
     claims and WAIT run as the ACL user; Redis's own per-command statistics then
     list what was called, scripts' inner commands included.
     """
@@ -444,8 +443,9 @@ def test_acl_user_needs_exactly_the_documented_commands() -> None:
         assert lease is not None and lease.renew()
         assert not acquire(client, key, 5, task="topo.sync", task_id="t2").acquired
         assert lease.release()
-        acquire(client, key, 5, task="topo.sync", task_id="t3", node="n@h", boot="old")
-        assert reclaim_node_locks(client, "singleton", "n@h", "new") == 1
+        acquire(client, key, 5, task="topo.sync", task_id="t3", node="n@h", boot="old", live=True)
+        assert acquire(client, key, 5, task="topo.sync", task_id="t4", boot="new",
+                       liveness_prefix="singleton").taken_over is not None
         with pytest.raises(ReplicasNotAcknowledged):
             call_acknowledged(client, key, lambda conn: conn.set(key, "x", nx=True, px=1000),
                               replicas=1, timeout=0.05, undo=lambda conn, _: conn.delete(key))
@@ -501,16 +501,18 @@ def test_cluster_helpers_reach_every_primary(cluster_topology: Topology) -> None
         client.close()
 
 
-def test_worker_reclaim_scans_every_cluster_primary(cluster_topology: Topology) -> None:
-    """worker.reclaim_node_locks on Cluster reads holders node by node (mget_any)."""
+def test_dead_workers_locks_are_taken_over_on_cluster(cluster_topology: Topology) -> None:
+    """The liveness key lives in another slot than the locks: the check still works on Cluster."""
     cluster_topology.flush()
     client = redis_from_url(cluster_topology.url)
     task = lock_app(cluster_topology).tasks["topo.sync"]
     try:
         for i in range(12):
             acquire(client, task.singleton_key((i,), {}), 30, task="topo.sync", task_id=str(i),
-                    node="w1@h", boot="before")
-        assert reclaim_node_locks(client, "singleton", "w1@h", "after", stats=False) == 12
+                    node="w1@h", boot="before", live=True)
+        taken = [acquire(client, task.singleton_key((i,), {}), 30, task="topo.sync", task_id=f"n{i}",
+                         boot="after", liveness_prefix="singleton") for i in range(12)]
+        assert all(t.taken_over is not None and t.taken_over.task_id == str(i) for i, t in enumerate(taken))
     finally:
         client.close()
 
@@ -685,7 +687,7 @@ def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records
         for thread in threads:
             thread.join(30)
         everything = published + long_runs
-        wait_for(lambda: all(r.state in ("SUCCESS", "SKIPPED", "FAILURE") for r in everything),
+        wait_for(lambda: all(r.state in ("SUCCESS", "REVOKED", "FAILURE") for r in everything),
                  timeout=120, message="every task settled")
 
         states = Counter(r.state for r in everything)

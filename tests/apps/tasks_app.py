@@ -26,6 +26,7 @@ app.conf.update(
     singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BASE}/2"),
     singleton_lock_ttl=float(os.environ.get("CSB_LOCK_TTL", "30")),
     singleton_fail_open=os.environ.get("CSB_FAIL_OPEN") == "1",
+    singleton_liveness_ttl=float(os.environ.get("CSB_LIVENESS_TTL", "2")),
     singleton_retry_backoff_max=float(os.environ.get("CSB_BACKOFF_MAX", "60")),
     singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0},
     worker_prefetch_multiplier=1,
