@@ -58,4 +58,6 @@ app.conf.update(
     # Fail closed (the default, spelled out): without Redis, no task runs
     # unlocked and no slot is sent unclaimed.
     singleton_fail_open=False,
+    # A report that waits for the previous one looks again within a second of its end.
+    singleton_retry_backoff_max=1.0,
 )
