@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -46,8 +45,7 @@ def one_round(variant: str, submissions: int, keys: int, server: Server, log: Pa
         wait_until(lambda: int(records.get(f"done:{task.name}") or 0) >= submissions, 600,
                    f"{submissions} {variant} tasks")
     finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(60)
+        worker.stop(timeout=60)
     around = [json.loads(x) * 1000 for x in records.lrange(f"around:{task.name}", 0, -1)]
     runs = int(records.get(f"runs:{task.name}") or 0)
     return {"runs": runs, "skips": submissions - runs, "overlaps": int(records.get(f"overlap:{task.name}") or 0),
@@ -65,6 +63,7 @@ def run(submissions: int, keys: int, rounds: int) -> dict[str, Any]:
                 results[variant].append(one_round(variant, submissions, keys, server, log))
     finally:
         server.stop()
+        log.unlink(missing_ok=True)
     report: dict[str, Any] = {"submissions": submissions, "keys": keys, "rounds": rounds, "variants": {}}
     for variant, rows in results.items():
         report["variants"][variant] = {

@@ -12,7 +12,6 @@ Usage: python -m benchmarks.bench_task [--tasks N] [--rounds R]
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -40,8 +39,7 @@ def one_round(variant: str, tasks: int, broker: Server, locks: Server, log: Path
     try:
         wait_until(lambda: records.get("last"), 600, f"{tasks} {variant} tasks")
     finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(30)
+        worker.stop(timeout=30)
     seconds = float(records.get("last")) - float(records.get("first"))
     # Publish-time claims (until_executed) happen before calls_before: this is the worker's side.
     trips_after, commands_after = locks.command_calls()
@@ -62,6 +60,7 @@ def run(tasks: int, rounds: int) -> dict[str, Any]:
     finally:
         broker.stop()
         locks.stop()
+        log.unlink(missing_ok=True)
     plain = summary([x["tasks_per_s"] for x in results["plain"]])["median"]
     report: dict[str, Any] = {"tasks": tasks, "rounds": rounds, "variants": {}}
     for variant in VARIANTS:

@@ -1,4 +1,10 @@
-"""Helpers shared by the benchmarks: servers, processes, statistics, tables."""
+"""Helpers shared by the benchmarks: servers, processes, statistics, tables.
+
+Processes and redis-servers come from :mod:`harness` (shared with the tests
+and the demo): every child is the leader of its own process group, dies with
+the benchmark (``PR_SET_PDEATHSIG`` on Linux), and a redis-server is used only
+once the server on its port reports the pid of the process we started.
+"""
 
 from __future__ import annotations
 
@@ -6,50 +12,46 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from harness.processes import ChildProcess
+from harness.redis_server import RedisServerProcess, find_redis_server, free_port
+from harness.waiting import wait_until as _wait_until
+
+__all__ = ["ROOT", "Server", "bench_cli", "bench_env", "free_port", "markdown_table", "progress",
+           "start_celery", "summary", "wait_until"]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise RuntimeError(f"timed out waiting for {what}")
+    """Poll ``condition`` (every 10 ms) until truthy; RuntimeError after ``timeout`` s."""
+    return _wait_until(condition, timeout, what, interval=0.01, error=RuntimeError)
 
 
 class Server:
-    """A private redis-server for one benchmark run."""
+    """A private redis-server for one benchmark run (checked to be ours)."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        found = find_redis_server()
         self.dir = tempfile.mkdtemp(prefix="csb-bench-")
-        binary = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or "redis-server"
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        self._process = RedisServerProcess(
+            "redis", found[0] if found else "redis-server",
+            lambda port: ["--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", self.dir],
+            workdir=Path(self.dir),
         )
-        wait_until(self._up, 20, "redis-server")
+        self._process.error = RuntimeError
+        self._process.start()
+        assert self._process.port is not None
+        self.port: int = self._process.port
 
     @property
     def url(self) -> str:
@@ -57,12 +59,6 @@ class Server:
 
     def client(self, db: int = 0) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, db=db)
-
-    def _up(self) -> bool:
-        try:
-            return bool(self.client().ping())
-        except redis.RedisError:
-            return False
 
     def command_calls(self) -> tuple[int, int]:
         """(round trips, commands) so far from INFO commandstats, INFO itself excluded.
@@ -78,19 +74,27 @@ class Server:
         return trips, commands
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(10)
+        """Stop the server and remove its directory."""
+        self._process.stop(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_celery(args: Sequence[str], env: dict[str, str], ready: str | None, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "celery", *args], env=env, cwd=ROOT,
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+def start_celery(args: Sequence[str], env: dict[str, str], ready: str | None, log: Path) -> ChildProcess:
+    """``python -m celery <args>``, output in ``log``; waits for ``ready`` in the log if given.
+
+    Stop it with ``.stop()`` (SIGTERM, then SIGKILL of its group) or ``.terminate()``.
+    """
+    process = ChildProcess(Path(log).stem, [sys.executable, "-m", "celery", *args], env=env, cwd=ROOT,
+                           log=Path(log))
+    process.error = RuntimeError
+    process.log.write_bytes(b"")
+    process.start()
     if ready:
-        wait_until(lambda: ready in log.read_text(errors="replace") or process.poll() is not None,
-                   120, f"{ready!r} in {log}")
-        if process.poll() is not None:
-            raise RuntimeError(log.read_text(errors="replace")[-3000:])
+        try:
+            process.wait_for_output(ready, 120)
+        except RuntimeError:
+            process.stop(timeout=10)
+            raise
     return process
 
 

@@ -73,6 +73,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import Server, bench_env, markdown_table, progress, wait_until  # noqa: E402
+from harness.processes import ChildProcess, signal_group  # noqa: E402
 
 APP = "benchmarks.compare_apps.dedup_app"
 OURS_SCHEDULER = "celery_singleton_beat.beat:SingletonScheduler"
@@ -118,49 +119,35 @@ ATTEMPT_OURS = re.compile(_LINE + r"beat: tick: slot \S+ (won by|already claimed
 # ----------------------------------------------------------------- processes
 
 class Processes:
-    """Child processes, each the leader of its own process group; all stopped by ``stop_all``."""
+    """Child processes (:class:`harness.processes.ChildProcess`: each the leader of its own
+    process group, dying with this script); all stopped by ``stop_all``."""
 
     def __init__(self) -> None:
-        self.running: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.running: list[ChildProcess] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
-        with open(log, "wb") as out:
-            process = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-        self.running.append((name, process))
-        return process
+    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path, cwd: Path) -> ChildProcess:
+        log.write_bytes(b"")
+        process = ChildProcess(name, argv, env=env, cwd=cwd, log=log)
+        process.error = RuntimeError
+        self.running.append(process)  # before it starts: nothing can orphan it
+        return process.start()
 
-    def stop(self, process: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-        if process.poll() is None:
-            _signal_group(process, signal.SIGTERM)
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _signal_group(process, signal.SIGKILL)
-                process.wait(10)
-        # Pool children of a prefork worker are in its group: make sure none is left.
-        _signal_group(process, signal.SIGKILL)
-        self.running = [(n, p) for n, p in self.running if p is not process]
+    def stop(self, process: ChildProcess, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL of its whole group (pool children of a prefork worker)."""
+        process.stop(timeout=timeout)
+        self.running = [p for p in self.running if p is not process]
 
     def stop_all(self) -> None:
-        for _, process in reversed(list(self.running)):
+        for process in reversed(list(self.running)):
             self.stop(process)
 
 
-def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
-    try:
-        os.killpg(process.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _signal_group(process: ChildProcess, signum: int) -> None:
+    signal_group(process.pid, signum)
 
 
-def wait_for_log(process: subprocess.Popen[bytes], log: Path, text: str, timeout: float) -> None:
-    def seen() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"{log.name} exited early:\n{log.read_text(errors='replace')[-3000:]}")
-        return text in log.read_text(errors="replace")
-
-    wait_until(seen, timeout, f"{text!r} in {log}")
+def wait_for_log(process: ChildProcess, log: Path, text: str, timeout: float) -> None:
+    process.wait_for_output(text, timeout)
 
 
 # ----------------------------------------------------------------- third-party virtualenv
@@ -233,7 +220,7 @@ def phase_ms(times: list[float]) -> float | None:
 
 
 def start_beats(mode: str, celery: list[str], variant: Variant, env: dict[str, str], run_dir: Path,
-                procs: Processes) -> list[tuple[subprocess.Popen[bytes], Path]]:
+                procs: Processes) -> list[tuple[ChildProcess, Path]]:
     """Start the beats; ``staggered`` aims their start-up (hence phases) 1/BEATS interval apart.
 
     A beat's interval entry fires one interval after the beat starts, so its
@@ -241,7 +228,7 @@ def start_beats(mode: str, celery: list[str], variant: Variant, env: dict[str, s
     a variable time, so each launch is timed from the start-up latencies seen
     so far; the phases actually reached are measured from the logs later.
     """
-    beats: list[tuple[subprocess.Popen[bytes], Path]] = []
+    beats: list[tuple[ChildProcess, Path]] = []
     latencies: list[float] = []
     first_phase = 0.0
     for i in range(1, BEATS + 1):

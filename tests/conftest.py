@@ -1,43 +1,79 @@
-"""Session-wide real redis-server and per-test clean state."""
+"""Fixtures (see ``tests/support/fixtures.py``) and the harness's hooks.
+
+* A failed test's report ends with the last lines of the log of every process
+  it started and of every process still running (module workers, servers):
+  timeouts included (pytest-timeout fails the test, then this report is made).
+* With ``CI`` set, a skipped test fails, except those in
+  ``support.skips.ALLOWED_SKIPS``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
+from typing import Any
 
 import pytest
-import redis
 
-from celery_singleton_beat.client import reset_clients
-from celery_singleton_beat.config import clear_settings_cache
+from .support.fixtures import (  # noqa: F401 - registered as this conftest's fixtures
+    OWNER_KEY,
+    backend,
+    broker,
+    harness_session,
+    locks,
+    make_redis,
+    ops,
+    processes,
+    records,
+    redis_db,
+    redis_server,
+    tasks,
+    test_owner,
+)
+from .support.owners import EVERYTHING
+from .support.skips import ALLOWED_SKIPS, in_ci
 
-from .support import CeleryProcess, RedisServer
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One real redis-server for the whole session, on a free loopback port."""
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    """A clean Redis for one test (every database flushed), as a client of db 0."""
-    if redis_server.process is None:  # a previous test stopped it
-        redis_server.start()
-    client = redis_server.client()
-    client.flushall()
-    clear_settings_cache()
-    reset_clients()
-    yield client
-    reset_clients()
+#: Lines of each process log attached to a failure report.
+TAIL_LINES = 40
 
 
-@pytest.fixture
-def processes() -> Iterator[list[CeleryProcess]]:
-    """Celery processes a test starts; all stopped (and killed if need be) afterwards."""
-    started: list[CeleryProcess] = []
-    yield started
-    for process in started:
-        process.stop()
+def _log_sections(item: pytest.Item) -> list[tuple[str, str]]:
+    owner = item.stash.get(OWNER_KEY, [])
+    mine = list(owner)
+    others = [p for p in EVERYTHING if p.running and not any(p is m for m in mine)]
+    sections = []
+    for process in mine + others:
+        whose = "started by this test" if any(process is m for m in mine) else "still running"
+        tail = process.tail(TAIL_LINES) or "    (no output)"
+        sections.append((f"{process.name} ({whose}; {process.log})", tail))
+    return sections
+
+
+def _skip_reason(report: Any) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for title, text in _log_sections(item):
+            report.sections.append((f"log of {title}", text))
+    if (report.skipped and not hasattr(report, "wasxfail") and in_ci()
+            and item.nodeid not in ALLOWED_SKIPS):
+        report.outcome = "failed"
+        report.longrepr = (f"skipped in CI, which is a failure (CI={__import__('os').environ['CI']}): "
+                           f"{_skip_reason(report)}\nInstall what is missing, or list the test in "
+                           f"tests/support/skips.py ALLOWED_SKIPS with the reason it may skip.")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci() and collector.nodeid not in ALLOWED_SKIPS:
+        report.outcome = "failed"
+        report.longrepr = f"module skipped in CI, which is a failure: {_skip_reason(report)}"

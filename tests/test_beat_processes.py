@@ -10,46 +10,60 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .beat_support import (
-    RUNS_KEY,
-    assert_once_per_slot,
-    read_runs,
-    slot_floor,
-    start_beat,
-    wait_for_slot,
+from .support import (
+    LOCK_DB,
+    RECORD_DB,
+    CeleryProcess,
+    Owner,
+    RedisServer,
+    owning,
+    soak,
+    start_worker,
+    wait_for,
+    wait_for_phase,
 )
-from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
+from .support.beat import RUNS_KEY, assert_once_per_slot, read_runs, start_beat, wait_for_slot
+from .support.slots import UTC, parse_slot, slot_floor
 
 pytestmark = pytest.mark.slow
 
-UTC = timezone.utc
 QUEUE = "beat-tests"
 
 
 @pytest.fixture(scope="module")
-def worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
+def beat_worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
     """One worker for the module: solo pool, one message at a time (easy to drain)."""
-    process = start_worker(redis_server, "tests.apps.beat_app", f"beatworker-{uuid.uuid4().hex[:6]}",
-                           pool="solo", concurrency=1, extra=["--prefetch-multiplier", "1"])
+    with owning(Owner("beat worker")) as owner:
+        process = start_worker(redis_server, "tests.apps.beat_app", f"beatworker-{uuid.uuid4().hex[:6]}",
+                               pool="solo", concurrency=1, extra=["--prefetch-multiplier", "1"])
     yield process
-    process.stop()
+    owner.close()
 
 
 @pytest.fixture
-def clean(redis_server: RedisServer, worker: CeleryProcess) -> Iterator[str]:
+def clean(redis_server: RedisServer, beat_worker: CeleryProcess) -> Iterator[str]:
     """Fresh claims and run records for a test; yields a unique entry-name prefix."""
-    if worker.process is None or worker.process.poll() is not None:
-        raise AssertionError(f"the worker died:\n{worker.output()[-3000:]}")
+    beat_worker.check_running()
     redis_server.client(LOCK_DB).flushdb()
     redis_server.client(RECORD_DB).flushdb()
     yield f"t{uuid.uuid4().hex[:6]}-"
+
+
+def all_running(processes: list[CeleryProcess]) -> Callable[[], bool]:
+    """The invariant of a soak: every one of ``processes`` still runs (fails at once otherwise)."""
+    def check() -> bool:
+        for process in processes:
+            process.check_running()
+        return True
+
+    return check
 
 
 def drain(redis_server: RedisServer) -> None:
@@ -79,7 +93,7 @@ def test_three_beats_run_each_slot_once(redis_server: RedisServer, clean: str, t
     began = time.time()
     for name in ("a", "b", "c"):  # each waits for the previous one to tick: staggered
         processes.append(start_beat(redis_server, tmp_path, name, schedule))
-    wait_for(lambda: time.time() - began >= 20, timeout=40, interval=0.2, message="20 s of beats")
+    soak(20 - (time.time() - began), check=all_running(processes), what="20 s of three beats")
     stopped = time.time()
     for beat in processes:
         beat.stop()
@@ -101,15 +115,16 @@ def test_sigkill_of_one_beat_leaves_no_gap(redis_server: RedisServer, clean: str
     began = time.time()
     for name in ("a", "b", "c"):
         processes.append(start_beat(redis_server, tmp_path, name, schedule))
-    wait_for(lambda: time.time() - began >= 8, timeout=30, interval=0.2, message="8 s of beats")
+    soak(8 - (time.time() - began), check=all_running(processes), what="8 s of three beats")
     # Kill the beat that won the latest slot, half-way between two slots.
     wait_for(lambda: runs_of(redis_server, entry), timeout=20, message="a first run")
     winner = runs_of(redis_server, entry)[-1]["instance"]
-    time.sleep((0.5 - time.time() % 1) % 1)
     victim = next((beat for beat in processes if f":{beat.pid}:" in winner), processes[1])
+    wait_for_phase(1.0, 0.45, 0.55)
     victim.kill_group()
     killed_at = time.time()
-    wait_for(lambda: time.time() - began >= 20, timeout=40, interval=0.2, message="20 s of beats")
+    survivors = [beat for beat in processes if beat is not victim]
+    soak(20 - (time.time() - began), check=all_running(survivors), what="20 s of beats, one killed")
     stopped = time.time()
     for beat in processes:
         beat.stop()
@@ -131,7 +146,7 @@ def test_clock_skew_of_beats_does_not_duplicate(redis_server: RedisServer, clean
     for name, offset in (("behind", -0.4), ("ontime", 0.0), ("ahead", 0.4)):
         processes.append(start_beat(redis_server, tmp_path, name, schedule,
                                     clock={"offset": offset}))
-    wait_for(lambda: time.time() - began >= 16, timeout=40, interval=0.2, message="16 s of beats")
+    soak(16 - (time.time() - began), check=all_running(processes), what="16 s of skewed beats")
     stopped = time.time()
     for beat in processes:
         beat.stop()
@@ -165,7 +180,7 @@ def test_crontab_every_minute_across_dst_with_three_beats(redis_server: RedisSer
         processes.append(start_beat(redis_server, tmp_path, name, {entry: {"cron": "* * * * *"}},
                                     settings=settings, clock=clock))
     end = datetime(2024, 3, 31, 1, 3, 10, tzinfo=UTC).timestamp()
-    wait_for(lambda: fake_now() >= end, timeout=60, interval=0.2, message="fake 01:03:10")
+    soak((end - fake_now()) / speed, check=all_running(processes), what="the fake clock to reach 01:03:10")
     stopped = fake_now()
     for beat in processes:
         beat.stop()
@@ -179,46 +194,41 @@ def test_crontab_every_minute_across_dst_with_three_beats(redis_server: RedisSer
 
 
 def test_beats_survive_a_redis_outage(redis_server: RedisServer, clean: str, tmp_path: Path,
-                                      processes: list[CeleryProcess]) -> None:
+                                      processes: list[CeleryProcess],
+                                      make_redis: Callable[..., RedisServer]) -> None:
     """Claims Redis down: nothing sent (fail closed, logged), beats keep running, then recover."""
-    claims = RedisServer().start()
-    try:
-        entry = f"{clean}every-second"
-        settings = {"singleton_redis_url": claims.url(0),
-                    "singleton_redis_options": {"socket_timeout": 1, "socket_connect_timeout": 1}}
-        for name in ("a", "b"):
-            processes.append(start_beat(redis_server, tmp_path, name, {entry: {"every": 1}},
-                                        settings=settings))
-        wait_for(lambda: len(runs_of(redis_server, entry)) >= 2, timeout=30, message="runs")
+    claims = make_redis()
+    entry = f"{clean}every-second"
+    settings = {"singleton_redis_url": claims.url(0),
+                "singleton_redis_options": {"socket_timeout": 1, "socket_connect_timeout": 1}}
+    beats = [start_beat(redis_server, tmp_path, name, {entry: {"every": 1}}, settings=settings)
+             for name in ("a", "b")]
+    wait_for(lambda: len(runs_of(redis_server, entry)) >= 2, timeout=30, message="runs")
 
-        claims.stop()
-        down_at = time.time()
-        wait_for(lambda: all("NOT sent" in beat.output() for beat in processes), timeout=30,
-                 message="both beats to log unsent slots")
-        wait_for(lambda: time.time() - down_at >= 4, timeout=10, message="4 s of outage")
-        drain(redis_server)
-        sent_while_down = [run for run in runs_of(redis_server, entry)
-                           if datetime.strptime(run["slot"], "%Y-%m-%dT%H:%M:%SZ")
-                           .replace(tzinfo=UTC).timestamp() > down_at + 1]
-        assert sent_while_down == []
-        log = processes[0].output()
-        assert f"beat: {entry}: slot " in log and "NOT sent" in log
+    claims.stop()
+    down_at = time.time()
+    wait_for(lambda: all("NOT sent" in beat.output() for beat in beats), timeout=30,
+             message="both beats to log unsent slots")
+    soak(4 - (time.time() - down_at), check=all_running(beats), what="4 s of outage")
+    drain(redis_server)
+    sent_while_down = [run for run in runs_of(redis_server, entry)
+                       if parse_slot(run["slot"]).timestamp() > down_at + 1]
+    assert sent_while_down == []
+    log = beats[0].output()
+    assert f"beat: {entry}: slot " in log and "NOT sent" in log
 
-        claims.start()
-        back_at = time.time()
-        wait_for_slot(redis_server, slot_floor(back_at + 2, 1), timeout=60)
-        assert all(beat.process is not None and beat.process.poll() is None for beat in processes)
-        for beat in processes:
-            beat.stop()
-        drain(redis_server)
-        runs = runs_of(redis_server, entry)
-        counts: dict[str, int] = {}
-        for run in runs:
-            counts[run["slot"]] = counts.get(run["slot"], 0) + 1
-        assert all(n == 1 for n in counts.values()), counts
-        assert any("is back" in beat.output() for beat in processes)
-    finally:
-        claims.stop()
+    claims.start()
+    back_at = time.time()
+    wait_for_slot(redis_server, slot_floor(back_at + 2, 1), timeout=60)
+    all_running(beats)()
+    for beat in beats:
+        beat.stop()
+    drain(redis_server)
+    counts: dict[str, int] = {}
+    for run in runs_of(redis_server, entry):
+        counts[run["slot"]] = counts.get(run["slot"], 0) + 1
+    assert all(n == 1 for n in counts.values()), counts
+    assert any("is back" in beat.output() for beat in beats)
 
 
 def test_bad_configuration_stops_beat_at_start(redis_server: RedisServer, clean: str,

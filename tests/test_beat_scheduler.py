@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import shelve
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,28 +31,26 @@ from celery_singleton_beat.beat import (
 )
 from celery_singleton_beat.keys import beat_stats_key
 
-from .beat_support import (
+from .support import LOCK_DB, RedisServer, wait_for
+from .support.beat import (
+    ClockApp,
     ManualClock,
     RecordingScheduler,
     RecordingSingletonScheduler,
-    make_app,
-    monotonic_wait,
+    beat_app,
     run_ticks,
     sent_slots,
 )
-from .support import LOCK_DB, RedisServer, wait_for
+from .support.slots import UTC, labels, parse_slot, utc
 
-UTC = timezone.utc
 START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=UTC)
 EVERY_SECOND = {"tick": {"task": "t.tick", "schedule": 1.0}}
 
 
-def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)
-
-
-def labels(start: datetime, count: int, period: timedelta) -> list[str]:
-    return [(start + i * period).strftime("%Y-%m-%dT%H:%M:%SZ") for i in range(count)]
+def scheduler_app(redis_server: RedisServer, clock: ManualClock, schedule: dict[str, Any],
+                  **conf: Any) -> ClockApp:
+    """An app for in-process schedulers whose claims go to the session server's lock database."""
+    return beat_app(clock, schedule, redis_server.url(LOCK_DB), **conf)
 
 
 def assert_contiguous_once(counts: Any, period: timedelta) -> list[str]:
@@ -59,8 +58,7 @@ def assert_contiguous_once(counts: Any, period: timedelta) -> list[str]:
     assert counts, "nothing sent"
     assert all(n == 1 for n in counts.values()), f"duplicates: {counts}"
     ordered = sorted(counts)
-    first = datetime.strptime(ordered[0], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
-    assert ordered == labels(first, len(ordered), period)
+    assert ordered == labels(parse_slot(ordered[0]), len(ordered), period)
     return ordered
 
 
@@ -70,9 +68,9 @@ def test_two_plain_schedulers_send_each_slot_once(redis_db: redis.Redis,
                                                   redis_server: RedisServer) -> None:
     """The mixin on Celery's plain Scheduler: staggered start, 20 s, every slot once."""
     clock = ManualClock(START)
-    first = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND))
+    first = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     clock.advance(0.37)
-    second = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND))
+    second = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     run_ticks([first, second], clock, 20, 0.1)
 
     slots = assert_contiguous_once(sent_slots(first, second), timedelta(seconds=1))
@@ -84,33 +82,40 @@ def test_persistent_schedulers_with_stale_files_do_not_burst(redis_db: redis.Red
                                                              redis_server: RedisServer,
                                                              tmp_path: Path,
                                                              request: pytest.FixtureRequest) -> None:
-    """A (re)started beat whose shelve says "last run a year ago" sends nothing already sent."""
-    clock = ManualClock(START)
+    """A (re)started beat whose schedule file says "last run a year ago" sends nothing already sent."""
     every_minute = {"report": {"task": "t.report", "schedule": crontab(minute="*")},
                     "tick": {"task": "t.tick", "schedule": 2.0}}
-    running = RecordingSingletonScheduler(app=make_app(redis_server, clock, every_minute),
-                                          schedule_filename=str(tmp_path / "a"))
+    # The schedule file a beat left a year ago: written by a real SingletonScheduler.
+    stale = tmp_path / "stale"
+    year_ago = ManualClock(START - timedelta(days=365))
+    old = RecordingSingletonScheduler(app=scheduler_app(redis_server, year_ago, every_minute),
+                                      schedule_filename=str(stale))
+    run_ticks([old], year_ago, 5, 0.5)
+    old.close()
+    with shelve.open(str(stale)) as store:
+        on_disk = {name: entry.last_run_at for name, entry in store["entries"].items()}
+    assert set(on_disk) == {"report", "tick"}
+    assert all(at < START - timedelta(days=364) for at in on_disk.values()), on_disk
+
+    clock = ManualClock(START)
+    running = RecordingSingletonScheduler(app=scheduler_app(redis_server, clock, every_minute),
+                                          schedule_filename=str(tmp_path / "running"))
     request.addfinalizer(running.close)
     run_ticks([running], clock, 130, 0.5)
     assert sent_slots(running, task="t.report") == {
         "2024-05-01T12:00:00Z": 1, "2024-05-01T12:01:00Z": 1, "2024-05-01T12:02:00Z": 1}
 
-    # A second beat starts with a schedule file whose state is a year old.
-    stale = tmp_path / "b"
-    with shelve.open(str(stale)) as store:
-        store["entries"] = {}
-    late = RecordingSingletonScheduler(app=make_app(redis_server, clock, every_minute),
+    # A second beat starts at 12:02:10 from the year-old file.
+    late = RecordingSingletonScheduler(app=scheduler_app(redis_server, clock, every_minute),
                                        schedule_filename=str(stale))
     request.addfinalizer(late.close)
-    for entry in late.schedule.values():
-        entry.last_run_at = START - timedelta(days=365)
     run_ticks([late, running], clock, 70, 0.5)
 
     assert sent_slots(late, running, task="t.report") == {
         f"2024-05-01T12:0{m}:00Z": 1 for m in range(4)}
     assert_contiguous_once(sent_slots(late, running, task="t.tick"), timedelta(seconds=2))
     # The late beat sent only slots that came due after it started.
-    assert all(s["slot"] >= "2024-05-01T12:02:10Z" for s in late.sent)
+    assert late.sent and all(s["slot"] >= "2024-05-01T12:02:10Z" for s in late.sent)
 
 
 def test_clock_skew_between_beats_sends_each_slot_once(redis_db: redis.Redis,
@@ -118,7 +123,7 @@ def test_clock_skew_between_beats_sends_each_slot_once(redis_db: redis.Redis,
     """Beats whose clocks are 0.4 s ahead and 0.4 s behind, on a 2 s interval."""
     every_two = {"tick": {"task": "t.tick", "schedule": 2.0}}
     clocks = [ManualClock(START + timedelta(seconds=offset)) for offset in (-0.4, 0.0, 0.4)]
-    beats = [RecordingScheduler(app=make_app(redis_server, clock, every_two)) for clock in clocks]
+    beats = [RecordingScheduler(app=scheduler_app(redis_server, clock, every_two)) for clock in clocks]
     for _ in range(200):  # 20 s of true time
         for beat in beats:
             while beat.tick() <= 0:
@@ -135,7 +140,7 @@ def test_crontab_across_spring_forward_in_berlin(redis_db: redis.Redis,
     """Every minute, Europe/Berlin, 2024-03-31 00:58-01:03 UTC: one send per real minute."""
     clock = ManualClock(utc(2024, 3, 31, 0, 57, 40))
     schedule = {"minutely": {"task": "t.m", "schedule": crontab(minute="*")}}
-    beats = [RecordingScheduler(app=make_app(redis_server, clock, schedule,
+    beats = [RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
                                              timezone="Europe/Berlin")) for _ in range(3)]
     run_ticks(beats, clock, 6 * 60, 5)
     slots = assert_contiguous_once(sent_slots(*beats), timedelta(minutes=1))
@@ -147,7 +152,7 @@ def test_crontab_across_spring_forward_in_berlin(redis_db: redis.Redis,
 
 def run_then_stop(redis_server: RedisServer, clock: ManualClock, schedule: dict[str, Any],
                   seconds: float) -> RecordingScheduler:
-    beat = RecordingScheduler(app=make_app(redis_server, clock, schedule))
+    beat = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule))
     run_ticks([beat], clock, seconds, 0.25)
     beat.close()
     return beat
@@ -163,7 +168,7 @@ def test_catch_up_after_every_beat_was_down(redis_db: redis.Redis, redis_server:
     assert sent_slots(before) == {"2024-05-01T12:00:00Z": 2, "2024-05-01T12:00:10Z": 1}
 
     clock.advance(17 * 60 + 3)  # every beat down: 12:00:12 -> 12:17:15
-    after = RecordingScheduler(app=make_app(redis_server, clock, schedule,
+    after = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
                                             singleton_beat_catch_up=catch_up))
     for _ in range(10):
         after.tick()
@@ -183,7 +188,7 @@ def test_restarted_beat_does_not_resend_the_current_slot(redis_db: redis.Redis,
     first = run_then_stop(redis_server, clock, schedule, 5)
     assert sent_slots(first) == {"2024-05-01T12:00:00Z": 1}
     clock.advance(40 * 60)
-    again = RecordingScheduler(app=make_app(redis_server, clock, schedule))
+    again = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule))
     run_ticks([again], clock, 5, 0.25)
     assert again.sent == []
 
@@ -195,10 +200,10 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
     clock = ManualClock(START)
     schedule = {"tick": {"task": "t.tick", "schedule": 30.0, "args": [1],
                          "options": {"queue": "q1", "headers": {"h": "v"}}}}
-    app = make_app(redis_server, clock, schedule, singleton_key_prefix="app7",
+    app = scheduler_app(redis_server, clock, schedule, singleton_key_prefix="app7",
                    singleton_beat_claim_margin=15)
     winner = RecordingScheduler(app=app)
-    loser = RecordingScheduler(app=make_app(redis_server, clock, schedule,
+    loser = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
                                             singleton_key_prefix="app7",
                                             singleton_beat_claim_margin=15))
     run_ticks([winner, loser], clock, 1, 0.25)
@@ -230,7 +235,7 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
 
 def test_history_is_capped(redis_db: redis.Redis, redis_server: RedisServer) -> None:
     clock = ManualClock(START)
-    beat = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND))
+    beat = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     beat.history_size = 5
     run_ticks([beat], clock, 12, 0.5)
     claims = redis_server.client(LOCK_DB)
@@ -248,7 +253,7 @@ def test_opt_out_and_args_in_the_key(redis_db: redis.Redis, redis_server: RedisS
         "sync-b": {"task": "t.sync", "schedule": 5.0, "args": ["b"],
                    "options": {"singleton": {"key": "sync", "include_args": True}}},
     }
-    beats = [RecordingScheduler(app=make_app(redis_server, clock, schedule)) for _ in range(2)]
+    beats = [RecordingScheduler(app=scheduler_app(redis_server, clock, schedule)) for _ in range(2)]
     run_ticks(beats, clock, 16, 0.25)
 
     opted_out = [s for beat in beats for s in beat.sent if s["task"] == "t.plain"]
@@ -264,11 +269,9 @@ def test_opt_out_and_args_in_the_key(redis_db: redis.Redis, redis_server: RedisS
 # ----------------------------------------------------------------- Redis trouble
 
 @pytest.fixture
-def claims_server() -> Any:
+def claims_server(make_redis: Callable[..., RedisServer]) -> RedisServer:
     """A redis-server of its own for slot claims, so a test can stop it."""
-    server = RedisServer().start()
-    yield server
-    server.stop()
+    return make_redis()
 
 
 def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims_server: RedisServer,
@@ -278,22 +281,26 @@ def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims
     clock = ManualClock(START)
     schedule = {"tick": {"task": "t.tick", "schedule": 1.0},
                 "plain": {"task": "t.plain", "schedule": 1.0, "options": {"singleton": False}}}
-    beat = RecordingScheduler(app=make_app(redis_server, clock, schedule,
+    beat = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
                                            singleton_redis_url=claims_server.url(0),
                                            singleton_redis_options={"socket_timeout": 1}))
     run_ticks([beat], clock, 3, 0.25)
     assert sent_slots(beat, task="t.tick") == {f"2024-05-01T12:00:0{i}Z": 1 for i in range(4)}
 
+    plain_before = len([s for s in beat.sent if s["task"] == "t.plain"])
     claims_server.stop()
     run_ticks([beat], clock, 3, 0.25)  # 12:00:04 - 12:00:06: cannot claim
     assert len(sent_slots(beat, task="t.tick")) == 4  # fail closed: nothing more sent
-    assert len(sent_slots(beat, task="t.plain")) == 0 or beat.sent[-1]["task"] == "t.plain"
+    during = [s for s in beat.sent if s["task"] == "t.plain"][plain_before:]
+    assert len(during) == 3, "the opted-out entry is sent every second of the outage, unclaimed"
+    assert all(s["slot"] is None for s in during)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("tick: slot 2024-05-01T12:00:04Z NOT sent" in m for m in warnings), warnings
     assert any("unavailable" in m for m in warnings)
 
     claims_server.start()  # same port; every old claim is gone
-    monotonic_wait(0.3)  # past the (test-sized) back-off
+    wait_for(lambda: not beat._breaker_open(), timeout=10, interval=0.01,
+             message="the scheduler's (test-sized) Redis back-off to end")
     run_ticks([beat], clock, 3, 0.25)
     counts = sent_slots(beat, task="t.tick")
     assert all(n == 1 for n in counts.values())
@@ -304,7 +311,7 @@ def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims
 def test_redis_down_fail_open_sends_unclaimed(redis_db: redis.Redis, claims_server: RedisServer,
                                               redis_server: RedisServer) -> None:
     clock = ManualClock(START)
-    beat = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND,
+    beat = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND,
                                            singleton_redis_url=claims_server.url(0),
                                            singleton_beat_fail_open=True))
     claims_server.stop()
@@ -315,19 +322,19 @@ def test_redis_down_fail_open_sends_unclaimed(redis_db: redis.Redis, claims_serv
 def test_bad_configuration_fails_at_start(redis_db: redis.Redis, redis_server: RedisServer) -> None:
     clock = ManualClock(START)
     with pytest.raises(ImproperlyConfigured, match="singleton_beat_catch_up"):
-        RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND,
+        RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND,
                                         singleton_beat_catch_up="all"))
     with pytest.raises(ImproperlyConfigured, match="unknown setting"):
-        RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND,
+        RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND,
                                         singleton_beat_failopen=True))
     with pytest.raises(ImproperlyConfigured, match="Redis URL"):
-        RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND,
+        RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND,
                                         singleton_redis_url="http://localhost:6379/0"))
     with pytest.raises(ImproperlyConfigured, match="'bad'.*include_args"):
-        RecordingScheduler(app=make_app(redis_server, clock, {
+        RecordingScheduler(app=scheduler_app(redis_server, clock, {
             "bad": {"task": "t", "schedule": 1.0, "options": {"singleton": {"include_args": 1}}}}))
     with pytest.raises(ImproperlyConfigured, match="'zero'.*positive"):
-        RecordingScheduler(app=make_app(redis_server, clock, {"zero": {"task": "t", "schedule": 0}}))
+        RecordingScheduler(app=scheduler_app(redis_server, clock, {"zero": {"task": "t", "schedule": 0}}))
 
 
 # ----------------------------------------------------------------- many entries at once
@@ -344,7 +351,7 @@ def test_many_due_entries_are_claimed_in_batches(redis_db: redis.Redis,
             type(self).pipelines += 1
             super()._claim_many(batch)
 
-    beats = [Counting(app=make_app(redis_server, clock, schedule)) for _ in range(2)]
+    beats = [Counting(app=scheduler_app(redis_server, clock, schedule)) for _ in range(2)]
     run_ticks(beats, clock, 1, 0.5)
     counts = sent_slots(*beats)
     assert counts == {"2024-05-01T12:00:00Z": 2500}
@@ -356,7 +363,7 @@ def test_claims_won_ahead_are_given_back_when_not_sent(redis_db: redis.Redis,
                                                        redis_server: RedisServer) -> None:
     clock = ManualClock(START)
     schedule = {"a": {"task": "t.a", "schedule": 60.0}, "b": {"task": "t.b", "schedule": 60.0}}
-    beat = RecordingScheduler(app=make_app(redis_server, clock, schedule))
+    beat = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule))
     assert beat.tick() == 0  # one entry sent, the other claimed ahead
     claims = redis_server.client(LOCK_DB)
     assert len(claims.keys("singleton:{beat:*}:*")) == 2
@@ -376,10 +383,10 @@ def test_claim_is_given_back_when_publishing_fails(redis_db: redis.Redis,
         def send_task(self, *args: Any, **kwargs: Any) -> None:
             raise ConnectionError("broker unreachable")
 
-    beat = BrokerDown(app=make_app(redis_server, clock, EVERY_SECOND))
+    beat = BrokerDown(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     beat.tick()  # Celery logs the failed publish; beat goes on
     assert redis_server.client(LOCK_DB).keys("singleton:{beat:tick}:*") == []
-    late = RecordingScheduler(app=make_app(redis_server, clock, EVERY_SECOND))
+    late = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     late.tick()
     assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
 
@@ -395,7 +402,7 @@ def test_redis_without_set_nx_get_falls_back_to_plain_set_nx(redis_db: redis.Red
                 raise redis.ResponseError("ERR syntax error")
             return super()._set_claims(client, batch, value)
 
-    beats = [OldRedis(app=make_app(redis_server, clock, EVERY_SECOND)) for _ in range(2)]
+    beats = [OldRedis(app=scheduler_app(redis_server, clock, EVERY_SECOND)) for _ in range(2)]
     run_ticks(beats, clock, 3, 0.25)
     assert_contiguous_once(sent_slots(*beats), timedelta(seconds=1))
     assert not any(beat._use_set_get for beat in beats)

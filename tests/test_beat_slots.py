@@ -6,7 +6,7 @@ No Redis here: slots are a pure function of the schedule and the clock.
 from __future__ import annotations
 
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,14 +28,11 @@ from celery_singleton_beat.beat import (
     solar_slot,
 )
 
-UTC = timezone.utc
+from .support.skips import importorskip
+from .support.slots import UTC, utc
 
 
-def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)
-
-
-def make_app(tz: str = "UTC") -> Celery:
+def tz_app(tz: str = "UTC") -> Celery:
     app = Celery("slots", set_as_current=False)
     app.conf.timezone = tz
     return app
@@ -80,27 +77,65 @@ def test_interval_slot_does_not_depend_on_start_time_or_timezone() -> None:
     for started in (utc(2024, 5, 1, 11, 59, 58, 123000), utc(2024, 4, 30, 7, 1, 2)):
         assert started < fire
         for tz in ("UTC", "Europe/Berlin", "America/New_York"):
-            local = fire.astimezone(make_app(tz).timezone)
+            local = fire.astimezone(tz_app(tz).timezone)
             assert interval_slot(period, local).at == fire
 
 
-@pytest.mark.parametrize("skew", [-0.4, -0.2, 0.0, 0.2, 0.4])
-def test_interval_slot_tolerates_clock_skew(skew: float) -> None:
-    """Each beat fires its slot when its own clock reaches it, late or a hair early.
+def fire_skewed_beat(skew: float, period: timedelta, start: datetime,
+                     end: datetime) -> list[tuple[datetime, datetime]]:
+    """(true time, slot named) of each send of a beat whose clock reads true time + ``skew``.
 
-    Whatever the offset between the beats' clocks (here up to +/-0.4 s on a 2 s
-    period), each names the slot from its own clock at its own firing moment,
-    so all of them claim the same key.
+    Like beat, it sleeps until *its own* clock reaches the next slot and wakes a
+    hair early or late (``wake_up(slot)``); it names the slot from its clock at
+    that moment, and the slot's ``next`` is when it fires again.
+    """
+    offset = timedelta(seconds=skew)
+    fired: list[tuple[datetime, datetime]] = []
+    due = interval_slot(period, start + offset).next
+    while due is not None:
+        true_time = due + wake_up(due) - offset  # when its clock reads due + wake_up
+        if true_time > end:
+            break
+        slot = interval_slot(period, true_time + offset)
+        fired.append((true_time, slot.at))
+        due = slot.next
+    return fired
+
+
+#: How late each slot's wake-up is, by slot: a hair early, on time, late, very late.
+WAKE_UPS = [-EARLY_TOLERANCE / 2, timedelta(0), timedelta(milliseconds=30), timedelta(seconds=0.9)]
+
+
+def wake_up(slot: datetime) -> timedelta:
+    return WAKE_UPS[int(slot.timestamp()) // 2 % len(WAKE_UPS)]
+
+
+@pytest.mark.parametrize("skew", [-0.4, -0.2, 0.2, 0.4])
+def test_interval_slot_tolerates_clock_skew(skew: float) -> None:
+    """A beat whose clock is ``skew`` s off (up to +/-0.4 s on a 2 s period) sends every
+    slot once, naming each as a beat on time does, though ``skew`` s apart in true time.
+
+    Each names the slot from its own clock at its own firing moment, a hair early
+    (within EARLY_TOLERANCE) or late: so all of them claim the same keys.
     """
     period = timedelta(seconds=2)
-    for k in range(100):
-        nominal = utc(2024, 5, 1, 12) + k * period
-        for lateness in (-EARLY_TOLERANCE / 2, timedelta(0), timedelta(milliseconds=30),
-                         timedelta(seconds=0.9)):
-            local_clock = nominal + lateness  # what this beat reads when it fires
-            true_time = local_clock - timedelta(seconds=skew)
-            assert true_time != local_clock or skew == 0
-            assert interval_slot(period, local_clock).at == nominal
+    start, end = utc(2024, 5, 1, 12), utc(2024, 5, 1, 12, 3, 20)
+    on_time = fire_skewed_beat(0.0, period, start, end)
+    skewed = fire_skewed_beat(skew, period, start, end)
+    for sends in (on_time, skewed):
+        slots = [slot for _, slot in sends]
+        assert slots == [slots[0] + k * period for k in range(len(slots))], "each slot once, none missed"
+    expected = [start + k * period for k in range(1, 99)]  # 12:00:02 .. 12:03:16
+    on_time_at, skewed_at = dict((slot, at) for at, slot in on_time), dict((slot, at) for at, slot in skewed)
+    assert set(expected) <= set(on_time_at) and set(expected) <= set(skewed_at), "the same keys claimed"
+    for slot in expected:
+        # The same slot fired ``skew`` s earlier (clock ahead) or later (behind) in true time.
+        assert skewed_at[slot] - on_time_at[slot] == timedelta(seconds=-skew), slot
+    # In true time, a beat ahead that wakes on time fires before the slot begins:
+    # naming the slot from true time instead of its own clock would name the previous one.
+    if skew > 0:
+        early = [slot for slot in expected if wake_up(slot) <= timedelta(0)]
+        assert early and all(interval_slot(period, skewed_at[slot]).at < slot for slot in early)
 
 
 def test_interval_slot_rejects_a_non_positive_period() -> None:
@@ -113,7 +148,7 @@ def test_interval_slot_rejects_a_non_positive_period() -> None:
 # ----------------------------------------------------------------- crontab
 
 def test_crontab_slot_utc_matches_celery() -> None:
-    app = make_app("UTC")
+    app = tz_app("UTC")
     cron = crontab(minute="*/15", app=app)
     slot = crontab_slot(cron, utc(2024, 5, 1, 12, 7, 30))
     assert slot == Slot(utc(2024, 5, 1, 12, 0), utc(2024, 5, 1, 12, 15))
@@ -126,7 +161,7 @@ def test_crontab_slot_utc_matches_celery() -> None:
 
 def test_crontab_slot_is_the_same_from_any_hint() -> None:
     """Beats with different histories (hints) agree on the latest instant."""
-    app = make_app("Europe/Berlin")
+    app = tz_app("Europe/Berlin")
     cron = crontab(minute="5,35", hour="*/3", app=app)
     rng = random.Random(7)
     for _ in range(200):
@@ -139,7 +174,7 @@ def test_crontab_slot_is_the_same_from_any_hint() -> None:
 
 
 def test_crontab_slot_walks_far_from_a_stale_hint_quickly() -> None:
-    app = make_app("UTC")
+    app = tz_app("UTC")
     cron = crontab(minute="*", app=app)  # one instant a minute
     now = utc(2024, 5, 1, 12, 0, 30)
     hint = utc(2024, 2, 1)  # 130,000 instants behind: bisection, not a walk
@@ -147,7 +182,7 @@ def test_crontab_slot_walks_far_from_a_stale_hint_quickly() -> None:
 
 
 def test_crontab_rare_instants_are_found() -> None:
-    app = make_app("UTC")
+    app = tz_app("UTC")
     leap = crontab(minute=0, hour=0, day_of_month=29, month_of_year=2, app=app)
     slot = crontab_slot(leap, utc(2027, 6, 1))
     assert slot == Slot(utc(2024, 2, 29), utc(2028, 2, 29))
@@ -157,7 +192,7 @@ def test_crontab_rare_instants_are_found() -> None:
 
 
 def test_wall_to_utc_maps_gaps_to_the_jump_and_repeats_to_the_first_occurrence() -> None:
-    berlin = make_app("Europe/Berlin").timezone
+    berlin = tz_app("Europe/Berlin").timezone
     # 2024-03-31: 02:00 CET -> 03:00 CEST (01:00 UTC). 02:xx does not exist.
     assert _wall_to_utc(datetime(2024, 3, 31, 1, 59), berlin) == utc(2024, 3, 31, 0, 59)
     assert _wall_to_utc(datetime(2024, 3, 31, 2, 0), berlin) == utc(2024, 3, 31, 1, 0)
@@ -169,7 +204,7 @@ def test_wall_to_utc_maps_gaps_to_the_jump_and_repeats_to_the_first_occurrence()
 
 
 def test_crontab_daily_in_berlin_fires_once_per_day_across_both_dst_changes() -> None:
-    app = make_app("Europe/Berlin")
+    app = tz_app("Europe/Berlin")
     cron = crontab(minute=30, hour=2, app=app)
     spring = all_slots(cron, utc(2024, 3, 29, 12), utc(2024, 4, 2, 12), timedelta(minutes=10))
     assert [s.at for s in spring] == [
@@ -191,7 +226,7 @@ def test_crontab_daily_in_berlin_fires_once_per_day_across_both_dst_changes() ->
 
 def test_crontab_every_minute_in_berlin_across_spring_forward() -> None:
     """Every real minute gets exactly one slot; the hour that does not exist folds into one."""
-    app = make_app("Europe/Berlin")
+    app = tz_app("Europe/Berlin")
     cron = crontab(minute="*", app=app)
     slots = all_slots(cron, utc(2024, 3, 31, 0, 55), utc(2024, 3, 31, 1, 5), timedelta(seconds=7))
     assert [s.at for s in slots] == [utc(2024, 3, 31, 0, 55) + timedelta(minutes=i) for i in range(11)]
@@ -200,7 +235,7 @@ def test_crontab_every_minute_in_berlin_across_spring_forward() -> None:
 
 def test_crontab_every_minute_in_berlin_across_fall_back_follows_celery() -> None:
     """Like a single Celery beat: the repeated hour's wall times already ran (first occurrence)."""
-    app = make_app("Europe/Berlin")
+    app = tz_app("Europe/Berlin")
     cron = crontab(minute="*", app=app)
     slots = all_slots(cron, utc(2024, 10, 27, 0, 58), utc(2024, 10, 27, 2, 2), timedelta(seconds=13))
     assert [s.at for s in slots] == [
@@ -214,7 +249,7 @@ def test_crontab_every_minute_in_berlin_across_fall_back_follows_celery() -> Non
 
 
 def test_crontab_dst_slots_agree_across_instances_with_random_hints() -> None:
-    app = make_app("Europe/Berlin")
+    app = tz_app("Europe/Berlin")
     cron = crontab(minute="*/20", app=app)
     rng = random.Random(3)
     for day in (utc(2024, 3, 31), utc(2024, 10, 27)):
@@ -229,10 +264,10 @@ def test_crontab_dst_slots_agree_across_instances_with_random_hints() -> None:
 # ----------------------------------------------------------------- solar
 
 def test_solar_slots_agree_whatever_the_search_start() -> None:
-    pytest.importorskip("ephem")
+    importorskip("ephem")  # a declared test dependency
     from celery.schedules import solar
 
-    app = make_app("Europe/Berlin")
+    app = tz_app("Europe/Berlin")
     sunrise = solar("sunrise", 52.52, 13.40, app=app)
     slots = all_slots(sunrise, utc(2024, 6, 1), utc(2024, 6, 5), timedelta(minutes=37))
     assert len(slots) == 5  # the one before June 1 plus four sunrises
@@ -252,10 +287,10 @@ def test_solar_slots_agree_whatever_the_search_start() -> None:
 
 
 def test_solar_slot_is_close_to_celery_own_due_time() -> None:
-    pytest.importorskip("ephem")
+    importorskip("ephem")  # a declared test dependency
     from celery.schedules import solar
 
-    app = make_app("UTC")
+    app = tz_app("UTC")
     fixed = {"now": utc(2024, 6, 1, 12)}
     noon = solar("solar_noon", 48.85, 2.35, app=app, nowfun=lambda: fixed["now"])
     slot = solar_slot(noon, fixed["now"])
@@ -292,7 +327,7 @@ class OneOff(BaseSchedule):
 
 
 def test_generic_schedule_slots() -> None:
-    app = make_app("UTC")
+    app = tz_app("UTC")
     custom = EveryTenMinutesPlusThree(app=app)
     slot = current_slot(custom, utc(2024, 5, 1, 12, 20))
     assert slot == Slot(utc(2024, 5, 1, 12, 13), utc(2024, 5, 1, 12, 23))
@@ -315,7 +350,7 @@ def test_unsupported_schedule_is_an_error() -> None:
 def test_slot_format_and_key() -> None:
     assert format_slot(utc(2024, 3, 31, 1)) == "2024-03-31T01:00:00Z"
     assert format_slot(utc(2024, 3, 31, 1, 0, 0, 250000)) == "2024-03-31T01:00:00.250000Z"
-    berlin = make_app("Europe/Berlin").timezone
+    berlin = tz_app("Europe/Berlin").timezone
     assert format_slot(datetime(2024, 3, 31, 3, 0, tzinfo=berlin)) == "2024-03-31T01:00:00Z"
     assert slot_key("app1", "nightly report", utc(2024, 3, 31, 1)) == \
         "app1:{beat:nightly report}:2024-03-31T01:00:00Z"

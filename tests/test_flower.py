@@ -13,28 +13,17 @@ import sys
 from types import ModuleType
 from typing import Any
 
-import pytest
 import requests
 
-from .support import (LOCK_DB, RECORD_DB, ROOT, CeleryProcess, RedisServer, child_env, free_port,
-                      start_worker, wait_for)
-from .taskfixtures import tasks  # noqa: F401
+from .support import (LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, child_env, free_port, importorskip,
+                      run_command, start_worker, wait_for)
 
-pytest.importorskip("flower")
+importorskip("flower")  # the [flower] extra, which `make test` installs
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402 (comes with flower)
 
 APP = "tests.apps.ops_app"
 HOLD = "tests.apps.ops_app.hold"
 PUBLISH_ONCE = "tests.apps.ops_app.publish_once"
-
-
-@pytest.fixture
-def ops(tasks: ModuleType) -> ModuleType:
-    """``tests.apps.ops_app`` on the session's clean redis-server (``tasks`` points the apps there)."""
-    from .apps import ops_app
-
-    assert ops_app.BASE == tasks.BASE, "ops_app was imported for another server"
-    return ops_app
 
 
 class Flower:
@@ -104,7 +93,7 @@ def test_flower_shows_skipped_duplicates_and_lost_leases(
     wait_for(lambda: records.get("running:A"), timeout=30, message="the holder running")
     duplicates = [ops.hold.delay("A", note=str(i)) for i in range(3)]
     wait_for(lambda: all(d.state == "REVOKED" for d in duplicates), timeout=30,
-             message="duplicates stored as REVOKED (TaskSkipped) in the result backend")
+             message="duplicates stored as skipped (REVOKED) in the result backend")
     [key] = [k.decode() for k in locks.scan_iter(match="singleton:{tests.apps.ops_app.hold:*")
              if not k.endswith(b":fence")]
 
@@ -123,10 +112,9 @@ def test_flower_shows_skipped_duplicates_and_lost_leases(
 
     # An operator force-releases the lock of the running holder: warned, then
     # the run learns that its lease is gone and says so (task-lock-lost).
-    released = subprocess.run(
+    released = run_command(
         [sys.executable, "-m", "celery", "-A", APP, "singleton", "release", key, "--yes"],
-        env=child_env(redis_server), cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True,
-        text=True, timeout=60,
+        env=child_env(redis_server), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
     )
     assert released.returncode == 0, released.stderr
     assert f"task {holder.id} is RUNNING on w1@" in released.stderr

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
 from celery_singleton_beat.keeper import LeaseKeeper
 from celery_singleton_beat.lock import acquire, fence_key, read_holder, release_task
 
-from .support import RedisServer, wait_for
+from .support import RedisServer, soak, wait_for
 
 KEY = "t:{demo.task:abc}"
 
@@ -80,10 +81,14 @@ def test_a_run_adopts_its_own_publish_claim_only(redis_db: redis.Redis) -> None:
 def test_keeper_keeps_a_lease_alive_for_five_times_its_ttl(redis_db: redis.Redis) -> None:
     lease = take(redis_db, ttl=0.5).lease
     kept = LeaseKeeper().keep(lease)
-    started = time.monotonic()
-    wait_for(lambda: time.monotonic() - started > 2.5, timeout=10)
-    assert not kept.lost and kept.renewals >= 4
-    assert read_holder(redis_db, KEY).task_id == "id-1"
+
+    def still_held() -> bool:
+        holder = read_holder(redis_db, KEY)
+        return not kept.lost and holder is not None and holder.task_id == "id-1"
+
+    # A soak: five TTLs must pass; the lease is checked held all along.
+    assert soak(2.5, check=still_held, what="the kept lease") >= 20
+    assert kept.renewals >= 4
 
 
 def test_keeper_reports_a_deleted_lease(redis_db: redis.Redis) -> None:
@@ -95,29 +100,57 @@ def test_keeper_reports_a_deleted_lease(redis_db: redis.Redis) -> None:
     assert reasons and "deleted" in reasons[0]
 
 
-def test_keeper_reports_loss_when_redis_is_gone_past_the_ttl() -> None:
-    server = RedisServer().start()
-    try:
-        client = server.client()
-        client.connection_pool.connection_kwargs.update(socket_timeout=0.2, socket_connect_timeout=0.2)
-        lease = acquire(client, KEY, 0.6, task="demo.task", task_id="id-1").lease
-        kept = LeaseKeeper().keep(lease)
-        server.kill()
-        wait_for(lambda: kept.lost, timeout=10, message="loss reported")
-        assert "unreachable" in (kept.lost_reason or "")
-    finally:
-        server.stop()
+def test_keeper_reports_loss_when_redis_is_gone_past_the_ttl(make_redis: Callable[..., RedisServer]) -> None:
+    server = make_redis()
+    client = server.client(socket_timeout=0.2, socket_connect_timeout=0.2)
+    lease = acquire(client, KEY, 0.6, task="demo.task", task_id="id-1").lease
+    kept = LeaseKeeper().keep(lease)
+    server.kill()
+    wait_for(lambda: kept.lost, timeout=10, message="loss reported")
+    assert "unreachable" in (kept.lost_reason or "")
 
 
-def test_counters_are_kept_in_the_same_round_trip(redis_db: redis.Redis) -> None:
+def requests_of(client: redis.Redis) -> list[str]:
+    """From now on, the name of every command ``client`` sends (one request each)."""
+    sent: list[str] = []
+    send = client.execute_command
+
+    def recorded(*args: Any, **options: Any) -> Any:
+        sent.append(str(args[0]).upper())
+        return send(*args, **options)
+
+    client.execute_command = recorded  # type: ignore[method-assign]
+    return sent
+
+
+def test_counters_are_kept_in_the_same_round_trip(redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """Each operation is one request (EVALSHA) and its counter has moved when it returns."""
     stats = "t:{stats}:task:demo.task"
-    lease = take(redis_db, stats_key=stats).lease
-    take(redis_db, "id-2", stats_key=stats, counters=("acquired", "refused"))
-    lease.renew()
-    lease.release()
-    take(redis_db, "id-3", stats_key=stats).lease
-    redis_db.delete(KEY)
-    assert release_task(redis_db, KEY, "id-3", stats_key=stats) is False  # nothing held: not counted
-    counts = {k.decode(): int(v) for k, v in redis_db.hgetall(stats).items()}
-    assert counts == {"acquired": 2, "refused": 1, "renewed": 1, "released": 1}
-    assert redis_db.pttl(stats) > 0, "counters expire when no longer updated"
+    warm = take(redis_db, "warm-up", stats_key="t:{stats}:warm-up").lease  # every script loaded first
+    assert warm is not None and warm.renew() and warm.release()
+    release_task(redis_db, KEY, "nobody", stats_key="t:{stats}:warm-up")
+    observer = redis_server.client()
+
+    def counts() -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in observer.hgetall(stats).items()}
+
+    sent = requests_of(redis_db)
+
+    def one_request(operation: Callable[[], Any], expected: dict[str, int]) -> Any:
+        sent.clear()
+        result = operation()
+        assert sent == ["EVALSHA"], f"one request, the script: {sent}"
+        assert counts() == expected, "the counter moved in that same request"
+        return result
+
+    lease = one_request(lambda: take(redis_db, stats_key=stats).lease, {"acquired": 1})
+    one_request(lambda: take(redis_db, "id-2", stats_key=stats, counters=("acquired", "refused")),
+                {"acquired": 1, "refused": 1})
+    one_request(lease.renew, {"acquired": 1, "refused": 1, "renewed": 1})
+    one_request(lease.release, {"acquired": 1, "refused": 1, "renewed": 1, "released": 1})
+    one_request(lambda: take(redis_db, "id-3", stats_key=stats),
+                {"acquired": 2, "refused": 1, "renewed": 1, "released": 1})
+    observer.delete(KEY)
+    assert one_request(lambda: release_task(redis_db, KEY, "id-3", stats_key=stats),
+                       {"acquired": 2, "refused": 1, "renewed": 1, "released": 1}) is False  # nothing held
+    assert observer.pttl(stats) > 0, "counters expire when no longer updated"

@@ -11,8 +11,8 @@ from celery import Celery
 from celery_singleton_beat import LockUnavailable, SingletonKeyError, SingletonTask
 from celery_singleton_beat.client import reset_clients
 
-from .support import LOCK_DB, RedisServer
-from .taskfixtures import lock_keys
+from .support import LOCK_DB, RedisServer, free_port
+from .support.tasks import lock_keys
 
 
 @pytest.fixture
@@ -21,11 +21,6 @@ def eager_app(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[Cele
     app.conf.update(task_always_eager=True, singleton_redis_url=redis_server.url(LOCK_DB))
     yield app
     reset_clients()
-
-
-@pytest.fixture
-def locks(redis_server: RedisServer) -> redis.Redis:
-    return redis_server.client(LOCK_DB)
 
 
 @pytest.mark.parametrize("propagates", [True, False])
@@ -71,10 +66,10 @@ def test_called_directly_runs_the_body_without_a_lock(eager_app: Celery, locks: 
     assert job(1) == (None, [])
 
 
-def test_eager_with_redis_down_fails_closed_with_a_clear_error(redis_server: RedisServer) -> None:
+def test_eager_with_redis_down_fails_closed_with_a_clear_error() -> None:
     app = Celery("down", broker="memory://", set_as_current=False)
     app.conf.update(task_always_eager=True, task_eager_propagates=True,
-                    singleton_redis_url=RedisServer().url(),  # nothing listens there
+                    singleton_redis_url=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
                     singleton_redis_options={"socket_connect_timeout": 0.5})
     ran: list[int] = []
 
@@ -88,10 +83,10 @@ def test_eager_with_redis_down_fails_closed_with_a_clear_error(redis_server: Red
     reset_clients()
 
 
-def test_eager_fail_open_runs_anyway(redis_server: RedisServer) -> None:
+def test_eager_fail_open_runs_anyway() -> None:
     app = Celery("open", broker="memory://", set_as_current=False)
     app.conf.update(task_always_eager=True, task_eager_propagates=True, singleton_fail_open=True,
-                    singleton_redis_url=RedisServer().url(),
+                    singleton_redis_url=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
                     singleton_redis_options={"socket_connect_timeout": 0.5})
 
     @app.task(base=SingletonTask, bind=True, shared=False)

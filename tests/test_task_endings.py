@@ -1,41 +1,56 @@
 """Every way a run can end releases its lock; conflicts and publish-time modes.
 
-One prefork worker serves the whole module; each test starts from empty lock
-and record databases.
+Two workers serve the whole module: ``shared_worker`` (prefork, 2 processes,
+the default queue) and ``single_worker`` (prefork, 1 process, queue
+``single``: a second message provably waits in the queue while the first
+runs). Each test starts from empty lock and record databases; the broker
+database is left to the workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import pytest
 import redis
+from billiard.exceptions import WorkerLostError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from celery_singleton_beat import DuplicateTaskError, SingletonKeyError
 from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
 
-from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
-from .taskfixtures import load_tasks_app, lock_keys, locks, records, runs, started  # noqa: F401
+from .support import LOCK_DB, RECORD_DB, CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
+from .support.tasks import load_tasks_app, lock_keys, runs, started
 
 APP = "tests.apps.tasks_app"
+SINGLE = "single"  # the queue of single_worker
 
 
 @pytest.fixture(scope="module")
-def worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
-    if redis_server.process is None:
-        redis_server.start()
-    redis_server.client().flushall()
-    process = start_worker(redis_server, APP, "endings", concurrency=2, env={"CSB_BACKOFF_MAX": "1"})
+def shared_worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
+    """The module's prefork worker with 2 processes on the default queue."""
+    redis_server.flushall()
+    with owning(Owner("shared worker")) as owner:
+        process = start_worker(redis_server, APP, "endings", concurrency=2, env={"CSB_BACKOFF_MAX": "1"})
     yield process
-    process.stop()
+    owner.close()
+
+
+@pytest.fixture(scope="module")
+def single_worker(redis_server: RedisServer, shared_worker: CeleryProcess) -> Iterator[CeleryProcess]:
+    """A prefork worker with one process on queue ``single``, one message at a time."""
+    with owning(Owner("single worker")) as owner:
+        process = start_worker(redis_server, APP, "single", concurrency=1,
+                               extra=["-Q", SINGLE, "--prefetch-multiplier", "1"])
+    yield process
+    owner.close()
 
 
 @pytest.fixture
-def tasks(worker: CeleryProcess, redis_server: RedisServer) -> ModuleType:
-    """The test app, with empty lock and record databases (the broker is left to the worker)."""
+def tasks_app(shared_worker: CeleryProcess, redis_server: RedisServer) -> ModuleType:
+    """``tests.apps.tasks_app`` for this module's workers: lock and record databases emptied."""
     for db in (LOCK_DB, RECORD_DB):
         redis_server.client(db).flushdb()
     clear_settings_cache()
@@ -43,81 +58,95 @@ def tasks(worker: CeleryProcess, redis_server: RedisServer) -> ModuleType:
     return load_tasks_app(redis_server)
 
 
-def test_success_releases(tasks: ModuleType, locks: redis.Redis) -> None:
-    assert tasks.ending.delay("k", "return").get(timeout=30) == "return"
+def test_success_releases(tasks_app: ModuleType, locks: redis.Redis) -> None:
+    assert tasks_app.ending.delay("k", "return").get(timeout=30) == "return"
     assert lock_keys(locks) == []
 
 
-def test_failure_releases(tasks: ModuleType, locks: redis.Redis) -> None:
+def test_failure_releases(tasks_app: ModuleType, locks: redis.Redis) -> None:
     with pytest.raises(ValueError, match="boom"):
-        tasks.ending.delay("k", "fail").get(timeout=30)
+        tasks_app.ending.delay("k", "fail").get(timeout=30)
     assert lock_keys(locks) == []
 
 
 def test_retry_releases_during_the_countdown_and_the_retry_runs(
-    tasks: ModuleType, locks: redis.Redis, records: redis.Redis
+    tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis
 ) -> None:
-    result = tasks.ending.delay("k", "retry")
+    result = tasks_app.ending.delay("k", "retry", 2.0)  # the retry waits 2 s in the queue
+    wait_for(lambda: runs(records, "k"), timeout=30, message="the first run started")
+
+    def free_while_the_retry_waits() -> bool:
+        free = lock_keys(locks) == []
+        # Read after the lock: one run recorded means the retry had not started yet.
+        return free and len(runs(records, "k")) == 1
+
+    wait_for(free_while_the_retry_waits, timeout=30, interval=0.02,
+             message="the lock free during the retry's countdown")
     assert result.get(timeout=30) == "retry"
     assert [run["retries"] for run in runs(records, "k")] == [0, 1]
     assert lock_keys(locks) == []
 
 
-def test_ignore_releases(tasks: ModuleType, locks: redis.Redis, records: redis.Redis) -> None:
-    tasks.ending.delay("k", "ignore")
+def test_ignore_releases(tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis) -> None:
+    tasks_app.ending.delay("k", "ignore")
     wait_for(lambda: runs(records, "k"), timeout=30)
     wait_for(lambda: lock_keys(locks) == [], timeout=10, message="lock released after Ignore")
 
 
-def test_reject_releases(tasks: ModuleType, locks: redis.Redis, records: redis.Redis) -> None:
-    tasks.ending.delay("k", "reject")
+def test_reject_releases(tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis) -> None:
+    tasks_app.ending.delay("k", "reject")
     wait_for(lambda: runs(records, "k"), timeout=30)
     wait_for(lambda: lock_keys(locks) == [], timeout=10, message="lock released after Reject")
 
 
-def test_pool_child_exit_mid_run_releases(tasks: ModuleType, locks: redis.Redis, worker: CeleryProcess) -> None:
-    result = tasks.ending.delay("k-exit", "exit")
-    with pytest.raises(Exception):
+def test_pool_child_exit_mid_run_releases(tasks_app: ModuleType, locks: redis.Redis,
+                                          shared_worker: CeleryProcess) -> None:
+    result = tasks_app.ending.delay("k-exit", "exit")
+    with pytest.raises(WorkerLostError):
         result.get(timeout=30)
-    wait_for(lambda: lock_keys(locks) == [], timeout=10, message="main process freed the lock")
-    worker.wait_for_line(f"ending[{result.id}]", "(WorkerLostError); freed its lock")
+    shared_worker.wait_for_line(f"ending[{result.id}]", "(WorkerLostError); freed its lock")
+    assert lock_keys(locks) == []
 
 
-def test_hard_time_limit_releases(tasks: ModuleType, locks: redis.Redis, records: redis.Redis,
-                                  worker: CeleryProcess) -> None:
-    result = tasks.hard_limited.delay("k")
+def test_hard_time_limit_releases(tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
+                                  shared_worker: CeleryProcess) -> None:
+    result = tasks_app.hard_limited.delay("k")
     wait_for(lambda: records.get("running:k"), timeout=30)
-    wait_for(lambda: lock_keys(locks) == [], timeout=30, message="lock freed after the hard time limit")
-    worker.wait_for_line(f"hard_limited[{result.id}]", "freed its lock")
-    # The terminated child knows the main process freed its lock: no false "lost" alarm.
-    worker.wait_for_line(f"hard_limited[{result.id}] terminated; its lock")
-    assert f"hard_limited[{result.id}] lost its lock" not in worker.output()
+    shared_worker.wait_for_line(f"hard_limited[{result.id}]", "freed its lock", timeout=60)
+    assert lock_keys(locks) == []
+    assert f"hard_limited[{result.id}] lost its lock" not in shared_worker.output()
 
 
-def test_revoke_with_terminate_releases(tasks: ModuleType, locks: redis.Redis, records: redis.Redis,
-                                        worker: CeleryProcess) -> None:
-    result = tasks.work.delay("k-revoke", 60)
+def test_revoke_with_terminate_releases(tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
+                                        shared_worker: CeleryProcess) -> None:
+    """The main process frees the lock of the killed child at once, not the lock's
+    30 s TTL: the wait is a few seconds and the worker says it freed it."""
+    result = tasks_app.work.delay("k-revoke", 60)
     wait_for(lambda: started(records, "k-revoke"), timeout=30)
-    assert lock_keys(locks)
+    [key] = lock_keys(locks)
+    assert locks.pttl(key) > 20_000, "the lock would outlive this test's waits on its own"
     result.revoke(terminate=True, signal="SIGKILL")
-    wait_for(lambda: lock_keys(locks) == [], timeout=30, message="lock freed after revoke+terminate")
-    assert tasks.work.delay("k-revoke", 0).get(timeout=30) == "k-revoke"
+    shared_worker.wait_for_line(f"work[{result.id}]", "freed its lock", key, timeout=10)
+    assert lock_keys(locks) == []
+    assert tasks_app.work.delay("k-revoke", 0).get(timeout=30) == "k-revoke"
 
 
-def test_on_conflict_raise_fails_with_the_holder(tasks: ModuleType, records: redis.Redis) -> None:
-    holder = tasks.strict.delay("k", 3.0)
+def test_on_conflict_raise_fails_with_the_holder(tasks_app: ModuleType, records: redis.Redis) -> None:
+    records.set("hold:k", "1")  # the holder runs until the duplicate was refused
+    holder = tasks_app.strict.delay("k")
     wait_for(lambda: started(records, "k"), timeout=30)
-    duplicate = tasks.strict.delay("k")
+    duplicate = tasks_app.strict.delay("k")
     with pytest.raises(DuplicateTaskError) as info:
         duplicate.get(timeout=30)
     assert info.value.holder_task_id == holder.id
+    records.delete("hold:k")
     assert holder.get(timeout=30) == "k"
 
 
-def test_on_conflict_retry_runs_after_the_holder(tasks: ModuleType, records: redis.Redis) -> None:
-    holder = tasks.patient.delay("k", 1.5)
+def test_on_conflict_retry_runs_after_the_holder(tasks_app: ModuleType, records: redis.Redis) -> None:
+    holder = tasks_app.patient.delay("k", 1.5)
     wait_for(lambda: started(records, "k"), timeout=30)
-    waiting = tasks.patient.delay("k")
+    waiting = tasks_app.patient.delay("k")
     assert waiting.get(timeout=60) == "k"
     assert holder.get(timeout=30) == "k"
     first, second = runs(records, "k")
@@ -125,70 +154,88 @@ def test_on_conflict_retry_runs_after_the_holder(tasks: ModuleType, records: red
     assert second["start"] >= first["end"], "the retried run waited for the holder"
 
 
+def occupy(tasks_app: ModuleType, records: redis.Redis) -> Callable[[], None]:
+    """Keep single_worker's one process busy; returns what lets it go."""
+    records.set("hold:busy", "1")
+    tasks_app.work.apply_async(("busy",), queue=SINGLE)
+    wait_for(lambda: started(records, "busy"), timeout=30, message="single_worker busy")
+    return lambda: records.delete("hold:busy")
+
+
 def test_until_executed_returns_the_existing_task_while_queued_or_running(
-    tasks: ModuleType, records: redis.Redis, locks: redis.Redis
+    tasks_app: ModuleType, records: redis.Redis, locks: redis.Redis, single_worker: CeleryProcess
 ) -> None:
-    first = tasks.queued_once.delay("k", 1.0)
-    second = tasks.queued_once.delay("k", 1.0)
-    assert second.id == first.id, "the second publish returns the first task's result"
+    release = occupy(tasks_app, records)
+    records.set("hold:k", "1")
+    first = tasks_app.queued_once.apply_async(("k",), queue=SINGLE)
+    # Queued: the only process is busy, the message waits.
+    queued = tasks_app.queued_once.apply_async(("k",), queue=SINGLE)
+    assert started(records, "k") == [], "still queued"
+    assert queued.id == first.id, "while queued, a publish returns the queued task"
+    release()
+    wait_for(lambda: started(records, "k"), timeout=30, message="the first copy running")
+    # Running (held by hold:k until the test lets it go).
+    running = tasks_app.queued_once.apply_async(("k",), queue=SINGLE)
+    assert running.id == first.id, "while running, a publish returns the running task"
+    records.delete("hold:k")
     assert first.get(timeout=30) == "k"
     assert len(runs(records, "k")) == 1
     assert lock_keys(locks) == []
-    third = tasks.queued_once.delay("k", 0.0)
+    third = tasks_app.queued_once.apply_async(("k", 0.0), queue=SINGLE)
     assert third.id != first.id and third.get(timeout=30) == "k"
 
 
 def test_until_executing_allows_one_queued_copy_while_one_runs(
-    tasks: ModuleType, records: redis.Redis, locks: redis.Redis
+    tasks_app: ModuleType, records: redis.Redis, locks: redis.Redis, single_worker: CeleryProcess
 ) -> None:
-    running = tasks.queued_until_start.delay("k", 2.0)
-    wait_for(lambda: started(records, "k"), timeout=30)
-    queued = tasks.queued_until_start.delay("k", 0.0)
+    records.set("hold:k", "1")
+    running = tasks_app.queued_until_start.apply_async(("k",), queue=SINGLE)
+    wait_for(lambda: started(records, "k"), timeout=30, message="the first copy running")
+    queued = tasks_app.queued_until_start.apply_async(("k",), queue=SINGLE)
     assert queued.id != running.id, "the queue claim was handed over when the run started"
-    again = tasks.queued_until_start.delay("k", 0.0)
-    assert again.id in (queued.id, running.id)
+    again = tasks_app.queued_until_start.apply_async(("k",), queue=SINGLE)
+    assert again.id == queued.id, "one copy queued at most: the publish returns it"
+    assert len(started(records, "k")) == 1, "the one process is still busy: the copy is queued"
+    records.delete("hold:k")
     assert running.get(timeout=30) == "k"
-    wait_for(lambda: queued.state in ("SUCCESS", "REVOKED"), timeout=30)
+    assert queued.get(timeout=30) == "k", "the queued copy ran after the first"
+    assert [run["task_id"] for run in runs(records, "k")] == [running.id, queued.id]
     wait_for(lambda: lock_keys(locks) == [], timeout=10)
     assert records.get("overlap:k") is None
 
 
 def test_unencodable_arguments_are_refused_at_publish_with_a_clear_error(
-    tasks: ModuleType, locks: redis.Redis
+    tasks_app: ModuleType, locks: redis.Redis
 ) -> None:
     """Publish-time modes compute the key in the caller: a bad value never reaches a queue."""
     with pytest.raises(SingletonKeyError, match=r"queued_once: argument 'key'"):
-        tasks.queued_once.delay({1, 2})
+        tasks_app.queued_once.delay({1, 2})
     assert lock_keys(locks) == []
 
 
 def test_fail_closed_retries_until_redis_is_back_and_runs_once(
-    redis_server: RedisServer, processes: list[CeleryProcess], tasks: ModuleType, records: redis.Redis
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], tasks_app: ModuleType,
+    records: redis.Redis,
 ) -> None:
-    lock_server = RedisServer()  # not started: the lock Redis is down
-    processes.append(start_worker(
-        redis_server, APP, "closed", concurrency=1,
-        env={"CSB_LOCK_REDIS": lock_server.url(), "CSB_BACKOFF_MAX": "0.5"}, extra=["-Q", "closed"],
-    ))
-    result = tasks.work.apply_async(("k-closed", 0.0), queue="closed")
-    processes[-1].wait_for_log("not started, Redis unavailable")
+    lock_server = make_redis(start=False)  # the lock Redis is down
+    worker = start_worker(redis_server, APP, "closed", concurrency=1,
+                          env={"CSB_LOCK_REDIS": lock_server.url(), "CSB_BACKOFF_MAX": "0.5"},
+                          extra=["-Q", "closed"])
+    result = tasks_app.work.apply_async(("k-closed", 0.0), queue="closed")
+    worker.wait_for_log("not started, Redis unavailable")
     with pytest.raises(CeleryTimeoutError):
         result.get(timeout=2)
     assert runs(records, "k-closed") == [], "never runs without its lock"
     lock_server.start()
-    try:
-        assert result.get(timeout=30) == "k-closed"
-        assert len(runs(records, "k-closed")) == 1
-    finally:
-        lock_server.stop()
+    assert result.get(timeout=30) == "k-closed"
+    assert len(runs(records, "k-closed")) == 1
 
 
 def test_fail_open_runs_without_the_lock_and_says_so(
-    redis_server: RedisServer, processes: list[CeleryProcess], tasks: ModuleType, records: redis.Redis
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], tasks_app: ModuleType,
 ) -> None:
-    lock_server = RedisServer()  # never started
+    lock_server = make_redis(start=False)  # never started
     worker = start_worker(redis_server, APP, "open", concurrency=1,
                           env={"CSB_LOCK_REDIS": lock_server.url(), "CSB_FAIL_OPEN": "1"}, extra=["-Q", "open"])
-    processes.append(worker)
-    assert tasks.work.apply_async(("k-open", 0.0), queue="open").get(timeout=30) == "k-open"
+    assert tasks_app.work.apply_async(("k-open", 0.0), queue="open").get(timeout=30) == "k-open"
     worker.wait_for_log("runs WITHOUT its lock")

@@ -1,7 +1,8 @@
 """SingletonTask in an in-process worker (celery.contrib.testing) with a thread pool.
 
 Threads share one process, one Redis client and one lease keeper: concurrent
-runs of one key must still never overlap, and every distinct key runs.
+runs of one key must still never overlap, and distinct keys must run at the
+same time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from celery.contrib.testing.worker import start_worker
 from celery_singleton_beat import SingletonTask
 
 from .support import BACKEND_DB, BROKER_DB, LOCK_DB, RedisServer, wait_for
-from .taskfixtures import lock_keys
+from .support.tasks import lock_keys
+
+DISTINCT = 4  # distinct keys, one per thread of the pool
 
 
 def test_thread_pool_worker_serialises_one_key_and_runs_distinct_keys_in_parallel(
@@ -30,6 +33,10 @@ def test_thread_pool_worker_serialises_one_key_and_runs_distinct_keys_in_paralle
     in_flight: Counter[str] = Counter()
     peak: Counter[str] = Counter()
     ran: Counter[str] = Counter()
+    # Each distinct key's run waits here until the runs of all distinct keys are in
+    # flight at once: if they could not run in parallel, the barrier would break.
+    together = threading.Barrier(DISTINCT, timeout=30)
+    met: list[int] = []
 
     @app.task(base=SingletonTask, shared=False, lock_ttl=0.5)
     def job(key: str) -> str:
@@ -37,17 +44,25 @@ def test_thread_pool_worker_serialises_one_key_and_runs_distinct_keys_in_paralle
             in_flight[key] += 1
             peak[key] = max(peak[key], in_flight[key])
             ran[key] += 1
-        time.sleep(0.2)
-        with guard:
-            in_flight[key] -= 1
+        try:
+            if key == "same":
+                time.sleep(0.2)  # the holder's run: duplicates arrive while it lasts
+            else:
+                met.append(together.wait())
+        finally:
+            with guard:
+                in_flight[key] -= 1
         return key
 
     app.loader.import_module("celery.contrib.testing.tasks")
-    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING"):
-        results = [job.delay("same") for _ in range(12)] + [job.delay(f"k{i}") for i in range(4)]
-        wait_for(lambda: all(r.state in ("SUCCESS", "REVOKED") for r in results), timeout=60)
+    with start_worker(app, pool="threads", concurrency=DISTINCT, perform_ping_check=False, loglevel="WARNING"):
+        results = [job.delay("same") for _ in range(12)] + [job.delay(f"k{i}") for i in range(DISTINCT)]
+        wait_for(lambda: all(r.state in ("SUCCESS", "REVOKED", "SKIPPED", "FAILURE") for r in results),
+                 timeout=60, message="every submission settled")
     assert peak["same"] == 1, "one key never ran twice at once"
     assert ran["same"] == sum(r.state == "SUCCESS" for r in results[:12]) >= 1
-    assert all(ran[f"k{i}"] == 1 for i in range(4))
-    assert max(peak.values()) == 1
+    assert [r.state for r in results[12:]] == ["SUCCESS"] * DISTINCT, "a distinct key failed (barrier broken?)"
+    assert sorted(met) == list(range(DISTINCT)), f"all {DISTINCT} distinct keys were running at once"
+    assert all(ran[f"k{i}"] == 1 for i in range(DISTINCT))
+    assert all(peak[f"k{i}"] == 1 for i in range(DISTINCT))
     assert lock_keys(redis_server.client(LOCK_DB)) == []

@@ -2,35 +2,37 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import ModuleType
 
 import redis
 from celery.result import AsyncResult
 
+from celery_singleton_beat import TaskSkipped
+from celery_singleton_beat.liveness import live_key
 from celery_singleton_beat.lock import acquire, read_holder
 
-from .support import CeleryProcess, RedisServer, start_worker, wait_for
-from .taskfixtures import EventCapture, backend, lock_keys, locks, records, runs, started, tasks  # noqa: F401
+from .support import LOCK_DB, RedisServer, start_worker, wait_for
+from .support.tasks import EventCapture, lock_keys, runs, settled, started
 
 APP = "tests.apps.tasks_app"
 
 
-def settled(results: list[AsyncResult]) -> bool:
-    return all(r.state in ("SUCCESS", "REVOKED", "FAILURE") for r in results)
+def skipped(result: AsyncResult) -> bool:
+    """The run was skipped as a duplicate (stored as REVOKED with TaskSkipped)."""
+    return result.state == "REVOKED" and isinstance(result.result, TaskSkipped)
 
 
 def test_one_key_never_overlaps_while_distinct_keys_all_run(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
-    locks: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
 ) -> None:
     """200 submissions of one key from 4 threads onto 2 workers x 4 processes."""
     for name in ("w1", "w2"):
-        processes.append(start_worker(redis_server, APP, name, concurrency=4))
+        start_worker(redis_server, APP, name, concurrency=4)
     hot: list[AsyncResult] = []
     guard = threading.Lock()
 
@@ -49,11 +51,10 @@ def test_one_key_never_overlaps_while_distinct_keys_all_run(
 
     wait_for(lambda: settled(hot + distinct), timeout=120, message="all 208 tasks settled")
     assert len(hot) == 200
-    states = [r.state for r in hot]
     completed = runs(records, "hot")
     assert records.get("overlap:hot") is None, "two runs of one key overlapped"
-    assert states.count("SUCCESS") == len(completed) >= 1
-    assert states.count("REVOKED") == 200 - len(completed), "every other submission is a visible skip"
+    assert sum(r.state == "SUCCESS" for r in hot) == len(completed) >= 1
+    assert sum(skipped(r) for r in hot) == 200 - len(completed), "every other submission is a visible skip"
     spans = sorted((run["start"], run["end"]) for run in completed)
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
     for i in range(8):
@@ -66,91 +67,105 @@ def test_one_key_never_overlaps_while_distinct_keys_all_run(
 
 
 def test_skipped_duplicate_is_logged_stored_and_sent_as_an_event(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis,
 ) -> None:
     worker = start_worker(redis_server, APP, "w1", concurrency=2)
-    processes.append(worker)
+    records.set("hold:k", "1")  # the holder runs until the duplicate was skipped
     with EventCapture(tasks.app, "task-skipped") as capture:
-        holder = tasks.work.delay("k", 3.0)
+        holder = tasks.work.delay("k")
         wait_for(lambda: started(records, "k"), timeout=30, message="holder running")
         duplicate = tasks.work.delay("k")
-        wait_for(lambda: duplicate.state == "REVOKED", timeout=30, message="REVOKED (skipped) state")
+        wait_for(lambda: skipped(duplicate), timeout=30, message="the duplicate stored as skipped")
         event = capture.wait()
-    assert type(duplicate.info).__name__ == "TaskSkipped"
-    assert duplicate.info.holder_task_id == holder.id
-    assert duplicate.info.key.startswith("singleton:{tests.apps.tasks_app.work:")
+    assert duplicate.result.holder_task_id == holder.id
+    assert duplicate.result.key.startswith("singleton:{tests.apps.tasks_app.work:")
     assert event["uuid"] == duplicate.id
-    assert event["holder_task_id"] == holder.id and event["key"] == duplicate.info.key
+    assert event["holder_task_id"] == holder.id and event["key"] == duplicate.result.key
     worker.wait_for_log(f"skipped: duplicate of task {holder.id}")
+    records.delete("hold:k")
     assert holder.get(timeout=30) == "k"
 
 
 def test_sigkill_of_the_pool_child_frees_its_lock(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
-    locks: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
 ) -> None:
     worker = start_worker(redis_server, APP, "w1", concurrency=2)
-    processes.append(worker)
-    tasks.work.delay("k", 60)
+    result = tasks.work.delay("k", 60)
     run = wait_for(lambda: started(records, "k"), timeout=30, message="run started")[0]
-    assert lock_keys(locks), "the run holds its lock"
+    [key] = lock_keys(locks)
     os.kill(run["pid"], signal.SIGKILL)
-    wait_for(lambda: lock_keys(locks) == [], timeout=10, message="lock freed by the main process")
-    worker.wait_for_log("freed its lock")
+    worker.wait_for_line(f"work[{result.id}]", "freed its lock", key, timeout=10)
+    assert lock_keys(locks) == []
     again = tasks.work.delay("k", 0.0)
     assert again.get(timeout=30) == "k", "the key runs again"
 
 
-def test_worker_killed_and_restarted_its_lock_is_taken_over(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
-    locks: redis.Redis,
+def test_the_lock_of_a_killed_worker_is_taken_over_by_the_next_run(
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
 ) -> None:
-    first = start_worker(redis_server, APP, "w1", concurrency=2)
-    processes.append(first)
+    """A worker SIGKILLed with its pool (a lost pod): once its liveness key is gone,
+    the next run of the key takes the lock over, long before the lock's TTL."""
+    liveness = {"CSB_LIVENESS_TTL": "2"}
+    first = start_worker(redis_server, APP, "w1", concurrency=2, env=liveness)
     tasks.work.delay("k", 60)
     wait_for(lambda: started(records, "k"), timeout=30, message="run started")
     first.kill_group()  # the whole node dies: nobody releases
     [key] = lock_keys(locks)
-    assert read_holder(locks, key).node.startswith("w1@")
-    restarted = start_worker(redis_server, APP, "w1", concurrency=2)
-    processes.append(restarted)
-
-    def a_new_run_succeeds() -> bool:
-        attempt = tasks.work.delay("k", 0.0)
-        wait_for(lambda: attempt.ready(), timeout=30, message="the attempt ended")
-        return attempt.successful()
-
-    wait_for(a_new_run_succeeds, timeout=60, interval=0.2, message="a new run once the dead holder's liveness lapsed")
-    restarted.wait_for_line(f"took over {key} from task", "whose worker is gone")
+    dead = read_holder(locks, key)
+    assert dead is not None and dead.node.startswith("w1@")
+    assert locks.pttl(key) > 20_000, "the lock's own TTL (30 s) is not what frees it"
+    restarted = start_worker(redis_server, APP, "w1", concurrency=2, env=liveness)
+    wait_for(lambda: not locks.exists(live_key("singleton", dead.boot)), timeout=30,
+             message="the dead incarnation's liveness key (2 s) to expire")
+    again = tasks.work.delay("k", 0.0)
+    assert again.get(timeout=30) == "k"
+    restarted.wait_for_line(f"work[{again.id}] took over {key}", "whose worker is gone")
+    assert lock_keys(locks) == []
 
 
 def test_a_lock_of_a_node_that_never_returns_expires_after_its_ttl(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
-    locks: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
 ) -> None:
-    worker = start_worker(redis_server, APP, "w1", concurrency=1, env={"CSB_LOCK_TTL": "1.5"})
-    tasks.work.delay("k", 60)
-    wait_for(lambda: started(records, "k"), timeout=30, message="run started")
-    worker.kill_group()
-    assert lock_keys(locks)
-    other = start_worker(redis_server, APP, "w2", concurrency=1)
-    processes.append(other)
-    wait_for(lambda: lock_keys(locks) == [], timeout=10, message="lock expired")
+    """Nobody frees it and nobody needs it: the lock ends by expiring (Redis says
+    ``expired``, not ``del``), then the key runs again."""
+    locks.config_set("notify-keyspace-events", "Egx")  # generic (del) and expired key events
+    events = locks.pubsub(ignore_subscribe_messages=True)
+    events.psubscribe(f"__keyevent@{LOCK_DB}__:*")
+    try:
+        worker = start_worker(redis_server, APP, "w1", concurrency=1, env={"CSB_LOCK_TTL": "3"})
+        tasks.work.delay("k", 60)
+        wait_for(lambda: started(records, "k"), timeout=30, message="run started")
+        [key] = lock_keys(locks)
+        worker.kill_group()
+        seen: list[tuple[str, str]] = []
+
+        def ended() -> str | None:
+            message = events.get_message(timeout=0.1)
+            if message is not None and message["data"].decode() == key:
+                seen.append((message["channel"].decode().rsplit(":", 1)[1], key))
+            return next((kind for kind, _ in seen if kind in ("expired", "del")), None)
+
+        assert wait_for(ended, timeout=30, interval=0, message=f"{key} to end") == "expired", seen
+        assert lock_keys(locks) == []
+    finally:
+        events.close()
+        locks.config_set("notify-keyspace-events", "")
+    start_worker(redis_server, APP, "w2", concurrency=1)
     assert tasks.work.delay("k", 0.0).get(timeout=30) == "k"
 
 
 def test_renewal_keeps_the_lock_of_a_run_five_times_longer_than_its_ttl(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis,
 ) -> None:
-    processes.append(start_worker(redis_server, APP, "w1", concurrency=2))
+    start_worker(redis_server, APP, "w1", concurrency=2)
     long = tasks.long_run.delay("k", 5.0)  # lock_ttl=1.0
     wait_for(lambda: records.get("fence:k"), timeout=30, message="run started")
     skipped_at: list[float] = []
     while not long.ready():
         submitted = time.time()
         duplicate = tasks.long_run.delay("k", 0.0)
-        wait_for(lambda: duplicate.state in ("REVOKED", "SUCCESS"), timeout=30)
-        if duplicate.state == "REVOKED":
+        wait_for(lambda: duplicate.state in ("REVOKED", "SUCCESS"), timeout=30)  # noqa: B023
+        if skipped(duplicate):
             skipped_at.append(submitted)
     assert long.get(timeout=30) == {"lost": False}
     [first, *later] = runs(records, "k")
@@ -161,11 +176,9 @@ def test_renewal_keeps_the_lock_of_a_run_five_times_longer_than_its_ttl(
 
 
 def test_a_deleted_lock_is_reported_lost_and_the_late_release_spares_the_new_holder(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
-    locks: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
 ) -> None:
     worker = start_worker(redis_server, APP, "w1", concurrency=2)
-    processes.append(worker)
     result = tasks.watch_lease.delay("k", 20.0)
     wait_for(lambda: records.get("running:k"), timeout=30, message="run started")
     [key] = lock_keys(locks)
@@ -184,33 +197,47 @@ def test_a_deleted_lock_is_reported_lost_and_the_late_release_spares_the_new_hol
 
 
 def test_a_redelivered_copy_of_a_running_task_does_not_run_in_parallel(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
 ) -> None:
-    """acks_late redelivery = the same message (same task id) delivered again."""
-    for name in ("w1", "w2"):
-        processes.append(start_worker(redis_server, APP, name, concurrency=2, env={"CSB_ACKS_LATE": "1"}))
-    first = tasks.work.apply_async(("k", 2.0), task_id="same-id")
+    """acks_late redelivery = the same message (same task id) delivered again.
+
+    The copy provably reaches a worker while the original runs (its worker says
+    so), does not run then, and ends without running once the original is done.
+    """
+    env = {"CSB_ACKS_LATE": "1", "CSB_LIVENESS_TTL": "2"}  # the copy looks again after 1 s
+    workers = [start_worker(redis_server, APP, name, concurrency=2, env=env) for name in ("w1", "w2")]
+    records.set("hold:k", "1")  # the original runs until the copy has arrived
+    first = tasks.work.apply_async(("k",), task_id="same-id")
     wait_for(lambda: started(records, "k"), timeout=30, message="first copy running")
-    tasks.work.apply_async(("k", 2.0), task_id="same-id")
-    wait_for(lambda: records.get("inflight:k") == b"0" and len(runs(records, "k")) == 1, timeout=30)
+    tasks.work.apply_async(("k",), task_id="same-id")
+
+    def copy_arrived() -> str | None:
+        return next((line for worker in workers for line in worker.output().splitlines()
+                     if "work[same-id] is already running on" in line), None)
+
+    line = wait_for(copy_arrived, timeout=30, message="the copy received while the original runs")
+    assert "another delivery of the same message" in line
+    assert len(started(records, "k")) == 1, "the copy did not start a second run"
+    records.delete("hold:k")
     assert first.get(timeout=30) == "k"
+    wait_for(lambda: any("work[same-id] already completed" in worker.output() for worker in workers),
+             timeout=30, message="the copy ended without running once the original was done")
     assert records.get("overlap:k") is None and len(started(records, "k")) == 1
+    assert lock_keys(locks) == []
 
 
 def test_a_lock_redis_restart_mid_run_is_reported_as_lock_lost(
-    tasks: ModuleType, redis_server: RedisServer, processes: list[CeleryProcess], records: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis,
+    make_redis: Callable[..., RedisServer],
 ) -> None:
     """Redis without persistence restarts: every lock is gone; running holders are told."""
-    lock_server = RedisServer().start()
-    try:
-        worker = start_worker(redis_server, APP, "w1", concurrency=1,
-                              env={"CSB_LOCK_REDIS": lock_server.url()}, extra=["-Q", "restart"])
-        processes.append(worker)
-        result = tasks.watch_lease.apply_async(("k", 20.0), queue="restart")
-        wait_for(lambda: records.get("running:k"), timeout=30, message="run started")
-        lock_server.restart()
-        records.set("retaken:k", "1")
-        assert result.get(timeout=30) == "LockLost"
-        worker.wait_for_line("lost its lock")
-    finally:
-        lock_server.stop()
+    lock_server = make_redis()
+    worker = start_worker(redis_server, APP, "w1", concurrency=1,
+                          env={"CSB_LOCK_REDIS": lock_server.url()}, extra=["-Q", "restart"])
+    result = tasks.watch_lease.apply_async(("k", 20.0), queue="restart")
+    wait_for(lambda: records.get("running:k"), timeout=30, message="run started")
+    lock_server.restart()
+    records.set("retaken:k", "1")
+    assert result.get(timeout=30) == "LockLost"
+    worker.wait_for_line("lost its lock")
+

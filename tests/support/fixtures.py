@@ -1,0 +1,142 @@
+"""The fixtures of the test suite (``tests/conftest.py`` registers them).
+
+Each name means one thing everywhere:
+
+``redis_server`` (session)
+    The session's own redis-server (:class:`.servers.RedisServer`).
+``redis_db``
+    That server emptied for this test: FLUSHALL, only after checking on the same
+    connection that the server on the port is ours; settings cache and clients
+    reset. A client of database 0.
+``processes``
+    The processes and servers this test started (they register themselves):
+    all stopped when the test ends, whatever happened. ``processes.append(p)``
+    still works (an item is kept once).
+``make_redis``
+    ``make_redis(*redis_args, start=True)``: another redis-server for this test
+    (to stop, restart or misconfigure), closed when the test ends.
+``tasks`` / ``ops``
+    ``tests.apps.tasks_app`` / ``tests.apps.ops_app`` on a clean session server
+    (they need ``redis_db``).
+``broker`` / ``backend`` / ``locks`` / ``records``
+    Clients of databases 0 / 1 / 2 / 3 of the session server.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import pytest
+import redis
+
+from celery_singleton_beat.client import reset_clients
+from celery_singleton_beat.config import clear_settings_cache
+
+from .owners import EVERYTHING, Owner, owning, register
+from .paths import set_scratch_dir
+from .servers import BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, RedisServer
+from .tasks import load_ops_app, load_tasks_app
+
+__all__ = [
+    "OWNER_KEY", "backend", "broker", "harness_session", "locks", "make_redis", "ops", "processes",
+    "records", "redis_db", "redis_server", "tasks", "test_owner",
+]
+
+#: Where a test item keeps its owner (for the failure report in conftest.py).
+OWNER_KEY = pytest.StashKey[Owner]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def harness_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Logs and server directories go to the session's temporary directory; at the end
+    of the session whatever is still running is stopped."""
+    set_scratch_dir(tmp_path_factory.mktemp("harness", numbered=False))
+    yield
+    gc.collect()  # AsyncResults unsubscribe when collected: while the result backend still runs
+    EVERYTHING.close()
+
+
+@pytest.fixture(autouse=True)
+def test_owner(request: pytest.FixtureRequest) -> Iterator[Owner]:
+    """Owner of what this test starts (see :mod:`.owners`); closed after the test."""
+    owner = Owner(request.node.nodeid)
+    request.node.stash[OWNER_KEY] = owner
+    with owning(owner):
+        yield owner
+    owner.close()
+
+
+@pytest.fixture
+def processes(test_owner: Owner) -> Owner:
+    """The processes and servers this test started; all stopped when it ends."""
+    return test_owner
+
+
+@pytest.fixture(scope="session")
+def redis_server(harness_session: None) -> Iterator[RedisServer]:
+    """One real redis-server for the whole session, on a loopback port checked to be ours."""
+    with owning(Owner("session redis-server")) as owner:
+        server = RedisServer(name="session-redis").start()
+    yield server
+    gc.collect()  # AsyncResults unsubscribe when collected: while the result backend still runs
+    owner.close()
+
+
+@pytest.fixture
+def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """The session's redis-server, every database flushed (only if it is ours), as a client of db 0."""
+    redis_server.flushall()
+    clear_settings_cache()
+    reset_clients()
+    client = redis_server.client(BROKER_DB)
+    yield client
+    client.close()
+    reset_clients()
+
+
+@pytest.fixture
+def make_redis() -> Callable[..., RedisServer]:
+    """A factory of extra redis-servers for this test: ``make_redis(*args, start=True)``."""
+    def make(*redis_args: str, start: bool = True) -> RedisServer:
+        server = register(RedisServer(*redis_args, name="redis-extra"))  # its directory goes too
+        return server.start() if start else server
+
+    return make
+
+
+@pytest.fixture
+def tasks(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
+    """``tests.apps.tasks_app`` configured for the session's redis-server (clean)."""
+    return load_tasks_app(redis_server)
+
+
+@pytest.fixture
+def ops(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
+    """``tests.apps.ops_app`` (CLI and Flower tests) on the session's redis-server (clean)."""
+    return load_ops_app(redis_server)
+
+
+@pytest.fixture
+def broker(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    with redis_server.client(BROKER_DB) as client:
+        yield client
+
+
+@pytest.fixture
+def backend(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    with redis_server.client(BACKEND_DB) as client:
+        yield client
+
+
+@pytest.fixture
+def locks(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    with redis_server.client(LOCK_DB) as client:
+        yield client
+
+
+@pytest.fixture
+def records(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    with redis_server.client(RECORD_DB) as client:
+        yield client

@@ -1,0 +1,152 @@
+"""The tests' plain redis-server: started by us, checked to be ours, never shared.
+
+Databases of a test server: the broker in 0, results in 1, locks and claims
+in 2, run records in 3 (see ``tests/apps``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from harness.redis_server import RedisServerProcess, find_redis_server, free_port, server_pid
+
+from .owners import register
+from .paths import scratch
+
+__all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "RedisServer",
+           "free_port", "redis_server_binary"]
+
+#: Databases of a test redis-server.
+BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
+
+
+class NotOurServer(AssertionError):
+    """The server on a port is not the redis-server this session started there."""
+
+
+def redis_server_binary() -> str:
+    """``$REDIS_SERVER``, else ``redis-server`` from PATH; an error (never a skip) if neither."""
+    found = find_redis_server()
+    if found is None:
+        raise RuntimeError("redis-server not found: run `make test` (installs it) or set REDIS_SERVER")
+    return found[0]
+
+
+class _Process(RedisServerProcess):
+    error = AssertionError
+
+
+class RedisServer:
+    """A throw-away redis-server on 127.0.0.1 (no persistence), in a directory of its own.
+
+    ``start()`` registers it with the current owner (see :mod:`.owners`) and
+    returns once the server on its port reports our child's pid; if another
+    program took the port first, it moves to a new one. Reading ``port`` (or
+    ``url()``) before the first start pins the port: a test can hand the URL of
+    a server that is not running yet to a worker, and start it later there.
+    ``stop()``/``kill()`` end the process and keep port and directory for a
+    later ``start()`` on the same port; ``close()`` also removes the directory.
+    """
+
+    def __init__(self, *extra_args: str, port: int | None = None, name: str = "redis") -> None:
+        self.extra_args = list(extra_args)
+        self.name = name
+        self.dir = scratch(name)
+        self._server = _Process(name, redis_server_binary(), self._args, workdir=self.dir, port=port)
+
+    def __repr__(self) -> str:
+        return f"<RedisServer {self.name} port={self._server.port} {'running' if self.running else 'stopped'}>"
+
+    def _args(self, port: int) -> list[str]:
+        return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.dir), *self.extra_args]
+
+    # ----------------------------------------------------------------- address
+
+    @property
+    def port(self) -> int:
+        if self._server.port is None:
+            self._server.port = free_port()  # pinned from now on
+        return self._server.port
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def client(self, db: int = 0, **options: Any) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, **{"socket_timeout": 10, **options})
+
+    # ----------------------------------------------------------------- process
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The running redis-server process; None when it is not running."""
+        return self._server.process if self._server.running else None
+
+    @property
+    def running(self) -> bool:
+        return self._server.running
+
+    @property
+    def pid(self) -> int:
+        return self._server.pid
+
+    @property
+    def log(self) -> Path:
+        return self._server.log
+
+    def tail(self, lines: int = 15) -> str:
+        return self._server.tail(lines)
+
+    def start(self) -> "RedisServer":
+        register(self)
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM (then SIGKILL); port and directory are kept for a restart."""
+        self._server.stop(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL: every key is gone (no persistence), as in a crash."""
+        self._server.kill()
+
+    def restart(self) -> None:
+        """Crash and start again on the same port, empty."""
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ----------------------------------------------------------------- identity
+
+    def is_ours(self) -> bool:
+        """True if our process runs and is the server answering on our port."""
+        return self._server.is_ours()
+
+    def flushall(self) -> None:
+        """FLUSHALL, only after checking on the same connection that the server is ours.
+
+        Raises :class:`NotOurServer` (nothing deleted) if our process is not running
+        or another program answers on the port.
+        """
+        if not self.running:
+            raise NotOurServer(f"refusing to FLUSHALL 127.0.0.1:{self.port}: "
+                               f"the session's redis-server is not running")
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10,
+                             single_connection_client=True)
+        try:
+            pid = server_pid(client)
+            if pid != self.pid:
+                raise NotOurServer(f"refusing to FLUSHALL 127.0.0.1:{self.port}: the server there is "
+                                   f"pid {pid}, not the redis-server this session started (pid {self.pid})")
+            client.flushall()
+        finally:
+            client.close()
