@@ -98,6 +98,9 @@ def fire_skewed_beat(skew: float, period: timedelta, start: datetime,
             break
         slot = interval_slot(period, true_time + offset)
         fired.append((true_time, slot.at))
+        if slot.next is not None and slot.next <= due:
+            raise AssertionError(f"woke at {true_time + offset} (its clock) for {due} and named {slot.at}: "
+                                 f"it would send {slot.at} again")
         due = slot.next
     return fired
 

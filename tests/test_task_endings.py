@@ -80,7 +80,8 @@ def test_retry_releases_during_the_countdown_and_the_retry_runs(
         # Read after the lock: one run recorded means the retry had not started yet.
         return free and len(runs(records, "k")) == 1
 
-    wait_for(free_while_the_retry_waits, timeout=30, interval=0.02,
+    # Well within the lock's 30 s TTL: freed by the retry, not by expiry.
+    wait_for(free_while_the_retry_waits, timeout=10, interval=0.02,
              message="the lock free during the retry's countdown")
     assert result.get(timeout=30) == "retry"
     assert [run["retries"] for run in runs(records, "k")] == [0, 1]
@@ -110,10 +111,14 @@ def test_pool_child_exit_mid_run_releases(tasks_app: ModuleType, locks: redis.Re
 
 def test_hard_time_limit_releases(tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
                                   shared_worker: CeleryProcess) -> None:
+    """Freed once the child is stopped (billiard's SIGTERM ends the body, whose ``finally``
+    releases; else the main process frees it after SIGKILL): seconds, not the 30 s TTL."""
     result = tasks_app.hard_limited.delay("k")
     wait_for(lambda: records.get("running:k"), timeout=30)
-    shared_worker.wait_for_line(f"hard_limited[{result.id}]", "freed its lock", timeout=60)
-    assert lock_keys(locks) == []
+    [key] = lock_keys(locks)
+    assert locks.pttl(key) > 20_000, "the lock would outlive this test's waits on its own"
+    shared_worker.wait_for_line(f"Hard time limit (1.5s) exceeded for tests.apps.tasks_app.hard_limited[{result.id}]")
+    wait_for(lambda: lock_keys(locks) == [], timeout=10, message="the lock freed after the hard time limit")
     assert f"hard_limited[{result.id}] lost its lock" not in shared_worker.output()
 
 
