@@ -72,7 +72,8 @@ def test_a_child_dies_with_its_parent_even_by_sigkill(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     parent = TestProcess("parent", [sys.executable, "-c", script, str(tmp_path / "child.log")], env=env,
                          log=tmp_path / "parent.log").start()
-    child = int(wait_for(lambda: parent.output().strip(), timeout=30, message="the child's pid"))
+    child = int(wait_for(lambda: next((line for line in parent.output().splitlines() if line.isdigit()), None),
+                         timeout=30, message="the child's pid"))
     assert group_alive(child)
     os.kill(parent.pid, signal.SIGKILL)  # the parent alone: no clean-up of its own runs
     wait_for(lambda: not group_alive(child), timeout=10, message="the child to die with its parent")
