@@ -36,7 +36,7 @@ from example_project.demo.status import StatusLine
 from example_project.shop.schedule import BEAT_SCHEDULE
 
 from .support import ROOT, RedisServer, TestProcess, free_port, redis_server_binary, run_command, wait_for_phase
-from .support.slots import UTC
+from .support.slots import UTC, slot_label
 #: Long enough for the failover (killed at +4.5 s); the demo needs about 15 s more.
 DEMO_SECONDS = 8
 
@@ -45,10 +45,6 @@ DEMO_SECONDS = 8
 
 def at(text: str) -> datetime:
     return datetime.fromisoformat(text).replace(tzinfo=UTC)
-
-
-def label(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @pytest.fixture
@@ -64,7 +60,7 @@ def app() -> Celery:
 def run(task: str, slot: datetime | None, when: float, args: list[Any] | None = None,
         beat: str = "host:101:aa") -> dict[str, Any]:
     return {"task": task, "args": args or [], "kwargs": {}, "beat": beat,
-            "slot": label(slot) if slot else None, "at": when}
+            "slot": slot_label(slot) if slot else None, "at": when}
 
 
 def test_slots_between_interval_and_crontab(app: Celery) -> None:

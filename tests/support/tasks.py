@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import uuid
 from types import ModuleType
 from typing import Any
 
@@ -66,16 +67,21 @@ def settled(results: list[AsyncResult]) -> bool:
 class EventCapture:
     """Collects task events of one type from the broker in a background thread.
 
-    Events are not stored: only those sent after the capture's queue is bound
-    to the event exchange are seen. ``with EventCapture(...)`` returns once it
-    is bound (kombu's ``on_consume_ready``, after the consumer declared and
-    bound its queue), so anything sent inside the block is caught; ``wait``
-    returns the first event, or fails after the deadline.
+    Events are not stored: only those published after the capture listens are
+    seen. On Redis, events go through PUBLISH (a fanout exchange) and the capture
+    subscribes only once its consumer loop polls, after the queue is declared and
+    bound. So ``with EventCapture(...)`` returns once the capture received a probe
+    event of its own (sent again on every turn of its loop until one arrives):
+    anything sent inside the block is caught. ``wait`` returns the first event of
+    ``event_type``, or fails after the deadline.
     """
+
+    PROBE = "csb-capture-probe"
 
     def __init__(self, app: Any, event_type: str) -> None:
         self.app, self.event_type = app, event_type
         self.events: list[dict[str, Any]] = []
+        self.probe_id = uuid.uuid4().hex
         self._ready = threading.Event()
         self._got = threading.Event()
         self._stop = threading.Event()
@@ -85,7 +91,7 @@ class EventCapture:
     def __enter__(self) -> "EventCapture":
         self._thread.start()
         if not self._ready.wait(30):
-            raise AssertionError(f"the {self.event_type} capture was not bound within 30s: {self._error!r}")
+            raise AssertionError(f"the {self.event_type} capture received nothing within 30s: {self._error!r}")
         if self._error is not None:
             raise AssertionError(f"the {self.event_type} capture failed: {self._error!r}")
         return self
@@ -98,22 +104,25 @@ class EventCapture:
         capture = self
 
         class Receiver(self.app.events.Receiver):  # type: ignore[name-defined, misc]
-            def on_consume_ready(self, *args: Any, **kwargs: Any) -> None:
-                super().on_consume_ready(*args, **kwargs)
-                capture._ready.set()  # the queue is declared and bound: events reach it
-
             def on_iteration(self) -> None:
                 if capture._stop.is_set() or capture._got.is_set():
                     self.should_stop = True
+                elif not capture._ready.is_set():  # until our own probe comes back
+                    with capture.app.events.default_dispatcher() as dispatcher:
+                        dispatcher.send(capture.PROBE, uuid=capture.probe_id)
 
         def on_event(event: dict[str, Any]) -> None:
             self.events.append(event)
             self._got.set()
 
+        def on_other(event: dict[str, Any]) -> None:
+            if event.get("type") == self.PROBE and event.get("uuid") == self.probe_id:
+                self._ready.set()
+
         try:
             with self.app.connection_for_read() as conn:
-                receiver = Receiver(conn, handlers={self.event_type: on_event})
-                for _ in receiver.consume(safety_interval=0.2, wakeup=False):
+                receiver = Receiver(conn, handlers={self.event_type: on_event, "*": on_other})
+                for _ in receiver.consume(safety_interval=0.1, wakeup=False):
                     pass
         except Exception as exc:  # noqa: BLE001 - reported by __enter__ / wait
             self._error = exc
