@@ -407,7 +407,10 @@ class SingletonTask(Task):
             logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
                          self.name, self.request.id, kept.lease.key, kept.lease.ttl, error)
             return
-        if not released and isinstance(exc, SystemExit):
+        if released and isinstance(exc, SystemExit):
+            logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",
+                           self.name, self.request.id, exc, kept.lease.key)
+        elif not released and isinstance(exc, SystemExit):
             # The pool child is being terminated (hard time limit, revoke+terminate).
             logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
                         self.name, self.request.id, kept.lease.key)
