@@ -268,6 +268,11 @@ def _keys(key: str, stats_key: str | None) -> list[str]:
     return [key, stats_key] if stats_key else [key]
 
 
+def _release_keys(key: str, task_id: str | None, stats_key: str | None) -> list[str]:
+    """KEYS of the release script: the lock, the task id's done marker, the counters."""
+    return [key, done_key(key, task_id), *([stats_key] if stats_key else [])]
+
+
 class Lease:
     """A lock held by this process: renew it, release it, read its fencing token."""
 
@@ -313,7 +318,7 @@ class Lease:
             replacement = json.dumps(record, separators=(",", ":"))
         task_id = holder.task_id if holder else None
         return bool(_RELEASE(
-            self.client, [self.key, done_key(self.key, task_id), *([self.stats_key] if self.stats_key else [])],
+            self.client, _release_keys(self.key, task_id, self.stats_key),
             [self.value, "released", "lost", _ms(done_ttl) if done_ttl else "",
              replacement, _ms(claim_ttl) if claim_ttl else "", STATS_TTL_MS],
         ))
@@ -406,7 +411,7 @@ def acquire(
 
         def give_back(conn: Any, reply: Any) -> None:
             if reply[0] == 1:
-                _RELEASE(conn, [key, done_key(key, task_id), *([stats_key] if stats_key else [])],
+                _RELEASE(conn, _release_keys(key, task_id, stats_key),
                          [reply[1], "unacknowledged", "", "", "", "", STATS_TTL_MS])
 
         status, value, extra = call_acknowledged(
@@ -435,7 +440,7 @@ def acquire(
 def release_value(client: redis.Redis, key: str, value: bytes | str, *, stats_key: str | None = None,
                   counter: str = "released") -> bool:
     """Delete ``key`` if its value is still exactly ``value`` (compare-and-delete)."""
-    return bool(_RELEASE(client, [key, done_key(key, None), *([stats_key] if stats_key else [])],
+    return bool(_RELEASE(client, _release_keys(key, None, stats_key),
                          [value, counter, "", "", "", "", STATS_TTL_MS]))
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, ClassVar
 
 import redis
@@ -87,8 +87,7 @@ def _delay_of(options: dict[str, Any]) -> float:
     if isinstance(eta, str):
         eta = datetime.fromisoformat(eta)
     if isinstance(eta, datetime):
-        now = datetime.now(eta.tzinfo or timezone.utc) if eta.tzinfo else datetime.now()
-        return max(0.0, (eta - now).total_seconds())
+        return max(0.0, (eta - datetime.now(eta.tzinfo)).total_seconds())  # naive eta: local time
     return 0.0
 
 
@@ -397,10 +396,9 @@ class SingletonTask(Task):
         claim_ttl = None
         if isinstance(exc, Retry) and self.lock_mode == "until_executed":
             # The retry waits in the queue under the lock, turned into its claim.
-            when = exc.when
-            delay = (when.timestamp() - datetime.now(timezone.utc).timestamp() if isinstance(when, datetime)
-                     else float(when or 0))
-            claim_ttl = settings.queue_lock_ttl + max(0.0, delay)
+            when = exc.when  # the retry's countdown in seconds, or its eta
+            claim_ttl = settings.queue_lock_ttl + _delay_of(
+                {"eta": when} if isinstance(when, datetime) else {"countdown": when})
         try:
             released = kept.lease.release(done_ttl=done_ttl, claim_ttl=claim_ttl)
         except redis.RedisError as error:

@@ -76,8 +76,12 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
-def _release_for_request(request: Request, why: str, *, run_lock: bool = True) -> None:
-    """Delete the locks (and claims) the request's task id holds, from the main process."""
+def _release_for_request(request: Request, why: str) -> None:
+    """Delete the lock and claims the request's task id holds, from the main process.
+
+    Both keys are compared on the task id, so a message that never ran frees
+    only its publish-time claim (the lock itself under ``until_executed``).
+    """
     task = request.task
     key_of = getattr(task, "singleton_key", None)
     if key_of is None:
@@ -89,8 +93,7 @@ def _release_for_request(request: Request, why: str, *, run_lock: bool = True) -
     try:
         client = get_redis(task.app)
         stats_key = task.singleton_stats_key()
-        freed = [k for k in ((key, key + QUEUED_SUFFIX) if run_lock or task.lock_mode == "until_executed"
-                             else (key + QUEUED_SUFFIX,))
+        freed = [k for k in (key, key + QUEUED_SUFFIX)
                  if release_task(client, k, request.id, stats_key=stats_key, counter="reclaimed")]
     except redis.RedisError as exc:
         logger.error("%s[%s] %s; could not free %s (it expires after its TTL): %s",
@@ -150,7 +153,7 @@ class SingletonRequest(Request):
             # Revoked or expired before it started: its publish-time claims
             # would otherwise block every publish until they expire.
             self._singleton_released = True
-            _release_for_request(self, "was revoked or expired before it ran", run_lock=False)
+            _release_for_request(self, "was revoked or expired before it ran")
         return revoked
 
 
