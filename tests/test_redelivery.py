@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import redis
 
+from celery_singleton_beat import TaskSkipped
 from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.lock import read_holder
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
+from .support.tasks import lock_keys
 
 APP = "tests.apps.delivery_app"
 
@@ -120,18 +122,17 @@ def test_live_workers_with_one_node_name_never_free_each_others_locks(
     worker(redis_server, processes, "same", delivery_env)
     running = app.slow.delay("k", 8)
     wait_for(lambda: entries(records, "started:k"), timeout=30, message="replica 1 runs the task")
-    key = next(k for k in locks.keys("singleton:{*}") if not b":" in k.split(b"}")[-1])
+    [key] = lock_keys(locks)
 
     second = worker(redis_server, processes, "same", delivery_env)
     second.kill_group()
     worker(redis_server, processes, "same", delivery_env)  # replica 2 again, same name
 
-    holder = read_holder(locks, key.decode())
+    holder = read_holder(locks, key)
     assert holder is not None and holder.task_id == running.id, "replica 1's live lock survived"
     duplicate = app.slow.delay("k", 0)
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(TaskSkipped):
         duplicate.get(timeout=30)
-    assert type(caught.value).__name__ == "TaskSkipped"
     assert running.get(timeout=30).startswith("same@")
     assert records.get("overlap:k") is None
     assert len(entries(records, "runs:k")) == 1
@@ -147,8 +148,8 @@ def test_a_dead_pods_lock_is_taken_over_by_a_worker_with_another_name(
     first = worker(redis_server, processes, "old-pod", delivery_env)
     app.slow.delay("k", 60)
     wait_for(lambda: entries(records, "started:k"), timeout=30, message="the run started")
-    dead_holder = next(read_holder(locks, k.decode()) for k in locks.keys("singleton:{*}")
-                       if b":" not in k.split(b"}")[-1])
+    [key] = lock_keys(locks)
+    dead_holder = read_holder(locks, key)
     first.kill_group()
     records.delete("inflight:k")  # the dead run never counts itself out
     new = worker(redis_server, processes, "new-pod", delivery_env)

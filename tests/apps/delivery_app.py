@@ -26,6 +26,8 @@ from celery import Celery
 
 from celery_singleton_beat import SingletonTask
 
+from .records import record_client
+
 BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 
 app = Celery("delivery_app", broker=os.environ.get("CSB_BROKER", f"{BASE}/0"), backend=f"{BASE}/1")
@@ -48,15 +50,9 @@ app.conf.update(
     worker_hijack_root_logger=True,
 )
 
-_records: redis.Redis | None = None
-
-
 def records() -> redis.Redis:
     """Client of the record database (one per process)."""
-    global _records
-    if _records is None or _records.connection_pool.pid != os.getpid():
-        _records = redis.Redis.from_url(f"{BASE}/3")
-    return _records
+    return record_client(BASE)
 
 
 def record_run(task: Any, key: str, seconds: float) -> str:
