@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery
-from celery.beat import Scheduler
 
-from celery_singleton_beat.beat import SingletonSchedulerMixin, read_history, stats_key
+from celery_singleton_beat.beat import read_history, stats_key
 from celery_singleton_beat.keys import beat_stats_key
 from celery_singleton_beat.lock import VALUE_FORMAT, acquire
 
 from .support import LOCK_DB, RedisServer, wait_for
+from .support.beat import ClockApp, ManualClock, RecordingScheduler
 
 UTC = timezone.utc
 START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=UTC)
@@ -33,37 +32,10 @@ PREFIX = "singleton"
 
 # ----------------------------------------------------------------- in-process beats
 
-class Clock:
-    def __init__(self, start: datetime) -> None:
-        self.value = start
-
-    def advance(self, seconds: float) -> None:
-        self.value += timedelta(seconds=seconds)
-
-
-class ClockApp(Celery):
-    """``now()`` (what beat reads the time through) follows a :class:`Clock`."""
-
-    clock: Clock
-
-    def now(self) -> datetime:
-        return self.clock.value.astimezone(self.timezone)
-
-
-class Beat(SingletonSchedulerMixin, Scheduler):
-    """The mixin on Celery's in-memory scheduler; sends are recorded, not published."""
-
-    producer = None
-    redis_retry_min = 0.05
-    redis_retry_max = 0.2
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.sent: list[dict[str, Any]] = []
-        super().__init__(*args, **kwargs)
-
-    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> None:
-        self.sent.append({"task": name, "args": args,
-                          "slot": options.get("headers", {}).get("singleton_beat_slot")})
+# The harness's manual clock, clocked app and recording scheduler (the mixin on
+# Celery's in-memory Scheduler): sends are recorded, not published.
+Clock = ManualClock
+Beat = RecordingScheduler
 
 
 def beat(redis_server: RedisServer, clock: Clock, schedule: dict[str, float], cls: type = Beat,
