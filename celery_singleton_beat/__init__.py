@@ -19,6 +19,7 @@ from .exceptions import (
 )
 from .beat import SingletonScheduler, SingletonSchedulerMixin
 from .task import SingletonRun, SingletonTask
+from .worker import install
 
 __all__ = [
     "DuplicateTaskError",
@@ -31,6 +32,7 @@ __all__ = [
     "SingletonSchedulerMixin",
     "SingletonTask",
     "TaskSkipped",
+    "install",
 ]
 
 __version__ = "0.1.0"

@@ -66,10 +66,12 @@ EX_UNAVAILABLE = getattr(os, "EX_UNAVAILABLE", 69)
 EX_CONFIG = getattr(os, "EX_CONFIG", 78)
 
 #: Task counters every ``stats`` table shows (others appear in its OTHER column).
-TASK_COUNTERS = ("acquired", "skipped", "released", "renewed", "lost", "reclaimed")
-#: Beat counters: slot claims won and lost (another beat held the slot). A
-#: claim won ahead of its turn in a burst and given back unsent still counts as won.
-BEAT_COUNTERS = ("won", "lost")
+TASK_COUNTERS = ("acquired", "skipped", "released", "renewed", "lost", "reclaimed", "taken_over",
+                 "redelivered")
+#: Beat counters: slot claims won and lost (another beat held the slot), unsent
+#: slots of a dead beat taken over and sent, second copies dropped by workers.
+#: A claim won ahead of its turn in a burst and handed back unsent still counts as won.
+BEAT_COUNTERS = ("won", "lost", "taken_over", "duplicates_dropped")
 #: Oldest Redis the lock scripts run on: they write after calling TIME, which
 #: needs effects replication (the default from 5.0 on).
 MIN_REDIS = (5, 0)
@@ -889,12 +891,13 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         headers = ("TASK", *(c.upper() for c in TASK_COUNTERS), "OTHER")
         session.echo(_table(headers, rows, numeric=range(1, len(TASK_COUNTERS) + 1)))
     if beat["entries"] or beat["total"]:
-        rows = [(name, counts["won"], counts["lost"]) for name, counts in beat["entries"].items()]
+        rows = [(name, *(counts[c] for c in BEAT_COUNTERS)) for name, counts in beat["entries"].items()]
         if beat["total"]:
-            rows.append(("(all entries)", beat["total"]["won"], beat["total"]["lost"]))
+            rows.append(("(all entries)", *(beat["total"][c] for c in BEAT_COUNTERS)))
         if data["tasks"]:
             session.echo()
-        session.echo(_table(("BEAT ENTRY", "SLOTS WON", "SLOTS LOST"), rows, numeric=(1, 2)))
+        headers = ("BEAT ENTRY", "SLOTS WON", "SLOTS LOST", "TAKEN OVER", "COPIES DROPPED")
+        session.echo(_table(headers, rows, numeric=range(1, len(BEAT_COUNTERS) + 1)))
     if not session.settings.stats:
         session.note("note: singleton_stats is False: tasks keep no counters")
 

@@ -121,6 +121,10 @@ class SingletonSettings:
     beat_catch_up: str = "latest"
     #: Beat: extra seconds a slot claim is kept beyond the entry's period.
     beat_claim_margin: float = 60.0
+    #: Beat: seconds a won slot may stay claimed but unsent before the other
+    #: beats take it over and send it (a beat that died between claim and
+    #: publish, or mid-burst). Bounds how late a dead beat's slots are sent.
+    beat_pending_lease: float = 5.0
     #: After taking a lock or a beat slot, wait until this many replicas have
     #: it (Redis ``WAIT``). Fewer within ``wait_timeout`` counts as "Redis
     #: unavailable": the lock is given back and ``fail_open`` decides. 0: no wait.
@@ -495,6 +499,9 @@ def validate_settings(app: Celery) -> SingletonSettings:
         beat_catch_up=catch_up,
         beat_claim_margin=_positive_number(
             "beat_claim_margin", given.get("beat_claim_margin", SingletonSettings.beat_claim_margin)
+        ),
+        beat_pending_lease=_positive_number(
+            "beat_pending_lease", given.get("beat_pending_lease", SingletonSettings.beat_pending_lease)
         ),
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,

@@ -44,8 +44,18 @@ _EXIT_WAIT = 30.0
 
 
 def install(app: Celery) -> None:
-    """Make ``app``'s workers run :class:`SingletonWorkerStep` (idempotent)."""
+    """Give ``app``'s workers the library's worker side (idempotent).
+
+    :class:`SingletonWorkerStep` (settings check, liveness) and
+    :class:`~celery_singleton_beat.slot_delivery.SlotDeliveryStep` (a beat
+    slot's message runs once, for every task). Apps with a singleton task get
+    it automatically; apps that use only the scheduler call it once in their
+    app module.
+    """
+    from .slot_delivery import SlotDeliveryStep
+
     app.steps["worker"].add(SingletonWorkerStep)
+    app.steps["consumer"].add(SlotDeliveryStep)
 
 
 def compose_request(request_cls: Any) -> type[Request]:
@@ -185,5 +195,9 @@ def _install_on_worker_init(sender: Any = None, **_: Any) -> None:
     receiver runs just before the blueprint, so it finalizes and checks.
     """
     app = getattr(sender, "app", None)
-    if app is not None and any(hasattr(task, "singleton_key") for task in app.tasks.values()):
+    if app is None:
+        return
+    scheduler = str(app.conf.beat_scheduler or "")
+    if "celery_singleton_beat" in scheduler or any(
+            hasattr(task, "singleton_key") for task in app.tasks.values()):
         install(app)

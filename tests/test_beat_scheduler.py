@@ -22,8 +22,11 @@ from celery.exceptions import ImproperlyConfigured
 from celery.schedules import crontab
 
 from celery_singleton_beat.beat import (
+    CLAIM_HEADER,
+    ENTRY_HEADER,
     INSTANCE_HEADER,
     SLOT_HEADER,
+    slot_task_id,
     history_key,
     read_history,
     slot_key,
@@ -212,17 +215,21 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
     sent = winner.sent[0]
     assert sent["args"] == [1]
     assert sent["options"]["queue"] == "q1"
+    key = slot_key("app7", "tick", utc(2024, 5, 1, 12))
     assert sent["options"]["headers"] == {"h": "v", "celery_beat_task": True,
                                           SLOT_HEADER: "2024-05-01T12:00:00Z",
-                                          INSTANCE_HEADER: winner.instance_id}
+                                          INSTANCE_HEADER: winner.instance_id,
+                                          CLAIM_HEADER: key, ENTRY_HEADER: "tick"}
+    # One task id per slot, whichever beat sends it.
+    assert sent["options"]["task_id"] == slot_task_id(key)
     assert "singleton" not in sent["options"]
     # The entry's own options are left as they were.
     assert winner.schedule["tick"].options == {"queue": "q1", "headers": {"h": "v"}}
 
     claims = redis_server.client(LOCK_DB)
-    key = slot_key("app7", "tick", utc(2024, 5, 1, 12))
     value = json.loads(claims.get(key))
     assert value["instance"] == winner.instance_id
+    assert value["state"] in ("pending", "sent")
     assert 30_000 < claims.pttl(key) <= 45_000  # period + margin
     history = read_history(claims, "app7")
     assert history == [{"entry": "tick", "key": key, "task": "t.tick",
@@ -299,7 +306,7 @@ def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims
     assert any("unavailable" in m for m in warnings)
 
     claims_server.start()  # same port; every old claim is gone
-    wait_for(lambda: not beat._breaker_open(), timeout=10, interval=0.01,
+    wait_for(lambda: not beat.breaker.is_open(), timeout=10, interval=0.01,
              message="the scheduler's (test-sized) Redis back-off to end")
     run_ticks([beat], clock, 3, 0.25)
     counts = sent_slots(beat, task="t.tick")
@@ -371,7 +378,8 @@ def test_claims_won_ahead_are_given_back_when_not_sent(redis_db: redis.Redis,
     beat.schedule.pop(pending)  # removed before its turn
     wait_for(lambda: beat.tick() > 0, timeout=5)
     assert [s["task"] for s in beat.sent] == [f"t.{'ab'.replace(pending, '')}"]
-    assert claims.keys(f"singleton:{{beat:{pending}}}:*") == []
+    [key] = claims.keys(f"singleton:{{beat:{pending}}}:*")
+    assert json.loads(claims.get(key))["state"] == "released"  # handed back: others may send it
 
 
 def test_claim_is_given_back_when_publishing_fails(redis_db: redis.Redis,
@@ -385,7 +393,8 @@ def test_claim_is_given_back_when_publishing_fails(redis_db: redis.Redis,
 
     beat = BrokerDown(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     beat.tick()  # Celery logs the failed publish; beat goes on
-    assert redis_server.client(LOCK_DB).keys("singleton:{beat:tick}:*") == []
+    [key] = redis_server.client(LOCK_DB).keys("singleton:{beat:tick}:*")
+    assert json.loads(redis_server.client(LOCK_DB).get(key))["state"] == "released"
     late = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     late.tick()
     assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
@@ -397,12 +406,18 @@ def test_redis_without_set_nx_get_falls_back_to_plain_set_nx(redis_db: redis.Red
     clock = ManualClock(START)
 
     class OldRedis(RecordingScheduler):
-        def _set_claims(self, client: Any, batch: Any, value: str) -> list[Any]:
-            if self._use_set_get:
-                raise redis.ResponseError("ERR syntax error")
-            return super()._set_claims(client, batch, value)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            store, plain_set = self.claims, self.claims._set
+
+            def old_set(*set_args: Any) -> Any:
+                if store.use_set_get:
+                    raise redis.ResponseError("ERR syntax error")
+                return plain_set(*set_args)
+
+            store._set = old_set  # type: ignore[method-assign]
 
     beats = [OldRedis(app=scheduler_app(redis_server, clock, EVERY_SECOND)) for _ in range(2)]
     run_ticks(beats, clock, 3, 0.25)
     assert_contiguous_once(sent_slots(*beats), timedelta(seconds=1))
-    assert not any(beat._use_set_get for beat in beats)
+    assert not any(beat.claims.use_set_get for beat in beats)

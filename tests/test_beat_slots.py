@@ -18,7 +18,6 @@ from celery_singleton_beat.beat import (
     EARLY_TOLERANCE,
     Slot,
     SlotError,
-    _wall_to_utc,
     crontab_slot,
     current_slot,
     entry_spec,
@@ -27,6 +26,7 @@ from celery_singleton_beat.beat import (
     slot_key,
     solar_slot,
 )
+from celery_singleton_beat.beat.slots import _wall_to_utc
 
 from .support.skips import importorskip
 from .support.slots import UTC, utc

@@ -111,12 +111,12 @@ def test_locks_shows_holders_and_stats_counts_them(
 
     counts = json.loads(ok(cli(redis_server, "stats", "--json")))["tasks"]
     assert counts[HOLD] == {"acquired": 2, "skipped": 1, "released": 0, "renewed": 0, "lost": 0,
-                            "reclaimed": 0}
+                            "reclaimed": 0, "taken_over": 0, "redelivered": 0}
     assert counts[PUBLISH_ONCE]["claimed"] == 1
     stats_table = ok(cli(redis_server, "stats")).splitlines()
     assert stats_table[0].split() == ["TASK", "ACQUIRED", "SKIPPED", "RELEASED", "RENEWED", "LOST",
-                                      "RECLAIMED", "OTHER"]
-    assert any(line.split() == [HOLD, "2", "1", "0", "0", "0", "0", "-"] for line in stats_table)
+                                      "RECLAIMED", "TAKEN_OVER", "REDELIVERED", "OTHER"]
+    assert any(line.split() == [HOLD, "2", "1", "0", "0", "0", "0", "0", "0", "-"] for line in stats_table)
     assert any(line.split()[0] == PUBLISH_ONCE and line.split()[-1] == "claimed=1" for line in stats_table)
 
 
@@ -207,9 +207,11 @@ def test_slots_and_beat_counters_from_two_real_beats(
     assert table[0].split() == ["SLOT", "(UTC)", "ENTRY", "WON", "BY", "CLAIMED", "AT", "(UTC)", "TASK"]
     assert table[1].split()[:3] == [slots[0], "tick", claims[0]["winner"]]
     stats_rows = [line.split() for line in ok(cli(redis_server, "stats")).splitlines()]
-    assert ["BEAT", "ENTRY", "SLOTS", "WON", "SLOTS", "LOST"] in stats_rows
-    assert ["tick", str(entries["tick"]["won"]), str(entries["tick"]["lost"])] in stats_rows
-    assert ["(all", "entries)", str(total["won"]), str(total["lost"])] in stats_rows
+    assert ["BEAT", "ENTRY", "SLOTS", "WON", "SLOTS", "LOST", "TAKEN", "OVER", "COPIES", "DROPPED"] in stats_rows
+    tick = entries["tick"]
+    assert ["tick", *(str(tick[c]) for c in ("won", "lost", "taken_over", "duplicates_dropped"))] in stats_rows
+    assert ["(all", "entries)", *(str(total[c]) for c in ("won", "lost", "taken_over", "duplicates_dropped"))
+            ] in stats_rows
     assert "No beat slot claim of entry nope" in ok(cli(redis_server, "slots", "--entry", "nope"))
 
     # Without the history list, slots are read from the live claim keys (SCAN).

@@ -6,7 +6,6 @@ a key busy while the scenario under test meets it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from types import ModuleType
 

@@ -5,6 +5,12 @@
 * ``CSB_BEAT_SCHEDULE``: JSON ``{name: {"every": seconds | "cron": "m h dom mon dow",
   "args": [...], "options": {...}}}``; every entry runs :func:`record`.
 * ``CSB_BEAT_SETTINGS``: JSON of extra ``app.conf`` settings.
+* ``CSB_PAUSE``: JSON ``{"at": n, "when": "before" | "after", "marker": key}``: a
+  test hook for killing a beat at a chosen moment. The first process of the
+  test to reach its ``n``-th publish (counted in this process) writes its pid to
+  ``marker`` (record db, ``SET NX``) and then blocks for good, ``before`` the
+  message is published (claimed, not sent) or ``after`` it (sent, not yet marked
+  sent). Signals still interrupt the block.
 * ``CSB_CLOCK``: JSON ``{"offset": s, "speed": x, "anchor": real_epoch, "start": fake_epoch}``:
   this process's clock reads ``start + (real - anchor) * speed + offset``. It
   is the injectable clock for skew and fast-forward tests: Celery's beat reads
@@ -20,8 +26,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 from celery.schedules import crontab
+
+from celery_singleton_beat.worker import install
 
 BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 RUNS_KEY = "beat:runs"
@@ -53,6 +61,8 @@ app.conf.update(
     task_default_queue="beat-tests",
 )
 app.conf.update(json.loads(os.environ.get("CSB_BEAT_SETTINGS") or "{}"))
+# A plain-task app: its workers drop a second delivery of a beat slot only with the worker step.
+install(app)
 
 
 def _schedule_from_env() -> dict[str, dict[str, Any]]:
@@ -91,3 +101,26 @@ def record(self: Any, entry: str, *args: Any) -> None:
         "task_id": self.request.id,
         "at": time.time(),
     }))
+
+
+def _pause_hook() -> None:
+    """Install the ``CSB_PAUSE`` hook (see the module docstring) in this process."""
+    pause = json.loads(os.environ.get("CSB_PAUSE") or "{}")
+    if not pause:
+        return
+    counted = {"n": 0}
+    records = redis.Redis.from_url(f"{BASE}/3")
+
+    def maybe_pause(**_: Any) -> None:
+        counted["n"] += 1
+        if counted["n"] != int(pause["at"]) or not records.set(pause["marker"], os.getpid(), nx=True):
+            return
+        while True:  # blocked for good; SIGTERM / SIGKILL still end the process
+            time.sleep(0.05)
+
+    signal = signals.before_task_publish if pause.get("when", "before") == "before" \
+        else signals.after_task_publish
+    signal.connect(maybe_pause, weak=False)
+
+
+_pause_hook()

@@ -1,0 +1,68 @@
+"""Active-active ``celery beat``: every instance ticks, one sends each slot.
+
+* :mod:`.slots`: pure slot math (which instant an entry fires for);
+* :mod:`.entries`: what an entry claims under, message headers, slot task ids;
+* :mod:`.claims`: claims in Redis (claim, pending -> sent, hand back, take over,
+  receive, history, counters);
+* :mod:`.handover`: this beat's claims to mark and slots to take over;
+* :mod:`.breaker`: back-off while Redis is unreachable;
+* :mod:`.scheduler`: :class:`SingletonSchedulerMixin` wiring them into Celery's
+  ``Scheduler`` hooks, and :class:`SingletonScheduler`.
+
+See ``docs/beat.md`` for the rules and guarantees.
+"""
+
+from __future__ import annotations
+
+from .claims import read_history
+from .entries import (
+    CLAIM_HEADER,
+    ENTRY_HEADER,
+    ENTRY_OPTION,
+    INSTANCE_HEADER,
+    SLOT_HEADER,
+    SlotSpec,
+    entry_spec,
+    history_key,
+    slot_key,
+    slot_task_id,
+    stats_key,
+)
+from .scheduler import SingletonScheduler, SingletonSchedulerMixin
+from .slots import (
+    EARLY_TOLERANCE,
+    Slot,
+    SlotError,
+    crontab_slot,
+    current_slot,
+    format_slot,
+    interval_slot,
+    slot_before,
+    solar_slot,
+)
+
+__all__ = [
+    "CLAIM_HEADER",
+    "EARLY_TOLERANCE",
+    "ENTRY_HEADER",
+    "ENTRY_OPTION",
+    "INSTANCE_HEADER",
+    "SLOT_HEADER",
+    "SingletonScheduler",
+    "SingletonSchedulerMixin",
+    "Slot",
+    "SlotError",
+    "SlotSpec",
+    "crontab_slot",
+    "current_slot",
+    "entry_spec",
+    "format_slot",
+    "history_key",
+    "interval_slot",
+    "read_history",
+    "slot_before",
+    "slot_key",
+    "slot_task_id",
+    "solar_slot",
+    "stats_key",
+]

@@ -1,0 +1,383 @@
+"""Slot claims in Redis: claim, pending -> sent, hand back, take over, receive.
+
+A claim is the key ``<prefix>:{beat:<name>}:<slot>`` holding a small JSON
+value ``{"instance": <beat>, "at": <epoch s>, "state": <state>}``:
+
+``pending``
+    written by ``SET NX PX`` when a beat wins the slot; only that beat may
+    send it for now.
+``sent``
+    the winner published the message (marked in batches, within a fraction
+    of ``singleton_beat_pending_lease``).
+``released``
+    the winner gave the slot back unsent (clean stop mid-burst, publish
+    failed): any other beat may take it over at once.
+``received``
+    a worker accepted a message of this slot from the claim's instance
+    (:data:`RECEIVE_SCRIPT`); messages of the slot from any other instance are
+    dropped from then on.
+
+A beat that lost a slot to a ``pending`` (or ``released``) claim looks again
+when the pending lease would have ended; if the value is still exactly the one
+it saw, it takes the slot over with a compare-and-set (:data:`SWAP_SCRIPT`) and
+sends it. A dead beat's unsent slots are therefore sent within about one lease,
+and a slot its winner did publish before dying is executed once anyway: both
+messages carry one task id, and the worker accepts only the claim's instance.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+from ..client import ReplicasNotAcknowledged, group_by_node, is_cluster
+from ..keys import beat_stats_key
+from ..lock import STATS_TTL_MS, LuaScript, release_value
+from .entries import history_key, stats_key
+from .slots import Slot
+
+__all__ = [
+    "PENDING",
+    "RECEIVED",
+    "RELEASED",
+    "SENT",
+    "Claim",
+    "ClaimStore",
+    "claim_value",
+    "parse_claim",
+    "read_history",
+    "receive_slot",
+]
+
+PENDING, SENT, RELEASED, RECEIVED = "pending", "sent", "released", "received"
+#: States in which the claim's beat has not (provably) sent the slot.
+UNSENT = (PENDING, RELEASED)
+
+
+def claim_value(instance: str, at: float, state: str) -> str:
+    """The JSON value of a claim (compact, fixed key order: compared byte for byte)."""
+    return json.dumps({"instance": instance, "at": at, "state": state}, separators=(",", ":"))
+
+
+def parse_claim(raw: bytes | str | None) -> dict[str, Any] | None:
+    """A claim value as a dict; None for no value or one this library did not write."""
+    if raw is None:
+        return None
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@dataclass
+class Claim:
+    """What happened to one slot of one entry in this beat."""
+
+    name: str  # the entry name
+    slot: Slot
+    key: str
+    won: bool | None  # None: Redis could not be asked
+    value: str | None = None  # our value, when won
+    holder: str | None = None  # the instance holding it
+    holder_value: bytes | None = None  # the holder's exact value, when lost
+    error: str | None = None
+
+    @property
+    def holder_state(self) -> str | None:
+        parsed = parse_claim(self.holder_value)
+        return None if parsed is None else parsed.get("state")
+
+
+#: Compare-and-set keeping (at least) the key's TTL. KEYS: claim. ARGV: expected
+#: value, new value, minimum TTL in ms (0: keep). Returns {1} or {0, current}.
+SWAP_SCRIPT = LuaScript("""
+local current = redis.call('GET', KEYS[1])
+if current ~= ARGV[1] then return {0, current} end
+local ttl = redis.call('PTTL', KEYS[1])
+local floor = tonumber(ARGV[3])
+if floor > ttl then ttl = floor end
+if ttl > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
+else redis.call('SET', KEYS[1], ARGV[2]) end
+return {1}
+""")
+
+#: A worker received a slot message. KEYS: claim, [counter hash]. ARGV: the
+#: message's instance, the worker, TTL in ms for a claim the worker creates,
+#: stats TTL ms. Returns {'run'} or {'drop', holder value}. A missing claim
+#: (expired, Redis restarted, beat failed open) is created in the message's
+#: name: the first delivery of a slot wins, later ones from others are dropped.
+RECEIVE_SCRIPT = LuaScript("""
+local current = redis.call('GET', KEYS[1])
+if not current then
+  redis.call('SET', KEYS[1], cjson.encode({instance = ARGV[1], state = 'received',
+             worker = ARGV[2]}), 'PX', tonumber(ARGV[3]))
+  return {'run'}
+end
+local ok, claim = pcall(cjson.decode, current)
+if not ok or type(claim) ~= 'table' then return {'run'} end
+if claim['instance'] ~= ARGV[1] then
+  if KEYS[2] then
+    redis.call('HINCRBY', KEYS[2], 'duplicates_dropped', 1)
+    redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
+  end
+  return {'drop', current}
+end
+if claim['state'] ~= 'received' then
+  claim['state'] = 'received'
+  claim['worker'] = ARGV[2]
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then redis.call('SET', KEYS[1], cjson.encode(claim), 'PX', ttl)
+  else redis.call('SET', KEYS[1], cjson.encode(claim)) end
+end
+return {'run'}
+""")
+
+
+def receive_slot(client: Any, key: str, instance: str, worker: str, create_ttl_ms: int,
+                 stats_key: str | None) -> tuple[bool, dict[str, Any] | None]:
+    """Record that ``worker`` accepts the slot message sent by ``instance``.
+
+    ``(True, None)``: run it. ``(False, holder)``: another instance's message of
+    this slot was (or will be) the one executed; drop this one.
+    """
+    keys = [key] + ([stats_key] if stats_key else [])
+    reply = RECEIVE_SCRIPT(client, keys, [instance, worker, create_ttl_ms, STATS_TTL_MS])
+    verdict = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+    if verdict == "drop":
+        return False, parse_claim(reply[1]) or {}
+    return True, None
+
+
+def swap_many(client: Any, swaps: Sequence[tuple[str, str, str, int]]) -> list[tuple[bool, bytes | None]]:
+    """Run :data:`SWAP_SCRIPT` for each ``(key, expected, new, min_ttl_ms)`` in one round trip.
+
+    Returns ``(swapped, current value)`` per item, in order.
+    """
+    if not swaps:
+        return []
+    replies = _evalsha_pipelined(client, SWAP_SCRIPT, [([key], [old, new, ttl]) for key, old, new, ttl in swaps])
+    return [_swapped(reply) for reply in replies]
+
+
+def _swapped(reply: Sequence[Any]) -> tuple[bool, bytes | None]:
+    """``(swapped, current value)`` from a :data:`SWAP_SCRIPT` reply (Lua false -> None)."""
+    if reply[0]:
+        return True, None
+    current = reply[1] if len(reply) > 1 else None
+    return False, current if isinstance(current, (bytes, str)) else None
+
+
+def _evalsha_pipelined(client: Any, script: LuaScript,
+                       calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+    """EVALSHA ``calls`` in one pipeline per server; load the script and redo once on NOSCRIPT.
+
+    Redis Cluster clients refuse scripts in their pipelines, so each call goes
+    through a pipeline of the node that holds its key (one key per call).
+    """
+    replies: list[Any] = [None] * len(calls)
+    for group in group_by_node(client, [keys[0] for keys, _ in calls]):
+        server = (client.get_redis_connection(client.get_node_from_key(calls[group[0]][0][0]))
+                  if is_cluster(client) else client)
+
+        def run(indexes: Sequence[int], server: Any = server) -> list[Any]:
+            pipe = server.pipeline(transaction=False)
+            for i in indexes:
+                keys, args = calls[i]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            return pipe.execute(raise_on_error=False)
+
+        for i, reply in zip(group, run(group)):
+            replies[i] = reply
+        missing = [i for i in group if isinstance(replies[i], NoScriptError)]
+        if missing:
+            server.script_load(script.source)
+            for i, reply in zip(missing, run(missing)):
+                replies[i] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+class ClaimStore:
+    """The Redis side of one beat's claims: one round trip per batch of slots."""
+
+    def __init__(self, client_of: Any, prefix: str, instance_id: str, *, margin: timedelta,
+                 wait_replicas: int = 0, wait_timeout: float = 1.0, stats: bool = True,
+                 history_size: int = 1000) -> None:
+        self._client_of = client_of  # called each time: the app's client may be replaced
+        self.prefix = prefix
+        self.instance_id = instance_id
+        self.margin = margin
+        self.wait_replicas = wait_replicas
+        self.wait_timeout = wait_timeout
+        self.stats = stats
+        self.history_size = history_size
+        #: False once the server refused ``SET NX GET`` (Redis < 7).
+        self.use_set_get = True
+
+    @property
+    def client(self) -> Any:
+        return self._client_of()
+
+    def ttl_ms(self, slot: Slot) -> int:
+        """Lifetime of a claim key: the entry's period plus the margin."""
+        return max(1, (slot.period + self.margin) // timedelta(milliseconds=1))
+
+    # ----------------------------------------------------------------- claiming
+
+    def claim(self, batch: Sequence[Claim], at: float,
+              marks: Sequence[tuple[str, str, str, int]] = ()) -> list[tuple[bool, bytes | None]]:
+        """``SET NX PX`` every claim of ``batch`` as ``pending``; fill in who won.
+
+        ``marks`` (swaps of earlier claims to ``sent``) ride in the same round
+        trip when no replica wait is asked for; their outcomes are returned.
+        """
+        value = claim_value(self.instance_id, at, PENDING)
+        try:
+            replies, marked = self._set(batch, value, marks)
+        except redis.ResponseError as exc:
+            if not (self.use_set_get and "syntax" in str(exc).lower()):
+                raise
+            self.use_set_get = False  # Redis < 7 cannot combine NX and GET
+            replies, marked = self._set(batch, value, marks)
+        for claim, reply in zip(batch, replies):
+            won, holder = reply
+            claim.won = won
+            claim.value = value if won else None
+            claim.holder_value = None if won else holder
+            if won:
+                claim.holder = self.instance_id
+            else:
+                parsed = parse_claim(holder)
+                claim.holder = None if parsed is None else parsed.get("instance")
+        return marked
+
+    def _set(self, batch: Sequence[Claim], value: str, marks: Sequence[tuple[str, str, str, int]]
+             ) -> tuple[list[tuple[bool, bytes | None]], list[tuple[bool, bytes | None]]]:
+        client = self.client
+        if self.wait_replicas > 0 or is_cluster(client):  # scripts cannot ride along there
+            marked = swap_many(client, marks)
+            if self.wait_replicas > 0:
+                return self._set_acknowledged(batch, value), marked
+            pipe = client.pipeline(transaction=False)
+            self._add_sets(pipe, batch, value)
+            return self._outcomes(pipe.execute()), marked
+        pipe = client.pipeline(transaction=False)
+        self._add_sets(pipe, batch, value)
+        for key, old, new, ttl in marks:
+            pipe.evalsha(SWAP_SCRIPT.sha, 1, key, old, new, ttl)
+        replies = pipe.execute(raise_on_error=False)
+        sets, tail = replies[:len(replies) - len(marks)], replies[len(replies) - len(marks):]
+        for reply in sets:
+            if isinstance(reply, Exception):
+                raise reply
+        if any(isinstance(reply, Exception) for reply in tail):
+            marked = swap_many(client, marks)  # loads the script on NOSCRIPT, raises the rest
+        else:
+            marked = [_swapped(reply) for reply in tail]
+        return self._outcomes(sets), marked
+
+    def _add_sets(self, pipe: Any, batch: Iterable[Claim], value: str) -> None:
+        for claim in batch:
+            pipe.set(claim.key, value, nx=True, px=self.ttl_ms(claim.slot), get=self.use_set_get)
+            if not self.use_set_get:
+                pipe.get(claim.key)
+
+    def _outcomes(self, replies: Sequence[Any]) -> list[tuple[bool, bytes | None]]:
+        """``(won, holder value)`` per claim from the raw SET (and GET) replies."""
+        if self.use_set_get:
+            return [(reply is None, reply) for reply in replies]
+        pairs = zip(replies[0::2], replies[1::2])
+        return [(bool(won), None if won else holder) for won, holder in pairs]
+
+    def _set_acknowledged(self, batch: Sequence[Claim], value: str) -> list[tuple[bool, bytes | None]]:
+        """Claims followed by ``WAIT`` on each server's connection.
+
+        Fewer replicas in time: the claims this call won are deleted again and
+        :class:`ReplicasNotAcknowledged` is raised, a ``RedisError``, so the
+        slots are handled as with Redis down (fail closed unless
+        ``singleton_beat_fail_open``).
+        """
+        client = self.client
+        keys = [claim.key for claim in batch]
+        outcomes: list[tuple[bool, bytes | None]] = [(False, None)] * len(batch)
+        won: list[str] = []
+        try:
+            for group in group_by_node(client, keys):
+                server = (client.get_redis_connection(client.get_node_from_key(keys[group[0]]))
+                          if is_cluster(client) else client)
+                pipe = server.pipeline(transaction=False)
+                self._add_sets(pipe, (batch[i] for i in group), value)
+                pipe.execute_command("WAIT", self.wait_replicas, max(1, round(self.wait_timeout * 1000)))
+                *sets, acknowledged = pipe.execute()
+                for index, outcome in zip(group, self._outcomes(sets)):
+                    outcomes[index] = outcome
+                    if outcome[0]:
+                        won.append(keys[index])
+                if int(acknowledged) < self.wait_replicas:
+                    raise ReplicasNotAcknowledged(keys[group[0]], int(acknowledged),
+                                                  self.wait_replicas, self.wait_timeout)
+        except redis.RedisError:
+            for key in won:  # an unacknowledged claim must not block the slot: as if never made
+                try:
+                    release_value(client, key, value)
+                except redis.RedisError:
+                    pass  # it expires after its period
+            raise
+        return outcomes
+
+    # ----------------------------------------------------------------- afterwards
+
+    def swap(self, swaps: Sequence[tuple[str, str, str, int]]) -> list[tuple[bool, bytes | None]]:
+        """Compare-and-set claims (mark sent, hand back, take over) in one round trip."""
+        return swap_many(self.client, swaps)
+
+    def record(self, won: Sequence[tuple[Claim, Any]], lost: Sequence[tuple[Claim, Any]],
+               taken_over: Sequence[tuple[Claim, Any]], at: float) -> None:
+        """Append claims won (or taken over) to the capped history; bump the counters.
+
+        Counters (best effort): ``won`` / ``lost`` / ``taken_over`` per entry
+        and in total, kept for the library's stats TTL after their last update.
+        """
+        sent = [*won, *taken_over][-self.history_size:]
+        records = [
+            json.dumps({"entry": entry.name, "key": claim.key, "task": entry.task,
+                        "slot": claim.slot.label, "winner": self.instance_id, "at": at},
+                       separators=(",", ":"))
+            for claim, entry in sent
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        if records:
+            pipe.lpush(history_key(self.prefix), *records)
+            pipe.ltrim(history_key(self.prefix), 0, self.history_size - 1)
+        if self.stats:
+            totals = stats_key(self.prefix)
+            for field, items in (("won", won), ("lost", lost), ("taken_over", taken_over)):
+                for _, entry in items:
+                    key = beat_stats_key(self.prefix, entry.name)
+                    pipe.hincrby(key, field, 1)
+                    pipe.pexpire(key, STATS_TTL_MS)
+                if items:
+                    pipe.hincrby(totals, field, len(items))
+            pipe.pexpire(totals, STATS_TTL_MS)
+        pipe.execute()
+
+
+def read_history(client: redis.Redis, prefix: str, limit: int = 100) -> list[dict[str, Any]]:
+    """The latest ``limit`` claims won (newest first), as written by the scheduler."""
+    records = []
+    for raw in client.lrange(history_key(prefix), 0, max(limit, 1) - 1):
+        try:
+            records.append(json.loads(raw))
+        except ValueError:
+            continue
+    return records

@@ -1,0 +1,88 @@
+"""Book-keeping of the pending -> sent life of claims, in one beat. Pure: no Redis.
+
+Two lists, both keyed by claim key:
+
+* *unmarked*: claims this beat won and published, not yet marked ``sent`` in
+  Redis. Marks ride on the next claim round trip, or go out on their own
+  before a third of the pending lease has passed since the claim was made.
+* *watched*: slots this beat lost to a claim that was still ``pending`` (or
+  ``released``). Each is looked at again once the pending lease would have
+  ended (at once for ``released``); the scheduler then takes over whatever is
+  still unsent (see :mod:`.claims`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from .claims import RELEASED, Claim
+
+__all__ = ["Handover", "Watch"]
+
+
+@dataclass(order=True)
+class Watch:
+    """A slot lost to an unsent claim; looked at again at ``due`` (monotonic seconds)."""
+
+    due: float
+    order: int
+    claim: Claim = field(compare=False)  # ``holder_value`` is the exact value seen
+
+
+class Handover:
+    """Claims waiting to be marked sent, and slots waiting to be taken over."""
+
+    def __init__(self, lease: float) -> None:
+        self.lease = lease
+        # Insertion order is claim order, so the first item is the oldest.
+        self._unmarked: dict[str, tuple[Claim, float]] = {}
+        self._watched: list[Watch] = []  # a heap on ``due``
+        self._order = itertools.count()
+
+    # ----------------------------------------------------------------- our sends
+
+    def sent(self, claim: Claim, claimed_at: float) -> None:
+        """``claim`` (won at monotonic ``claimed_at``) was published; mark it soon."""
+        if claim.won and claim.value is not None:
+            self._unmarked[claim.key] = (claim, claimed_at)
+
+    def marks_due(self, now: float) -> bool:
+        """Whether the oldest unmarked claim must be marked now (a third of the lease)."""
+        oldest = next(iter(self._unmarked.values()), None)
+        return oldest is not None and now >= oldest[1] + self.lease / 3
+
+    def take_marks(self) -> list[Claim]:
+        """Every unmarked claim (the caller marks them all in one round trip)."""
+        claims = [claim for claim, _ in self._unmarked.values()]
+        self._unmarked.clear()
+        return claims
+
+    # ----------------------------------------------------------------- others' claims
+
+    def watch(self, claim: Claim, now: float) -> None:
+        """Look at ``claim`` (lost, holder unsent) again when its lease would end."""
+        due = now if claim.holder_state == RELEASED else now + self.lease
+        heapq.heappush(self._watched, Watch(due, next(self._order), claim))
+
+    def due_watches(self, now: float, limit: int) -> list[Watch]:
+        """Remove and return up to ``limit`` watches whose time has come."""
+        due: list[Watch] = []
+        while self._watched and self._watched[0].due <= now and len(due) < limit:
+            due.append(heapq.heappop(self._watched))
+        return due
+
+    @property
+    def watching(self) -> int:
+        return len(self._watched)
+
+    # ----------------------------------------------------------------- timing
+
+    def next_wake(self, now: float) -> float | None:
+        """Seconds until something here needs the scheduler; None when idle."""
+        times = [self._watched[0].due] if self._watched else []
+        oldest = next(iter(self._unmarked.values()), None)
+        if oldest is not None:
+            times.append(oldest[1] + self.lease / 3)
+        return max(min(times) - now, 0.0) if times else None

@@ -1,0 +1,618 @@
+"""The scheduler mixin: Celery's ``Scheduler`` hooks wired to slots and claims.
+
+Every beat instance runs the whole schedule. When an entry comes due, the
+instance works out the entry's slot (:mod:`.slots`) and claims it in Redis
+(:mod:`.claims`) before sending; only the winner sends, with a task id derived
+from the slot. A claim is ``pending`` until the winner marks it ``sent``; the
+beats that lost it look again when the pending lease would have ended and send
+what a dead (or stopped) winner did not (:mod:`.handover`). Workers execute a
+slot's first delivery only (:mod:`celery_singleton_beat.slot_delivery`).
+
+Local schedule state (``last_run_at`` in the shelve file) never decides: a beat
+that starts sets each entry's ``last_run_at`` from the slots (see
+``singleton_beat_catch_up``), and Redis claims decide who sends.
+See ``docs/beat.md`` for the full rules.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import redis
+from celery import schedules
+from celery.beat import PersistentScheduler, Scheduler
+from celery.exceptions import ImproperlyConfigured
+
+from ..client import get_redis
+from ..config import SingletonSettings, get_settings, sanitize_redis_url
+from ..events import logger
+from .breaker import Breaker
+from .claims import PENDING, RELEASED, SENT, UNSENT, Claim, ClaimStore, claim_value, parse_claim
+from .entries import (
+    CLAIM_HEADER,
+    ENTRY_HEADER,
+    ENTRY_OPTION,
+    INSTANCE_HEADER,
+    SLOT_HEADER,
+    SlotSpec,
+    entry_spec,
+    slot_task_id,
+)
+from .handover import Handover
+from .slots import Slot, SlotError, current_slot, interval_slot, slot_before, to_utc
+
+__all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
+
+
+@dataclass
+class _Reserved:
+    """A slot chosen when an entry was reserved, before it is claimed and sent."""
+
+    slot: Slot | None
+    previous: datetime | None
+    error: str | None = None
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
+
+class SingletonSchedulerMixin(_SchedulerBase):
+    """Claim each due entry's slot in Redis; send only the slots this beat won.
+
+    Mix it in front of any :class:`celery.beat.Scheduler` subclass::
+
+        class Scheduler(SingletonSchedulerMixin, DatabaseScheduler): ...
+
+    It wraps the points every scheduler goes through: ``is_due`` (an entry's
+    ``last_run_at`` is set from its slots before the schedule is asked, so
+    interval entries stay on epoch-aligned instants), ``reserve`` (the slot is
+    chosen), ``apply_entry`` / ``apply_async`` (claimed, then sent or skipped),
+    ``populate_heap`` / ``tick`` (batched claims, marks, take-overs, back-off)
+    and ``close`` (unsent claims handed back).
+    """
+
+    #: Claims sent to Redis in one pipeline when many entries are due at once.
+    claim_batch_size: int = 1000
+    #: Records kept in the ``<prefix>:{beat}:history`` list.
+    history_size: int = 1000
+    #: Back-off (seconds) after Redis failed, doubling up to the maximum.
+    redis_retry_min: float = 1.0
+    redis_retry_max: float = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        app = kwargs["app"] if "app" in kwargs else args[0]
+        # Fails beat start with ImproperlyConfigured on a bad singleton_* setting.
+        self.singleton_settings: SingletonSettings = get_settings(app)
+        settings = self.singleton_settings
+        #: Who this beat is in claims and logs: host, pid and a random suffix.
+        self.instance_id: str = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.claims = ClaimStore(
+            lambda: get_redis(app), settings.key_prefix, self.instance_id,
+            margin=timedelta(seconds=max(settings.beat_claim_margin, 3 * settings.beat_pending_lease)),
+            wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout,
+            stats=settings.stats, history_size=self.history_size)
+        self.handover = Handover(settings.beat_pending_lease)
+        self.breaker = Breaker(settings.beat_fails_open, self.redis_retry_min, self.redis_retry_max)
+        # Per entry name: the latest slot this instance handled (sent, skipped or
+        # given up); it is the value given to the entry's last_run_at.
+        self._handled: dict[str, datetime] = {}
+        # Per entry name: the latest real slot instant chosen (a search hint).
+        self._hints: dict[str, datetime] = {}
+        self._reserved: dict[str, _Reserved] = {}
+        # Claims won ahead for other due entries, and when (monotonic) they were won.
+        self._prefetched: dict[str, tuple[Claim, float]] = {}
+        self._sending: tuple[Claim, float] | None = None
+        self._retry_names: set[str] = set()
+        # True while consecutive ticks send due entries (a burst), see schedules_equal.
+        self._in_burst = False
+        self._burst_compared = False
+        super().__init__(*args, **kwargs)
+
+    # ----------------------------------------------------------------- set-up
+
+    def setup_schedule(self) -> None:
+        super().setup_schedule()
+        self._check_entries()
+        settings = self.singleton_settings
+        logger.info(
+            "beat: singleton scheduler %s: catch-up %s, %s, pending lease %.1fs, claims in %s",
+            self.instance_id, settings.beat_catch_up,
+            "fail open" if settings.beat_fails_open else "fail closed",
+            settings.beat_pending_lease, sanitize_redis_url(settings.redis_url),
+        )
+        try:
+            get_redis(self.app).ping()
+        except redis.RedisError as exc:
+            logger.warning("beat: Redis for slot claims is unreachable at start (%s); "
+                           "due slots are %s until it is", exc,
+                           "sent unclaimed" if settings.beat_fails_open else "not sent")
+
+    def _check_entries(self) -> None:
+        """Reject entries whose singleton option or schedule cannot work (at beat start)."""
+        now = self._now()
+        for entry in list(self.schedule.values()):
+            try:
+                if entry_spec(entry) is not None:
+                    current_slot(entry.schedule, now)
+            except SlotError as exc:
+                raise ImproperlyConfigured(
+                    f"beat entry {entry.name!r}: {exc} (set options={{'{ENTRY_OPTION}': False}} "
+                    "to send it from every beat without a claim)"
+                ) from exc
+            except ValueError as exc:
+                raise ImproperlyConfigured(f"beat entry {entry.name!r}: {exc}") from exc
+
+    @property
+    def info(self) -> str:
+        settings = self.singleton_settings
+        line = (
+            f"    . singleton -> {sanitize_redis_url(settings.redis_url)} "
+            f"prefix={settings.key_prefix} instance={self.instance_id} "
+            f"catch-up={settings.beat_catch_up} "
+            f"{'fail-open' if settings.beat_fails_open else 'fail-closed'}"
+        )
+        base = super().info
+        return f"{base}\n{line}" if base else line
+
+    # ----------------------------------------------------------------- timing
+
+    def _now(self) -> datetime:
+        """The scheduler's clock (``app.now()``), in UTC."""
+        return to_utc(self.app.now())
+
+    def _spec(self, entry: Any) -> SlotSpec | None:
+        try:
+            return entry_spec(entry)
+        except ValueError:
+            # Reported (and the send refused) when the entry is applied.
+            return SlotSpec(entry.name)
+
+    def _normalize(self, entry: Any) -> None:
+        """Give the entry the ``last_run_at`` its slots imply (not the stored one)."""
+        handled = self._handled.get(entry.name)
+        if handled is None:
+            handled = self._first_sight(entry)
+            self._handled[entry.name] = handled
+        if entry.last_run_at != handled:
+            entry.last_run_at = handled
+
+    def _first_sight(self, entry: Any) -> datetime:
+        """Start-up rule: the latest slot is due ("latest") or counts as done ("none")."""
+        now = self._now()
+        try:
+            slot = current_slot(entry.schedule, now)
+        except SlotError:
+            return now
+        if slot is None:
+            return now
+        if self.singleton_settings.beat_catch_up == "latest":
+            return slot_before(entry.schedule, slot)
+        return slot.at
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        for entry in self.schedule.values():
+            if self._spec(entry) is not None:
+                self._normalize(entry)
+        super().populate_heap(*args, **kwargs)
+
+    def is_due(self, entry: Any) -> Any:
+        if self._spec(entry) is None:
+            return super().is_due(entry)
+        self._normalize(entry)
+        state = super().is_due(entry)
+        if not state[0]:
+            return state
+        if self.breaker.is_open() and not self.singleton_settings.beat_fails_open:
+            self._report_blocked(entry)
+            return schedules.schedstate(False, self.breaker.remaining())
+        if isinstance(entry.schedule, schedules.schedule):
+            # Celery would check again one period after *now*, drifting off the
+            # aligned instants; check again at the next aligned instant instead.
+            now = self._now()
+            following = interval_slot(entry.schedule.run_every, now).next
+            assert following is not None
+            return schedules.schedstate(True, max((following - now).total_seconds(), 0.0))
+        return state
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        delay = super().tick(*args, **kwargs)
+        if self._retry_names:
+            delay = min(delay, self._reschedule_retries())
+        self._in_burst = delay <= 0
+        if not self._in_burst:
+            self._burst_compared = False
+            if self._prefetched:
+                # The burst of due entries is over: hand back claims won ahead
+                # for entries that did not come due after all.
+                self._hand_back_prefetched()
+        now = time.monotonic()
+        if not self.breaker.is_open():
+            self._take_over_due(now)
+            if self.handover.marks_due(now):
+                self._mark_sent()
+        wake = self.handover.next_wake(time.monotonic())
+        return delay if wake is None else min(delay, wake)
+
+    def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
+        """Compare the schedule with its copy once per burst, not once per tick.
+
+        Celery's ``tick`` compares every entry on every tick and sends one due
+        entry per tick, so a burst of n due entries costs O(n^2) comparisons
+        (minutes for 10,000 entries). Within a burst (ticks that return 0) the
+        comparison made at its start stands; changes are picked up when the
+        burst ends, at most a few seconds later.
+        """
+        if (self._in_burst and self._burst_compared and old_schedules is not None
+                and new_schedules is not None and len(old_schedules) == len(new_schedules)):
+            return True
+        equal = bool(super().schedules_equal(old_schedules, new_schedules))
+        self._burst_compared = equal
+        return equal
+
+    def close(self) -> None:
+        """Clean stop: mark what was sent, hand back what was claimed but not sent."""
+        try:
+            self._hand_back_prefetched()
+            self._mark_sent()
+        except redis.RedisError as exc:  # the pending lease covers it
+            logger.warning("beat: could not settle claims at stop (others take them over): %s", exc)
+        super().close()
+
+    # ----------------------------------------------------------------- sending
+
+    def reserve(self, entry: Any) -> Any:
+        new_entry = super().reserve(entry)
+        spec = self._spec(entry)
+        if spec is None:
+            return new_entry
+        previous = self._handled.get(entry.name)
+        reserved = self._choose_slot(entry, previous)
+        self._reserved[entry.name] = reserved
+        if reserved.slot is not None and (previous is None or reserved.slot.at > previous):
+            self._handled[entry.name] = reserved.slot.at
+        if entry.name in self._handled:
+            new_entry.last_run_at = self._handled[entry.name]
+        return new_entry
+
+    def _choose_slot(self, entry: Any, previous: datetime | None) -> _Reserved:
+        prefetched = self._prefetched.get(entry.name)
+        if prefetched is not None:
+            return _Reserved(prefetched[0].slot, previous)
+        try:
+            slot = current_slot(entry.schedule, self._now(), self._hints.get(entry.name))
+        except SlotError as exc:
+            return _Reserved(None, previous, str(exc))
+        if slot is not None:
+            self._hints[entry.name] = slot.at
+        return _Reserved(slot, previous)
+
+    def apply_entry(self, entry: Any, producer: Any = None) -> None:
+        if self._spec(entry) is None:
+            super().apply_entry(entry, producer=producer)
+            return
+        decided = self._decide(entry)
+        if decided is None:
+            return
+        self._sending = decided
+        try:
+            super().apply_entry(entry, producer=producer)
+        finally:
+            self._sending = None
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True,
+                    **kwargs: Any) -> Any:
+        if advance:
+            entry = self.reserve(entry)
+        decided: tuple[Claim, float] | None = None
+        if self._spec(entry) is not None:
+            sending = self._sending
+            decided = sending if sending and sending[0].name == entry.name else None
+            if decided is None:  # called directly (RedBeat, custom ticks): claim here
+                decided = self._decide(entry)
+                if decided is None:
+                    return None
+        return self._send(entry, producer, decided, **kwargs)
+
+    def _send(self, entry: Any, producer: Any, decided: tuple[Claim, float] | None,
+              **kwargs: Any) -> Any:
+        """Send through the base scheduler with the slot in the headers.
+
+        The message's task id is derived from the claim key (one id per slot,
+        whichever beat sends it). The ``singleton`` option is not a publish
+        option: it is left out of the options for the time of the call.
+        """
+        options = dict(entry.options or {})
+        options.pop(ENTRY_OPTION, None)
+        if decided is not None:
+            claim = decided[0]
+            headers = dict(options.get("headers") or {})
+            headers[SLOT_HEADER] = claim.slot.label
+            headers[INSTANCE_HEADER] = self.instance_id
+            headers[CLAIM_HEADER] = claim.key
+            headers[ENTRY_HEADER] = claim.key.split("{beat:", 1)[1].rsplit("}:", 1)[0]
+            options["headers"] = headers
+            options.setdefault("task_id", slot_task_id(claim.key))
+        saved = entry.options
+        entry.options = options
+        try:
+            result = super().apply_async(entry, producer=producer, advance=False, **kwargs)
+        except Exception:
+            # Not published (broker down, ...): hand the slot back so that the
+            # other beats (or one starting within the slot) can still send it.
+            if decided is not None:
+                self._hand_back([decided[0]])
+            raise
+        finally:
+            entry.options = saved
+        if decided is not None:
+            self.handover.sent(*decided)
+        return result
+
+    def _decide(self, entry: Any) -> tuple[Claim, float] | None:
+        """Claim the entry's reserved slot; ``(claim, claimed at)`` if this beat sends, else None."""
+        name = entry.name
+        reserved = self._reserved.pop(name, None)
+        if reserved is None:  # not reserved through this class
+            previous = self._handled.get(name)
+            reserved = self._choose_slot(entry, previous)
+            if reserved.slot is not None and (previous is None or reserved.slot.at > previous):
+                self._handled[name] = reserved.slot.at
+        try:
+            spec = entry_spec(entry)
+        except ValueError as exc:
+            logger.error("beat: %s: not sent: bad options['%s']: %s", name, ENTRY_OPTION, exc)
+            return None
+        assert spec is not None
+        slot = reserved.slot
+        if slot is None:
+            logger.error("beat: %s: not sent: %s", name,
+                         reserved.error or "the schedule has no instant yet")
+            return None
+        if reserved.previous is not None and slot.at <= reserved.previous:
+            logger.debug("beat: %s: slot %s already handled by this instance", name, slot.label)
+            return None
+
+        decided = self._prefetched.pop(name, None)
+        if decided is not None and decided[0].slot.at != slot.at:
+            self._hand_back([decided[0]])
+            decided = None
+        if decided is None:
+            decided = self._claim_with_batch(entry, spec, slot)
+        claim = decided[0]
+
+        if claim.won:
+            logger.info("beat: %s: slot %s won by %s, sending", name, slot.label, self.instance_id)
+            return decided
+        if claim.won is False:
+            logger.info("beat: %s: slot %s already claimed by %s, skipping",
+                        name, slot.label, claim.holder or "another instance")
+            return None
+        if self.singleton_settings.beat_fails_open:
+            logger.warning("beat: %s: slot %s sent WITHOUT a claim (fail open): Redis unavailable: %s",
+                           name, slot.label, claim.error)
+            return decided
+        # Fail closed: not sent; the slot stays due and is tried again after the back-off.
+        self._handled[name] = slot_before(entry.schedule, slot)
+        self._retry_names.add(name)
+        self.breaker.report_unsent(name, slot, claim.error)
+        return None
+
+    # ----------------------------------------------------------------- claims
+
+    def _claim_with_batch(self, entry: Any, spec: SlotSpec, slot: Slot) -> tuple[Claim, float]:
+        """Claim this slot, and ahead of time the slots of the other entries due now.
+
+        Marks of earlier sends ride in the same round trip.
+        """
+        prefix = self.singleton_settings.key_prefix
+        mine = Claim(entry.name, slot, spec.key(prefix, slot), None)
+        now = time.monotonic()
+        if self.breaker.is_open():
+            mine.error = "Redis unavailable (waiting before the next attempt)"
+            return mine, now
+        batch = [(mine, entry)]
+        batch.extend(self._due_candidates(self._now(), exclude=entry.name,
+                                          limit=self.claim_batch_size - 1))
+        try:
+            self._claim_many(batch)
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            mine.error = f"{type(exc).__name__}: {exc}"
+            return mine, now
+        self.breaker.ok()
+        for claim, _ in batch[1:]:
+            self._prefetched[claim.name] = (claim, now)
+        return mine, now
+
+    def _due_candidates(self, now: datetime, exclude: str, limit: int) -> list[tuple[Claim, Any]]:
+        """Other singleton entries that the heap says are due at ``now``.
+
+        Walks only the due part of the heap (children of a node that is not due
+        are not due either), so the cost follows the number of due entries.
+        """
+        heap = getattr(self, "_heap", None)
+        if not isinstance(heap, list) or limit <= 0:
+            return []
+        prefix = self.singleton_settings.key_prefix
+        now_ts = now.timestamp()
+        found: list[tuple[Claim, Any]] = []
+        stack = [0]
+        while stack and len(found) < limit:
+            index = stack.pop()
+            if index >= len(heap) or heap[index][0] > now_ts:
+                continue
+            stack.extend((2 * index + 2, 2 * index + 1))
+            entry = heap[index][2]
+            name = entry.name
+            if name == exclude or name in self._prefetched or name in self._reserved:
+                continue
+            handled = self._handled.get(name)
+            if handled is None:
+                continue
+            try:
+                spec = entry_spec(entry)
+                slot = current_slot(entry.schedule, now, self._hints.get(name)) if spec else None
+            except ValueError:
+                continue
+            if spec is None or slot is None or slot.at <= handled:
+                continue
+            self._hints[name] = slot.at
+            found.append((Claim(name, slot, spec.key(prefix, slot), None), entry))
+        return found
+
+    def _claim_many(self, batch: list[tuple[Claim, Any]]) -> None:
+        """Claim ``batch`` (and mark earlier sends) in one round trip; watch the slots lost
+        to unsent claims; record the outcome."""
+        marks = self.handover.take_marks()
+        at = round(self._now().timestamp(), 3)
+        try:
+            self.claims.claim([claim for claim, _ in batch], at, self._mark_swaps(marks))
+        except redis.RedisError:
+            for claim in marks:  # not marked: try again with the next round trip
+                self.handover.sent(claim, time.monotonic())
+            raise
+        now = time.monotonic()
+        won, lost = [], []
+        for claim, entry in batch:
+            (won if claim.won else lost).append((claim, entry))
+            if not claim.won and claim.holder_state in UNSENT:
+                self.handover.watch(claim, now)
+        self._record(won, lost, [], at)
+
+    def _record(self, won: list[tuple[Claim, Any]], lost: list[tuple[Claim, Any]],
+                taken: list[tuple[Claim, Any]], at: float) -> None:
+        self.claims.history_size = self.history_size  # a class attribute users may change
+        try:
+            self.claims.record(won, lost, taken, at)
+        except redis.RedisError as exc:
+            logger.warning("beat: could not record %d claim(s) in the history: %s",
+                           len(won) + len(lost) + len(taken), exc)
+
+    def _mark_swaps(self, claims: list[Claim]) -> list[tuple[str, str, str, int]]:
+        swaps = []
+        for claim in claims:
+            assert claim.value is not None
+            parsed = parse_claim(claim.value) or {}
+            swaps.append((claim.key, claim.value,
+                          claim_value(self.instance_id, parsed.get("at", 0), SENT), 0))
+        return swaps
+
+    def _mark_sent(self) -> None:
+        """Mark every published, unmarked claim ``sent`` (one round trip)."""
+        marks = self.handover.take_marks()
+        if not marks:
+            return
+        try:
+            self.claims.swap(self._mark_swaps(marks))
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            for claim in marks:  # try again after the back-off; the lease may pass meanwhile
+                self.handover.sent(claim, time.monotonic())
+            logger.warning("beat: could not mark %d sent slot(s): %s", len(marks), exc)
+
+    def _hand_back(self, claims: list[Claim]) -> None:
+        """Give claims won but not sent back as ``released``: others may send them at once."""
+        swaps = [(claim.key, claim.value, claim_value(self.instance_id, 0, RELEASED), 0)
+                 for claim in claims if claim.won and claim.value is not None]
+        if not swaps:
+            return
+        try:
+            self.claims.swap(swaps)
+        except redis.RedisError as exc:
+            logger.warning("beat: could not hand back %d unsent claim(s) (the pending lease "
+                           "ends them): %s", len(swaps), exc)
+
+    def _hand_back_prefetched(self) -> None:
+        claims = [claim for claim, _ in self._prefetched.values()]
+        self._prefetched.clear()
+        if claims:
+            logger.info("beat: handing back %d claimed but unsent slot(s)", len(claims))
+            self._hand_back(claims)
+
+    def _take_over_due(self, now: float) -> None:
+        """Take over (and send) slots whose claim stayed unsent past its pending lease."""
+        watches = self.handover.due_watches(now, self.claim_batch_size)
+        if not watches:
+            return
+        at = round(self._now().timestamp(), 3)
+        mine = claim_value(self.instance_id, at, PENDING)
+        swaps = [(w.claim.key, w.claim.holder_value or b"", mine,
+                  round(max(self.singleton_settings.done_ttl, 1) * 1000)) for w in watches]
+        try:
+            outcomes = self.claims.swap(swaps)
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            for watch in watches:
+                self.handover.watch(watch.claim, now)
+            return
+        taken: list[tuple[Claim, Any]] = []
+        for watch, (swapped, current) in zip(watches, outcomes):
+            claim = watch.claim
+            if not swapped:
+                claim.holder_value = current
+                parsed = parse_claim(current)
+                if parsed is not None and parsed.get("state") in UNSENT:
+                    self.handover.watch(claim, now)  # someone else took it over: watch them
+                continue
+            entry = self.schedule.get(claim.name)
+            taken_claim = Claim(claim.name, claim.slot, claim.key, True, value=mine,
+                                holder=self.instance_id, holder_value=claim.holder_value)
+            if entry is None:
+                self._hand_back([taken_claim])
+                continue
+            logger.warning("beat: %s: slot %s took over from %s (claimed, not sent within "
+                           "%.1fs); sending", claim.name, claim.slot.label,
+                           claim.holder or "an unknown beat", self.handover.lease)
+            try:
+                self._send(entry, getattr(self, "producer", None), (taken_claim, now))
+            except Exception as exc:  # handed back by _send; Celery's own tick logs likewise
+                logger.error("beat: %s: slot %s not sent after take-over: %s",
+                             claim.name, claim.slot.label, exc)
+                continue
+            taken.append((taken_claim, entry))
+        if taken:
+            self._record([], [], taken, at)
+
+    # ----------------------------------------------------------------- Redis trouble
+
+    def _report_blocked(self, entry: Any) -> None:
+        try:
+            slot = current_slot(entry.schedule, self._now(), self._hints.get(entry.name))
+        except SlotError:
+            return
+        if slot is not None:
+            self.breaker.report_unsent(entry.name, slot, "Redis unavailable, waiting to try again")
+
+    def _reschedule_retries(self) -> float:
+        """Move entries whose claim failed to the end of the back-off in the heap."""
+        names, self._retry_names = self._retry_names, set()
+        delay = self.breaker.remaining()
+        heap = getattr(self, "_heap", None)
+        if isinstance(heap, list) and heap:
+            soon = self._now().timestamp() + delay  # heap times follow the scheduler's clock
+            changed = False
+            for index, event in enumerate(heap):
+                if event[2].name in names and event[0] > soon and hasattr(event, "_replace"):
+                    heap[index] = event._replace(time=soon)
+                    changed = True
+            if changed:
+                heapq.heapify(heap)
+        return delay
+
+
+class SingletonScheduler(SingletonSchedulerMixin, PersistentScheduler):
+    """Celery's default (shelve-backed) scheduler, sending each slot from one beat only.
+
+    Use with ``celery beat -S singleton`` or
+    ``beat_scheduler = "celery_singleton_beat.SingletonScheduler"``.
+    """
