@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
              {"sizes": (1, 100, 10_000), "rounds": 3, "large_rounds": 1}, {"quick": True}),
     "primitives": ("bench_primitives", "Lock primitives: acquire/release pairs per second",
                    {"pairs": 10000, "rounds": 3}, {"pairs": 200, "rounds": 1}),
+    "child_kill": ("bench_child_kill", "Killed pool child: seconds until its key runs again, one-process pool",
+                   {"rounds": 20}, {"rounds": 1}),
     "memory": ("bench_memory", "Memory: keys and used_memory return to baseline after TTLs",
                {"runs": 100_000, "slots": 10_000, "slot_ttl": 5.0}, {"runs": 200, "slots": 100, "slot_ttl": 1.0}),
 }
