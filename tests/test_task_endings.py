@@ -3,8 +3,8 @@
 Two workers serve the whole module: ``shared_worker`` (prefork, 2 processes,
 the default queue) and ``single_worker`` (prefork, 1 process, queue
 ``single``: a second message provably waits in the queue while the first
-runs). Each test starts from empty lock and record databases; the broker
-database is left to the workers.
+runs). Each test starts with no lock and no records (the workers' liveness
+keys stay); the broker database is left to the workers.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from billiard.exceptions import WorkerLostError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from celery_singleton_beat import DuplicateTaskError, SingletonKeyError
-from celery_singleton_beat.client import reset_clients
-from celery_singleton_beat.config import clear_settings_cache
 
-from .support import LOCK_DB, RECORD_DB, CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
-from .support.tasks import load_tasks_app, lock_keys, runs, started
+from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
+from .support.tasks import clear_runs, lock_keys, runs, started
 
 APP = "tests.apps.tasks_app"
 SINGLE = "single"  # the queue of single_worker
@@ -50,12 +48,8 @@ def single_worker(redis_server: RedisServer, shared_worker: CeleryProcess) -> It
 
 @pytest.fixture
 def tasks_app(shared_worker: CeleryProcess, redis_server: RedisServer) -> ModuleType:
-    """``tests.apps.tasks_app`` for this module's workers: lock and record databases emptied."""
-    for db in (LOCK_DB, RECORD_DB):
-        redis_server.client(db).flushdb()
-    clear_settings_cache()
-    reset_clients()
-    return load_tasks_app(redis_server)
+    """``tests.apps.tasks_app`` for this module's workers: locks and records emptied."""
+    return clear_runs(redis_server)
 
 
 def test_success_releases(tasks_app: ModuleType, locks: redis.Redis) -> None:

@@ -4,66 +4,36 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
 
 import redis
-from celery.result import AsyncResult
 
-from celery_singleton_beat import TaskSkipped
 from celery_singleton_beat.liveness import live_key
 from celery_singleton_beat.lock import acquire, read_holder
 
 from .support import LOCK_DB, RedisServer, start_worker, wait_for
-from .support.tasks import EventCapture, lock_keys, runs, settled, started
+from .support.tasks import (
+    EventCapture, check_one_run_at_a_time, lock_keys, runs, skipped, started, submit_spread,
+)
 
 APP = "tests.apps.tasks_app"
-
-
-def skipped(result: AsyncResult) -> bool:
-    """The run was skipped as a duplicate (stored as REVOKED with TaskSkipped)."""
-    return result.state == "REVOKED" and isinstance(result.result, TaskSkipped)
 
 
 def test_one_key_never_overlaps_while_distinct_keys_all_run(
     tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
 ) -> None:
-    """200 submissions of one key from 4 threads onto 2 workers x 4 processes."""
+    """200 submissions of one key from 4 threads onto 2 workers x 4 processes
+    (every pool kind, one worker each: tests/test_pools.py)."""
     for name in ("w1", "w2"):
         start_worker(redis_server, APP, name, concurrency=4)
-    hot: list[AsyncResult] = []
-    guard = threading.Lock()
-
-    def submit() -> None:
-        for i in range(50):
-            result = tasks.work.delay("hot", 0.02, note=str(i))
-            with guard:
-                hot.append(result)
-
-    threads = [threading.Thread(target=submit) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    distinct = [tasks.work.delay(f"k{i}", 0.2) for i in range(8)]
-    for thread in threads:
-        thread.join()
-
-    wait_for(lambda: settled(hot + distinct), timeout=120, message="all 208 tasks settled")
-    assert len(hot) == 200
-    completed = runs(records, "hot")
-    assert records.get("overlap:hot") is None, "two runs of one key overlapped"
-    assert sum(r.state == "SUCCESS" for r in hot) == len(completed) >= 1
-    assert sum(skipped(r) for r in hot) == 200 - len(completed), "every other submission is a visible skip"
-    spans = sorted((run["start"], run["end"]) for run in completed)
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
-    for i in range(8):
-        assert len(runs(records, f"k{i}")) == 1, f"distinct key k{i} ran once"
-    assert all(r.state == "SUCCESS" for r in distinct)
-    assert lock_keys(locks) == [], "every lock was released"
-    counts = {k.decode(): int(v) for k, v in locks.hgetall("singleton:{stats}:task:tests.apps.tasks_app.work").items()}
-    assert counts["acquired"] == counts["released"] == len(completed) + 8
-    assert counts["skipped"] == 200 - len(completed)
+    began = time.monotonic()
+    distinct = {f"k{i}": [tasks.work.delay(f"k{i}", 0.2)] for i in range(8)}
+    hot = submit_spread(tasks.work, ["hot"], 200)
+    check_one_run_at_a_time(records, locks, tasks.work.name, {**hot, **distinct}, since=began)
+    for key, [result] in distinct.items():
+        assert result.state == "SUCCESS" and len(runs(records, key)) == 1, f"distinct key {key} ran once"
 
 
 def test_skipped_duplicate_is_logged_stored_and_sent_as_an_event(

@@ -52,6 +52,7 @@ def record_run(key: str, task: Any, seconds: float) -> dict[str, Any]:
     """
     r = records()
     in_flight = r.incr(f"inflight:{key}")
+    r.zadd("peak", {key: in_flight}, gt=True)  # the most runs of ``key`` ever in flight at once
     if in_flight > 1:
         r.incr(f"overlap:{key}")
     run = task.singleton
@@ -94,6 +95,30 @@ def long_run(self: SingletonTask, key: str, seconds: float) -> dict[str, Any]:
     r.rpush(f"runs:{key}", json.dumps({"lost": self.singleton.lost, "task_id": self.request.id,
                                        "start": start, "end": time.time()}))
     return {"lost": self.singleton.lost}
+
+
+@app.task(bind=True, base=SingletonTask, lock_ttl=1.0, unique_on=["key"])
+def busy(self: SingletonTask, key: str, seconds: float) -> dict[str, Any]:
+    """Keeps its thread or greenlet busy while holding a 1 s lease, until
+    ``release:busy`` is set in the record database (at most ``seconds``).
+
+    Cooperative work in a loop: 5 ms of computation, a Redis round trip and a
+    1 ms sleep. Under gevent or eventlet the other runs of the process and the
+    lease keeper get their turns only at the sleep: a green socket whose reply
+    is already there when it is read returns without switching, so a loop of
+    Redis calls and computation alone may never yield.
+    """
+    r = records()
+    r.set(f"running:{key}", self.request.id)
+    rounds = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not self.singleton.lost and not r.exists("release:busy"):
+        burst = time.monotonic() + 0.005
+        while time.monotonic() < burst:
+            pass
+        time.sleep(0.001)
+        rounds += 1
+    return {"lost": self.singleton.lost, "rounds": rounds}
 
 
 @app.task(bind=True, base=SingletonTask, lock_ttl=0.6, unique_on=["key"])

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -13,9 +15,17 @@ import redis
 from celery import states
 from celery.result import AsyncResult
 
-from .servers import RedisServer
+from celery_singleton_beat import TaskSkipped
+from celery_singleton_beat.client import reset_clients
+from celery_singleton_beat.config import clear_settings_cache
 
-__all__ = ["EventCapture", "load_ops_app", "load_tasks_app", "lock_keys", "runs", "settled", "started"]
+from .servers import LOCK_DB, RECORD_DB, RedisServer
+from .waiting import wait_for
+
+__all__ = [
+    "EventCapture", "OverlapFigures", "check_one_run_at_a_time", "clear_runs", "load_ops_app",
+    "load_tasks_app", "lock_keys", "runs", "settled", "skipped", "started", "submit_spread",
+]
 
 
 def _point_apps_at(redis_server: RedisServer) -> str:
@@ -41,6 +51,23 @@ def load_ops_app(redis_server: RedisServer) -> ModuleType:
     return ops_app
 
 
+def clear_runs(redis_server: RedisServer) -> ModuleType:
+    """Empty the record database and the locks (not the workers' liveness keys) between
+    tests that share running workers; ``tests.apps.tasks_app`` with fresh clients.
+
+    Liveness keys stay: without its key until its next heartbeat, a worker would
+    count as dead and another worker could take over its running locks.
+    """
+    redis_server.client(RECORD_DB).flushdb()
+    locks = redis_server.client(LOCK_DB)
+    stale = [k for k in locks.scan_iter() if not k.startswith(b"singleton:live:")]
+    if stale:
+        locks.delete(*stale)
+    clear_settings_cache()
+    reset_clients()
+    return load_tasks_app(redis_server)
+
+
 def runs(records: redis.Redis, key: str) -> list[dict[str, Any]]:
     """Completed runs recorded for ``key``, in completion order."""
     return [json.loads(item) for item in records.lrange(f"runs:{key}", 0, -1)]
@@ -62,6 +89,85 @@ def lock_keys(locks: redis.Redis) -> list[str]:
 def settled(results: list[AsyncResult]) -> bool:
     """Every result is final: SUCCESS, FAILURE or REVOKED (a skipped duplicate)."""
     return all(r.state in states.READY_STATES for r in results)
+
+
+def skipped(result: AsyncResult) -> bool:
+    """The run was skipped as a duplicate (stored as REVOKED with TaskSkipped)."""
+    return result.state == "REVOKED" and isinstance(result.result, TaskSkipped)
+
+
+def submit_spread(task: Any, keys: list[str], total: int, *, threads: int = 4, seconds: float = 0.02,
+                  **options: Any) -> dict[str, list[AsyncResult]]:
+    """Publish ``total`` calls ``task(key, seconds, note=i)`` from ``threads`` threads at once,
+    round-robin over ``keys``: every key is submitted again and again while its
+    earlier copies are queued or running. The results, by key."""
+    by_key: dict[str, list[AsyncResult]] = {key: [] for key in keys}
+    guard = threading.Lock()
+
+    def submit(first: int) -> None:
+        for i in range(first, total, threads):
+            key = keys[i % len(keys)]
+            result = task.apply_async((key, seconds), {"note": str(i)}, **options)
+            with guard:
+                by_key[key].append(result)
+
+    workers = [threading.Thread(target=submit, args=(n,)) for n in range(threads)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    return by_key
+
+
+@dataclass(frozen=True)
+class OverlapFigures:
+    """What :func:`check_one_run_at_a_time` found: totals over every key, and the most
+    runs of one key ever in flight at once (``peak``)."""
+
+    submissions: int
+    runs: int
+    skips: int
+    peak: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"{self.submissions} submissions, {self.runs} runs, {self.skips} skips, "
+                f"max {self.peak} run(s) of one key at once, {self.seconds:.1f}s")
+
+
+def check_one_run_at_a_time(records: redis.Redis, locks: redis.Redis, task_name: str,
+                            by_key: dict[str, list[AsyncResult]], *, since: float,
+                            timeout: float = 120) -> OverlapFigures:
+    """Wait until every submission of ``by_key`` ended, then assert that runs of one key
+    never overlapped, that each submission either ran (SUCCESS) or was a visible skip,
+    that the lock counters agree, and that no lock remains.
+
+    Runs are the ``tests.apps.tasks_app.record_run`` records; ``by_key`` must hold
+    every submission of ``task_name`` since the lock database was last emptied.
+    ``since`` is the monotonic time the submissions began (for the figures).
+    """
+    every = [result for results in by_key.values() for result in results]
+    wait_for(lambda: settled(every), timeout=timeout, message=f"all {len(every)} submissions settled")
+    seconds = time.monotonic() - since
+    total_runs = 0
+    for key, results in by_key.items():
+        completed = runs(records, key)
+        assert records.get(f"overlap:{key}") is None, f"two runs of {key} overlapped"
+        assert records.zscore("peak", key) == 1, f"runs of {key} in flight at once: {records.zscore('peak', key)}"
+        assert sum(r.state == "SUCCESS" for r in results) == len(completed) >= 1, f"every run of {key} succeeded"
+        assert sum(skipped(r) for r in results) == len(results) - len(completed), \
+            f"every other submission of {key} is a visible skip"
+        spans = sorted((run["start"], run["end"]) for run in completed)
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), \
+            f"runs of {key} overlapped in time"
+        total_runs += len(completed)
+    assert lock_keys(locks) == [], "every lock was released"
+    counts = {k.decode(): int(v) for k, v in locks.hgetall(f"singleton:{{stats}}:task:{task_name}").items()}
+    assert counts.get("acquired") == counts.get("released") == total_runs, counts
+    assert counts.get("skipped", 0) == len(every) - total_runs, counts
+    assert "lost" not in counts and "reclaimed" not in counts, counts
+    return OverlapFigures(len(every), total_runs, len(every) - total_runs,
+                          int(max(records.zscore("peak", key) or 0 for key in by_key)), seconds)
 
 
 class EventCapture:
