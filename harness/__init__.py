@@ -11,18 +11,24 @@ example_project.demo`` works on a fresh clone without the test suite.
   loopback port, accepted only once the server answering on that port reports
   our child's pid (``INFO server``); if another program took the port first,
   the server is started again on a new one.
+* :mod:`harness.rabbitmq_server`: a RabbitMQ node (Debian's ``rabbitmq-server``)
+  on free loopback ports, its files in a temporary directory of its own,
+  accepted once an AMQP login reaches our node.
 * :mod:`harness.waiting`: polling a condition with a deadline.
 """
 
 from .processes import ChildProcess, ProcessError, die_with_parent, group_alive, signal_group
+from .rabbitmq_server import RabbitMQServerProcess, find_rabbitmq_server
 from .redis_server import RedisServerProcess, find_redis_server, free_port, server_pid
 from .waiting import wait_until
 
 __all__ = [
     "ChildProcess",
     "ProcessError",
+    "RabbitMQServerProcess",
     "RedisServerProcess",
     "die_with_parent",
+    "find_rabbitmq_server",
     "find_redis_server",
     "free_port",
     "group_alive",

@@ -112,19 +112,22 @@ class ChildProcess:
 
     ``error`` is the exception class raised when the process exits early or a
     wait times out (tests use AssertionError, the demo its DemoError).
+    ``user`` runs it as another user (its uid and primary group, no other
+    groups); that needs root.
     """
 
     error: type[Exception] = ProcessError
 
     def __init__(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
                  cwd: Path | str | None = None, log: Path,
-                 death_signal: int = signal.SIGKILL) -> None:
+                 death_signal: int = signal.SIGKILL, user: str | None = None) -> None:
         self.name = name
         self.argv = argv
         self.env = env
         self.cwd = cwd
         self.log = Path(log)
         self.death_signal = death_signal
+        self.user = user
         self.process: subprocess.Popen[bytes] | None = None
 
     def __repr__(self) -> str:
@@ -137,11 +140,18 @@ class ChildProcess:
     def start(self) -> "ChildProcess":
         """Start the process in a new session (its own process group)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        # Popen switches user before preexec_fn: the death signal survives the switch.
+        as_user: dict[str, object] = {}
+        if self.user is not None:
+            import pwd
+
+            entry = pwd.getpwnam(self.user)
+            as_user = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
         with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(
+            self.process = subprocess.Popen(  # type: ignore[call-overload]
                 self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent(self.death_signal),
+                preexec_fn=die_with_parent(self.death_signal), **as_user,
             )
         return self
 

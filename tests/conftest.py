@@ -23,6 +23,8 @@ from .support.fixtures import (  # noqa: F401 - registered as this conftest's fi
     make_redis,
     ops,
     processes,
+    rabbitmq,
+    rabbitmq_server,
     records,
     redis_db,
     redis_server,

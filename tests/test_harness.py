@@ -1,10 +1,11 @@
 """The harness keeps its promises (see tests/README.md): a test Redis is always ours,
-children die with their parent, a skip is a failure in CI, EventCapture is bound
-before it is used."""
+children (a RabbitMQ node too) die with their parent, a skip is a failure in CI,
+EventCapture is bound before it is used."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -18,9 +19,10 @@ from typing import Any
 import pytest
 
 import harness.redis_server
-from harness.processes import group_alive
+from harness.processes import group_alive, signal_group
 
 from .support import ROOT, NotOurServer, RedisServer, TestProcess, free_port, run_command, wait_for
+from .support.servers import rabbitmq_server_binary
 from .support.tasks import EventCapture
 
 
@@ -77,6 +79,33 @@ def test_a_child_dies_with_its_parent_even_by_sigkill(tmp_path: Path) -> None:
     assert group_alive(child)
     os.kill(parent.pid, signal.SIGKILL)  # the parent alone: no clean-up of its own runs
     wait_for(lambda: not group_alive(child), timeout=10, message="the child to die with its parent")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rabbitmq_node_dies_with_its_parent_even_by_sigkill(tmp_path: Path) -> None:
+    """The Erlang VM is the process we started (the start script execs it; as root it
+    runs as the rabbitmq user), so the kernel kills it with its SIGKILLed parent."""
+    binary = rabbitmq_server_binary()
+    script = (
+        "import pathlib, sys, time\n"
+        "from harness.rabbitmq_server import RabbitMQServerProcess\n"
+        "node = RabbitMQServerProcess('node', sys.argv[1], log_dir=pathlib.Path(sys.argv[2])).start()\n"
+        "print('node', node.pid, node.home, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    parent = TestProcess("parent", [sys.executable, "-c", script, binary, str(tmp_path)], env=env,
+                         log=tmp_path / "parent.log").start()
+    line = wait_for(lambda: next((ln for ln in parent.output().splitlines() if ln.startswith("node ")), None),
+                    timeout=90, message="the node to answer")
+    _, pid, home = line.split(" ", 2)
+    try:
+        assert "beam" in Path(f"/proc/{pid}/cmdline").read_text(), "the VM itself is the child"
+        os.kill(parent.pid, signal.SIGKILL)  # the parent alone: no clean-up of its own runs
+        wait_for(lambda: not group_alive(int(pid)), timeout=10, message="the node to die with its parent")
+    finally:  # what the dead parent could not clean up (the node too, should this test fail)
+        signal_group(int(pid), signal.SIGKILL)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 PROBE = '''

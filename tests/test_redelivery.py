@@ -1,8 +1,9 @@
 """Exactly once where Celery really runs: acks_late redelivery, dead pods, node names.
 
 Real worker processes (``tests.apps.delivery_app``, every task ``acks_late``)
-on the session's redis-server as broker; a whole worker (main process and
-pool) is SIGKILLed as when a pod or VM dies.
+on the session's redis-server as broker (RabbitMQ for one test: the session's
+node, started only for it); a whole worker (main process and pool) is
+SIGKILLed as when a pod or VM dies.
 """
 
 from __future__ import annotations
@@ -74,12 +75,46 @@ def test_whole_worker_killed_mid_run_the_redelivered_task_completes_once_on_anot
     first.kill_group()  # the pod dies: main process and pool child
     records.delete("inflight:k")  # the dead run never counts itself out
 
-    worker(redis_server, processes, "pod-b", delivery_env)
+    # Started after the kill: its restore of unacknowledged messages must not
+    # hand it the copy while pod-a still lives.
+    survivor = worker(redis_server, processes, "pod-b", delivery_env)
+    assert_completed_once_on_survivor(redis_server, result, survivor)
+
+
+def test_whole_worker_killed_mid_run_on_rabbitmq_the_redelivered_task_completes_once_on_another_node(
+    redis_server: RedisServer, rabbitmq: str, processes: list[CeleryProcess], delivery_env: dict[str, str]
+) -> None:
+    """RabbitMQ broker: the copy is redelivered the moment the dead worker's connection drops.
+
+    pod-b already runs, so the copy reaches it at once, while the dead run's
+    lock and (for up to ``singleton_liveness_ttl``) its liveness key are still
+    there: it must neither run beside a live original nor be dropped as a
+    duplicate of itself, and runs once the dead incarnation's key lapsed.
+    """
+    delivery_env.update(CSB_BROKER=rabbitmq)
+    app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    first = worker(redis_server, processes, "pod-a", delivery_env)
+    records.set("hold:k", "1")  # pod-a's run lasts until the kill, however long pod-b takes to start
+    result = app.slow.delay("k", 0)
+    wait_for(lambda: entries(records, "started:k"), timeout=30, message="the run started on pod-a")
+    survivor = worker(redis_server, processes, "pod-b", delivery_env)
+    first.kill_group()  # the pod dies: main process and pool child
+    records.delete("inflight:k", "hold:k")  # the dead run never counts itself out
+
+    assert_completed_once_on_survivor(redis_server, result, survivor)
+
+
+def assert_completed_once_on_survivor(redis_server: RedisServer, result: Any, survivor: CeleryProcess) -> None:
+    """The task killed on pod-a completed once, on pod-b, which took over the dead run's lock."""
+    records = redis_server.client(RECORD_DB)
     assert result.get(timeout=60).startswith("pod-b@"), "the task completed, on the surviving node"
     completed = entries(records, "runs:k")
     assert len(completed) == 1, f"exactly one completed run, got {completed}"
     assert [e["node"].split("@")[0] for e in entries(records, "started:k")] == ["pod-a", "pod-b"]
     assert records.get("overlap:k") is None
+    line = survivor.wait_for_line("took over", timeout=5)
+    assert result.id in line and "pod-a" in line, f"pod-b took over the dead run's lock: {line}"
     assert redis_server.client(LOCK_DB).keys("singleton:{*}") == [], "the lock was released"
 
 

@@ -11,7 +11,8 @@ Configured from the environment so one module serves every scenario:
 
 Every run is recorded in the record database: ``started:<key>`` and
 ``runs:<key>`` lists (task id, node, pid, times) and an in-flight counter whose
-value above one is counted in ``overlap:<key>``.
+value above one is counted in ``overlap:<key>``. A run lasts its ``seconds``,
+and for as long as ``hold:<key>`` exists in the record database.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def records() -> redis.Redis:
 
 
 def record_run(task: Any, key: str, seconds: float) -> str:
-    """Record a run of ``key`` lasting ``seconds`` (overlap counted); returns the node."""
+    """Record a run of ``key`` lasting ``seconds``, and while ``hold:<key>`` exists
+    (overlap counted); returns the node."""
     r = records()
     entry = {"task_id": task.request.id, "node": task.request.hostname, "pid": os.getpid(),
              "start": time.time()}
@@ -65,7 +67,7 @@ def record_run(task: Any, key: str, seconds: float) -> str:
     r.rpush(f"started:{key}", json.dumps(entry))
     try:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or r.exists(f"hold:{key}"):
             time.sleep(0.02)
     finally:
         r.decr(f"inflight:{key}")

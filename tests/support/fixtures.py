@@ -12,6 +12,12 @@ Each name means one thing everywhere:
     The processes and servers this test started (they register themselves):
     all stopped when the test ends, whatever happened. ``processes.append(p)``
     still works (an item is kept once).
+``rabbitmq_server`` (session, lazy)
+    A RabbitMQ node (:class:`.servers.RabbitMQServer`), started by the first
+    test that asks for it (so the others never pay its boot); a skip where
+    ``rabbitmq-server`` is not installed (a failure in CI).
+``rabbitmq``
+    That node's broker URL, the default ``celery`` queue deleted first.
 ``make_redis``
     ``make_redis(*redis_args, start=True)``: another redis-server for this test
     (to stop, restart or misconfigure), closed when the test ends.
@@ -28,6 +34,7 @@ import gc
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
+import kombu
 import pytest
 import redis
 
@@ -36,12 +43,12 @@ from celery_singleton_beat.config import clear_settings_cache
 
 from .owners import EVERYTHING, Owner, owning, register
 from .paths import set_scratch_dir
-from .servers import BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, RedisServer
+from .servers import BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, RabbitMQServer, RedisServer
 from .tasks import load_ops_app, load_tasks_app
 
 __all__ = [
     "OWNER_KEY", "backend", "broker", "harness_session", "locks", "make_redis", "ops", "processes",
-    "records", "redis_db", "redis_server", "tasks", "test_owner",
+    "rabbitmq", "rabbitmq_server", "records", "redis_db", "redis_server", "tasks", "test_owner",
 ]
 
 #: Where a test item keeps its owner (for the failure report in conftest.py).
@@ -82,6 +89,24 @@ def redis_server(harness_session: None) -> Iterator[RedisServer]:
     yield server
     gc.collect()  # AsyncResults unsubscribe when collected: while the result backend still runs
     owner.close()
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server(harness_session: None) -> Iterator[RabbitMQServer]:
+    """One RabbitMQ node for the session, started when a test first needs it."""
+    with owning(Owner("session rabbitmq-server")) as owner:
+        server = RabbitMQServer(name="session-rabbitmq").start()
+    yield server
+    owner.close()
+
+
+@pytest.fixture
+def rabbitmq(rabbitmq_server: RabbitMQServer) -> str:
+    """The session node's broker URL; Celery's default queue is deleted first, so no
+    message of an earlier test is delivered (workers declare it again)."""
+    with kombu.Connection(rabbitmq_server.url, connect_timeout=10) as connection:
+        connection.default_channel.queue_delete("celery")
+    return rabbitmq_server.url
 
 
 @pytest.fixture

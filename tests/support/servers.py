@@ -1,7 +1,8 @@
-"""The tests' plain redis-server: started by us, checked to be ours, never shared.
+"""The tests' servers: a plain redis-server and a RabbitMQ node, started by us,
+checked to be ours, never shared.
 
-Databases of a test server: the broker in 0, results in 1, locks and claims
-in 2, run records in 3 (see ``tests/apps``).
+Databases of a test redis-server: the broker in 0, results in 1, locks and
+claims in 2, run records in 3 (see ``tests/apps``). RabbitMQ is only a broker.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from typing import Any
 
 import redis
 
+from harness.rabbitmq_server import RabbitMQServerProcess, find_rabbitmq_server
 from harness.redis_server import RedisServerProcess, find_redis_server, free_port, server_pid
 
 from .owners import register
 from .paths import scratch
+from .skips import skip_or_fail
 
-__all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "RedisServer",
-           "free_port", "redis_server_binary"]
+__all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "RabbitMQServer",
+           "RedisServer", "free_port", "rabbitmq_server_binary", "redis_server_binary"]
 
 #: Databases of a test redis-server.
 BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
@@ -150,3 +153,31 @@ class RedisServer:
             client.flushall()
         finally:
             client.close()
+
+
+def rabbitmq_server_binary() -> str:
+    """``$RABBITMQ_SERVER`` or Debian's ``rabbitmq-server``; a skip (a failure in CI) if neither."""
+    found = find_rabbitmq_server()
+    if found is None:
+        skip_or_fail("rabbitmq-server not found: apt-get install -y rabbitmq-server "
+                     "(or set RABBITMQ_SERVER to its start script)")
+    return found
+
+
+class RabbitMQServer(RabbitMQServerProcess):
+    """A throw-away RabbitMQ node on 127.0.0.1 (see :mod:`harness.rabbitmq_server`).
+
+    ``start()`` registers it with the current owner before anything can fail;
+    ``url`` is the broker URL (``guest`` on vhost ``/``); ``close()`` kills the
+    node and removes its files.
+    """
+
+    error = AssertionError
+
+    def __init__(self, name: str = "rabbitmq") -> None:
+        super().__init__(name, rabbitmq_server_binary(), log_dir=scratch(name))
+
+    def start(self, timeout: float = 90.0) -> "RabbitMQServer":
+        register(self)
+        super().start(timeout)
+        return self

@@ -20,7 +20,8 @@ from typing import NoReturn
 import pytest
 
 #: Debian packages that provide the binaries (``redis-server`` pulls ``redis-tools``).
-PACKAGES = {"redis-cli": "redis-tools", "openssl": "openssl", "redis-server": "redis-server"}
+PACKAGES = {"redis-cli": "redis-tools", "openssl": "openssl", "redis-server": "redis-server",
+            "rabbitmq-server": "rabbitmq-server"}
 
 #: Tests that may skip in CI too (node id -> why). Keep this list short.
 ALLOWED_SKIPS = {
