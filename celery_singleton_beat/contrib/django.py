@@ -1,0 +1,168 @@
+"""django-celery-beat's ``DatabaseScheduler``, active-active: one send per slot.
+
+Install with ``pip install 'celery-singleton-beat[django]'`` and run every
+beat with::
+
+    celery -A proj beat -S celery_singleton_beat.contrib.django:SingletonDatabaseScheduler
+
+(or ``CELERY_BEAT_SCHEDULER`` / ``beat_scheduler`` set to that path). The
+schedule stays in the database and is edited as usual (admin, ORM); each beat
+re-reads it when ``PeriodicTasks.last_update`` changes, and every slot is
+claimed in Redis exactly as with ``SingletonScheduler``. See ``docs/django.md``.
+
+Importing this module needs Django set up (``django.setup()`` or Celery's
+Django fix-up), as importing ``django_celery_beat.schedulers`` does.
+
+What this class adds to ``SingletonSchedulerMixin`` + ``DatabaseScheduler``:
+
+* ``schedules_equal`` honours ``DatabaseScheduler``'s "heap invalidated" flag
+  before the mixin's once-per-burst shortcut: otherwise a database change seen
+  during a burst leaves Celery with the empty heap ``DatabaseScheduler`` put in
+  place, and the beat sends nothing until ``beat_max_loop_interval`` later;
+* when the database gives an entry a new schedule, the entry's last handled
+  slot is re-anchored on the new schedule (an interval entry's next slot is the
+  next multiple of the *new* period, on time); an entry that leaves the
+  schedule (disabled, deleted) is forgotten, so that it comes back under the
+  start-up rule (``singleton_beat_catch_up``) like a new entry;
+* the per-entry ``singleton`` option, which a database row has no field for,
+  is read from the task's ``headers`` JSON (``{"singleton": false}``) and
+  taken out of the headers actually sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+try:
+    from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    if (exc.name or "").split(".")[0] in ("django", "django_celery_beat", "timezone_field"):
+        raise ImportError(
+            "celery_singleton_beat.contrib.django needs django-celery-beat: "
+            "pip install 'celery-singleton-beat[django]'"
+        ) from exc
+    raise
+
+from celery import schedules
+
+from celery_singleton_beat import SingletonSchedulerMixin
+
+__all__ = ["HEADER_OPTION", "SingletonDatabaseScheduler", "SingletonModelEntry"]
+
+logger = logging.getLogger("celery_singleton_beat.contrib.django")
+
+#: Key of ``PeriodicTask.headers`` read as the entry's ``singleton`` option
+#: (``true``, ``false`` or ``{"key": ..., "include_args": ...}``); not sent.
+HEADER_OPTION = "singleton"
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MICROSECOND = timedelta(microseconds=1)
+_ABSENT = object()
+
+
+def _floor(at: datetime, period: timedelta) -> datetime:
+    """The latest epoch-aligned multiple of ``period`` at or before ``at`` (UTC)."""
+    step = period // _MICROSECOND
+    elapsed = (at.astimezone(timezone.utc) - _EPOCH) // _MICROSECOND
+    return _EPOCH + timedelta(microseconds=elapsed // step * step)
+
+
+class SingletonModelEntry(ModelEntry):
+    """A ``PeriodicTask`` row as a beat entry, with its ``singleton`` option.
+
+    The option lives in the row's ``headers`` JSON under ``"singleton"``: it is
+    moved to ``options["singleton"]`` (what the scheduler mixin reads) and is
+    not part of the message headers. Entries given in ``beat_schedule`` with
+    ``options={"singleton": ...}`` are stored that way too (django-celery-beat
+    would otherwise drop the option when it writes the row).
+    """
+
+    def __init__(self, model: Any, app: Any = None) -> None:
+        super().__init__(model, app=app)
+        headers = dict(self.options.get("headers") or {})
+        option = headers.pop(HEADER_OPTION, _ABSENT)
+        if option is not _ABSENT:
+            self.options["headers"] = headers
+            self.options[HEADER_OPTION] = option
+
+    @classmethod
+    def _unpack_options(cls, headers: Any = None, **options: Any) -> dict[str, Any]:
+        option = options.pop(HEADER_OPTION, _ABSENT)
+        if option is not _ABSENT:
+            headers = {**(headers or {}), HEADER_OPTION: option}
+        fields: dict[str, Any] = super()._unpack_options(headers=headers, **options)
+        return fields
+
+
+class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
+    """django-celery-beat's database scheduler, sending each slot from one beat only.
+
+    Run as many beats on one database as you like; they share the schedule
+    (database) and the slot claims (Redis, ``singleton_redis_url``).
+
+    The database columns ``last_run_at`` and ``total_run_count`` are written as
+    django-celery-beat writes them, by every beat (each counts the slots it
+    handled, sent or not, and the last write wins): they are informational.
+    Slots never depend on them; the claims history in Redis (``celery
+    singleton beat-history``) says which beat sent which slot.
+    """
+
+    Entry = SingletonModelEntry
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Per entry name: the schedule this beat last built its heap with.
+        self._seen_schedules: dict[str, Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
+        """A re-read of the database always rebuilds the heap, even in a burst."""
+        if getattr(self, "_heap_invalidated", False):
+            self._heap_invalidated = False
+            return False
+        return super().schedules_equal(old_schedules, new_schedules)
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        self._follow_schedule_changes(self.schedule)
+        super().populate_heap(*args, **kwargs)
+
+    def _follow_schedule_changes(self, entries: dict[str, Any]) -> None:
+        """Re-anchor entries whose schedule changed; forget entries that are gone.
+
+        Called each time the heap is rebuilt, which ``DatabaseScheduler`` makes
+        happen after every change in the database. An entry's new schedule
+        continues after the last slot this beat handled: an interval entry's
+        next slot is the next multiple of the new period after it, and with
+        ``singleton_beat_catch_up = "latest"`` the latest slot of the new
+        schedule not handled yet is sent at once (``"none"``: slots up to now
+        count as handled). Every beat computes the same slots, so the claims
+        still give one send per slot while the beats see the change at
+        slightly different moments.
+        """
+        handled = self._handled
+        for name in [name for name in handled if name not in entries]:
+            logger.info("beat: %s: left the schedule; handled as a new entry if it comes back",
+                        name)
+            del handled[name]
+            self._hints.pop(name, None)
+            self._seen_schedules.pop(name, None)
+        for name, entry in entries.items():
+            schedule = entry.schedule
+            seen = self._seen_schedules.get(name, _ABSENT)
+            self._seen_schedules[name] = schedule
+            if seen is _ABSENT or seen == schedule or name not in handled:
+                continue
+            last = handled[name]
+            if isinstance(schedule, schedules.schedule):
+                last = _floor(last, schedule.run_every)
+            anchored = max(last, self._first_sight(entry))
+            handled[name] = anchored
+            self._hints.pop(name, None)
+            logger.info("beat: %s: schedule changed from %s to %s; slots after %s are due",
+                        name, seen, schedule, anchored.isoformat())
+
+    @property
+    def info(self) -> str:
+        line = "    . schedule -> django-celery-beat database (re-read on changes)"
+        return f"{super().info}\n{line}"
