@@ -13,14 +13,21 @@ from typing import Any
 
 def settings_for(database: str) -> dict[str, Any]:
     """The settings, with ``database`` as the SQLite file."""
+    import django
+
+    # Several beats and the test write to one file: wait for its lock (``timeout``),
+    # and take it when a transaction begins, since SQLite fails at once (no wait)
+    # a transaction that read and then wants to write while another one writes.
+    options: dict[str, Any] = {"timeout": 30}
+    if django.VERSION >= (5, 1):
+        options["transaction_mode"] = "IMMEDIATE"
     return {
         "SECRET_KEY": "celery-singleton-beat tests only",
         "INSTALLED_APPS": ["django_celery_beat"],
         "DATABASES": {"default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": database,
-            # Several beats and the test share the file: wait for its lock, do not fail.
-            "OPTIONS": {"timeout": 30},
+            "OPTIONS": options,
         }},
         "USE_TZ": True,
         "TIME_ZONE": "UTC",
