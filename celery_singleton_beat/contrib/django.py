@@ -21,9 +21,9 @@ What this class adds to ``SingletonSchedulerMixin`` + ``DatabaseScheduler``:
   place, and the beat sends nothing until ``beat_max_loop_interval`` later;
 * when the database gives an entry a new schedule, the entry's last handled
   slot is re-anchored on the new schedule (an interval entry's next slot is the
-  next multiple of the *new* period, on time); an entry that leaves the
-  schedule (disabled, deleted) is forgotten, so that it comes back under the
-  start-up rule (``singleton_beat_catch_up``) like a new entry;
+  next multiple of the *new* period, on time); an entry that comes back
+  (enabled again) has the slots it missed handled by the start-up rule
+  (``singleton_beat_catch_up``), as a beat started then would;
 * the per-entry ``singleton`` option, which a database row has no field for,
   is read from the task's ``headers`` JSON (``{"singleton": false}``) and
   taken out of the headers actually sent.
@@ -114,6 +114,8 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Per entry name: the schedule this beat last built its heap with.
         self._seen_schedules: dict[str, Any] = {}
+        # Entries handled before that the database no longer returns.
+        self._away: set[str] = set()
         super().__init__(*args, **kwargs)
 
     def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
@@ -128,30 +130,34 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
         super().populate_heap(*args, **kwargs)
 
     def _follow_schedule_changes(self, entries: dict[str, Any]) -> None:
-        """Re-anchor entries whose schedule changed; forget entries that are gone.
+        """Re-anchor entries whose schedule changed or that come back to the schedule.
 
         Called each time the heap is rebuilt, which ``DatabaseScheduler`` makes
-        happen after every change in the database. An entry's new schedule
-        continues after the last slot this beat handled: an interval entry's
-        next slot is the next multiple of the new period after it, and with
-        ``singleton_beat_catch_up = "latest"`` the latest slot of the new
-        schedule not handled yet is sent at once (``"none"``: slots up to now
-        count as handled). Every beat computes the same slots, so the claims
-        still give one send per slot while the beats see the change at
-        slightly different moments.
+        happen after every change in the database. An entry continues after
+        the last slot this beat handled, on its current schedule: an interval
+        entry's next slot is the next multiple of the (new) period after it.
+        Slots missed meanwhile (the entry was disabled, or its new schedule has
+        a slot between the last one handled and now) follow the start-up rule,
+        ``singleton_beat_catch_up``: ``"latest"`` sends the latest one at once
+        (unless another beat already claimed it), ``"none"`` counts slots up to
+        now as handled. Every beat computes the same slots, so the claims still
+        give one send per slot while beats see a change at slightly different
+        moments.
         """
         handled = self._handled
-        for name in [name for name in handled if name not in entries]:
-            logger.info("beat: %s: left the schedule; handled as a new entry if it comes back",
-                        name)
-            del handled[name]
-            self._hints.pop(name, None)
-            self._seen_schedules.pop(name, None)
+        for name in handled:
+            if name not in entries and name not in self._away:
+                # Disabled, deleted, or (crontab rows) outside django-celery-beat's
+                # window of hours: kept, re-anchored if it comes back.
+                logger.debug("beat: %s: not in the schedule read from the database", name)
+                self._away.add(name)
         for name, entry in entries.items():
             schedule = entry.schedule
             seen = self._seen_schedules.get(name, _ABSENT)
             self._seen_schedules[name] = schedule
-            if seen is _ABSENT or seen == schedule or name not in handled:
+            back = name in self._away
+            self._away.discard(name)
+            if name not in handled or not (back or (seen is not _ABSENT and seen != schedule)):
                 continue
             last = handled[name]
             if isinstance(schedule, schedules.schedule):
@@ -159,8 +165,12 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
             anchored = max(last, self._first_sight(entry))
             handled[name] = anchored
             self._hints.pop(name, None)
-            logger.info("beat: %s: schedule changed from %s to %s; slots after %s are due",
-                        name, seen, schedule, anchored.isoformat())
+            if back:
+                logger.debug("beat: %s: back in the schedule; slots after %s are due",
+                             name, anchored.isoformat())
+            else:
+                logger.info("beat: %s: schedule changed from %s to %s; slots after %s are due",
+                            name, seen, schedule, anchored.isoformat())
 
     @property
     def info(self) -> str:
