@@ -250,19 +250,28 @@ def test_singleton_option_in_the_task_headers(django_db: Path, redis_db: Any,
     ``last_run_at`` write would otherwise make the row not due for the second).
     """
     from django.utils import timezone
+    from django_celery_beat.models import PeriodicTask
 
     clear_schedule()
     # Unclaimed entries run as in plain django-celery-beat: due one period after last_run_at.
     add_entry("everywhere", 1, "hours", headers=json.dumps({"singleton": False, "team": "ops"}),
               last_run_at=timezone.now() - timedelta(hours=2))
     add_entry("claimed", 1, "hours")
-    first, second = recording_scheduler(redis_server), recording_scheduler(redis_server)
+    from_settings = {"from-settings": {"task": TASK, "schedule": 3600.0, "args": ["from-settings"],
+                                       "options": {"singleton": {"key": "shared"}}}}
+    first = recording_scheduler(redis_server, beat_schedule=from_settings)
+    second = recording_scheduler(redis_server)
     try:
         for scheduler in (first, second):
             wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the due entries handled")
         names = sent_names(first) + sent_names(second)
         assert names.count("everywhere") == 2
         assert names.count("claimed") == 1
+        # A beat_schedule entry's option is stored in the row it becomes, and claimed by it.
+        row = PeriodicTask.objects.get(name="from-settings")
+        assert json.loads(row.headers) == {"singleton": {"key": "shared"}}
+        assert names.count("from-settings") == 1
+        assert redis_server.client(LOCK_DB).keys("singleton:{beat:shared}:*")
         for sent in first.sent + second.sent:
             headers = sent["options"]["headers"]
             assert "singleton" not in headers and "singleton" not in sent["options"]
