@@ -181,6 +181,58 @@ def test_a_database_change_in_a_burst_does_not_stall_the_burst(
         scheduler.close()
 
 
+def test_a_row_saved_while_the_beat_starts_is_picked_up(
+        django_db: Path, redis_db: Any, redis_server: RedisServer) -> None:
+    """A row saved between the beat's first read of the rows and its first look at the
+    change marker (here: while it writes its ``celery.backend_cleanup`` row) is read at
+    the next tick, not at the next full read 5 minutes later."""
+    from django.db.models.signals import post_save
+    from django_celery_beat.models import PeriodicTask
+
+    clear_schedule()
+    add_entry("before-start", 1, "hours")
+
+    def save_another_row(sender: Any, instance: Any, **kwargs: Any) -> None:
+        if instance.name == "celery.backend_cleanup":
+            post_save.disconnect(save_another_row, sender=PeriodicTask)
+            add_entry("during-start", 1, "hours")
+
+    post_save.connect(save_another_row, sender=PeriodicTask)
+    try:
+        scheduler = recording_scheduler(redis_server, result_expires=3600)
+    finally:
+        post_save.disconnect(save_another_row, sender=PeriodicTask)
+    try:
+        assert PeriodicTask.objects.filter(name="during-start").exists()
+        wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the due entries sent")
+        assert "during-start" in scheduler.schedule
+        assert sorted(sent_names(scheduler)) == ["before-start", "during-start"]
+    finally:
+        scheduler.close()
+
+
+def test_a_change_marked_by_a_clock_behind_is_picked_up(
+        django_db: Path, redis_db: Any, redis_server: RedisServer) -> None:
+    """A row saved from a machine whose clock is an hour behind: its change marker is
+    older than the one the beat saw last, and the row is read all the same."""
+    from django.utils import timezone
+    from django_celery_beat.models import PeriodicTask, PeriodicTasks
+
+    clear_schedule()
+    add_entry("first", 1, "hours")
+    scheduler = recording_scheduler(redis_server)
+    try:
+        wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the first entry sent")
+        behind = timezone.now() - timedelta(hours=1)
+        add_entry("saved-behind", 1, "hours")
+        PeriodicTasks.objects.filter(ident=1).update(last_update=behind)  # what that machine wrote
+        wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the due entries sent")
+        assert sorted(sent_names(scheduler)) == ["first", "saved-behind"]
+        assert PeriodicTask.objects.count() == 2
+    finally:
+        scheduler.close()
+
+
 def test_a_new_interval_is_anchored_on_its_own_multiples(
         django_db: Path, redis_db: Any, redis_server: RedisServer) -> None:
     """An entry sent for its 7 s slot, then set to 1 day: next due at the next 00:00 UTC.

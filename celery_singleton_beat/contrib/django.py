@@ -15,6 +15,10 @@ Django fix-up), as importing ``django_celery_beat.schedulers`` does.
 
 What this class adds to ``SingletonSchedulerMixin`` + ``DatabaseScheduler``:
 
+* a row saved while the beat starts is not missed (django-celery-beat looks
+  at its change marker only after its first read of the rows and its own
+  writes), and any move of the marker counts, not only a later timestamp
+  (clock skew between the machines that save rows);
 * ``schedules_equal`` honours ``DatabaseScheduler``'s "heap invalidated" flag
   before the mixin's once-per-burst shortcut: otherwise a database change seen
   during a burst leaves Celery with the empty heap ``DatabaseScheduler`` put in
@@ -117,6 +121,21 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
         # Entries handled before that the database no longer returns.
         self._away: set[str] = set()
         super().__init__(*args, **kwargs)
+
+    def schedule_changed(self) -> bool:
+        """Any move of the change marker counts, not only a later timestamp.
+
+        django-celery-beat compares with ``>`` against the value it saw last,
+        and sees none before its first check, which comes after its first read
+        of the rows and its own start-up writes: a row saved by someone else in
+        between was not read until the next full read, 5 minutes later. The
+        marker is also written with the clock of whoever saved a row, so a
+        write from a machine whose clock is behind was missed too. Here the
+        first check always re-reads the rows, and any new value is a change.
+        """
+        last = self._last_timestamp
+        changed = bool(super().schedule_changed())
+        return changed or self._last_timestamp != last
 
     def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
         """A re-read of the database always rebuilds the heap, even in a burst."""
