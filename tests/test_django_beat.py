@@ -166,6 +166,7 @@ def test_a_database_change_in_a_burst_does_not_stall_the_burst(
     for name in names:
         add_entry(name, 1, "hours")  # catch-up "latest": the current hour's slot is due at start
     scheduler = recording_scheduler(redis_server)
+    scheduler.claim_batch_size = 1  # no slots claimed ahead: the change is read mid-burst
     try:
         assert scheduler.tick() == 0
         assert scheduler.tick() == 0
@@ -177,6 +178,33 @@ def test_a_database_change_in_a_burst_does_not_stall_the_burst(
         assert sorted(sent_names(scheduler)) == names, f"tick returned {delay}"
         assert scheduler.tick() > 0  # nothing else is due
         assert len(set(sent["slot"] for sent in scheduler.sent)) == 1
+    finally:
+        scheduler.close()
+
+
+def test_no_database_io_between_claims_won_ahead_and_their_send(
+        django_db: Path, redis_db: Any, redis_server: RedisServer) -> None:
+    """In a burst, the beat claims the other due entries' slots ahead: it writes
+    (``last_run_at``) and re-reads the database only once they are sent."""
+    from django_celery_beat.models import PeriodicTask
+
+    clear_schedule()
+    names = ["burst-a", "burst-b", "burst-c"]
+    for name in names:
+        add_entry(name, 1, "hours")
+    scheduler = recording_scheduler(redis_server)
+    try:
+        assert scheduler.tick() == 0  # one sent, two claimed ahead
+        assert len(scheduler.sent) == 1
+        assert all(row.total_run_count == 0 for row in PeriodicTask.objects.all())
+        add_entry("saved-mid-burst", 1, "hours")
+        assert scheduler.tick() == 0
+        assert "saved-mid-burst" not in scheduler.schedule  # one slot claimed ahead still unsent
+        assert scheduler.tick() == 0
+        assert sorted(sent_names(scheduler)) == names
+        assert PeriodicTask.objects.get(name=sent_names(scheduler)[-1]).total_run_count == 1
+        wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the new row read and sent")
+        assert sent_names(scheduler)[-1] == "saved-mid-burst"
     finally:
         scheduler.close()
 

@@ -28,6 +28,9 @@ What this class adds to ``SingletonSchedulerMixin`` + ``DatabaseScheduler``:
   next multiple of the *new* period, on time); an entry that comes back
   (enabled again) has the slots it missed handled by the start-up rule
   (``singleton_beat_catch_up``), as a beat started then would;
+* no database read or write between claims won ahead in a burst and their
+  publish (django-celery-beat syncs after sends and checks for changes on
+  every tick): a beat killed there would hold those slots unsent;
 * the per-entry ``singleton`` option, which a database row has no field for,
   is read from the task's ``headers`` JSON (``{"singleton": false}``) and
   taken out of the headers actually sent.
@@ -122,6 +125,18 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
         self._away: set[str] = set()
         super().__init__(*args, **kwargs)
 
+    def should_sync(self) -> bool:
+        """Write ``last_run_at`` / ``total_run_count`` after a burst, not inside it.
+
+        While slots claimed ahead for the other due entries are not sent yet,
+        a database write (a commit, an fsync, a lock wait on SQLite) would sit
+        between their claims and their publish: a beat that dies there loses
+        them until the claims expire. The write happens after the burst.
+        """
+        if self._prefetched:
+            return False
+        return bool(super().should_sync())
+
     def schedule_changed(self) -> bool:
         """Any move of the change marker counts, not only a later timestamp.
 
@@ -133,6 +148,10 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
         write from a machine whose clock is behind was missed too. Here the
         first check always re-reads the rows, and any new value is a change.
         """
+        if self._prefetched:
+            # Slots claimed ahead are not sent yet: read the database after the burst
+            # (a few milliseconds later), not between their claims and their publish.
+            return False
         last = self._last_timestamp
         changed = bool(super().schedule_changed())
         return changed or self._last_timestamp != last
