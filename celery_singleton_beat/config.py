@@ -420,11 +420,20 @@ def _resolve_options(conf: Any, target: RedisTarget, source: _Source,
 def validate_settings(app: Celery) -> SingletonSettings:
     """Read and check every ``singleton_*`` setting of ``app``; raise on any mistake."""
     conf = app.conf
+    keys = list(conf.keys())  # loads a pending configuration, which sets its prefix
+    # Settings loaded with a namespace (``config_from_object("django.conf:settings",
+    # namespace="CELERY")``, the Django layout) keep it in their keys: CELERY_SINGLETON_*.
+    namespace = str(getattr(conf, "prefix", None) or "").lower()
     given: dict[str, Any] = {}
-    for key in list(conf.keys()):
-        if not isinstance(key, str) or not key.lower().startswith(SETTING_PREFIX):
+    for key in keys:
+        if not isinstance(key, str):
             continue
-        name = key.lower()[len(SETTING_PREFIX):]
+        lowered = key.lower()
+        if namespace and lowered.startswith(namespace + SETTING_PREFIX):
+            lowered = lowered[len(namespace):]
+        if not lowered.startswith(SETTING_PREFIX):
+            continue
+        name = lowered[len(SETTING_PREFIX):]
         if name not in _FIELD_NAMES:
             hint = difflib.get_close_matches(name, sorted(_FIELD_NAMES), n=1)
             suggestion = f"; did you mean {SETTING_PREFIX}{hint[0]}?" if hint else ""

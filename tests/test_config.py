@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from celery import Celery
@@ -78,6 +79,25 @@ def test_redis_url_falls_back_to_the_result_backend_then_the_broker() -> None:
     assert get_settings(app).redis_url == "redis://backend:6379/1"
     app2 = Celery("fb2", broker="redis://broker:6379/0", backend="rpc://", set_as_current=False)
     assert get_settings(app2).redis_url == "redis://broker:6379/0"
+
+
+def test_settings_under_a_namespace_are_read() -> None:
+    """``config_from_object(..., namespace="CELERY")`` (how Django projects load Celery's
+    settings): CELERY_SINGLETON_* are the library's settings, typos included."""
+    django_like = SimpleNamespace(CELERY_BROKER_URL="redis://127.0.0.1:1/0",
+                                  CELERY_SINGLETON_REDIS_URL="redis://127.0.0.1:2/5",
+                                  CELERY_SINGLETON_BEAT_CATCH_UP="none")
+    app = Celery("cfg", set_as_current=False)
+    app.config_from_object(django_like, namespace="CELERY")
+    settings = validate_settings(app)
+    assert settings.redis_url == "redis://127.0.0.1:2/5"
+    assert settings.beat_catch_up == "none"
+
+    django_like.CELERY_SINGLETON_BEAT_CATCHUP = "none"
+    typo = Celery("cfg", set_as_current=False)
+    typo.config_from_object(django_like, namespace="CELERY")
+    with pytest.raises(ImproperlyConfigured, match="CELERY_SINGLETON_BEAT_CATCHUP"):
+        validate_settings(typo)
 
 
 def test_no_redis_anywhere_is_a_clear_error() -> None:

@@ -13,6 +13,7 @@ underneath is :mod:`harness`, shared with the benchmarks and the demo.
 * :mod:`.topologies`: TLS, ACL, Cluster and Sentinel topologies on loopback.
 * :mod:`.tasks`: the task apps and their run records, ``EventCapture``.
 * :mod:`.beat`: real beats, in-process schedulers with a manual clock.
+* :mod:`.dbbeat`: django-celery-beat rows, database schedulers and their beats.
 * :mod:`.slots`: ``UTC``, ``utc()``, slot labels.
 * :mod:`.skips`: ``require``, ``importorskip``: skips locally, failures in CI.
 * :mod:`.fixtures`: the fixtures (registered by ``tests/conftest.py``).
