@@ -29,11 +29,13 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from redis.exceptions import NoScriptError
 
+from .channel import channel_for, supports_channel
 from .client import call_acknowledged
 from .liveness import is_alive
 
@@ -75,8 +77,10 @@ class LuaScript:
 _COUNT = """
 local function count(stats, field)
   if stats and field ~= '' then
-    redis.call('HINCRBY', stats, field, 1)
-    redis.call('PEXPIRE', stats, ARGV[#ARGV])
+    -- The TTL is set when a field is created and refreshed every 64th update
+    -- of it, not on each: one command less per lock operation.
+    local n = redis.call('HINCRBY', stats, field, 1)
+    if n % 64 == 1 then redis.call('PEXPIRE', stats, ARGV[#ARGV]) end
   end
 end
 """
@@ -122,10 +126,10 @@ if current then
   end
   return {0, current, redis.call('PTTL', KEYS[1])}
 end
-local fence
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  fence = redis.call('INCR', KEYS[2])
-else
+local fence = redis.call('INCR', KEYS[2])
+if fence == 1 then
+  -- A new counter starts from the server clock in microseconds, so a token is
+  -- still larger than any earlier one after the counter expired.
   local now = redis.call('TIME')
   fence = redis.call('INCRBY', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
 end
@@ -323,6 +327,29 @@ class Lease:
              replacement, _ms(claim_ttl) if claim_ttl else "", STATS_TTL_MS],
         ))
 
+    def release_soon(self, on_result: Callable[[bool | None, BaseException | None], None], *,
+                     done_ttl: float | None = None) -> bool:
+        """Release without waiting for the reply; False when that is not possible here.
+
+        The release is written at once (Redis frees the key as soon as it reads
+        it); its reply -- was the lock still ours? -- reaches ``on_result`` when
+        this thread next waits for a lock reply (its next acquire). Only for
+        clients with a :mod:`.channel` (standalone or Sentinel Redis); raises
+        ``redis.RedisError`` if the command could not be written.
+        """
+        if not supports_channel(self.client):
+            return False
+        task_id = self.holder.task_id if self.holder else None
+
+        def handle(reply: Any, error: BaseException | None) -> None:
+            on_result(None if error is not None else bool(reply), error)
+
+        channel_for(self.client).send(
+            _RELEASE, _release_keys(self.key, task_id, self.stats_key),
+            [self.value, "released", "lost", _ms(done_ttl) if done_ttl else "", "", "", STATS_TTL_MS],
+            handle)
+        return True
+
     def __repr__(self) -> str:
         return f"<Lease {self.key} fence={self.fence} ttl={self.ttl}s>"
 
@@ -414,10 +441,14 @@ def acquire(
                 _RELEASE(conn, _release_keys(key, task_id, stats_key),
                          [reply[1], "unacknowledged", "", "", "", "", STATS_TTL_MS])
 
-        status, value, extra = call_acknowledged(
-            client, key, lambda conn: _ACQUIRE(conn, keys, args),
-            replicas=wait_replicas, timeout=wait_timeout, undo=give_back,
-        )
+        if wait_replicas <= 0 and supports_channel(client):
+            # One round trip, which also reads the reply of this thread's last release.
+            status, value, extra = channel_for(client).call(_ACQUIRE, keys, args)
+        else:
+            status, value, extra = call_acknowledged(
+                client, key, lambda conn: _ACQUIRE(conn, keys, args),
+                replicas=wait_replicas, timeout=wait_timeout, undo=give_back,
+            )
         if status == 2:
             return AcquireResult(lease=None, completed=True)
         text = value.decode("utf-8") if isinstance(value, bytes) else value

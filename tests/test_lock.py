@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 
 from celery_singleton_beat.keeper import LeaseKeeper
@@ -110,20 +111,24 @@ def test_keeper_reports_loss_when_redis_is_gone_past_the_ttl(make_redis: Callabl
     assert "unreachable" in (kept.lost_reason or "")
 
 
-def requests_of(client: redis.Redis) -> list[str]:
-    """From now on, the name of every command ``client`` sends (one request each)."""
+def requests_of(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, the name of every command this process writes to a Redis connection
+    (one request each; the lock's own connection included)."""
     sent: list[str] = []
-    send = client.execute_command
+    send = redis.connection.AbstractConnection.send_packed_command
 
-    def recorded(*args: Any, **options: Any) -> Any:
-        sent.append(str(args[0]).upper())
-        return send(*args, **options)
+    def recorded(self: Any, command: Any, *args: Any, **options: Any) -> Any:
+        first = command if isinstance(command, (bytes, str)) else command[0]
+        first = first.encode() if isinstance(first, str) else bytes(first)
+        sent.append(first.split(b"\r\n")[2].decode().upper())  # *<n> $<len> NAME ...
+        return send(self, command, *args, **options)
 
-    client.execute_command = recorded  # type: ignore[method-assign]
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", recorded)
     return sent
 
 
-def test_counters_are_kept_in_the_same_round_trip(redis_db: redis.Redis, redis_server: RedisServer) -> None:
+def test_counters_are_kept_in_the_same_round_trip(redis_db: redis.Redis, redis_server: RedisServer,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Each operation is one request (EVALSHA) and its counter has moved when it returns."""
     stats = "t:{stats}:task:demo.task"
     warm = take(redis_db, "warm-up", stats_key="t:{stats}:warm-up").lease  # every script loaded first
@@ -134,7 +139,8 @@ def test_counters_are_kept_in_the_same_round_trip(redis_db: redis.Redis, redis_s
     def counts() -> dict[str, int]:
         return {k.decode(): int(v) for k, v in observer.hgetall(stats).items()}
 
-    sent = requests_of(redis_db)
+    observer.ping()  # connected before the recording starts
+    sent = requests_of(monkeypatch)
 
     def one_request(operation: Callable[[], Any], expected: dict[str, int]) -> Any:
         sent.clear()

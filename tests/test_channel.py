@@ -1,0 +1,119 @@
+"""The lock channel: a release written now, its reply read with the next acquire.
+
+Real redis-server. What must hold: the key is free for everyone as soon as the
+release is written (no waiting for the next run), a same-key acquire right
+after its predecessor's release never conflicts with it, the release's outcome
+still reaches its handler, and a SCRIPT FLUSH or a lost connection neither
+reorders nor hides anything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from celery_singleton_beat.channel import channel_for
+from celery_singleton_beat.lock import acquire
+
+from .support import RedisServer, wait_for
+
+KEY = "t:{demo.task:abc}"
+
+
+def take(client: redis.Redis, task_id: str, key: str = KEY) -> Any:
+    return acquire(client, key, 30, task="demo.task", task_id=task_id, node="w1@host", boot="b1")
+
+
+def outcomes() -> tuple[list[tuple[bool | None, BaseException | None]], Callable[..., None]]:
+    seen: list[tuple[bool | None, BaseException | None]] = []
+    return seen, lambda released, error: seen.append((released, error))
+
+
+def test_a_written_release_frees_the_key_for_others_before_its_reply_is_read(
+        redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    lease = take(redis_db, "id-1").lease
+    seen, handler = outcomes()
+    assert lease.release_soon(handler)
+    other = redis_server.client()
+    wait_for(lambda: not other.exists(KEY), timeout=5, message="the key freed by the written release")
+    assert take(other, "id-2").acquired  # another process is not kept waiting
+    channel_for(redis_db).flush()
+    assert seen == [(True, None)]
+
+
+def test_with_no_next_command_the_reply_is_read_in_the_background(redis_db: redis.Redis) -> None:
+    """The outcome of a run's release is known even when the process runs nothing else."""
+    seen, handler = outcomes()
+    take(redis_db, "id-1").lease.release_soon(handler)
+    wait_for(lambda: seen == [(True, None)], timeout=10, message="the flusher to read the reply")
+    assert channel_for(redis_db).pending == 0
+
+
+def test_the_next_acquire_of_the_same_key_runs_after_the_release_and_reads_its_reply(
+        redis_db: redis.Redis) -> None:
+    seen, handler = outcomes()
+    for n in range(50):  # back to back, one key, one thread: never a conflict with itself
+        result = take(redis_db, f"id-{n}")
+        assert result.acquired, f"run {n} conflicted with {result.holder}"
+        result.lease.release_soon(handler)
+    wait_for(lambda: len(seen) == 50, timeout=10, message="every release's reply")
+    assert seen == [(True, None)] * 50
+
+
+def test_a_release_of_a_lock_that_was_taken_meanwhile_reports_it_lost(
+        redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    lease = take(redis_db, "id-1").lease
+    other = redis_server.client()
+    other.delete(KEY)
+    assert take(other, "id-2").acquired
+    seen, handler = outcomes()
+    lease.release_soon(handler)
+    take(redis_db, "id-3", key="t:{demo.task:other}")
+    assert seen == [(False, None)]
+    assert other.exists(KEY), "the new holder's lock is left alone"
+
+
+def test_after_script_flush_a_pending_release_still_runs_before_the_next_acquire(
+        redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    take(redis_db, "warm").lease.release_soon(lambda *_: None)
+    take(redis_db, "warm-2", key="t:{demo.task:warm}")  # every script loaded on the channel
+    lease = take(redis_db, "id-1").lease
+    redis_server.client().script_flush()
+    seen, handler = outcomes()
+    lease.release_soon(handler)  # meets NOSCRIPT on the server
+    assert take(redis_db, "id-2").acquired, "the acquire ran before the release it follows"
+    assert seen == [(True, None)]
+
+
+def test_a_lost_connection_reports_unknown_outcomes_and_the_channel_recovers(
+        make_redis: Callable[..., RedisServer]) -> None:
+    server = make_redis()
+    client = server.client()
+    lease = take(client, "id-1").lease
+    seen, handler = outcomes()
+    lease.release_soon(handler)
+    server.stop()
+    server.start()  # same port, empty: the channel's connection is gone
+    with pytest.raises(redis.ConnectionError):
+        take(client, "id-2")
+    # The reply had either arrived before the server went away, or it is reported unknown.
+    assert seen == [(True, None)] or (len(seen) == 1 and seen[0][0] is None
+                                      and isinstance(seen[0][1], redis.ConnectionError)), seen
+    assert take(client, "id-2").acquired  # a new connection, scripts loaded again
+
+
+def test_a_forked_child_uses_its_own_connection(redis_db: redis.Redis) -> None:
+    parent = channel_for(redis_db)
+    take(redis_db, "id-1").lease.release_soon(lambda *_: None)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        ok = channel_for(redis_db) is not parent and take(redis_db, "id-2").acquired
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
