@@ -134,7 +134,7 @@ def singleton_tasks(app: Celery, *, load: bool = True) -> list[str]:
 def _check_eviction(client: redis.Redis) -> Check:
     """Locks must never be evicted: an evicted lock is a duplicate run waiting to happen."""
     try:
-        memory: dict[str, Any] = client.info("memory")  # type: ignore[assignment]
+        memory: dict[str, Any] = client.info("memory")
         policy = memory.get("maxmemory_policy")
         limit = memory.get("maxmemory_human") if int(memory.get("maxmemory", 0) or 0) else None
         if policy is None:  # servers whose INFO lacks it
@@ -210,8 +210,8 @@ def version_check(version: str, role: str, mode: str = "standalone") -> Check:
 def _check_version(client: redis.Redis) -> Check:
     """Locks need a primary (a replica's writes stay local) running Redis 5.0 or later."""
     try:
-        server: dict[str, Any] = client.info("server")  # type: ignore[assignment]
-        replication: dict[str, Any] = client.info("replication")  # type: ignore[assignment]
+        server: dict[str, Any] = client.info("server")
+        replication: dict[str, Any] = client.info("replication")
     except redis.ConnectionError:
         raise
     except redis.RedisError as exc:  # INFO denied by an ACL, or renamed

@@ -69,7 +69,7 @@ def _from_history(target: Target, history: str, entry: str | None, last: int) ->
     found: list[SlotClaim] = []
     start = 0
     while len(found) < last:
-        page: list[Any] = target.client.lrange(history, start, start + BATCH - 1)  # type: ignore[assignment]
+        page: list[Any] = target.client.lrange(history, start, start + BATCH - 1)
         if not page:
             break
         start += len(page)

@@ -92,7 +92,7 @@ def read_counters(app: Celery) -> Counters:
     with target.guard():
         tasks = _hashes(target.client, glob_escape(task_base) + "*", len(task_base))
         entries = _hashes(target.client, glob_escape(beat_base) + "*", len(beat_base))
-        raw_total: Mapping[Any, Any] = target.client.hgetall(beat_totals_key(prefix))  # type: ignore[assignment]
+        raw_total: Mapping[Any, Any] = target.client.hgetall(beat_totals_key(prefix))
     total = _counters(raw_total)
     return Counters(
         tasks={name: _filled(c, TASK_COUNTERS) for name, c in tasks.items()},
