@@ -292,7 +292,7 @@ def test_an_unreachable_redis_cluster_is_one_line_and_exit_69(ops: ModuleType, r
 
 def test_doctor_version_check_and_exit_codes() -> None:
     """Redis 5.0 is the oldest the lock scripts run on (writes after TIME); 7.0 is tested."""
-    from celery_singleton_beat.cli import Check, doctor_exit_code, version_check
+    from celery_singleton_beat.admin import Check, doctor_exit_code, version_check
 
     assert version_check("7.0.15", "master").status == "OK"
     assert version_check("7.2.4", "master", "cluster").status == "OK"

@@ -1,0 +1,122 @@
+"""The admin API: what ``celery -A proj singleton ...`` shows and does, callable from Python.
+
+For a health endpoint, an admin page or a metrics exporter::
+
+    from celery_singleton_beat import admin
+
+    report = admin.doctor(app)              # never raises for Redis or settings problems
+    if not report.ok:
+        ...                                 # report.checks: name, status OK/WARN/FAIL, detail
+
+    for lock in admin.list_locks(app, task="proj.sync", kind="run"):
+        print(lock.key, lock.holder.task_id, lock.holder.node, lock.ttl)
+
+    stuck = admin.find_release_targets(app, task="proj.sync", every=True)
+    result = admin.release(app, stuck)     # compare-and-delete of exactly those values
+    result.changed                          # re-taken meanwhile: left alone
+
+    admin.recent_slots(app, entry="hourly", last=10).claims
+    admin.read_counters(app).tasks["proj.sync"]["skipped"]
+
+Every function takes the Celery app and reads the Redis of its
+``singleton_redis_url`` with SCAN (never KEYS). Errors: :class:`InvalidSettings`
+(also Celery's ``ImproperlyConfigured``), :class:`RedisUnavailable` (Redis
+could not be reached), :class:`AdminRedisError` (Redis refused a command; the
+base of ``RedisUnavailable``), :class:`NotALockKey` (a ``ValueError``),
+:class:`AmbiguousRelease`; all are :class:`AdminError`, a
+:class:`~celery_singleton_beat.SingletonError`.
+"""
+
+from __future__ import annotations
+
+from ._common import (
+    AdminError,
+    AdminRedisError,
+    InvalidSettings,
+    KeySpace,
+    NotALockKey,
+    RedisUnavailable,
+    Target,
+    connect,
+    glob_escape,
+    load_tasks,
+)
+from .checks import (
+    EX_CONFIG,
+    EX_FAILURE,
+    EX_UNAVAILABLE,
+    MIN_REDIS,
+    TESTED_REDIS,
+    Check,
+    DoctorReport,
+    Status,
+    doctor,
+    doctor_exit_code,
+    singleton_tasks,
+    version_check,
+)
+from .locks import (
+    AmbiguousRelease,
+    HeldLock,
+    HolderReport,
+    HolderState,
+    HolderStatus,
+    LockKind,
+    ReleaseResult,
+    check_holders,
+    find_release_targets,
+    force_release,
+    list_locks,
+    read_lock,
+    release,
+    release_lock,
+)
+from .slots import SlotClaim, SlotHistory, SlotSource, recent_slots
+from .stats import BEAT_COUNTERS, TASK_COUNTERS, Counters, read_counters
+
+__all__ = [
+    "BEAT_COUNTERS",
+    "EX_CONFIG",
+    "EX_FAILURE",
+    "EX_UNAVAILABLE",
+    "MIN_REDIS",
+    "TASK_COUNTERS",
+    "TESTED_REDIS",
+    "AdminError",
+    "AdminRedisError",
+    "AmbiguousRelease",
+    "Check",
+    "Counters",
+    "DoctorReport",
+    "HeldLock",
+    "HolderReport",
+    "HolderState",
+    "HolderStatus",
+    "InvalidSettings",
+    "KeySpace",
+    "LockKind",
+    "NotALockKey",
+    "RedisUnavailable",
+    "ReleaseResult",
+    "SlotClaim",
+    "SlotHistory",
+    "SlotSource",
+    "Status",
+    "Target",
+    "check_holders",
+    "connect",
+    "doctor",
+    "doctor_exit_code",
+    "find_release_targets",
+    "force_release",
+    "glob_escape",
+    "list_locks",
+    "load_tasks",
+    "read_counters",
+    "read_lock",
+    "recent_slots",
+    "release",
+    "release_lock",
+    "singleton_tasks",
+    "version_check",
+]

@@ -1,0 +1,301 @@
+"""``doctor``: check the configuration, the app's singleton tasks and the Redis server.
+
+Each check is a :class:`Check` with status ``OK``, ``WARN`` (worth a look)
+or ``FAIL`` (a problem). :func:`doctor` never raises for an unreachable Redis
+or invalid settings: those are its ``redis`` and ``configuration`` checks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
+
+from ..client import RedisClient, get_redis, primaries
+from ..config import SingletonSettings, get_settings
+from ..lock import LuaScript
+from ._common import REDIS_ERRORS, KeySpace, examples, load_tasks, read, scan, text
+
+__all__ = [
+    "EX_CONFIG",
+    "EX_FAILURE",
+    "EX_UNAVAILABLE",
+    "MIN_REDIS",
+    "TESTED_REDIS",
+    "Check",
+    "DoctorReport",
+    "Status",
+    "doctor",
+    "doctor_exit_code",
+    "singleton_tasks",
+    "version_check",
+]
+
+#: ``OK``; ``WARN`` worth a look; ``FAIL`` a problem.
+Status = Literal["OK", "WARN", "FAIL"]
+
+#: Exit codes of ``doctor`` (and of every ``celery singleton`` command).
+EX_FAILURE = 1
+EX_UNAVAILABLE: int = getattr(os, "EX_UNAVAILABLE", 69)
+EX_CONFIG: int = getattr(os, "EX_CONFIG", 78)
+#: Oldest Redis the lock scripts run on: they write after calling TIME, which
+#: needs effects replication (the default from 5.0 on).
+MIN_REDIS = (5, 0)
+#: Oldest Redis this project tests with; beat's ``SET NX GET`` (which names the
+#: holder of a lost slot in the log) needs 7.0, older servers get ``SET NX``.
+TESTED_REDIS = (7, 0)
+#: Eviction policies under which Redis never deletes a key to make room.
+SAFE_EVICTION = ("noeviction",)
+#: A script using what the lock scripts use: Lua and its cjson library.
+_LUA_PROBE = "return cjson.decode(ARGV[1])['lua']"
+_SEVERITY = {"OK": 0, "WARN": 1, "FAIL": 2}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One ``doctor`` finding: its ``name``, ``status`` and a ``detail`` for a human."""
+
+    name: str
+    status: Status
+    detail: str
+
+    def as_json(self) -> dict[str, str]:
+        """The ``doctor --json`` object of this check."""
+        return {"check": self.name, "status": self.status, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """Every check, in order; the settings when valid; the singleton tasks registered."""
+
+    checks: tuple[Check, ...]
+    settings: SingletonSettings | None
+    tasks: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """True when no check failed (warnings allowed)."""
+        return not self.problems
+
+    @property
+    def problems(self) -> int:
+        """How many checks failed."""
+        return sum(check.status == "FAIL" for check in self.checks)
+
+    @property
+    def warnings(self) -> int:
+        """How many checks warned."""
+        return sum(check.status == "WARN" for check in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        """See :func:`doctor_exit_code`."""
+        return doctor_exit_code(self.checks)
+
+    def check(self, name: str) -> Check | None:
+        """The check called ``name``, if it ran."""
+        return next((check for check in self.checks if check.name == name), None)
+
+    def as_json(self) -> dict[str, Any]:
+        """The ``doctor --json`` document."""
+        return {"ok": self.ok, "checks": [check.as_json() for check in self.checks]}
+
+
+def doctor_exit_code(checks: Sequence[Check]) -> int:
+    """0 without FAIL; 78 for invalid settings, 69 for an unreachable Redis, else 1."""
+    failed = {check.name for check in checks if check.status == "FAIL"}
+    if not failed:
+        return 0
+    if "configuration" in failed:
+        return EX_CONFIG
+    if "redis" in failed:
+        return EX_UNAVAILABLE
+    return EX_FAILURE
+
+
+def singleton_tasks(app: Celery, *, load: bool = True) -> list[str]:
+    """Names of the app's singleton tasks, sorted; with ``load``, after
+    :func:`load_tasks` (the app's task modules imported, as a worker does)."""
+    if load:
+        load_tasks(app)
+    return sorted(name for name, task in app.tasks.items() if hasattr(task, "singleton_key"))
+
+
+# --------------------------------------------------------------------------- Redis checks
+
+
+def _check_eviction(client: redis.Redis) -> Check:
+    """Locks must never be evicted: an evicted lock is a duplicate run waiting to happen."""
+    try:
+        memory: dict[str, Any] = client.info("memory")
+        policy = memory.get("maxmemory_policy")
+        limit = memory.get("maxmemory_human") if int(memory.get("maxmemory", 0) or 0) else None
+        if policy is None:  # servers whose INFO lacks it
+            config: dict[str, Any] = client.config_get("maxmemory-policy")  # type: ignore[assignment]
+            policy = text(config["maxmemory-policy"])
+    except redis.ConnectionError:
+        raise
+    except (redis.RedisError, KeyError) as exc:  # INFO / CONFIG denied by an ACL, or renamed
+        return Check("eviction", "WARN", f"cannot read maxmemory-policy ({exc}); "
+                                         "make sure it is noeviction")
+    if policy in SAFE_EVICTION:
+        return Check("eviction", "OK", f"maxmemory-policy {policy}: locks are never evicted "
+                                       "(a full Redis refuses new locks instead, and tasks wait)")
+    scope = "any key" if policy.startswith("allkeys") else "any key with a TTL, and every lock has one"
+    if policy == "volatile-ttl":
+        scope = "keys with the shortest TTL first, which are the locks"
+    when = f"when memory reaches {limit}" if limit else "once maxmemory is set (it is 0 now)"
+    return Check("eviction", "FAIL", f"maxmemory-policy {policy} evicts {scope} {when}: an evicted "
+                                     "lock lets a duplicate run. Use noeviction (a dedicated Redis "
+                                     "or database server for locks if this one is a cache)")
+
+
+def _check_expiry(client: RedisClient, prefix: str) -> Check:
+    """Every lock, claim and fencing counter must expire; counters and history are bounded."""
+    space = KeySpace(prefix)
+    scanned = 0
+    stuck: list[str] = []
+    foreign: list[str] = []
+    for batch in scan(client, space.pattern):
+        scanned += len(batch)
+        for key, (pttl,) in zip(batch, read(client, batch, "pttl")):
+            if pttl != -1:
+                continue
+            kind = space.kind(key)
+            if kind in ("lock", "queued", "fence", "slot"):
+                stuck.append(key)
+            elif kind == "other":
+                foreign.append(key)
+    if stuck:
+        return Check("expiry", "FAIL", f"{len(stuck)} of {scanned} key(s) under '{prefix}:' never "
+                                       f"expire: {examples(stuck)}. A lock without TTL blocks its "
+                                       "task for good: free it with `celery singleton release KEY`")
+    if foreign:
+        return Check("expiry", "WARN", f"{len(foreign)} key(s) under '{prefix}:' that this library "
+                                       f"does not write have no TTL: {examples(foreign)}")
+    if not scanned:
+        return Check("expiry", "OK", f"no keys under '{prefix}:' (nothing held)")
+    return Check("expiry", "OK", f"{scanned} key(s) under '{prefix}:'; every lock and claim expires")
+
+
+def version_check(version: str, role: str, mode: str = "standalone") -> Check:
+    """The ``version`` check of a server from its ``INFO`` fields.
+
+    FAIL for a replica (locks must be written to the primary) and for Redis
+    older than :data:`MIN_REDIS`; WARN below :data:`TESTED_REDIS`.
+    """
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if role != "master":
+        return Check("version", "FAIL", f"Redis {version} is a {role}: locks must be written to the "
+                                        "primary (a replica's keys are not shared with the others)")
+    if numbers and numbers < MIN_REDIS:
+        return Check("version", "FAIL", f"Redis {version} is too old: the lock scripts need "
+                                        f"{MIN_REDIS[0]}.{MIN_REDIS[1]} or later (they write after "
+                                        "TIME, which needs effects replication)")
+    if numbers and numbers < TESTED_REDIS:
+        return Check("version", "WARN", f"Redis {version} ({mode}, {role}) is older than the "
+                                        f"{TESTED_REDIS[0]}.{TESTED_REDIS[1]} this library is tested "
+                                        "with; beat cannot name the holder of a slot it lost "
+                                        "(SET NX GET needs 7.0)")
+    return Check("version", "OK", f"Redis {version} ({mode}, {role})")
+
+
+def _check_version(client: redis.Redis) -> Check:
+    """Locks need a primary (a replica's writes stay local) running Redis 5.0 or later."""
+    try:
+        server: dict[str, Any] = client.info("server")
+        replication: dict[str, Any] = client.info("replication")
+    except redis.ConnectionError:
+        raise
+    except redis.RedisError as exc:  # INFO denied by an ACL, or renamed
+        return Check("version", "WARN", f"cannot read INFO ({exc}); check by hand that this is a "
+                                        f"primary running Redis {MIN_REDIS[0]}.{MIN_REDIS[1]} or "
+                                        "later (7.0 or later is tested)")
+    return version_check(str(server.get("redis_version", "?")), str(replication.get("role", "?")),
+                         str(server.get("redis_mode", "standalone")))
+
+
+def _on_each(servers: Sequence[tuple[str, redis.Redis]], check: Callable[[redis.Redis], Check]) -> Check:
+    """Run a per-server check on every server; the worst outcome, naming its servers."""
+    results = [(name, check(server)) for name, server in servers]
+    if len(results) == 1:
+        return results[0][1]
+    worst = max(_SEVERITY[result.status] for _, result in results)
+    shown = [(name, result) for name, result in results if _SEVERITY[result.status] == worst]
+    return Check(shown[0][1].name, shown[0][1].status,
+                 "; ".join(f"{name}: {result.detail}" for name, result in shown))
+
+
+def _redis_checks(client: RedisClient, prefix: str) -> Iterator[Check]:
+    started = time.perf_counter()
+    try:
+        client.ping()
+    except REDIS_ERRORS as exc:
+        yield Check("redis", "FAIL", f"unreachable: {type(exc).__name__}: {exc}")
+        return
+    yield Check("redis", "OK", f"reachable (PING {1000 * (time.perf_counter() - started):.1f} ms)")
+
+    servers = primaries(client)
+    yield _on_each(servers, _check_version)
+    try:
+        # The library's own path: EVALSHA, loading the script on NOSCRIPT.
+        reply = LuaScript(_LUA_PROBE)(client, [], ['{"lua":"ok"}'])
+        lua_ok = isinstance(reply, (bytes, str)) and text(reply) == "ok"
+        yield Check("lua", "OK" if lua_ok else "FAIL",
+                    "scripts with cjson run" if lua_ok else f"the probe script returned {reply!r}")
+    except redis.ConnectionError:
+        raise
+    except redis.RedisError as exc:
+        yield Check("lua", "FAIL", f"cannot run a script ({exc}): the lock scripts cannot run either")
+    yield _on_each(servers, _check_eviction)
+    yield _check_expiry(client, prefix)
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+def _configuration(app: Celery, load: bool) -> tuple[Check, SingletonSettings | None, tuple[str, ...]]:
+    try:
+        settings = get_settings(app)
+    except ImproperlyConfigured as exc:
+        return Check("configuration", "FAIL", str(exc)), None, ()
+    try:
+        names = singleton_tasks(app, load=load)
+    except Exception as exc:  # the app's own modules: anything can fail at import
+        return Check("configuration", "FAIL", f"singleton_* settings valid; cannot import the app's "
+                                              f"task modules: {type(exc).__name__}: {exc}"), settings, ()
+    listed = f": {examples(names, 3)}" if names else ""
+    return (Check("configuration", "OK",
+                  f"singleton_* settings valid; {len(names)} singleton task(s) registered{listed}"),
+            settings, tuple(names))
+
+
+def doctor(app: Celery, *, load: bool = True) -> DoctorReport:
+    """Every ``doctor`` check of ``app``, in order: ``configuration``, ``redis``, ``version``,
+    ``lua``, ``eviction``, ``expiry``.
+
+    ``configuration``: the ``singleton_*`` settings, and the app's task
+    modules imported (``load``, as a worker does) to count its singleton
+    tasks. ``redis``: reachable; the others run only then (they stop where
+    the server stops answering). ``version``: a primary, 5.0 or later (7.0
+    or later tested). ``lua``: a cjson script runs as the lock scripts do.
+    ``eviction``: ``noeviction``, else an evicted lock lets a duplicate run.
+    ``expiry``: no lock, claim or fence key under the prefix without TTL.
+    With invalid settings, only ``configuration`` runs.
+    """
+    first, settings, tasks = _configuration(app, load)
+    if settings is None:
+        return DoctorReport((first,), None)
+    checks = [first]
+    try:
+        checks.extend(_redis_checks(get_redis(app), settings.key_prefix))
+    except REDIS_ERRORS as exc:  # unreachable from the start (Cluster), or lost in the middle
+        checks.append(Check("redis", "FAIL", f"unreachable: {type(exc).__name__}: {exc}"))
+    return DoctorReport(tuple(checks), settings, tasks)

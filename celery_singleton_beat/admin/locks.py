@@ -1,0 +1,290 @@
+"""Task locks held now: list them, ask whether their holders still run, release them.
+
+A release is always a compare-and-delete of the value that was read (and
+shown): a lock re-taken meanwhile by another run is left alone and reported
+as changed, never deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from celery import Celery
+
+from ..keys import QUEUED_SUFFIX, task_stats_key
+from ..lock import Holder, parse_holder, release_value
+from ._common import AdminError, KeySpace, NotALockKey, Target, connect, glob_escape, read, scan
+
+__all__ = [
+    "AmbiguousRelease",
+    "HeldLock",
+    "HolderReport",
+    "HolderState",
+    "HolderStatus",
+    "LockKind",
+    "ReleaseResult",
+    "check_holders",
+    "find_release_targets",
+    "force_release",
+    "list_locks",
+    "read_lock",
+    "release",
+    "release_lock",
+]
+
+#: ``run`` a running task; ``claim`` a queued message (``until_executed``);
+#: ``queued`` the queue claim of ``until_executing``; ``unknown`` a value that
+#: is not a lock record (written by something else?).
+LockKind = Literal["run", "claim", "queued", "unknown"]
+#: What a holder's worker said: ``running`` (releasing lets a duplicate start
+#: beside it), ``stale`` (answered, not running it), ``silent`` (did not answer
+#: in time: probably gone, or busy, or without remote control).
+HolderState = Literal["running", "stale", "silent"]
+
+
+@dataclass(frozen=True)
+class HeldLock:
+    """A task lock as read from Redis."""
+
+    key: str
+    task: str
+    kind: LockKind
+    holder: Holder
+    #: The value read, for compare-and-delete.
+    value: bytes | str
+    #: Seconds left, or None for a lock that never expires (a problem).
+    ttl: float | None
+
+    def as_json(self) -> dict[str, Any]:
+        """The ``locks --json`` object of this lock."""
+        h = self.holder
+        return {
+            "task": self.task, "key": self.key, "kind": self.kind, "task_id": h.task_id,
+            "node": h.node, "pid": h.pid, "boot": h.boot, "acquired_at": h.acquired_at,
+            "ttl": self.ttl, "fence": h.fence,
+        }
+
+
+class AmbiguousRelease(AdminError):
+    """Several locks of a task are held and the caller asked for one; ``locks`` lists them."""
+
+    def __init__(self, task: str, locks: Sequence[HeldLock]) -> None:
+        super().__init__(task, len(locks))
+        self.task, self.locks = task, tuple(locks)
+
+    def __str__(self) -> str:
+        return f"{len(self.locks)} locks of {self.task} are held: release them all, or one key"
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """What :func:`release` did: ``released``, and ``changed`` (left alone: not what was read)."""
+
+    released: tuple[HeldLock, ...]
+    changed: tuple[HeldLock, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every lock asked for was released."""
+        return not self.changed
+
+
+@dataclass(frozen=True)
+class HolderStatus:
+    """The answer about one running holder (see :data:`HolderState`)."""
+
+    lock: HeldLock
+    state: HolderState
+
+
+@dataclass(frozen=True)
+class HolderReport:
+    """What :func:`check_holders` learnt; ``error`` when the broker could not be reached."""
+
+    holders: tuple[HolderStatus, ...]
+    error: str | None = None
+
+    @property
+    def running(self) -> tuple[HeldLock, ...]:
+        """Locks whose holder is still running: releasing one lets a duplicate start."""
+        return tuple(status.lock for status in self.holders if status.state == "running")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _held(key: str, task: str, kind: str, value: Any, pttl: Any) -> HeldLock | None:
+    """A :class:`HeldLock` from a GET and a PTTL reply; None if the key is gone or not a string."""
+    if not isinstance(value, (bytes, str)) or not isinstance(pttl, int) or pttl == -2:
+        return None
+    holder = parse_holder(value)
+    assert holder is not None  # value is not None
+    if holder.token is None and holder.task_id is None:
+        kind = "unknown"
+    elif kind == "lock":
+        kind = "claim" if holder.claim else "run"
+    return HeldLock(key, task, cast(LockKind, kind), holder, value, None if pttl < 0 else pttl / 1000)
+
+
+def _scan_locks(target: Target, task: str | None) -> list[HeldLock]:
+    space = KeySpace(target.prefix)
+    match = f"{glob_escape(target.prefix)}:{{{glob_escape(task) + ':' if task else ''}*"
+    found: list[HeldLock] = []
+    for batch in scan(target.client, match):
+        keys = [(key, parsed) for key in batch
+                if (parsed := space.lock(key)) is not None and (task is None or parsed[0] == task)]
+        replies = read(target.client, [key for key, _ in keys], "get", "pttl")
+        for (key, (name, kind)), (value, pttl) in zip(keys, replies):
+            lock = _held(key, name, kind, value, pttl)
+            if lock is not None:
+                found.append(lock)
+    found.sort(key=lambda lock: (lock.task, lock.holder.acquired_at or 0.0, lock.key))
+    return found
+
+
+def list_locks(app: Celery, *, task: str | None = None, kind: LockKind | Collection[LockKind] | None = None,
+               node: str | None = None) -> list[HeldLock]:
+    """Every task lock and claim held now, sorted by task then acquisition time.
+
+    Filters: ``task`` (its registered name), ``kind`` (one or several of
+    :data:`LockKind`), ``node`` (the holder's worker node name). Read with
+    SCAN (never KEYS); a lock that expires between the SCAN and the read is
+    left out. Raises :class:`InvalidSettings`, :class:`RedisUnavailable` or
+    :class:`AdminRedisError`.
+    """
+    kinds = None if kind is None else {kind} if isinstance(kind, str) else set(kind)
+    target = connect(app)
+    with target.guard():
+        found = _scan_locks(target, task)
+    return [lock for lock in found
+            if (kinds is None or lock.kind in kinds) and (node is None or lock.holder.node == node)]
+
+
+def read_lock(app: Celery, key: str) -> HeldLock | None:
+    """The lock at ``key`` if it is held, None if not.
+
+    :class:`NotALockKey` (a ``ValueError``) if ``key`` is not a task lock key
+    under the app's prefix.
+    """
+    target = connect(app)
+    parsed = KeySpace(target.prefix).lock(key)
+    if parsed is None:
+        raise NotALockKey(f"{key} is not a task lock under the prefix '{target.prefix}' (expected "
+                          f"{target.prefix}:{{<task>:<sha256>}}, optionally followed by {QUEUED_SUFFIX})")
+    with target.guard():
+        [(value, pttl)] = read(target.client, [key], "get", "pttl")
+    return _held(key, *parsed, value, pttl)
+
+
+# --------------------------------------------------------------------------- releasing
+
+
+def find_release_targets(app: Celery, *, key: str | None = None, task: str | None = None,
+                         every: bool = False) -> list[HeldLock]:
+    """The locks a forced release of ``key``, or of ``task``'s lock(s), would delete.
+
+    Give exactly one of ``key`` and ``task``. For a task, several held locks
+    raise :class:`AmbiguousRelease` unless ``every`` is true. An empty list when
+    nothing is held. Show the result, then pass it to :func:`release`: only
+    those values are deleted.
+    """
+    if (key is None) == (task is None):
+        raise TypeError("give either key or task")
+    if every and task is None:
+        raise TypeError("every goes with task")
+    if key is not None:
+        lock = read_lock(app, key)
+        return [lock] if lock is not None else []
+    assert task is not None
+    found = list_locks(app, task=task)
+    if len(found) > 1 and not every:
+        raise AmbiguousRelease(task, found)
+    return found
+
+
+def release_lock(app: Celery, lock: HeldLock) -> bool:
+    """Delete ``lock.key`` if it still holds ``lock.value`` (compare-and-delete).
+
+    True if deleted; False if it changed since it was read (expired, released
+    or re-taken by another run), which leaves it alone. Counted as
+    ``force_released`` in the task's counters (``singleton_stats``) in the
+    same round trip, for real lock records only.
+    """
+    target = connect(app)
+    counted = target.settings.stats and lock.kind != "unknown"
+    stats_key = task_stats_key(target.prefix, lock.task) if counted else None
+    with target.guard():
+        # Cluster clients run the script too (a lock's keys share one hash slot).
+        return release_value(cast(Any, target.client), lock.key, lock.value, stats_key=stats_key,
+                             counter="force_released")
+
+
+def release(app: Celery, locks: Iterable[HeldLock]) -> ReleaseResult:
+    """Release each of ``locks`` with :func:`release_lock`; what was released and what changed.
+
+    A Redis failure part way raises (:class:`RedisUnavailable`): locks
+    released before it stay released; call :func:`release_lock` one by one
+    to report progress.
+    """
+    released: list[HeldLock] = []
+    changed: list[HeldLock] = []
+    for lock in locks:
+        (released if release_lock(app, lock) else changed).append(lock)
+    return ReleaseResult(tuple(released), tuple(changed))
+
+
+def force_release(app: Celery, *, key: str | None = None, task: str | None = None,
+                  every: bool = False) -> ReleaseResult:
+    """:func:`find_release_targets` then :func:`release`, without asking anyone.
+
+    Releasing the lock of a task that still runs lets a duplicate start
+    beside it: see :func:`check_holders` first when that matters.
+    """
+    return release(app, find_release_targets(app, key=key, task=task, every=every))
+
+
+# --------------------------------------------------------------------------- holders
+
+
+def active_tasks(app: Celery, nodes: Sequence[str], timeout: float) -> tuple[dict[str, set[str]], str | None]:
+    """Ask the worker ``nodes`` which task ids they are running.
+
+    Returns the ids by node that answered within ``timeout`` seconds, and an
+    error text when the broker could not be reached (then nobody answered).
+    The broker connection is tried once: a caller must not hang for Celery's
+    default of 100 reconnection attempts.
+    """
+    if not nodes:
+        return {}, None
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+            replies = app.control.inspect(destination=list(nodes), timeout=timeout,
+                                          connection=conn).active() or {}
+    except Exception as exc:  # kombu raises several families (OperationalError, OSError, ...)
+        return {}, f"{type(exc).__name__}: {exc}"
+    return {node: {task.get("id") for task in tasks or ()} for node, tasks in replies.items()}, None
+
+
+def check_holders(app: Celery, locks: Iterable[HeldLock], *, timeout: float = 1.0) -> HolderReport:
+    """Ask the workers of the ``run`` locks' holders whether those still run (remote control).
+
+    Claims and foreign values have no running holder and are not asked about.
+    The broker is tried once; when it cannot be reached, ``error`` says why
+    and no holder is listed.
+    """
+    runs = [lock for lock in locks if lock.kind == "run" and lock.holder.node]
+    nodes = sorted({lock.holder.node for lock in runs if lock.holder.node})
+    replies, error = active_tasks(app, nodes, timeout)
+    if error:
+        return HolderReport((), error)
+    statuses: list[HolderStatus] = []
+    for lock in runs:
+        node = lock.holder.node
+        assert node is not None
+        state: HolderState = ("silent" if node not in replies
+                              else "running" if lock.holder.task_id in replies[node] else "stale")
+        statuses.append(HolderStatus(lock, state))
+    return HolderReport(tuple(statuses))

@@ -1,0 +1,1 @@
+"""A package ``tests.apps.discover_app`` autodiscovers tasks in."""
