@@ -12,6 +12,9 @@ counters; the benchmark's own signals go through a second redis-server):
 
 * **tasks/s** inside the worker: N / (first task's start to last task's end),
   counted in the worker's memory (as ``bench_task``, without its Redis counter);
+* **worker CPU us/task**: the worker process's CPU time (all threads) over the
+  same span / N: what the library costs the worker, little moved by other
+  load on the machine (wall-clock rates are);
 * **Redis CPU us/task**: ``INFO cpu`` ``used_cpu_sys + used_cpu_user`` delta / N;
 * **commands/task**: ``INFO commandstats`` calls delta / N. Redis counts every
   command a Lua script runs as a command (``total_commands_processed`` too):
@@ -42,6 +45,7 @@ Usage: python -m benchmarks.bench_peers [--tasks 2000] [--rounds 3] [--variants 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -176,6 +180,7 @@ def one_round(variant: str, tasks: int, python: str, measured: Server, ctl: Serv
     commands = end["commands"] - start["commands"] - OWN_COMMANDS
     measures: dict[str, Any] = {
         "tasks_per_s": tasks / outcome["seconds"],
+        "worker_cpu_us_per_task": outcome["cpu_seconds"] * 1e6 / tasks,
         "redis_cpu_us_per_task": (end["cpu_s"] - start["cpu_s"]) * 1e6 / tasks,
         "commands_per_task": commands / tasks,
         "reads_per_task": (end["reads"] - start["reads"] - OWN_COMMANDS) / tasks,
@@ -204,6 +209,7 @@ def run(tasks: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS),
     measured: Server | None = None
     ctl: Server | None = None
     samples: dict[str, list[dict[str, Any]]] = {}
+    load_at_start = _loadavg()
     accounting: dict[str, dict[str, Any]] = {}
     try:
         third_python, third, skipped = prepare_third_party(
@@ -231,7 +237,16 @@ def run(tasks: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS),
                 server.stop()
         shutil.rmtree(work, ignore_errors=True)
     return report_of(tasks, rounds, variants, samples, accounting, skipped,
-                     {"interpreter": python, **stack, **third, "redis_server": redis_version})
+                     {"interpreter": python, **stack, **third, "redis_server": redis_version,
+                      "loadavg_1min_at_start": load_at_start, "loadavg_1min_at_end": _loadavg()})
+
+
+def _loadavg() -> str:
+    """The 1-minute load average: other work on the machine moves wall-clock rates."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "unknown"
 
 
 def report_of(tasks: int, rounds: int, variants: tuple[str, ...], samples: dict[str, list[dict[str, Any]]],
@@ -245,7 +260,7 @@ def report_of(tasks: int, rounds: int, variants: tuple[str, ...], samples: dict[
             report["variants"][variant] = {"label": label, "skipped": skipped.get(package or "", "not run")}
             continue
         data: dict[str, Any] = {"label": label}
-        for measure in ("tasks_per_s", "redis_cpu_us_per_task", "commands_per_task", "reads_per_task",
+        for measure in ("tasks_per_s", "worker_cpu_us_per_task", "redis_cpu_us_per_task", "commands_per_task", "reads_per_task",
                         "publish_commands_per_task"):
             data[measure] = summary([s[measure] for s in samples[variant]])
         data["locks_after_publish"] = samples[variant][0]["locks_after_publish"]
@@ -256,9 +271,15 @@ def report_of(tasks: int, rounds: int, variants: tuple[str, ...], samples: dict[
         if "skipped" in data or "tasks_per_s" not in plain:
             continue
         data["ratio_to_plain"] = data["tasks_per_s"]["median"] / plain["tasks_per_s"]["median"]
-        data["cpu_ratio_to_plain"] = (data["redis_cpu_us_per_task"]["median"]
-                                      / plain["redis_cpu_us_per_task"]["median"])
+        for measure in ("worker_cpu_us_per_task", "redis_cpu_us_per_task"):
+            data[f"{measure}_ratio_to_plain"] = data[measure]["median"] / plain[measure]["median"]
     return report
+
+
+def _with_ratio(data: dict[str, Any], measure: str) -> str:
+    """``median (ratio to plain x)`` of one measure, as a table cell."""
+    ratio = data.get(f"{measure}_ratio_to_plain")
+    return f"{data[measure]['median']:.0f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
 
 def table(report: dict[str, Any]) -> str:
@@ -266,17 +287,18 @@ def table(report: dict[str, Any]) -> str:
     rows = []
     for data in report["variants"].values():
         if "skipped" in data:
-            rows.append([data["label"], f"skipped: {data['skipped']}", "", "", "", "", "", ""])
+            rows.append([data["label"], f"skipped: {data['skipped']}", "", "", "", "", "", "", ""])
             continue
-        rate, cpu = data["tasks_per_s"], data["redis_cpu_us_per_task"]["median"]
+        rate = data["tasks_per_s"]
         ratio = f"{data['ratio_to_plain']:.2f}" if "ratio_to_plain" in data else "-"
-        cpu_ratio = f" ({data['cpu_ratio_to_plain']:.2f}x)" if "cpu_ratio_to_plain" in data else ""
         rows.append([data["label"], f"{rate['median']:.0f} ({rate['min']:.0f}-{rate['max']:.0f})", ratio,
-                     f"{cpu:.0f}{cpu_ratio}", f"{data['commands_per_task']['median']:.2f}",
+                     _with_ratio(data, "worker_cpu_us_per_task"), _with_ratio(data, "redis_cpu_us_per_task"),
+                     f"{data['commands_per_task']['median']:.2f}",
                      f"{data['monitor_round']['requests_per_task']:.2f}",
                      f"{data['reads_per_task']['median']:.2f}",
                      f"{data['publish_commands_per_task']['median']:.2f}"])
-    headers = ["variant", "tasks/s median (min-max)", "ratio to plain", "Redis CPU us/task (vs plain)",
+    headers = ["variant", "tasks/s median (min-max)", "ratio to plain", "worker CPU us/task (vs plain)",
+               "Redis CPU us/task (vs plain)",
                "commands/task (incl. inside Lua)", "requests/task (top-level)", "server reads/task",
                "publish: commands/task"]
     env = report["environment"]
@@ -292,7 +314,9 @@ def table(report: dict[str, Any]) -> str:
         "total_reads_processed (about one per client write: a pipeline is one). celery-singleton and "
         "celery-once claim their lock when the task is published (last column), the drain sees their release.",
         "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "interpreter"),
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in env.items()
+                                 if k != "interpreter" and not k.startswith("loadavg")) + ". "
+        f"Load average (1 min) at start {env['loadavg_1min_at_start']}, at end {env['loadavg_1min_at_end']}.",
     ])
 
 
