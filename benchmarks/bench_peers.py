@@ -154,9 +154,8 @@ def one_round(variant: str, tasks: int, python: str, measured: Server, ctl: Serv
             raise RuntimeError(f"{variant}: the worker did not start the gate task:\n{worker.tail(30)}")
         if monitor is not None:
             monitor.start()
-            monitor.ready.wait(30)
-            if monitor.error is not None:
-                raise RuntimeError(f"MONITOR failed: {monitor.error!r}")
+            if not monitor.ready.wait(30) or monitor.error is not None:
+                raise RuntimeError(f"MONITOR did not start: {monitor.error!r}")
         start = counters(client)
         client.echo(START)
         control.rpush("go", "1")
