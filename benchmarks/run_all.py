@@ -27,6 +27,8 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "task": ("bench_task", "Task overhead: plain Task vs SingletonTask, one solo worker",
              {"tasks": 2000, "rounds": 3}, {"tasks": 30, "rounds": 1}),
+    "peers": ("bench_peers", "Peers: plain Task, SingletonTask, celery-singleton, celery-once, one solo worker",
+              {"tasks": 2000, "rounds": 3}, {"tasks": 30, "rounds": 1}),
     "contention": ("bench_contention", "Contention: 8 pool processes, 1,000 submissions over 10 keys",
                    {"submissions": 1000, "keys": 10, "rounds": 3}, {"submissions": 20, "keys": 4, "rounds": 1}),
     "beat": ("bench_beat", "Beat dispatch: entries due at once, PersistentScheduler vs SingletonScheduler",

@@ -24,7 +24,8 @@ def test_every_benchmark_runs_with_tiny_sizes(tmp_path: Path, redis_server: Redi
              message="the benchmarks to finish")
     assert bench.returncode == 0, bench.tail(60)
     text = output.read_text()
-    for title in ("Task overhead", "Contention", "Beat dispatch", "Lock primitives", "Killed pool child",
-                  "Memory"):
+    for title in ("Task overhead", "Peers", "Contention", "Beat dispatch", "Lock primitives",
+                  "Killed pool child", "Memory"):
         assert f"### {title}" in text
     assert "| plain |" in text and "| singleton |" in text
+    assert "| plain Celery Task |" in text and "| SingletonTask (ours, default mode) |" in text
