@@ -232,6 +232,9 @@ def test_a_new_interval_is_anchored_on_its_own_multiples(
     """
     clear_schedule()
     add_entry("retimed", 7)
+    # Start just after a 7 s boundary: the next 7 s slot must not come due while the
+    # test changes the interval (a loaded machine can take seconds for that).
+    wait_for_phase(7.0, 0.05, 1.0)
     scheduler = recording_scheduler(redis_server)
     try:
         wait_for(lambda: scheduler.tick() > 0 and scheduler.sent, timeout=10,
