@@ -83,6 +83,19 @@ TESTS = [
     "tests/test_beat_processes.py::test_history_is_readable_after_real_beats",
 ]
 
+#: The floor smoke run by CI (``make test-matrix-smoke``): the in-process tests, ~15 s.
+SMOKE_TESTS = [
+    "tests/test_lock.py",
+    "tests/test_keys.py",
+    "tests/test_config.py",
+    "tests/test_liveness.py",
+    "tests/test_task_eager.py",
+    "tests/test_task_threads.py",
+    "tests/test_beat_slots.py",
+    "tests/test_beat_scheduler.py",
+    "tests/test_slot_delivery.py",
+]
+
 #: Distributions whose versions each leg records.
 RECORDED = ["celery", "kombu", "redis", "billiard", "click"]
 
@@ -188,8 +201,8 @@ def _junit_counts(path: Path) -> dict[str, int]:
     return counts
 
 
-def run_leg(session: nox.Session, deps: str, server: str, binary: str) -> None:
-    """Install the project with ``DEPS[deps]``, run :data:`TESTS` against ``binary``, record the leg."""
+def run_leg(session: nox.Session, deps: str, server: str, binary: str, tests: list[str] = TESTS) -> None:
+    """Install the project with ``DEPS[deps]``, run ``tests`` against ``binary``, record the leg."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     junit = RESULTS / f"{_slug(session.name)}.xml"
     junit.unlink(missing_ok=True)
@@ -204,7 +217,7 @@ def run_leg(session: nox.Session, deps: str, server: str, binary: str) -> None:
         record["result"] = "failed"
         started = time.monotonic()
         # CI=true: a skip fails the leg (tests/support/skips.py), so nothing is silently untested.
-        session.run("python", "-m", "pytest", "-q", f"--junitxml={junit}", *TESTS, *session.posargs,
+        session.run("python", "-m", "pytest", "-q", f"--junitxml={junit}", *tests, *session.posargs,
                     env={"REDIS_SERVER": binary, "CI": "true"})
         record["result"] = "passed"
     finally:
@@ -247,13 +260,22 @@ def servers(session: nox.Session, server: str, deps: str) -> None:
     run_leg(session, deps, server, packaged_server(session, server))
 
 
+@nox.session(python=RUNNER)
+def smoke(session: nox.Session) -> None:
+    """CI's check of the floor: the runner's Python, floor deps, in-process tests only."""
+    run_leg(session, "floor", "redis (Debian)", debian_redis_server(), SMOKE_TESTS)
+
+
 @nox.session(python=False)
 def report(session: nox.Session) -> None:
     """Print the table of every recorded leg; ``-- --write`` also updates docs/versions.md."""
-    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))] if RESULTS.exists() else []
-    if not rows:
+    files = sorted(RESULTS.glob("*.json")) if RESULTS.exists() else []
+    if not files:
         session.error("no results: run the test sessions first (make test-matrix)")
-    table = render(rows)
+    rows = [json.loads(p.read_text()) for p in files]
+    passed = sum(row["result"] == "passed" for row in rows)
+    day = time.strftime("%Y-%m-%d", time.localtime(max(p.stat().st_mtime for p in files)))
+    table = render(rows) + f"\n{passed} of {len(rows)} legs passed (last one finished on {day}).\n"
     print(table)
     if "--write" in session.posargs:
         text = DOC.read_text()
