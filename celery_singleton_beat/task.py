@@ -45,9 +45,11 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, ClassVar
 
+import celery
 import redis
 from celery import Task
 from celery import states
+from celery.app.task import Context
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
@@ -302,6 +304,19 @@ class SingletonTask(Task):
             return super().__call__(*args, **kwargs)
         finally:
             self._end(request.singleton, sys.exc_info()[1])
+
+    if celery.VERSION[:2] < (5, 5):
+        def push_request(self, *args: Any, **kwargs: Any) -> None:
+            """Celery before 5.5: the request ``Task.__call__`` pushes keeps the current one's fields.
+
+            ``__call__`` above runs the body through ``Task.__call__``, which pushes a
+            new request. Before Celery 5.5 (celery/celery#9208) that request held only
+            ``args`` and ``kwargs``: in eager runs (``apply()``, ``task_always_eager``)
+            the body saw no ``self.singleton`` and no ``self.request.id``. Workers
+            were not affected (their stack protection calls ``run`` directly). This is
+            Celery 5.5's own ``push_request``.
+            """
+            self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
     def _take(self, key: str, ttl: float, counters: tuple[str, str], **holder: Any) -> AcquireResult:
         """One acquire of ``key`` as this task: its name, counters and the WAIT settings."""

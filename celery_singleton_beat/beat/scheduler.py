@@ -214,6 +214,7 @@ class SingletonSchedulerMixin(_SchedulerBase):
             return state
         if self.breaker.is_open() and not self.singleton_settings.beat_fails_open:
             self._report_blocked(entry)
+            self._retry_names.add(entry.name)  # to the end of the back-off in the heap (see tick)
             return schedules.schedstate(False, self.breaker.remaining())
         if isinstance(entry.schedule, schedules.schedule):
             # Celery would check again one period after *now*, drifting off the
@@ -594,19 +595,30 @@ class SingletonSchedulerMixin(_SchedulerBase):
             self.breaker.report_unsent(entry.name, slot, "Redis unavailable, waiting to try again")
 
     def _reschedule_retries(self) -> float:
-        """Move entries whose claim failed to the end of the back-off in the heap."""
+        """Move the entries that wait for the Redis back-off to its end in the heap.
+
+        An entry whose claim failed comes back at the end of the back-off rather
+        than at its next instant. An entry ``is_due`` held back is moved there
+        too: Celery before 5.7 left it on top of the heap, where it kept every
+        entry behind it (opted-out ones included) from being sent until the
+        back-off ended (celery/celery#7649). Returns how long beat may sleep:
+        0 when another entry is due now.
+        """
         names, self._retry_names = self._retry_names, set()
         delay = self.breaker.remaining()
         heap = getattr(self, "_heap", None)
         if isinstance(heap, list) and heap:
-            soon = self._now().timestamp() + delay  # heap times follow the scheduler's clock
+            now = self._now().timestamp()  # heap times follow the scheduler's clock
+            soon = now + delay
             changed = False
             for index, event in enumerate(heap):
-                if event[2].name in names and event[0] > soon and hasattr(event, "_replace"):
+                if event[2].name in names and event[0] != soon and hasattr(event, "_replace"):
                     heap[index] = event._replace(time=soon)
                     changed = True
             if changed:
                 heapq.heapify(heap)
+            if heap[0][0] <= now:
+                return 0.0
         return delay
 
 

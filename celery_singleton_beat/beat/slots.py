@@ -201,13 +201,18 @@ def crontab_slot(cron: schedules.crontab, now: datetime, hint: datetime | None =
     """
     tz = cron.tz
     now = to_utc(now) + EARLY_TOLERANCE
+    # Celery before 5.7 looks for a later minute in the same hour only when the
+    # position is on the day of the schedule's "now" (celery/celery#10494): the
+    # probe's "now" is each position, so every Celery version answers alike.
+    probe = _Probe(cron)
 
     def wall(at: datetime) -> datetime:
         return at.astimezone(tz).replace(tzinfo=None, fold=0)
 
     def step(position: datetime) -> datetime | None:
         aware = position.replace(tzinfo=tz)
-        _, delta, _ = cron.remaining_delta(aware, tz=tz)
+        probe.clock = aware
+        _, delta, _ = probe.schedule.remaining_delta(aware, tz=tz)
         following = (aware + delta).replace(tzinfo=None, fold=0)
         return following if following > position else None
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from celery import Celery
 from celery.beat import Scheduler
+from celery.result import AsyncResult
+from celery.utils import uuid
 
 from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin
 
@@ -125,9 +127,11 @@ class SendRecorder:
         self.sent: list[dict[str, Any]] = []
         super().__init__(*args, **kwargs)
 
-    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         self.sent.append({"task": name, "args": args, "kwargs": kwargs, "options": options,
                           "slot": options.get("headers", {}).get("singleton_beat_slot")})
+        # As Celery's send_task: Celery before 5.4 reads the result's id after each send.
+        return AsyncResult(options.get("task_id") or uuid(), app=self.app)
 
 
 class RecordingScheduler(SendRecorder, SingletonSchedulerMixin, Scheduler):
