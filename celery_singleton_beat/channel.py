@@ -29,7 +29,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from redis.exceptions import NoScriptError
@@ -45,8 +45,8 @@ ReplyHandler = Callable[[Any, BaseException | None], None]
 FLUSH_AFTER = 0.1
 
 
-class _Script:
-    """What the channel needs of a Lua script: its SHA and its source."""
+class _Script(Protocol):
+    """What the channel needs of a Lua script (:class:`~.lock.LuaScript`): its SHA and source."""
 
     sha: str
     source: bytes

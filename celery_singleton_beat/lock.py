@@ -313,19 +313,14 @@ class Lease:
         claim of the same task id for that long (a retry of an
         ``until_executed`` task stays covered while it waits in the queue).
         """
-        holder = self.holder
         replacement = ""
         if claim_ttl is not None:
             record = json.loads(self.value)
             record.update(claim=True, at=round(time.time(), 3), live=False)
             record.pop("fence", None)
             replacement = json.dumps(record, separators=(",", ":"))
-        task_id = holder.task_id if holder else None
-        return bool(_RELEASE(
-            self.client, _release_keys(self.key, task_id, self.stats_key),
-            [self.value, "released", "lost", _ms(done_ttl) if done_ttl else "",
-             replacement, _ms(claim_ttl) if claim_ttl else "", STATS_TTL_MS],
-        ))
+        return bool(_RELEASE(self.client, self._release_keys(),
+                             self._release_args(done_ttl, replacement, claim_ttl)))
 
     def release_soon(self, on_result: Callable[[bool | None, BaseException | None], None], *,
                      done_ttl: float | None = None) -> bool:
@@ -333,22 +328,29 @@ class Lease:
 
         The release is written at once (Redis frees the key as soon as it reads
         it); its reply -- was the lock still ours? -- reaches ``on_result`` when
-        this thread next waits for a lock reply (its next acquire). Only for
-        clients with a :mod:`.channel` (standalone or Sentinel Redis); raises
+        this thread next waits for a lock reply (its next acquire), or at the
+        latest :data:`.channel.FLUSH_AFTER` later. Only for clients with a
+        :mod:`.channel` (standalone Redis, real threads); raises
         ``redis.RedisError`` if the command could not be written.
         """
         if not supports_channel(self.client):
             return False
-        task_id = self.holder.task_id if self.holder else None
 
         def handle(reply: Any, error: BaseException | None) -> None:
             on_result(None if error is not None else bool(reply), error)
 
-        channel_for(self.client).send(
-            _RELEASE, _release_keys(self.key, task_id, self.stats_key),
-            [self.value, "released", "lost", _ms(done_ttl) if done_ttl else "", "", "", STATS_TTL_MS],
-            handle)
+        channel_for(self.client).send(_RELEASE, self._release_keys(),
+                                      self._release_args(done_ttl, "", None), handle)
         return True
+
+    def _release_keys(self) -> list[str]:
+        return _release_keys(self.key, self.holder.task_id if self.holder else None, self.stats_key)
+
+    def _release_args(self, done_ttl: float | None, replacement: str,
+                      claim_ttl: float | None) -> list[Any]:
+        """ARGV of the release script for this lease (see ``_RELEASE``)."""
+        return [self.value, "released", "lost", _ms(done_ttl) if done_ttl else "",
+                replacement, _ms(claim_ttl) if claim_ttl else "", STATS_TTL_MS]
 
     def __repr__(self) -> str:
         return f"<Lease {self.key} fence={self.fence} ttl={self.ttl}s>"

@@ -203,6 +203,30 @@ class ChildProcess:
                 raise self.error(f"{exc}; end of {self.log}:\n{self.tail(40)}") from None
             raise
 
+    def await_answer(self, answers: Callable[[], bool], where: str, timeout: float, *,
+                     interval: float, tail_lines: int) -> bool:
+        """After :meth:`start` of a server: wait until ``answers()`` or the process ends.
+
+        True when it runs and answered. False when it exited first (reaped; most
+        likely its port was taken meanwhile: the caller tries another). Timed out:
+        killed, and ``self.error`` raised with the end of its log. Interrupted:
+        killed, and the interruption goes on (the caller never gets to stop it).
+        """
+        try:
+            wait_until(lambda: self.returncode is not None or answers(), timeout,
+                       f"{self.name} (pid {self.pid}) on {where}", interval=interval, error=self.error)
+        except self.error:
+            tail = self.tail(tail_lines)
+            self.kill()
+            raise self.error(f"{self.name} did not answer on {where}; end of {self.log}:\n{tail}") from None
+        except BaseException:
+            self.kill()
+            raise
+        if self.running:
+            return True
+        self.kill()
+        return False
+
     # ----------------------------------------------------------------- stop
 
     def send(self, signum: int) -> None:

@@ -104,21 +104,11 @@ class RabbitMQServerProcess(ChildProcess):
             self._prepare(port, dist_port, node)
             self.log = self.log_dir / f"{self.name}-{attempt}.log"
             super().start()
-            try:
-                wait_until(lambda: self.returncode is not None or self._answers_as(port, node),  # noqa: B023
-                           timeout, f"{self.name} (pid {self.pid}) on 127.0.0.1:{port}",
-                           interval=0.1, error=self.error)
-            except self.error:
-                tail = self.tail(30)
-                self.kill()
-                raise self.error(f"{self.name} did not answer on 127.0.0.1:{port}; end of {self.log}:\n{tail}") from None
-            except BaseException:  # interrupted: the caller never gets to stop it
-                self.kill()
-                raise
-            if self.running:
+            if self.await_answer(lambda: self._answers_as(port, node), f"127.0.0.1:{port}",  # noqa: B023
+                                 timeout, interval=0.1, tail_lines=30):
                 self.port, self.node = port, node
                 return self
-            self.kill()  # reaped; most likely a port taken meanwhile ("eaddrinuse")
+            # exited first; most likely a port taken meanwhile ("eaddrinuse")
         raise self.error(f"{self.name} did not start on any of {self.attempts} pairs of free ports; "
                          f"end of {self.log}:\n{self.tail(30)}")
 

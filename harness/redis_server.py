@@ -22,7 +22,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .processes import ChildProcess
-from .waiting import wait_until
 
 __all__ = ["RedisServerProcess", "find_redis_server", "free_port", "probe_options", "server_pid"]
 
@@ -103,21 +102,11 @@ class RedisServerProcess(ChildProcess):
             self.argv = [self.binary, *self.args_for(port)]
             self.log = self.workdir / f"{self.name}-{attempt}.log"
             super().start()
-            try:
-                wait_until(lambda: self.returncode is not None or self._answers_as_ours(port),  # noqa: B023
-                           timeout, f"{self.name} (pid {self.pid}) on 127.0.0.1:{port}",
-                           interval=0.02, error=self.error)
-            except self.error:
-                tail = self.tail(20)
-                self.kill()
-                raise self.error(f"{self.name} did not answer on 127.0.0.1:{port}; end of {self.log}:\n{tail}") from None
-            except BaseException:  # interrupted: the caller never gets to stop it
-                self.kill()
-                raise
-            if self.running:
+            if self.await_answer(lambda: self._answers_as_ours(port), f"127.0.0.1:{port}",  # noqa: B023
+                                 timeout, interval=0.02, tail_lines=20):
                 self.port = port
                 return self
-            self.kill()  # reaped; most likely "Address already in use"
+            # exited first; most likely "Address already in use"
         tried = f"on its port {self.port}" if pinned else f"on any of {self.attempts} free ports"
         raise self.error(f"{self.name} did not start {tried}; end of {self.log}:\n{self.tail(20)}")
 

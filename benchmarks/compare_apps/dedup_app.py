@@ -30,6 +30,8 @@ import redis
 from celery import Celery, Task
 from celery.signals import before_task_publish
 
+from benchmarks.compare_apps.bases import task_base
+
 BASE = os.environ["CMP_REDIS"]
 VARIANT = os.environ["CMP_VARIANT"]
 INTERVAL = float(os.environ.get("CMP_INTERVAL", "1"))
@@ -54,29 +56,7 @@ app.conf.update(
 if os.environ.get("CMP_MAX_LOOP"):
     app.conf.beat_max_loop_interval = float(os.environ["CMP_MAX_LOOP"])
 
-base: type[Task]
-if VARIANT == "plain":
-    base = Task
-elif VARIANT == "celery_singleton":
-    from celery_singleton import Singleton
-
-    app.conf.singleton_backend_url = LOCKS_URL
-    base = Singleton
-elif VARIANT == "celery_once":
-    from celery_once import QueueOnce
-
-    app.conf.ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": LOCKS_URL}}
-    base = QueueOnce
-elif VARIANT == "redbeat":
-    app.conf.redbeat_redis_url = LOCKS_URL
-    base = Task
-elif VARIANT == "ours":
-    from celery_singleton_beat import SingletonTask
-
-    app.conf.singleton_redis_url = LOCKS_URL
-    base = SingletonTask
-else:
-    raise RuntimeError(f"unknown CMP_VARIANT {VARIANT!r}")
+base: type[Task] = task_base(app, VARIANT, LOCKS_URL)
 
 _records: redis.Redis | None = None
 

@@ -35,6 +35,8 @@ import redis
 from celery import Celery, Task
 from celery.signals import task_postrun
 
+from benchmarks.compare_apps.bases import task_base
+
 BASE = os.environ["CMP_REDIS"]
 CONTROL = os.environ["CMP_CONTROL"]
 VARIANT = os.environ["CMP_VARIANT"]
@@ -49,26 +51,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 
-base: type[Task]
-if VARIANT == "plain":
-    base = Task
-elif VARIANT == "ours":
-    from celery_singleton_beat import SingletonTask
-
-    app.conf.singleton_redis_url = LOCKS_URL
-    base = SingletonTask
-elif VARIANT == "celery_singleton":
-    from celery_singleton import Singleton
-
-    app.conf.singleton_backend_url = LOCKS_URL
-    base = Singleton
-elif VARIANT == "celery_once":
-    from celery_once import QueueOnce
-
-    app.conf.ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": LOCKS_URL}}
-    base = QueueOnce
-else:
-    raise RuntimeError(f"unknown CMP_VARIANT {VARIANT!r}")
+base: type[Task] = task_base(app, VARIANT, LOCKS_URL)
 
 _control: redis.Redis | None = None
 _state: dict[str, Any] = {"done": 0, "first": None}

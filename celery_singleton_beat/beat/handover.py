@@ -73,10 +73,6 @@ class Handover:
             due.append(heapq.heappop(self._watched))
         return due
 
-    @property
-    def watching(self) -> int:
-        return len(self._watched)
-
     # ----------------------------------------------------------------- timing
 
     def next_wake(self, now: float) -> float | None:
