@@ -73,6 +73,8 @@ class Channel:
         self._connection: Any = None
         self._loaded: set[str] = set()
         self._pending: deque[tuple[_Script | None, Sequence[Any], Sequence[Any], ReplyHandler]] = deque()
+        #: True while the flusher thread watches this channel (set and cleared by it).
+        self.watched = False
 
     # ----------------------------------------------------------------- public
 
@@ -111,7 +113,9 @@ class Channel:
             self._pending.append((script, keys, args, on_reply))
             if self.oldest is None:
                 self.oldest = time.monotonic()
-        _flusher().watch(self)
+            watched = self.watched
+        if not watched:  # under steady load the flusher keeps watching: no lock, no wake-up
+            _flusher().watch(self)
 
     def flush(self) -> None:
         """Read every pending reply now (blocks one round trip at most)."""
@@ -124,6 +128,23 @@ class Channel:
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 self._reset("flush")
                 raise
+
+    def unwatch_if_idle(self) -> bool:
+        """The flusher's check: nothing pending, so stop being watched (True), else False.
+
+        Under the channel's lock, so a send either sees ``watched`` cleared (and
+        asks to be watched again) or is seen pending here. Never waits: a busy
+        channel stays watched.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.oldest is None:
+                self.watched = False
+                return True
+            return False
+        finally:
+            self._lock.release()
 
     @property
     def pending(self) -> int:
@@ -209,8 +230,12 @@ def _pack(*parts: Any) -> bytes:
     redis-py's general packer costs far more than the round trip on these
     ~15-argument calls; this one does the same for bytes, str and int.
     """
-    encoded = [part if isinstance(part, bytes) else str(part).encode() for part in parts]
-    return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(e), e) for e in encoded)
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        if type(part) is not bytes:
+            part = str(part).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
+    return b"".join(out)
 
 
 def _ignore(reply: Any, error: BaseException | None) -> None:
@@ -234,7 +259,8 @@ class _Flusher:
 
     def watch(self, channel: Channel) -> None:
         with self._cond:
-            if not any(ref() is channel for ref in self._channels):
+            if not channel.watched:
+                channel.watched = True
                 self._channels.append(weakref.ref(channel))
                 self._cond.notify()
 
@@ -253,8 +279,15 @@ class _Flusher:
                     logger.debug("flushing lock replies failed: %s", exc)
             waits = [c.oldest + FLUSH_AFTER - now for c in channels if c.oldest is not None and c not in due]
             with self._cond:
-                self._channels = [ref for ref in self._channels
-                                  if (c := ref()) is not None and c.oldest is not None]
+                kept = []
+                for ref in self._channels:
+                    channel = ref()
+                    if channel is None:
+                        continue
+                    if channel.unwatch_if_idle():
+                        continue  # its next send asks again
+                    kept.append(ref)
+                self._channels = kept
                 self._cond.wait(timeout=max(min(waits, default=FLUSH_AFTER), 0.005))
 
 

@@ -141,9 +141,12 @@ def _normalize_mapping(value: Mapping[Any, Any], path: str) -> dict[str, Any]:
     return out
 
 
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _dumps(normalized: Any) -> bytes:
     """The one byte encoding of normalized data: sorted keys, no spaces, UTF-8."""
-    return json.dumps(normalized, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return _ENCODER.encode(normalized).encode("utf-8")
 
 
 def canonical(value: Any) -> bytes:
@@ -174,12 +177,64 @@ def call_arguments(
     task_name: str, signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Bind a call to the task's signature with defaults applied."""
+    bind = _binder(signature)
+    if bind is not None:
+        try:
+            return bind(args, kwargs)
+        except TypeError:
+            pass  # let inspect word the error
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{task_name}: arguments do not match {signature}: {exc}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+_Binder = Callable[[Sequence[Any], Mapping[str, Any]], dict[str, Any]]
+_BINDERS: dict[int, tuple[inspect.Signature, _Binder | None]] = {}
+_SIMPLE_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _binder(signature: inspect.Signature) -> _Binder | None:
+    """A fast binder for ``signature``, or None when only ``inspect`` can bind it.
+
+    ``Signature.bind`` costs tens of microseconds per call, on every run. Tasks
+    nearly always have plain named parameters (no ``*args``, ``**kwargs`` or
+    positional-only ones): for those, binding is a zip and a dict update. It
+    raises ``TypeError`` exactly where ``Signature.bind`` would (the caller then
+    asks ``inspect`` for its wording). Cached per signature object (tasks keep theirs).
+    """
+    known = _BINDERS.get(id(signature))
+    if known is not None and known[0] is signature:
+        return known[1]
+    parameters = list(signature.parameters.values())
+    bind: _Binder | None = None
+    if all(p.kind in _SIMPLE_KINDS for p in parameters):
+        names = tuple(p.name for p in parameters)
+        positional = sum(1 for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+        def bind(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+            if len(args) > positional:
+                raise TypeError("too many positional arguments")
+            bound = dict(zip(names, args))
+            for name, value in kwargs.items():
+                if name in bound or name not in names:
+                    raise TypeError(name)
+                bound[name] = value
+            if len(bound) < len(names):
+                for name in names:
+                    if name not in bound:
+                        if name not in defaults:
+                            raise TypeError(name)
+                        bound[name] = defaults[name]
+            return {name: bound[name] for name in names}  # inspect's order
+
+    if len(_BINDERS) >= 1024:  # signatures made on the fly (tests): keep the cache bounded
+        _BINDERS.clear()
+    _BINDERS[id(signature)] = (signature, bind)  # holds the signature: its id stays unique
+    return bind
 
 
 def check_unique_on(task_name: str, signature: inspect.Signature, unique_on: Any) -> None:

@@ -22,6 +22,7 @@ or on a new replica), so the script text crosses the network once per server.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -281,16 +282,22 @@ class Lease:
     """A lock held by this process: renew it, release it, read its fencing token."""
 
     def __init__(self, client: redis.Redis, key: str, value: str, ttl: float, fence: int,
-                 stats_key: str | None = None) -> None:
+                 stats_key: str | None = None, task_id: str | None = None) -> None:
         self.client = client
         self.key = key
         self.stats_key = stats_key
         self.value = value
         self.ttl = ttl
         self.fence = fence
-        self.holder = parse_holder(value)
+        #: The task id in ``value`` (its done marker is released with the lock).
+        self.task_id = task_id if task_id is not None else (parse_holder(value) or _NO_HOLDER).task_id
         #: Monotonic time until which the lease is known to be valid.
         self.valid_until = time.monotonic() + ttl
+
+    @functools.cached_property
+    def holder(self) -> Holder | None:
+        """The lock's value, decoded (on first use: runs never need it)."""
+        return parse_holder(self.value)
 
     def renew(self) -> bool:
         """Extend the lease by ``ttl``; False if the lock is no longer ours.
@@ -344,7 +351,7 @@ class Lease:
         return True
 
     def _release_keys(self) -> list[str]:
-        return _release_keys(self.key, self.holder.task_id if self.holder else None, self.stats_key)
+        return _release_keys(self.key, self.task_id, self.stats_key)
 
     def _release_args(self, done_ttl: float | None, replacement: str,
                       claim_ttl: float | None) -> list[Any]:
@@ -377,6 +384,34 @@ class AcquireResult:
 
 
 _HOSTNAME = socket.gethostname()
+_NO_HOLDER = Holder(None, None, None, None, None, None, None, False, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _value_tail(task: str, node: str, pid: int, boot: str | None, claim: bool, live: bool) -> str:
+    """The fields of a lock value that are the same for every run of a task in a process."""
+    record: dict[str, Any] = {"task": task, "node": node, "pid": pid, "boot": boot, "claim": claim}
+    if live:
+        record["live"] = True
+    return json.dumps(record, separators=(",", ":"))[1:]
+
+
+def _lock_value(task: str, task_id: str | None, node: str, boot: str | None, claim: bool,
+                live: bool) -> str:
+    """A new lock value (JSON, see the module docstring): a fresh token, this run's id and time.
+
+    Built from a cached tail: encoding the whole record each run cost more than its round trip.
+    """
+    return (f'{{"v":{VALUE_FORMAT},"token":"{secrets.token_hex(12)}","task_id":{_json_str(task_id)},'
+            f'"at":{time.time():.3f},{_value_tail(task, node, os.getpid(), boot, claim, live)}')
+
+
+def _json_str(text: str | None) -> str:
+    """``json.dumps`` of a task id, without the encoder's set-up (it runs per acquire)."""
+    return "null" if text is None else _encode_str(text) if isinstance(text, str) else json.dumps(text)
+
+
+_encode_str: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def acquire(
@@ -416,20 +451,7 @@ def acquire(
     :class:`~celery_singleton_beat.client.ReplicasNotAcknowledged` (a
     ``RedisError``: "Redis unavailable") is raised.
     """
-    record: dict[str, Any] = {
-        "v": VALUE_FORMAT,
-        "token": secrets.token_hex(12),
-        "task": task,
-        "task_id": task_id,
-        "node": node or _HOSTNAME,
-        "pid": os.getpid(),
-        "boot": boot,
-        "at": round(time.time(), 3),
-        "claim": claim,
-    }
-    if live:
-        record["live"] = True
-    encoded = json.dumps(record, separators=(",", ":"))
+    encoded = _lock_value(task, task_id, node or _HOSTNAME, boot, claim, live)
     ttl_ms = _ms(ttl)
     fence_ttl_ms = max(ttl_ms * 2, 10_000)
     keys = [key, fence_key(key), done_key(key, task_id)] + ([stats_key] if stats_key else [])
@@ -455,7 +477,7 @@ def acquire(
             return AcquireResult(lease=None, completed=True)
         text = value.decode("utf-8") if isinstance(value, bytes) else value
         if status == 1:
-            return AcquireResult(lease=Lease(client, key, text, ttl, int(extra), stats_key))
+            return AcquireResult(lease=Lease(client, key, text, ttl, int(extra), stats_key, task_id or ""))
         pttl = int(extra)
         return AcquireResult(lease=None, holder=parse_holder(text), holder_ttl=pttl / 1000 if pttl > 0 else None)
 

@@ -56,7 +56,7 @@ from celery.utils import uuid
 from kombu.utils.functional import maybe_list
 
 from .client import get_redis
-from .config import get_settings
+from .config import SingletonSettings, get_settings
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event, send_task_event_soon
 from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, TaskSkipped, describe_holder
 from .keeper import KeptLease, get_keeper
@@ -187,7 +187,9 @@ class SingletonTask(Task):
 
     def singleton_key(self, args: Any = None, kwargs: Any = None) -> str:
         """The lock key of a call with these arguments."""
-        settings = get_settings(self.app)
+        return self._key(get_settings(self.app), args, kwargs)
+
+    def _key(self, settings: SingletonSettings, args: Any, kwargs: Any) -> str:
         signature = self.__dict__.get("_singleton_signature")
         if signature is None:
             signature = self._singleton_signature = task_signature(self)
@@ -318,21 +320,24 @@ class SingletonTask(Task):
             """
             self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
-    def _take(self, key: str, ttl: float, counters: tuple[str, str], **holder: Any) -> AcquireResult:
+    def _take(self, key: str, ttl: float, counters: tuple[str, str], *,
+              settings: SingletonSettings | None = None, **holder: Any) -> AcquireResult:
         """One acquire of ``key`` as this task: its name, counters and the WAIT settings."""
-        settings = get_settings(self.app)
+        settings = settings or get_settings(self.app)
+        stats_key = task_stats_key(settings.key_prefix, self.name) if settings.stats else None
         return acquire(get_redis(self.app), key, ttl, task=self.name, boot=boot_id(),
-                       stats_key=self.singleton_stats_key(), counters=counters,
+                       stats_key=stats_key, counters=counters,
                        wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout, **holder)
 
     def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
         request = self.request
         settings = get_settings(self.app)
-        key = self.singleton_key(args, kwargs)
+        key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
+        ttl = float(self.lock_ttl) if self.lock_ttl is not None else settings.lock_ttl
         try:
-            result = self._take(key, self.effective_lock_ttl,
-                                ("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
+            result = self._take(key, ttl, ("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
+                                settings=settings,
                                 task_id=request.id, node=request.hostname, adopt_claim_of=adopt,
                                 live=publishes_liveness(), liveness_prefix=settings.key_prefix,
                                 check_done=bool(self.acks_late) and not request.is_eager)

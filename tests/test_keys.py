@@ -126,3 +126,44 @@ def test_run_lock_keys_are_told_apart_from_every_other_key() -> None:
                   task_stats_key("p", "proj.sync"), beat_stats_key("p", "x"), "p:{beat}:history",
                   "other:" + lock[2:], "p:{short:abc}"):
         assert not is_run_lock_key("p", other), other
+
+
+def _reference_bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict | str:
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return "TypeError"
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def test_fast_binding_agrees_with_inspect_on_every_call_shape() -> None:
+    """The per-run binder (no ``Signature.bind``) gives inspect's result, or its error."""
+    from celery_singleton_beat.keys import _binder, call_arguments
+
+    def simple(a, b=2, *, c, d=4):  # noqa: ANN001, ANN202
+        pass
+
+    def no_defaults(x, y):  # noqa: ANN001, ANN202
+        pass
+
+    def nothing():  # noqa: ANN202
+        pass
+
+    def varargs(a, *rest, **options):  # noqa: ANN001, ANN002, ANN003, ANN202
+        pass
+
+    calls = [((), {}), ((1,), {}), ((1,), {"c": 3}), ((1, 5), {"c": 3}), ((), {"a": 1, "c": 3}),
+             ((1,), {"a": 1, "c": 3}), ((1, 2, 3), {"c": 3}), ((1,), {"c": 3, "e": 5}),
+             ((1,), {"c": 3, "d": None}), ((None, None), {}), ((1, 2), {}), ((), {"y": 1, "x": 2})]
+    for function in (simple, no_defaults, nothing, varargs):
+        signature = inspect.signature(function)
+        assert (_binder(signature) is None) == (function is varargs)
+        for args, kwargs in calls:
+            expected = _reference_bind(signature, args, kwargs)
+            if expected == "TypeError":
+                with pytest.raises(TypeError, match="arguments do not match"):
+                    call_arguments("t", signature, args, kwargs)
+            else:
+                got = call_arguments("t", signature, args, kwargs)
+                assert got == expected and list(got) == list(expected), (function.__name__, args, kwargs)
