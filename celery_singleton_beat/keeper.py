@@ -60,11 +60,20 @@ class LeaseKeeper:
         self._queue: list[tuple[float, int, KeptLease]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        #: Leases kept and not yet forgotten (the queue also holds forgotten ones).
+        self._active = 0
 
     def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
         """Start renewing ``lease``; call :meth:`forget` when the run ends."""
         kept = KeptLease(lease, on_lost)
         with self._cond:
+            self._active += 1
+            if len(self._queue) > 2 * self._active + 32:
+                # Ended runs leave their entry until its renewal time (they are
+                # dropped lazily); a short task ends thousands of runs before
+                # then, so drop them here, amortised over the runs that left them.
+                self._queue = [entry for entry in self._queue if entry[2].active]
+                heapq.heapify(self._queue)
             self._schedule(kept, time.monotonic() + lease.ttl * RENEW_FRACTION)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -78,8 +87,16 @@ class LeaseKeeper:
         return kept
 
     def forget(self, kept: KeptLease) -> None:
-        """Stop renewing (the entry is dropped lazily when it comes due)."""
-        kept.active = False
+        """Stop renewing (the entry is dropped lazily: when it comes due or the queue is compacted)."""
+        with self._cond:
+            if kept.active:
+                kept.active = False
+                self._active -= 1
+
+    @property
+    def tracked(self) -> int:
+        """Entries in the renewal queue, forgotten ones included (bounded by the kept ones)."""
+        return len(self._queue)
 
     def _schedule(self, kept: KeptLease, when: float) -> None:
         heapq.heappush(self._queue, (when, next(self._seq), kept))
