@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-matrix test-matrix-smoke demo bench redis-server clean
+.PHONY: test lint test-matrix test-matrix-smoke demo bench redis-server clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,16 @@ redis-server:
 
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Lint and types: ruff over the repository, mypy --strict over the package (rules and
+# the few ignores Celery's untyped API needs: pyproject.toml). Pinned in the `lint` extra.
+$(VENV)/.lint-installed: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[lint]'
+	touch $@
+
+lint: $(VENV)/.lint-installed
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Version matrix (noxfile.py, docs/versions.md): a fast subset of the suite in a fresh
 # venv per Python found x dependency set x server; ~2.5 min a leg, ~40 min in all.

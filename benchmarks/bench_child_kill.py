@@ -66,7 +66,8 @@ def one_round(i: int, pause: float, app: Any, server: Server, log: Path) -> dict
     os.kill(pid, signal.SIGKILL)
     skips = 0
     while True:
-        wait_until(lambda: records.llen(f"start:{key}") >= 2 or _log_time(log, f"[{waiting.id}]", "skipped"),
+        wait_until(lambda waiting=waiting: records.llen(f"start:{key}") >= 2
+                   or _log_time(log, f"[{waiting.id}]", "skipped"),
                    60, f"{key} to run again")
         if records.llen(f"start:{key}") >= 2:
             break

@@ -56,9 +56,10 @@ from typing import Any
 
 import redis
 
+from harness.processes import ChildProcess
+
 from .common import ROOT, Server, bench_cli, bench_env, markdown_table, progress, summary
 from .compare_dedup import PACKAGES, prepare_third_party, versions
-from harness.processes import ChildProcess
 
 APP = "benchmarks.compare_apps.peers_app"
 #: name -> (label, third-party package option of compare_dedup, or None)
@@ -260,8 +261,8 @@ def report_of(tasks: int, rounds: int, variants: tuple[str, ...], samples: dict[
             report["variants"][variant] = {"label": label, "skipped": skipped.get(package or "", "not run")}
             continue
         data: dict[str, Any] = {"label": label}
-        for measure in ("tasks_per_s", "worker_cpu_us_per_task", "redis_cpu_us_per_task", "commands_per_task", "reads_per_task",
-                        "publish_commands_per_task"):
+        for measure in ("tasks_per_s", "worker_cpu_us_per_task", "redis_cpu_us_per_task", "commands_per_task",
+                        "reads_per_task", "publish_commands_per_task"):
             data[measure] = summary([s[measure] for s in samples[variant]])
         data["locks_after_publish"] = samples[variant][0]["locks_after_publish"]
         data["monitor_round"] = accounting[variant]

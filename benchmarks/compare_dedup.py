@@ -49,6 +49,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -260,7 +261,7 @@ def phase_gaps(phases: list[float | None]) -> list[tuple[float, float]]:
     if not known:
         return []
     period = INTERVAL * 1000
-    return [(b - a, a) for a, b in zip(known, known[1:])] + [(known[0] + period - known[-1], known[-1])]
+    return [(b - a, a) for a, b in itertools.pairwise(known)] + [(known[0] + period - known[-1], known[-1])]
 
 
 def min_gap_ms(phases: list[float | None]) -> float | None:
@@ -349,7 +350,7 @@ def run_variant(name: str, mode: str, seconds: float, python: str, server: Serve
         "min_phase_gap_ms": min_gap_ms(list(phases.values())),
         "ticks_with_n_runs": {str(n): histogram[n] for n in sorted(histogram)},
         "beat_send_errors": errors,
-        "longest_gap_without_run_s": round(max(b - a for a, b in zip(edges, edges[1:])), 3),
+        "longest_gap_without_run_s": round(max(b - a for a, b in itertools.pairwise(edges)), 3),
         **killed,
     }
 

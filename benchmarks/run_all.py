@@ -45,7 +45,8 @@ BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
 def machine() -> str:
     cpus = os.cpu_count()
     try:
-        mem_kb = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal")).split()[1])
+        with open("/proc/meminfo") as meminfo:
+            mem_kb = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
         memory = f"{mem_kb / 1024 / 1024:.0f} GiB"
     except (OSError, StopIteration, ValueError):
         memory = "unknown memory"

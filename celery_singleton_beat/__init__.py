@@ -9,6 +9,7 @@ Public API::
 
 from __future__ import annotations
 
+from .beat import SingletonScheduler, SingletonSchedulerMixin
 from .exceptions import (
     DuplicateTaskError,
     LockLost,
@@ -17,7 +18,6 @@ from .exceptions import (
     SingletonKeyError,
     TaskSkipped,
 )
-from .beat import SingletonScheduler, SingletonSchedulerMixin
 from .task import SingletonRun, SingletonTask
 from .worker import install
 

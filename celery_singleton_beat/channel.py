@@ -22,6 +22,7 @@ is made from the client's own pool settings, belongs to one thread and process
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -29,7 +30,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import redis
 from redis.exceptions import NoScriptError
@@ -216,10 +217,8 @@ class Channel:
         self._loaded.clear()
         connection, self._connection = self._connection, None
         if connection is not None:
-            try:
+            with contextlib.suppress(Exception):  # already broken
                 connection.disconnect()
-            except Exception:  # already broken
-                pass
         for _, _, _, on_reply in lost:
             _deliver(on_reply, None, redis.ConnectionError(f"connection lost before the reply ({where})"))
 
@@ -281,10 +280,10 @@ class _Flusher:
             with self._cond:
                 kept = []
                 for ref in self._channels:
-                    channel = ref()
-                    if channel is None:
+                    alive = ref()
+                    if alive is None:
                         continue
-                    if channel.unwatch_if_idle():
+                    if alive.unwatch_if_idle():
                         continue  # its next send asks again
                     kept.append(ref)
                 self._channels = kept
@@ -326,7 +325,7 @@ def _green() -> bool:
     return eventlet is not None and bool(eventlet.is_monkey_patched("socket"))
 
 
-def supports_channel(client: Any) -> bool:
+def supports_channel(client: Any) -> TypeGuard[redis.Redis]:
     """True for clients whose lock commands go through a :class:`Channel`.
 
     Standalone Redis (a plain connection pool) in a process with real threads;

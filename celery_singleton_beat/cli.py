@@ -23,6 +23,7 @@ held"; ``doctor`` with warnings only); 1 ``doctor`` found a problem, or
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -84,7 +85,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Seque
     lines = []
     for row in cells:
         parts = [cell.rjust(w) if i in numeric else cell.ljust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths))]
+                 for i, (cell, w) in enumerate(zip(row, widths, strict=False))]
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
 
@@ -152,7 +153,7 @@ _JSON = click.option("--json", "as_json", cls=CeleryOption, is_flag=True, help_g
 
 @click.group(name="singleton")
 @click.pass_context
-@handle_preload_options
+@handle_preload_options  # type: ignore[untyped-decorator]  # celery's decorator is untyped
 def singleton(ctx: click.Context, **kwargs: Any) -> None:
     """celery-singleton-beat: locks, beat slots, counters and health checks.
 
@@ -242,7 +243,7 @@ def release(ctx: click.Context, key: str | None, task_name: str | None, release_
 
     changed = 0
     for lock in targets:  # one by one, so that what was done is shown even if Redis fails
-        if session.run(lambda: admin.release_lock(session.app, lock)):
+        if session.run(functools.partial(admin.release_lock, session.app, lock)):
             session.echo(f"released {_describe(lock)}")
         else:
             changed += 1
@@ -365,10 +366,10 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
     Checks: singleton_* settings, and the app's task modules import (its
     singleton tasks are counted); Redis reachable; version (5.0 or later, 7.0
-    or later tested) and role (a primary); Lua (a cjson script, run as the lock scripts are); eviction policy (anything but noeviction
-    can evict locks, and an evicted lock lets a duplicate run); keys under
-    the prefix that never expire (a lock without TTL blocks its task for
-    good). FAIL is a problem, WARN worth a look.
+    or later tested) and role (a primary); Lua (a cjson script, run as the lock
+    scripts are); eviction policy (anything but noeviction can evict locks, and
+    an evicted lock lets a duplicate run); keys under the prefix that never
+    expire (a lock without TTL blocks its task for good). FAIL is a problem, WARN worth a look.
     """
     report = admin.doctor(ctx.obj.app)
     if as_json:

@@ -75,7 +75,7 @@ __all__ = [
 ]
 
 #: What :func:`get_redis` returns: a one-server (or Sentinel-managed) client, or a Cluster client.
-RedisClient = Union[redis.Redis, RedisCluster]
+RedisClient = Union[redis.Redis, RedisCluster]  # noqa: UP007 (a runtime alias: `|` needs 3.10 objects)
 
 T = TypeVar("T")
 
@@ -173,10 +173,10 @@ class SingletonRedisCluster(RedisCluster):
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         with _outage_as_connection_error():
-            return super().execute_command(*args, **kwargs)
+            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
-        pipe = super().pipeline(transaction, shard_hint)
+        pipe: ClusterPipeline = super().pipeline(transaction, shard_hint)  # type: ignore[no-untyped-call]
         pipe.__class__ = _SingletonClusterPipeline  # the same object, with the execute above
         return pipe
 
@@ -212,7 +212,8 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
             sentinel_kwargs={**sentinel_defaults, **(extra.get("sentinel_kwargs") or {})},
             **connection,
         )
-        return sentinel.master_for(master_name, redis_class=redis.Redis)
+        master: redis.Redis = sentinel.master_for(master_name, redis_class=redis.Redis)
+        return master
 
     if target.topology == CLUSTER:
         with _outage_as_connection_error():  # no node answered: an outage, not a crash
@@ -226,7 +227,7 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
 
 # -------------------------------------------------------------------- one per app and process
 
-_clients: "weakref.WeakKeyDictionary[Celery, tuple[int, RedisClient]]" = weakref.WeakKeyDictionary()
+_clients: weakref.WeakKeyDictionary[Celery, tuple[int, RedisClient]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 #: Clients a forked child inherited: kept referenced so that no finalizer in the
 #: child ever closes them (their sockets belong to the parent).
@@ -340,9 +341,9 @@ def pinned(client: RedisClient, key: str) -> Iterator[redis.Redis]:
         single.close()
 
 
-def call_acknowledged(client: RedisClient, key: str, call: Callable[[redis.Redis], T], *,
+def call_acknowledged(client: RedisClient, key: str, call: Callable[[RedisClient], T], *,
                       replicas: int, timeout: float,
-                      undo: Callable[[redis.Redis, T], Any] | None = None) -> T:
+                      undo: Callable[[RedisClient, T], Any] | None = None) -> T:
     """Run ``call`` and wait until ``replicas`` replicas have its writes (``WAIT``).
 
     With ``replicas <= 0`` this is ``call(client)``, nothing more. Otherwise

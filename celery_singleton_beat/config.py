@@ -57,7 +57,7 @@ SENTINEL_SCHEME = "sentinel"
 #: Redis Cluster: ``redis+cluster://h1:7000,h2:7001`` (``rediss+cluster`` with TLS).
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 #: Every scheme ``singleton_redis_url`` accepts.
-SUPPORTED_SCHEMES = REDIS_SCHEMES + (SENTINEL_SCHEME,) + CLUSTER_SCHEMES
+SUPPORTED_SCHEMES = (*REDIS_SCHEMES, SENTINEL_SCHEME, *CLUSTER_SCHEMES)
 
 #: Topologies, as reported by :attr:`SingletonSettings.topology`.
 STANDALONE, SENTINEL, CLUSTER = "standalone", "sentinel", "cluster"
@@ -284,7 +284,7 @@ def parse_redis_url(url: str) -> RedisTarget:
 
 
 _FIELD_NAMES = {f.name for f in fields(SingletonSettings)}
-_CACHE: "weakref.WeakKeyDictionary[Celery, SingletonSettings]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[Celery, SingletonSettings] = weakref.WeakKeyDictionary()
 
 
 def _is_redis_url(url: Any) -> bool:

@@ -21,13 +21,13 @@ from typing import Any
 from celery import Celery, Task
 
 __all__ = [
+    "SKIPPED",
+    "TASK_LOCK_LOST",
+    "TASK_SKIPPED",
     "logger",
     "send_task_event",
     "send_task_event_soon",
     "skip_summary",
-    "TASK_SKIPPED",
-    "TASK_LOCK_LOST",
-    "SKIPPED",
 ]
 
 #: The library's single logger; every decision is one line on it.

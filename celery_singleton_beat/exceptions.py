@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 # Every exception keeps its constructor arguments in ``args`` (plain strings) so
 # Celery's JSON result serializer can rebuild it in the caller's process.
-
 from celery.exceptions import ImproperlyConfigured, TaskRevokedError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,7 +117,7 @@ class LockUnavailable(SingletonError):
         return f"cannot reach Redis for lock {self.key}: {self.cause}"
 
 
-def describe_holder(holder: "Holder | None") -> str:
+def describe_holder(holder: Holder | None) -> str:
     """A short human description of a lock holder for log lines."""
     if holder is None:
         return "an unknown holder"

@@ -23,7 +23,7 @@ import redis
 
 from .lock import Lease
 
-__all__ = ["LeaseKeeper", "KeptLease", "get_keeper"]
+__all__ = ["KeptLease", "LeaseKeeper", "get_keeper"]
 
 logger = logging.getLogger("celery_singleton_beat")
 

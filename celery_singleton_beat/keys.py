@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 #: ``unique_on``: argument names, or a callable taking the task's arguments.
-UniqueOn = Union[Sequence[str], Callable[..., Any], None]
+UniqueOn = Union[Sequence[str], Callable[..., Any], None]  # noqa: UP007 (a runtime alias)
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -218,7 +218,7 @@ def _binder(signature: inspect.Signature) -> _Binder | None:
         def bind(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
             if len(args) > positional:
                 raise TypeError("too many positional arguments")
-            bound = dict(zip(names, args))
+            bound = dict(zip(names, args, strict=False))  # fewer args than names
             for name, value in kwargs.items():
                 if name in bound or name not in names:
                     raise TypeError(name)
@@ -248,7 +248,8 @@ def check_unique_on(task_name: str, signature: inspect.Signature, unique_on: Any
     known = list(signature.parameters)
     for name in unique_on:
         if name not in signature.parameters:
-            raise ValueError(f"unique_on names {name!r}, which is not a parameter of {task_name}{signature} (parameters: {known})")
+            raise ValueError(f"unique_on names {name!r}, which is not a parameter of "
+                             f"{task_name}{signature} (parameters: {known})")
 
 
 def lock_key(

@@ -90,7 +90,7 @@ class Heartbeat:
         self.beats += 1
         return not lapsed
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         """Mark this process as publishing liveness, write the key, start renewing it."""
         global _publishing
         _publishing = True

@@ -29,15 +29,14 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import redis
 from redis.exceptions import NoScriptError
 
 from .channel import channel_for, supports_channel
-from .client import call_acknowledged
+from .client import RedisClient, call_acknowledged
 from .liveness import is_alive
 
 __all__ = [
@@ -266,7 +265,7 @@ def parse_holder(raw: bytes | str | None) -> Holder | None:
 
 
 def _ms(seconds: float) -> int:
-    return max(1, int(round(seconds * 1000)))
+    return max(1, round(seconds * 1000))
 
 
 def _keys(key: str, stats_key: str | None) -> list[str]:
@@ -281,7 +280,7 @@ def _release_keys(key: str, task_id: str | None, stats_key: str | None) -> list[
 class Lease:
     """A lock held by this process: renew it, release it, read its fencing token."""
 
-    def __init__(self, client: redis.Redis, key: str, value: str, ttl: float, fence: int,
+    def __init__(self, client: RedisClient, key: str, value: str, ttl: float, fence: int,
                  stats_key: str | None = None, task_id: str | None = None) -> None:
         self.client = client
         self.key = key
@@ -415,7 +414,7 @@ _encode_str: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def acquire(
-    client: redis.Redis,
+    client: RedisClient,
     key: str,
     ttl: float,
     *,
@@ -492,19 +491,19 @@ def acquire(
     return taken
 
 
-def release_value(client: redis.Redis, key: str, value: bytes | str, *, stats_key: str | None = None,
+def release_value(client: RedisClient, key: str, value: bytes | str, *, stats_key: str | None = None,
                   counter: str = "released") -> bool:
     """Delete ``key`` if its value is still exactly ``value`` (compare-and-delete)."""
     return bool(_RELEASE(client, _release_keys(key, None, stats_key),
                          [value, counter, "", "", "", "", STATS_TTL_MS]))
 
 
-def release_task(client: redis.Redis, key: str, task_id: str, *, stats_key: str | None = None,
+def release_task(client: RedisClient, key: str, task_id: str, *, stats_key: str | None = None,
                  counter: str = "released") -> bool:
     """Delete ``key`` if the task ``task_id`` holds it (run lease or publish claim)."""
     return bool(_RELEASE_TASK(client, _keys(key, stats_key), [task_id, counter, STATS_TTL_MS]))
 
 
-def read_holder(client: redis.Redis, key: str) -> Holder | None:
+def read_holder(client: RedisClient, key: str) -> Holder | None:
     """The current holder of ``key``, or None if it is free."""
     return parse_holder(client.get(key))

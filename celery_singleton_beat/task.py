@@ -47,15 +47,15 @@ from typing import Any, ClassVar
 
 import celery
 import redis
-from celery import Task
-from celery import states
+from celery import Task, states
 from celery.app.task import Context
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
 from kombu.utils.functional import maybe_list
 
-from .client import get_redis
+from . import worker as worker_support
+from .client import RedisClient, get_redis
 from .config import SingletonSettings, get_settings
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event, send_task_event_soon
 from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, TaskSkipped, describe_holder
@@ -63,9 +63,8 @@ from .keeper import KeptLease, get_keeper
 from .keys import QUEUED_SUFFIX, UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .liveness import boot_id, publishes_liveness
 from .lock import AcquireResult, Holder, acquire, release_task, release_value
-from . import worker as worker_support
 
-__all__ = ["SingletonTask", "SingletonRun", "LOCK_MODES", "ON_CONFLICT"]
+__all__ = ["LOCK_MODES", "ON_CONFLICT", "SingletonRun", "SingletonTask"]
 
 LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
@@ -161,7 +160,7 @@ class SingletonTask(Task):
             return
         cls._check_options()
         # A task's own Request class keeps working, with ours mixed in front.
-        cls.Request = worker_support.compose_request(cls.Request)
+        cls.Request = worker_support.compose_request(cls.Request)  # type: ignore[assignment]  # a class now
         worker_support.install(app)
 
     @classmethod
@@ -230,7 +229,7 @@ class SingletonTask(Task):
         if self.lock_mode == "while_executing":
             return super().apply_async(args, kwargs, task_id, *more, **options)
         if self._republishing(task_id):
-            self._reclaim_queue(args, kwargs, task_id, options)
+            self._reclaim_queue(args, kwargs, task_id or "", options)  # _republishing: not None
             return super().apply_async(args, kwargs, task_id, *more, **options)
         if _in_canvas(options):
             # Nothing at publish: the run takes (or conflicts on) the key itself.
@@ -385,7 +384,7 @@ class SingletonTask(Task):
             raise Reject(exc, requeue=True) from exc
         raise Ignore(f"{request.id} is still running on {holder.node}")
 
-    def _release_queue_claim(self, client: redis.Redis, key: str) -> None:
+    def _release_queue_claim(self, client: RedisClient, key: str) -> None:
         try:
             release_task(client, key + QUEUED_SUFFIX, self.request.id)
         except redis.RedisError as exc:  # it expires after queue_lock_ttl

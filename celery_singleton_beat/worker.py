@@ -73,10 +73,11 @@ def compose_request(request_cls: Any) -> type[Request]:
     (freeing locks of lost children, claims of revoked messages) is mixed in
     front of it, so the two cooperate through ``super()``.
     """
-    cls = symbol_by_name(request_cls) if isinstance(request_cls, str) else request_cls
+    cls: type[Any] = symbol_by_name(request_cls) if isinstance(request_cls, str) else request_cls
     if issubclass(cls, SingletonRequest):
         return cls
-    return type(f"Singleton{cls.__name__}", (SingletonRequest, cls), {"__module__": cls.__module__})
+    composed: type[Any] = type(f"Singleton{cls.__name__}", (SingletonRequest, cls), {"__module__": cls.__module__})
+    return composed
 
 
 def _process_gone(pid: int) -> bool:
@@ -208,7 +209,7 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
             hub.call_repeatedly(POOL_CHECK_INTERVAL, worker.pool.maintain_pool)
 
 
-@signals.worker_init.connect
+@signals.worker_init.connect  # type: ignore[untyped-decorator]  # celery is untyped
 def _install_on_worker_init(sender: Any = None, **_: Any) -> None:
     """Add the worker step for apps whose singleton tasks are declared lazily.
 

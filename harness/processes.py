@@ -137,7 +137,7 @@ class ChildProcess:
 
     # ----------------------------------------------------------------- start
 
-    def start(self) -> "ChildProcess":
+    def start(self) -> ChildProcess:
         """Start the process in a new session (its own process group)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         # Popen switches user before preexec_fn: the death signal survives the switch.

@@ -92,7 +92,7 @@ class RabbitMQServerProcess(ChildProcess):
             raise self.error(f"{self.name} was never started")
         return f"amqp://guest:guest@127.0.0.1:{self.port}//"
 
-    def start(self, timeout: float = 90.0) -> "RabbitMQServerProcess":
+    def start(self, timeout: float = 90.0) -> RabbitMQServerProcess:
         """Start the node; return once it accepts an AMQP connection as our node.
 
         Raises ``error`` when the node exits on each of ``attempts`` pairs of

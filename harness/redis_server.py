@@ -88,7 +88,7 @@ class RedisServerProcess(ChildProcess):
         self.port = port
         self.attempts = attempts
 
-    def start(self, timeout: float = 20.0) -> "RedisServerProcess":
+    def start(self, timeout: float = 20.0) -> RedisServerProcess:
         """Start the server; return once it answers on its port with our pid.
 
         Raises ``error`` when the process exits on a pinned port, or on every

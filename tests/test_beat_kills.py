@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from .support import (LOCK_DB, RECORD_DB, CeleryProcess, Owner, RedisServer, owning, start_worker,
-                      wait_for)
+from .support import LOCK_DB, RECORD_DB, CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
 from .support.beat import BEAT_APP, read_runs, slot_counts
 from .support.processes import child_env
 from .support.slots import parse_slot

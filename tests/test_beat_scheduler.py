@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import shelve
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,10 +26,10 @@ from celery_singleton_beat.beat import (
     ENTRY_HEADER,
     INSTANCE_HEADER,
     SLOT_HEADER,
-    slot_task_id,
     history_key,
     read_history,
     slot_key,
+    slot_task_id,
     stats_key,
 )
 from celery_singleton_beat.keys import beat_stats_key
@@ -337,10 +337,10 @@ def test_bad_configuration_fails_at_start(redis_db: redis.Redis, redis_server: R
     with pytest.raises(ImproperlyConfigured, match="Redis URL"):
         RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND,
                                         singleton_redis_url="http://localhost:6379/0"))
-    with pytest.raises(ImproperlyConfigured, match="'bad'.*include_args"):
+    with pytest.raises(ImproperlyConfigured, match=r"'bad'.*include_args"):
         RecordingScheduler(app=scheduler_app(redis_server, clock, {
             "bad": {"task": "t", "schedule": 1.0, "options": {"singleton": {"include_args": 1}}}}))
-    with pytest.raises(ImproperlyConfigured, match="'zero'.*positive"):
+    with pytest.raises(ImproperlyConfigured, match=r"'zero'.*positive"):
         RecordingScheduler(app=scheduler_app(redis_server, clock, {"zero": {"task": "t", "schedule": 0}}))
 
 

@@ -111,7 +111,7 @@ def test_defaults() -> None:
     assert (settings.lock_ttl, settings.key_prefix, settings.fail_open) == (60.0, "singleton", False)
 
 
-def test_worker_refuses_to_start_with_a_bad_setting(redis_server: RedisServer, tmp_path) -> None:  # noqa: ANN001
+def test_worker_refuses_to_start_with_a_bad_setting(redis_server: RedisServer, tmp_path) -> None:
     """The worker exits at start-up with the setting's name, before taking any task."""
     (tmp_path / "badapp.py").write_text(
         "from celery import Celery\n"

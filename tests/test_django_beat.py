@@ -165,7 +165,7 @@ def test_no_database_io_between_claims_won_ahead_and_their_send(
         assert scheduler.tick() == 0
         assert sorted(sent_names(scheduler)) == names
         assert PeriodicTask.objects.get(name=sent_names(scheduler)[-1]).total_run_count == 1
-        wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the new row read and sent")
+        wait_for(lambda scheduler=scheduler: scheduler.tick() > 0, timeout=10, message="the new row read and sent")
         assert sent_names(scheduler)[-1] == "saved-mid-burst"
     finally:
         scheduler.close()
@@ -194,7 +194,7 @@ def test_a_row_saved_while_the_beat_starts_is_picked_up(
         post_save.disconnect(save_another_row, sender=PeriodicTask)
     try:
         assert PeriodicTask.objects.filter(name="during-start").exists()
-        wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the due entries sent")
+        wait_for(lambda scheduler=scheduler: scheduler.tick() > 0, timeout=10, message="the due entries sent")
         assert "during-start" in scheduler.schedule
         assert sorted(sent_names(scheduler)) == ["before-start", "during-start"]
     finally:
@@ -212,11 +212,11 @@ def test_a_change_marked_by_a_clock_behind_is_picked_up(
     add_entry("first", 1, "hours")
     scheduler = recording_scheduler(redis_server)
     try:
-        wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the first entry sent")
+        wait_for(lambda scheduler=scheduler: scheduler.tick() > 0, timeout=10, message="the first entry sent")
         behind = timezone.now() - timedelta(hours=1)
         add_entry("saved-behind", 1, "hours")
         PeriodicTasks.objects.filter(ident=1).update(last_update=behind)  # what that machine wrote
-        wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the due entries sent")
+        wait_for(lambda scheduler=scheduler: scheduler.tick() > 0, timeout=10, message="the due entries sent")
         assert sorted(sent_names(scheduler)) == ["first", "saved-behind"]
         assert PeriodicTask.objects.count() == 2
     finally:
@@ -306,7 +306,7 @@ def test_singleton_option_in_the_task_headers(django_db: Path, redis_db: Any,
     second = recording_scheduler(redis_server)
     try:
         for scheduler in (first, second):
-            wait_for(lambda: scheduler.tick() > 0, timeout=10, message="the due entries handled")
+            wait_for(lambda scheduler=scheduler: scheduler.tick() > 0, timeout=10, message="the due entries handled")
         names = sent_names(first) + sent_names(second)
         assert names.count("everywhere") == 2
         assert names.count("claimed") == 1

@@ -35,8 +35,17 @@ from example_project.demo.run import _next_half_second
 from example_project.demo.status import StatusLine
 from example_project.shop.schedule import BEAT_SCHEDULE
 
-from .support import ROOT, RedisServer, TestProcess, free_port, redis_server_binary, run_command, wait_for_phase
+from .support import (
+    ROOT,
+    RedisServer,
+    TestProcess,
+    free_port,
+    redis_server_binary,
+    run_command,
+    wait_for_phase,
+)
 from .support.slots import UTC, slot_label
+
 #: Long enough for the failover (killed at +4.5 s); the demo needs about 15 s more.
 DEMO_SECONDS = 8
 

@@ -36,7 +36,7 @@ def fc_app(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[ModuleT
     os.environ["CSB_TEST_REDIS"] = base = f"redis://127.0.0.1:{redis_server.port}"
     from .apps import failclosed_app
 
-    assert failclosed_app.BASE == base, "failclosed_app was imported for another server"
+    assert base == failclosed_app.BASE, "failclosed_app was imported for another server"
     yield failclosed_app
     failclosed_app.app.conf.singleton_redis_url = f"{base}/2"
     clear_settings_cache()

@@ -15,8 +15,18 @@ from typing import Any
 
 import requests
 
-from .support import (LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, child_env, free_port, importorskip,
-                      run_command, start_worker, wait_for)
+from .support import (
+    LOCK_DB,
+    RECORD_DB,
+    CeleryProcess,
+    RedisServer,
+    child_env,
+    free_port,
+    importorskip,
+    run_command,
+    start_worker,
+    wait_for,
+)
 
 importorskip("flower")  # the [flower] extra, which `make test` installs
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402 (comes with flower)

@@ -31,7 +31,7 @@ from celery_singleton_beat.keys import canonical, lock_key
 from .support import LOCK_DB, CeleryProcess, RedisServer, start_worker, wait_for
 
 
-def sync(customer_id, region="eu", verbose=False, *rest, **extra):  # noqa: ANN001, ANN002, ANN003
+def sync(customer_id, region="eu", verbose=False, *rest, **extra):
     return None
 
 
@@ -156,10 +156,10 @@ def test_keys_of_plain_json_arguments_are_unchanged_by_the_typed_encoding() -> N
 # ----------------------------------------------------------------- what changes a key across deploys
 
 def test_a_new_parameter_with_a_default_changes_every_key() -> None:
-    def before(customer_id):  # noqa: ANN001, ANN202
+    def before(customer_id):
         return None
 
-    def after(customer_id, dry_run=False):  # noqa: ANN001, ANN202
+    def after(customer_id, dry_run=False):
         return None
 
     old, new = inspect.signature(before), inspect.signature(after)
@@ -169,10 +169,10 @@ def test_a_new_parameter_with_a_default_changes_every_key() -> None:
 
 
 def test_a_changed_default_changes_the_key_of_calls_that_omit_it() -> None:
-    def before(customer_id, region="eu"):  # noqa: ANN001, ANN202
+    def before(customer_id, region="eu"):
         return None
 
-    def after(customer_id, region="us"):  # noqa: ANN001, ANN202
+    def after(customer_id, region="us"):
         return None
 
     old, new = inspect.signature(before), inspect.signature(after)
@@ -196,7 +196,7 @@ def typed_app(redis_db: redis.Redis, redis_server: RedisServer,
     os.environ["CSB_TEST_REDIS"] = f"redis://127.0.0.1:{redis_server.port}"
     from .apps import typed_keys_app
 
-    assert typed_keys_app.BASE == os.environ["CSB_TEST_REDIS"], "imported for another server"
+    assert os.environ["CSB_TEST_REDIS"] == typed_keys_app.BASE, "imported for another server"
     processes.append(start_worker(redis_server, "tests.apps.typed_keys_app", "typed", concurrency=1))
     yield typed_keys_app
 
@@ -213,5 +213,5 @@ def test_a_real_worker_adopts_the_publish_claim_of_typed_arguments(typed_app: Mo
         ran = result.get(timeout=60)
         assert ran == {"key": published, "type": type(value).__name__}, value
         # the claim was adopted and released by the run: nothing is left under the key
-        wait_for(lambda: not locks.exists(published), timeout=10, message=f"{published} released")
+        wait_for(lambda published=published: not locks.exists(published), timeout=10, message=f"{published} released")
     assert len({typed_app.claimed.singleton_key((value,), {}) for value in values}) == len(values)

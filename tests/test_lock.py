@@ -16,7 +16,7 @@ from .support import RedisServer, soak, wait_for
 KEY = "t:{demo.task:abc}"
 
 
-def take(client: redis.Redis, task_id: str = "id-1", ttl: float = 5.0, **kw):  # noqa: ANN003
+def take(client: redis.Redis, task_id: str = "id-1", ttl: float = 5.0, **kw):
     return acquire(client, KEY, ttl, task="demo.task", task_id=task_id, node="w1@host", boot="b1", **kw)
 
 

@@ -15,7 +15,13 @@ from celery_singleton_beat.lock import acquire, read_holder
 
 from .support import LOCK_DB, RedisServer, start_worker, wait_for
 from .support.tasks import (
-    EventCapture, check_one_run_at_a_time, lock_keys, runs, skipped, started, submit_spread,
+    EventCapture,
+    check_one_run_at_a_time,
+    lock_keys,
+    runs,
+    skipped,
+    started,
+    submit_spread,
 )
 
 APP = "tests.apps.tasks_app"

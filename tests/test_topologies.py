@@ -322,7 +322,7 @@ def test_forked_children_never_share_a_connection(topology: Topology) -> None:
             child = get_redis(app)
             child.set(key, "child")
             report = {"same_client": child is client, "port": _socket_port(child, key)}
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:
             report = {"error": repr(exc)}
         os.write(writer, json.dumps(report).encode())
         os._exit(0)
@@ -607,7 +607,7 @@ def _beat_loop(beat: Any, stop: threading.Event, errors: list[str]) -> None:
     while not stop.is_set():
         try:
             delay = beat.tick()
-        except Exception as exc:  # noqa: BLE001 - recorded and reported
+        except Exception as exc:
             errors.append(repr(exc))
             delay = 0.05
         stop.wait(min(max(delay, 0.0), 0.05))
@@ -714,5 +714,5 @@ def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records
         reset_clients()
         group.stop()
         # AsyncResults unsubscribe when collected: do it while the result backend is up.
-        published = long_runs = everything = []  # noqa: F841
+        published = long_runs = everything = []
         gc.collect()

@@ -58,7 +58,7 @@ class AdminError(SingletonError):
     """Base class of the errors of :mod:`celery_singleton_beat.admin`."""
 
 
-class InvalidSettings(AdminError, ImproperlyConfigured):  # type: ignore[misc]  # celery is untyped (Any)
+class InvalidSettings(AdminError, ImproperlyConfigured):
     """The app's ``singleton_*`` settings are invalid (also an ``ImproperlyConfigured``)."""
 
 

@@ -165,7 +165,7 @@ def _check_expiry(client: RedisClient, prefix: str) -> Check:
     foreign: list[str] = []
     for batch in scan(client, space.pattern):
         scanned += len(batch)
-        for key, (pttl,) in zip(batch, read(client, batch, "pttl")):
+        for key, (pttl,) in zip(batch, read(client, batch, "pttl"), strict=True):
             if pttl != -1:
                 continue
             kind = space.kind(key)

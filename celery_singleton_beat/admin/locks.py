@@ -136,7 +136,7 @@ def _scan_locks(target: Target, task: str | None) -> list[HeldLock]:
         keys = [(key, parsed) for key in batch
                 if (parsed := space.lock(key)) is not None and (task is None or parsed[0] == task)]
         replies = read(target.client, [key for key, _ in keys], "get", "pttl")
-        for (key, (name, kind)), (value, pttl) in zip(keys, replies):
+        for (key, (name, kind)), (value, pttl) in zip(keys, replies, strict=True):
             lock = _held(key, name, kind, value, pttl)
             if lock is not None:
                 found.append(lock)

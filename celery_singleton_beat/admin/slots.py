@@ -94,7 +94,7 @@ def _from_claim_keys(target: Target, entry: str | None, last: int) -> list[SlotC
             # entries with include_args claim under "<name>:<digest>"
             if parsed and (entry is None or parsed[0] == entry or parsed[0].startswith(entry + ":")):
                 keys.append((key, *parsed))
-        for (key, name, slot), (value,) in zip(keys, read(target.client, [k for k, _, _ in keys], "get")):
+        for (key, name, slot), (value,) in zip(keys, read(target.client, [k for k, _, _ in keys], "get"), strict=True):
             if not isinstance(value, (bytes, str)):
                 continue
             try:

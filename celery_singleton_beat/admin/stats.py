@@ -68,7 +68,7 @@ def _counters(raw: Mapping[Any, Any]) -> dict[str, int]:
 def _hashes(client: RedisClient, match: str, name_from: int) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for batch in scan(client, match):
-        for key, (raw,) in zip(batch, read(client, batch, "hgetall")):
+        for key, (raw,) in zip(batch, read(client, batch, "hgetall"), strict=True):
             if isinstance(raw, dict) and raw:
                 out[key[name_from:]] = _counters(raw)
     return dict(sorted(out.items()))

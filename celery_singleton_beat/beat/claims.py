@@ -27,6 +27,7 @@ messages carry one task id, and the worker accepts only the claim's instance.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ def receive_slot(client: Any, key: str, instance: str, worker: str, create_ttl_m
     return True, None
 
 
-def swap_many(client: Any, swaps: Sequence[tuple[str, str, str, int]]) -> list[tuple[bool, bytes | None]]:
+def swap_many(client: Any, swaps: Sequence[tuple[str, bytes | str, str, int]]) -> list[tuple[bool, bytes | None]]:
     """Run :data:`SWAP_SCRIPT` for each ``(key, expected, new, min_ttl_ms)`` in one round trip.
 
     Returns ``(swapped, current value)`` per item, in order.
@@ -172,7 +173,9 @@ def _swapped(reply: Sequence[Any]) -> tuple[bool, bytes | None]:
     if reply[0]:
         return True, None
     current = reply[1] if len(reply) > 1 else None
-    return False, current if isinstance(current, (bytes, str)) else None
+    if isinstance(current, str):  # a client with decode_responses
+        current = current.encode()
+    return False, current if isinstance(current, bytes) else None
 
 
 def _evalsha_pipelined(client: Any, script: LuaScript,
@@ -192,14 +195,15 @@ def _evalsha_pipelined(client: Any, script: LuaScript,
             for i in indexes:
                 keys, args = calls[i]
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
-            return pipe.execute(raise_on_error=False)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            return replies
 
-        for i, reply in zip(group, run(group)):
+        for i, reply in zip(group, run(group), strict=True):
             replies[i] = reply
         missing = [i for i in group if isinstance(replies[i], NoScriptError)]
         if missing:
             server.script_load(script.source)
-            for i, reply in zip(missing, run(missing)):
+            for i, reply in zip(missing, run(missing), strict=True):
                 replies[i] = reply
     for reply in replies:
         if isinstance(reply, Exception):
@@ -249,7 +253,7 @@ class ClaimStore:
                 raise
             self.use_set_get = False  # Redis < 7 cannot combine NX and GET
             replies, marked = self._set(batch, value, marks)
-        for claim, reply in zip(batch, replies):
+        for claim, reply in zip(batch, replies, strict=True):
             won, holder = reply
             claim.won = won
             claim.value = value if won else None
@@ -296,7 +300,7 @@ class ClaimStore:
         """``(won, holder value)`` per claim from the raw SET (and GET) replies."""
         if self.use_set_get:
             return [(reply is None, reply) for reply in replies]
-        pairs = zip(replies[0::2], replies[1::2])
+        pairs = zip(replies[0::2], replies[1::2], strict=True)
         return [(bool(won), None if won else holder) for won, holder in pairs]
 
     def _set_acknowledged(self, batch: Sequence[Claim], value: str) -> list[tuple[bool, bytes | None]]:
@@ -319,7 +323,7 @@ class ClaimStore:
                 self._add_sets(pipe, (batch[i] for i in group), value)
                 pipe.execute_command("WAIT", self.wait_replicas, max(1, round(self.wait_timeout * 1000)))
                 *sets, acknowledged = pipe.execute()
-                for index, outcome in zip(group, self._outcomes(sets)):
+                for index, outcome in zip(group, self._outcomes(sets), strict=True):
                     outcomes[index] = outcome
                     if outcome[0]:
                         won.append(keys[index])
@@ -328,16 +332,14 @@ class ClaimStore:
                                                   self.wait_replicas, self.wait_timeout)
         except redis.RedisError:
             for key in won:  # an unacknowledged claim must not block the slot: as if never made
-                try:
+                with contextlib.suppress(redis.RedisError):  # else it expires after its period
                     release_value(client, key, value)
-                except redis.RedisError:
-                    pass  # it expires after its period
             raise
         return outcomes
 
     # ----------------------------------------------------------------- afterwards
 
-    def swap(self, swaps: Sequence[tuple[str, str, str, int]]) -> list[tuple[bool, bytes | None]]:
+    def swap(self, swaps: Sequence[tuple[str, bytes | str, str, int]]) -> list[tuple[bool, bytes | None]]:
         """Compare-and-set claims (mark sent, hand back, take over) in one round trip."""
         return swap_many(self.client, swaps)
 

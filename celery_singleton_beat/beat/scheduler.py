@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import schedules
-from celery.beat import PersistentScheduler, Scheduler
+from celery.beat import PersistentScheduler
 from celery.exceptions import ImproperlyConfigured
 
 from ..client import get_redis
@@ -61,7 +61,7 @@ class _Reserved:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    _SchedulerBase = Scheduler
+    from celery.beat import Scheduler as _SchedulerBase
 else:
     _SchedulerBase = object
 
@@ -242,7 +242,7 @@ class SingletonSchedulerMixin(_SchedulerBase):
             if self.handover.marks_due(now):
                 self._mark_sent()
         wake = self.handover.next_wake(time.monotonic())
-        return delay if wake is None else min(delay, wake)
+        return float(delay) if wake is None else min(float(delay), wake)
 
     def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
         """Compare the schedule with its copy once per burst, not once per tick.
@@ -483,7 +483,8 @@ class SingletonSchedulerMixin(_SchedulerBase):
                 self.handover.sent(claim, time.monotonic())
             raise
         now = time.monotonic()
-        won, lost = [], []
+        won: list[Any] = []
+        lost: list[Any] = []
         for claim, entry in batch:
             (won if claim.won else lost).append((claim, entry))
             if not claim.won and claim.holder_state in UNSENT:
@@ -557,7 +558,7 @@ class SingletonSchedulerMixin(_SchedulerBase):
                 self.handover.watch(watch.claim, now)
             return
         taken: list[tuple[Claim, Any]] = []
-        for watch, (swapped, current) in zip(watches, outcomes):
+        for watch, (swapped, current) in zip(watches, outcomes, strict=True):
             claim = watch.claim
             if not swapped:
                 claim.holder_value = current

@@ -219,8 +219,9 @@ def crontab_slot(cron: schedules.crontab, now: datetime, hint: datetime | None =
     def instant(position: datetime) -> datetime:
         return _wall_to_utc(position, tz)
 
-    start = wall(to_utc(hint)) if hint is not None and to_utc(hint) <= now else None
-    if start is not None and instant(start) != to_utc(hint):  # not an instant of this schedule
+    hint_utc = to_utc(hint) if hint is not None else None
+    start = wall(hint_utc) if hint_utc is not None and hint_utc <= now else None
+    if start is not None and instant(start) != hint_utc:  # not an instant of this schedule
         start = None
     return _latest_instant(step, instant, now, start, lambda window: wall(now - window),
                            wall(now) + timedelta(days=1))

@@ -44,7 +44,7 @@ class Child(ChildProcess):
         self.killed = False
         self._terminated = False
 
-    def start(self) -> "Child":
+    def start(self) -> Child:
         super().start()
         return self
 

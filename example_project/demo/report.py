@@ -31,8 +31,17 @@ from celery.schedules import schedule as interval
 
 from celery_singleton_beat.beat import current_slot, format_slot
 
-__all__ = ["EntryCount", "ScheduledEntry", "Summary", "beat_pid", "count_executions",
-           "format_table", "scheduled_entries", "slots_between", "SETTLE_SECONDS"]
+__all__ = [
+    "SETTLE_SECONDS",
+    "EntryCount",
+    "ScheduledEntry",
+    "Summary",
+    "beat_pid",
+    "count_executions",
+    "format_table",
+    "scheduled_entries",
+    "slots_between",
+]
 
 UTC = timezone.utc
 

@@ -60,7 +60,7 @@ from .report import (
 )
 from .status import StatusLine
 
-__all__ = ["Options", "Demo", "main", "parse_options"]
+__all__ = ["Demo", "Options", "main", "parse_options"]
 
 APP = "example_project.shop.celery_app"
 #: The directory that holds the ``example_project`` package.

@@ -24,15 +24,23 @@ from harness.redis_server import free_port
 from .owners import Owner, owning, register
 from .paths import ROOT, scratch, scratch_dir
 from .processes import CeleryProcess, TestProcess, child_env, run_command, start_worker
-from .servers import (BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, NotOurServer, RabbitMQServer, RedisServer,
-                      redis_server_binary)
+from .servers import (
+                      BACKEND_DB,
+                      BROKER_DB,
+                      LOCK_DB,
+                      RECORD_DB,
+                      NotOurServer,
+                      RabbitMQServer,
+                      RedisServer,
+                      redis_server_binary,
+)
 from .skips import importorskip, in_ci, require, skip_or_fail
 from .slots import UTC, parse_slot, slot_label, utc
 from .waiting import soak, wait_for, wait_for_phase
 
 __all__ = [
     "BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "ROOT", "UTC", "CeleryProcess", "NotOurServer",
-    "Owner", "RabbitMQServer", "RedisServer", "TestProcess", "child_env", "free_port", "importorskip", "in_ci", "owning",
-    "parse_slot", "redis_server_binary", "register", "require", "run_command", "scratch", "scratch_dir",
+    "Owner", "RabbitMQServer", "RedisServer", "TestProcess", "child_env", "free_port", "importorskip", "in_ci",
+    "owning", "parse_slot", "redis_server_binary", "register", "require", "run_command", "scratch", "scratch_dir",
     "skip_or_fail", "slot_label", "soak", "start_worker", "utc", "wait_for", "wait_for_phase",
 ]

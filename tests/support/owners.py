@@ -46,7 +46,7 @@ class Owner(list):  # type: ignore[type-arg]
         for item in reversed(list(self)):
             try:
                 item.close()
-            except Exception as exc:  # noqa: BLE001 - reported below, after the others closed
+            except Exception as exc:
                 errors.append(exc)
         if errors:
             raise errors[0]

@@ -44,7 +44,7 @@ class TestProcess(ChildProcess):
                  cwd: Path | str | None = ROOT, log: Path | None = None) -> None:
         super().__init__(name, argv, env=env, cwd=cwd, log=log or scratch_file(name))
 
-    def start(self) -> "TestProcess":
+    def start(self) -> TestProcess:
         register(self)  # before anything can fail
         super().start()
         return self

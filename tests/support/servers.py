@@ -105,7 +105,7 @@ class RedisServer:
     def tail(self, lines: int = 15) -> str:
         return self._server.tail(lines)
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         register(self)
         self._server.start()
         return self
@@ -177,7 +177,7 @@ class RabbitMQServer(RabbitMQServerProcess):
     def __init__(self, name: str = "rabbitmq") -> None:
         super().__init__(name, rabbitmq_server_binary(), log_dir=scratch(name))
 
-    def start(self, timeout: float = 90.0) -> "RabbitMQServer":
+    def start(self, timeout: float = 90.0) -> RabbitMQServer:
         register(self)
         super().start(timeout)
         return self

@@ -52,7 +52,7 @@ def duplicates_and_misses(labels_sent: Iterable[str], period: timedelta) -> dict
     if not counts:
         return {"slots": 0, "sent": 0, "duplicates": 0, "misses": 0}
     instants = sorted(parse_slot(label) for label in counts)
-    expected = int(round((instants[-1] - instants[0]) / period)) + 1
+    expected = round((instants[-1] - instants[0]) / period) + 1
     return {"slots": expected, "sent": sum(counts.values()),
             "duplicates": sum(n - 1 for n in counts.values() if n > 1),
             "misses": expected - len(counts)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -38,7 +39,7 @@ def load_tasks_app(redis_server: RedisServer) -> ModuleType:
     base = _point_apps_at(redis_server)
     from ..apps import tasks_app
 
-    assert tasks_app.BASE == base, "tasks_app was imported for another server"
+    assert base == tasks_app.BASE, "tasks_app was imported for another server"
     return tasks_app
 
 
@@ -47,7 +48,7 @@ def load_ops_app(redis_server: RedisServer) -> ModuleType:
     base = _point_apps_at(redis_server)
     from ..apps import ops_app
 
-    assert ops_app.BASE == base, "ops_app was imported for another server"
+    assert base == ops_app.BASE, "ops_app was imported for another server"
     return ops_app
 
 
@@ -158,7 +159,7 @@ def check_one_run_at_a_time(records: redis.Redis, locks: redis.Redis, task_name:
         assert sum(skipped(r) for r in results) == len(results) - len(completed), \
             f"every other submission of {key} is a visible skip"
         spans = sorted((run["start"], run["end"]) for run in completed)
-        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), \
+        assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(spans)), \
             f"runs of {key} overlapped in time"
         total_runs += len(completed)
     assert lock_keys(locks) == [], "every lock was released"
@@ -194,7 +195,7 @@ class EventCapture:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._listen, daemon=True, name=f"capture-{event_type}")
 
-    def __enter__(self) -> "EventCapture":
+    def __enter__(self) -> EventCapture:
         self._thread.start()
         if not self._ready.wait(30):
             raise AssertionError(f"the {self.event_type} capture received nothing within 30s: {self._error!r}")
@@ -230,7 +231,7 @@ class EventCapture:
                 receiver = Receiver(conn, handlers={self.event_type: on_event, "*": on_other})
                 for _ in receiver.consume(safety_interval=0.1, wakeup=False):
                     pass
-        except Exception as exc:  # noqa: BLE001 - reported by __enter__ / wait
+        except Exception as exc:
             self._error = exc
             self._ready.set()
 

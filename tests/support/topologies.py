@@ -56,7 +56,7 @@ class ServerProcess(RedisServerProcess):
                  connect: Callable[[int], redis.Redis] | None = None) -> None:
         super().__init__(name, redis_server_binary(), args_for, workdir=workdir, connect=connect)
 
-    def start(self, timeout: float = 20.0) -> "ServerProcess":
+    def start(self, timeout: float = 20.0) -> ServerProcess:
         register(self)  # before anything can fail
         super().start(timeout)
         return self
