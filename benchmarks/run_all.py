@@ -50,8 +50,13 @@ def machine() -> str:
         memory = f"{mem_kb / 1024 / 1024:.0f} GiB"
     except (OSError, StopIteration, ValueError):
         memory = "unknown memory"
+    try:
+        import hiredis  # noqa: F401  (redis-py uses it when installed: the `fast` extra)
+        parser = "hiredis"
+    except ImportError:
+        parser = "no hiredis"
     return (f"{platform.system()} {platform.machine()}, {cpus} CPUs, {memory}, "
-            f"Python {platform.python_version()}, redis-server on loopback")
+            f"Python {platform.python_version()}, redis-py with {parser}, redis-server on loopback")
 
 
 def run_one(name: str, quick: bool) -> tuple[str, float]:

@@ -35,4 +35,4 @@ __all__ = [
     "install",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
