@@ -1,0 +1,231 @@
+"""The Redis side of the scheduler mixin: claim round trips, sent marks, hand-backs, take-overs.
+
+:class:`ClaimRounds` is the base of
+:class:`~celery_singleton_beat.beat.scheduler.SingletonSchedulerMixin`, which
+holds the state used here (set in its ``__init__``) and Celery's scheduler hooks.
+Each method is one round trip to Redis (:class:`~.claims.ClaimStore`):
+
+* a claim of the slot being sent, with the slots of other due entries claimed
+  ahead and the ``sent`` marks of earlier sends riding along;
+* marking published claims ``sent`` (when no claim round trip comes soon);
+* handing claims won but not sent back as ``released``;
+* taking over, and sending, slots whose claim stayed unsent past its pending lease.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+import redis
+
+from ..config import SingletonSettings
+from ..events import logger
+from .breaker import Breaker
+from .claims import PENDING, RELEASED, SENT, UNSENT, Claim, ClaimStore, claim_value, parse_claim
+from .entries import SlotSpec, entry_spec
+from .handover import Handover
+from .slots import Slot, current_slot
+
+__all__ = ["ClaimRounds"]
+
+
+class ClaimRounds:
+    """Claims, marks, hand-backs and take-overs of a beat instance (see the module docstring)."""
+
+    # Set by SingletonSchedulerMixin.__init__ (and Celery's Scheduler: schedule, _heap).
+    singleton_settings: SingletonSettings
+    instance_id: str
+    claims: ClaimStore
+    handover: Handover
+    breaker: Breaker
+    claim_batch_size: int
+    history_size: int
+    _handled: dict[str, datetime]
+    _hints: dict[str, datetime]
+    _reserved: dict[str, Any]
+    _prefetched: dict[str, tuple[Claim, float]]
+    schedule: Any  # Celery's Scheduler property (annotation only: no attribute here)
+
+    def _now(self) -> datetime:
+        raise NotImplementedError
+
+    def _send(self, entry: Any, producer: Any, decided: tuple[Claim, float] | None,
+              **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _claim_with_batch(self, entry: Any, spec: SlotSpec, slot: Slot) -> tuple[Claim, float]:
+        """Claim this slot, and ahead of time the slots of the other entries due now.
+
+        Marks of earlier sends ride in the same round trip.
+        """
+        prefix = self.singleton_settings.key_prefix
+        mine = Claim(entry.name, slot, spec.key(prefix, slot), None)
+        now = time.monotonic()
+        if self.breaker.is_open():
+            mine.error = "Redis unavailable (waiting before the next attempt)"
+            return mine, now
+        batch = [(mine, entry)]
+        batch.extend(self._due_candidates(self._now(), exclude=entry.name,
+                                          limit=self.claim_batch_size - 1))
+        try:
+            self._claim_many(batch)
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            mine.error = f"{type(exc).__name__}: {exc}"
+            return mine, now
+        self.breaker.ok()
+        for claim, _ in batch[1:]:
+            self._prefetched[claim.name] = (claim, now)
+        return mine, now
+
+    def _due_candidates(self, now: datetime, exclude: str, limit: int) -> list[tuple[Claim, Any]]:
+        """Other singleton entries that the heap says are due at ``now``.
+
+        Walks only the due part of the heap (children of a node that is not due
+        are not due either), so the cost follows the number of due entries.
+        """
+        heap = getattr(self, "_heap", None)
+        if not isinstance(heap, list) or limit <= 0:
+            return []
+        prefix = self.singleton_settings.key_prefix
+        now_ts = now.timestamp()
+        found: list[tuple[Claim, Any]] = []
+        stack = [0]
+        while stack and len(found) < limit:
+            index = stack.pop()
+            if index >= len(heap) or heap[index][0] > now_ts:
+                continue
+            stack.extend((2 * index + 2, 2 * index + 1))
+            entry = heap[index][2]
+            name = entry.name
+            if name == exclude or name in self._prefetched or name in self._reserved:
+                continue
+            handled = self._handled.get(name)
+            if handled is None:
+                continue
+            try:
+                spec = entry_spec(entry)
+                slot = current_slot(entry.schedule, now, self._hints.get(name)) if spec else None
+            except ValueError:
+                continue
+            if spec is None or slot is None or slot.at <= handled:
+                continue
+            self._hints[name] = slot.at
+            found.append((Claim(name, slot, spec.key(prefix, slot), None), entry))
+        return found
+
+    def _claim_many(self, batch: list[tuple[Claim, Any]]) -> None:
+        """Claim ``batch`` (and mark earlier sends) in one round trip; watch the slots lost
+        to unsent claims; record the outcome."""
+        marks = self.handover.take_marks()
+        at = round(self._now().timestamp(), 3)
+        try:
+            self.claims.claim([claim for claim, _ in batch], at, self._mark_swaps(marks))
+        except redis.RedisError:
+            for claim in marks:  # not marked: try again with the next round trip
+                self.handover.sent(claim, time.monotonic())
+            raise
+        now = time.monotonic()
+        won: list[Any] = []
+        lost: list[Any] = []
+        for claim, entry in batch:
+            (won if claim.won else lost).append((claim, entry))
+            if not claim.won and claim.holder_state in UNSENT:
+                self.handover.watch(claim, now)
+        self._record(won, lost, [], at)
+
+    def _record(self, won: list[tuple[Claim, Any]], lost: list[tuple[Claim, Any]],
+                taken: list[tuple[Claim, Any]], at: float) -> None:
+        self.claims.history_size = self.history_size  # a class attribute users may change
+        try:
+            self.claims.record(won, lost, taken, at)
+        except redis.RedisError as exc:
+            logger.warning("beat: could not record %d claim(s) in the history: %s",
+                           len(won) + len(lost) + len(taken), exc)
+
+    def _mark_swaps(self, claims: list[Claim]) -> list[tuple[str, str, str, int]]:
+        swaps = []
+        for claim in claims:
+            assert claim.value is not None
+            parsed = parse_claim(claim.value) or {}
+            swaps.append((claim.key, claim.value,
+                          claim_value(self.instance_id, parsed.get("at", 0), SENT), 0))
+        return swaps
+
+    def _mark_sent(self) -> None:
+        """Mark every published, unmarked claim ``sent`` (one round trip)."""
+        marks = self.handover.take_marks()
+        if not marks:
+            return
+        try:
+            self.claims.swap(self._mark_swaps(marks))
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            for claim in marks:  # try again after the back-off; the lease may pass meanwhile
+                self.handover.sent(claim, time.monotonic())
+            logger.warning("beat: could not mark %d sent slot(s): %s", len(marks), exc)
+
+    def _hand_back(self, claims: list[Claim]) -> None:
+        """Give claims won but not sent back as ``released``: others may send them at once."""
+        swaps = [(claim.key, claim.value, claim_value(self.instance_id, 0, RELEASED), 0)
+                 for claim in claims if claim.won and claim.value is not None]
+        if not swaps:
+            return
+        try:
+            self.claims.swap(swaps)
+        except redis.RedisError as exc:
+            logger.warning("beat: could not hand back %d unsent claim(s) (the pending lease "
+                           "ends them): %s", len(swaps), exc)
+
+    def _hand_back_prefetched(self) -> None:
+        claims = [claim for claim, _ in self._prefetched.values()]
+        self._prefetched.clear()
+        if claims:
+            logger.info("beat: handing back %d claimed but unsent slot(s)", len(claims))
+            self._hand_back(claims)
+
+    def _take_over_due(self, now: float) -> None:
+        """Take over (and send) slots whose claim stayed unsent past its pending lease."""
+        watches = self.handover.due_watches(now, self.claim_batch_size)
+        if not watches:
+            return
+        at = round(self._now().timestamp(), 3)
+        mine = claim_value(self.instance_id, at, PENDING)
+        swaps = [(w.claim.key, w.claim.holder_value or b"", mine,
+                  round(max(self.singleton_settings.done_ttl, 1) * 1000)) for w in watches]
+        try:
+            outcomes = self.claims.swap(swaps)
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            for watch in watches:
+                self.handover.watch(watch.claim, now)
+            return
+        taken: list[tuple[Claim, Any]] = []
+        for watch, (swapped, current) in zip(watches, outcomes, strict=True):
+            claim = watch.claim
+            if not swapped:
+                claim.holder_value = current
+                parsed = parse_claim(current)
+                if parsed is not None and parsed.get("state") in UNSENT:
+                    self.handover.watch(claim, now)  # someone else took it over: watch them
+                continue
+            entry = self.schedule.get(claim.name)
+            taken_claim = Claim(claim.name, claim.slot, claim.key, True, value=mine,
+                                holder=self.instance_id, holder_value=claim.holder_value)
+            if entry is None:
+                self._hand_back([taken_claim])
+                continue
+            logger.warning("beat: %s: slot %s took over from %s (claimed, not sent within "
+                           "%.1fs); sending", claim.name, claim.slot.label,
+                           claim.holder or "an unknown beat", self.handover.lease)
+            try:
+                self._send(entry, getattr(self, "producer", None), (taken_claim, now))
+            except Exception as exc:  # handed back by _send; Celery's own tick logs likewise
+                logger.error("beat: %s: slot %s not sent after take-over: %s",
+                             claim.name, claim.slot.label, exc)
+                continue
+            taken.append((taken_claim, entry))
+        if taken:
+            self._record([], [], taken, at)
