@@ -173,3 +173,23 @@ def test_counters_are_kept_in_the_same_round_trip(redis_db: redis.Redis, redis_s
     assert one_request(lambda: release_task(redis_db, KEY, "id-3", stats_key=stats),
                        {"acquired": 2, "refused": 1, "renewed": 1, "released": 1}) is False  # nothing held
     assert observer.pttl(stats) > 0, "counters expire when no longer updated"
+
+
+def test_counter_hash_ttl_is_refreshed_on_creation_and_every_64th_update(redis_db: redis.Redis) -> None:
+    """The counters keep a TTL without a PEXPIRE per lock operation (docs/monitoring.md)."""
+    stats = "t:{stats}:task:demo.task"
+
+    def one_run(i: int) -> None:
+        result = take(redis_db, f"id-{i}", stats_key=stats)
+        assert result.lease is not None and result.lease.release()
+
+    one_run(0)
+    assert redis_db.pttl(stats) > 0, "a new counter field sets the TTL"
+    redis_db.persist(stats)  # as if the TTL had been lost
+    for i in range(1, 63):  # acquired/released reach 63: no refresh yet
+        one_run(i)
+    assert redis_db.pttl(stats) == -1
+    one_run(63)
+    one_run(64)  # the 65th update of each field refreshes it
+    assert int(redis_db.hget(stats, "acquired")) == 65
+    assert redis_db.pttl(stats) > 0
