@@ -119,7 +119,7 @@ class ClaimRounds:
     def _claim_many(self, batch: list[tuple[Claim, Any]]) -> None:
         """Claim ``batch`` (and mark earlier sends) in one round trip; watch the slots lost
         to unsent claims; record the outcome."""
-        marks = self.handover.take_marks()
+        marks = self.handover.take_marks(time.monotonic())
         at = round(self._now().timestamp(), 3)
         try:
             self.claims.claim([claim for claim, _ in batch], at, self._mark_swaps(marks))
@@ -156,7 +156,7 @@ class ClaimRounds:
 
     def _mark_sent(self) -> None:
         """Mark every published, unmarked claim ``sent`` (one round trip)."""
-        marks = self.handover.take_marks()
+        marks = self.handover.take_marks(time.monotonic())
         if not marks:
             return
         try:

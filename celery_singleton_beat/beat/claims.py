@@ -352,26 +352,48 @@ class ClaimStore:
         """
         sent = [*won, *taken_over][-self.history_size:]
         records = [
-            json.dumps({"entry": entry.name, "key": claim.key, "task": entry.task,
-                        "slot": claim.slot.label, "winner": self.instance_id, "at": at},
-                       separators=(",", ":"))
+            _ENCODE({"entry": entry.name, "key": claim.key, "task": entry.task,
+                     "slot": claim.slot.label, "winner": self.instance_id, "at": at})
             for claim, entry in sent
         ]
         pipe = self.client.pipeline(transaction=False)
         if records:
             pipe.lpush(history_key(self.prefix), *records)
             pipe.ltrim(history_key(self.prefix), 0, self.history_size - 1)
+        counted: list[str] = []  # per entry hash, in the order of their HINCRBY replies
         if self.stats:
             totals = stats_key(self.prefix)
             for field, items in (("won", won), ("lost", lost), ("taken_over", taken_over)):
                 for _, entry in items:
-                    key = beat_stats_key(self.prefix, entry.name)
-                    pipe.hincrby(key, field, 1)
-                    pipe.pexpire(key, STATS_TTL_MS)
+                    counted.append(beat_stats_key(self.prefix, entry.name))
+                    pipe.hincrby(counted[-1], field, 1)
                 if items:
                     pipe.hincrby(totals, field, len(items))
             pipe.pexpire(totals, STATS_TTL_MS)
-        pipe.execute()
+        replies = pipe.execute()
+        # An entry's hash gets its TTL when a field is created and every 64th update
+        # (as the lock scripts do): one command per claim, not two.
+        counts = replies[2:] if records else replies
+        stale = {key for key, count in zip(counted, _per_entry(counts, won, lost, taken_over), strict=True)
+                 if count % 64 == 1}
+        if stale:
+            pipe = self.client.pipeline(transaction=False)
+            for key in stale:
+                pipe.pexpire(key, STATS_TTL_MS)
+            pipe.execute()
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _per_entry(replies: Sequence[Any], *groups: Sequence[Any]) -> list[int]:
+    """The per-entry HINCRBY replies of :meth:`ClaimStore.record`, without the totals'."""
+    counts: list[int] = []
+    position = 0
+    for items in groups:
+        counts.extend(int(reply) for reply in replies[position:position + len(items)])
+        position += len(items) + (1 if items else 0)  # the group's total follows its items
+    return counts
 
 
 def read_history(client: redis.Redis, prefix: str, limit: int = 100) -> list[dict[str, Any]]:

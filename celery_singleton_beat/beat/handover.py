@@ -4,7 +4,10 @@ Two lists, both keyed by claim key:
 
 * *unmarked*: claims this beat won and published, not yet marked ``sent`` in
   Redis. Marks ride on the next claim round trip, or go out on their own
-  before a third of the pending lease has passed since the claim was made.
+  once a third of the pending lease has passed since the claim was made; when
+  claims won together in one batch are sent after that, one by one, their
+  marks go out together at most every tenth of the lease (not one round trip
+  per send): a mark waits at most that long after its send.
 * *watched*: slots this beat lost to a claim that was still ``pending`` (or
   ``released``). Each is looked at again once the pending lease would have
   ended (at once for ``released``); the scheduler then takes over whatever is
@@ -40,6 +43,8 @@ class Handover:
         self._unmarked: dict[str, tuple[Claim, float]] = {}
         self._watched: list[Watch] = []  # a heap on ``due``
         self._order = itertools.count()
+        #: Monotonic time of the last marks taken (-inf: none yet).
+        self._last_marks = float("-inf")
 
     # ----------------------------------------------------------------- our sends
 
@@ -49,14 +54,22 @@ class Handover:
             self._unmarked[claim.key] = (claim, claimed_at)
 
     def marks_due(self, now: float) -> bool:
-        """Whether the oldest unmarked claim must be marked now (a third of the lease)."""
-        oldest = next(iter(self._unmarked.values()), None)
-        return oldest is not None and now >= oldest[1] + self.lease / 3
+        """Whether the unmarked claims must be marked now (see the module docstring)."""
+        due = self._marks_at()
+        return due is not None and now >= due
 
-    def take_marks(self) -> list[Claim]:
-        """Every unmarked claim (the caller marks them all in one round trip)."""
+    def _marks_at(self) -> float | None:
+        oldest = next(iter(self._unmarked.values()), None)
+        if oldest is None:
+            return None
+        return max(oldest[1] + self.lease / 3, self._last_marks + self.lease / 10)
+
+    def take_marks(self, now: float) -> list[Claim]:
+        """Every unmarked claim (the caller marks them all in one round trip at ``now``)."""
         claims = [claim for claim, _ in self._unmarked.values()]
         self._unmarked.clear()
+        if claims:
+            self._last_marks = now
         return claims
 
     # ----------------------------------------------------------------- others' claims
@@ -78,7 +91,7 @@ class Handover:
     def next_wake(self, now: float) -> float | None:
         """Seconds until something here needs the scheduler; None when idle."""
         times = [self._watched[0].due] if self._watched else []
-        oldest = next(iter(self._unmarked.values()), None)
-        if oldest is not None:
-            times.append(oldest[1] + self.lease / 3)
+        marks = self._marks_at()
+        if marks is not None:
+            times.append(marks)
         return max(min(times) - now, 0.0) if times else None

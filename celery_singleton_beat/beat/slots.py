@@ -16,6 +16,7 @@ slot from the schedule and its own clock, without talking to the others:
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone, tzinfo
@@ -73,7 +74,7 @@ class Slot:
         """Time to the next slot (a day for schedules that do not repeat)."""
         return NO_NEXT_PERIOD if self.next is None else self.next - self.at
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         """The slot as it appears in keys, headers and history (ISO 8601, UTC)."""
         return format_slot(self.at)

@@ -1,0 +1,46 @@
+"""Handover book-keeping (pure): when sent claims are marked in Redis."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from celery_singleton_beat.beat.claims import Claim
+from celery_singleton_beat.beat.handover import Handover
+from celery_singleton_beat.beat.slots import Slot
+
+
+def _claim(i: int) -> Claim:
+    slot = Slot(datetime(2026, 1, 1, tzinfo=timezone.utc), None)
+    value = '{"instance":"a","at":0,"state":"pending"}'
+    return Claim(f"entry-{i}", slot, f"p:{{beat:entry-{i}}}:1", True, value=value)
+
+
+def test_claims_won_in_one_batch_and_sent_late_are_marked_in_few_round_trips() -> None:
+    """1,000 claims won in one round trip at t=0 and sent one per ms from t=2 s (past a
+    third of a 5 s lease): marking each on its own would cost one round trip per send."""
+    lease = 5.0
+    handover = Handover(lease)
+    claims = [_claim(i) for i in range(1000)]
+    round_trips = 0
+    latest_mark = 0.0
+    for i, claim in enumerate(claims):
+        now = 2.0 + i / 1000
+        handover.sent(claim, 0.0)
+        if handover.marks_due(now):
+            marked = handover.take_marks(now)
+            round_trips += 1
+            latest_mark = now
+            assert all(c.key != "" for c in marked)
+    wake = handover.next_wake(3.0)
+    assert wake is not None and 3.0 + wake <= lease, "the rest is marked before the lease ends"
+    assert round_trips <= 10, f"{round_trips} mark round trips for 1,000 sends"
+    assert latest_mark < lease
+
+
+def test_the_first_overdue_mark_goes_out_at_once() -> None:
+    handover = Handover(3.0)
+    handover.sent(_claim(1), 0.0)
+    assert not handover.marks_due(0.5)
+    assert handover.marks_due(1.0)
+    assert [c.name for c in handover.take_marks(1.0)] == ["entry-1"]
+    assert not handover.marks_due(1.0)
