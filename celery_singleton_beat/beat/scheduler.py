@@ -165,6 +165,34 @@ class SingletonSchedulerMixin(ClaimRounds, _SchedulerBase):
         base = super().info
         return f"{base}\n{line}" if base else line
 
+    # ----------------------------------------------------------------- for schedulers built on the mixin
+
+    @property
+    def claims_in_flight(self) -> bool:
+        """True while slots claimed ahead in a burst are not sent yet.
+
+        A scheduler built on the mixin should not do slow work (a database
+        write or re-read) then: it would sit between those claims and their publish.
+        """
+        return bool(self._prefetched)
+
+    def handled_entries(self) -> dict[str, datetime]:
+        """Per entry name, the latest slot this beat handled (a copy)."""
+        return dict(self._handled)
+
+    def reanchor(self, entry: Any, after: datetime) -> datetime:
+        """Let ``entry`` continue after ``after`` on its current schedule; the new anchor.
+
+        For schedules that change at run time: slots up to ``after`` count as
+        handled, and slots missed before now follow ``singleton_beat_catch_up``
+        (as at start-up). Every beat computes the same slots, so the claims
+        still give one send per slot.
+        """
+        anchored = max(after, self._first_sight(entry))
+        self._handled[entry.name] = anchored
+        self._hints.pop(entry.name, None)
+        return anchored
+
     # ----------------------------------------------------------------- timing
 
     def _now(self) -> datetime:

@@ -133,7 +133,7 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
         between their claims and their publish: a beat that dies there loses
         them until the claims expire. The write happens after the burst.
         """
-        if self._prefetched:
+        if self.claims_in_flight:
             return False
         return bool(super().should_sync())
 
@@ -148,7 +148,7 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
         write from a machine whose clock is behind was missed too. Here the
         first check always re-reads the rows, and any new value is a change.
         """
-        if self._prefetched:
+        if self.claims_in_flight:
             # Slots claimed ahead are not sent yet: read the database after the burst
             # (a few milliseconds later), not between their claims and their publish.
             return False
@@ -182,7 +182,7 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
         give one send per slot while beats see a change at slightly different
         moments.
         """
-        handled = self._handled
+        handled = self.handled_entries()
         for name in handled:
             if name not in entries and name not in self._away:
                 # Disabled, deleted, or (crontab rows) outside django-celery-beat's
@@ -200,9 +200,7 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
             last = handled[name]
             if isinstance(schedule, schedules.schedule):
                 last = _floor(last, schedule.run_every)
-            anchored = max(last, self._first_sight(entry))
-            handled[name] = anchored
-            self._hints.pop(name, None)
+            anchored = self.reanchor(entry, last)
             if back:
                 logger.debug("beat: %s: back in the schedule; slots after %s are due",
                              name, anchored.isoformat())
