@@ -56,12 +56,14 @@ class LeaseKeeper:
     """Renews leases from one background thread (started on first use)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # not re-entered: a plain lock is cheaper
         self._queue: list[tuple[float, int, KeptLease]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         #: Leases kept and not yet forgotten (the queue also holds forgotten ones).
         self._active = 0
+        #: The thread runs (cleared as it ends: only at interpreter exit, its loop catches errors).
+        self._running = False
 
     def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
         """Start renewing ``lease``; call :meth:`forget` when the run ends."""
@@ -75,10 +77,11 @@ class LeaseKeeper:
                 self._queue = [entry for entry in self._queue if entry[2].active]
                 heapq.heapify(self._queue)
             self._schedule(kept, time.monotonic() + lease.ttl * RENEW_FRACTION)
-            if self._thread is None or not self._thread.is_alive():
+            if not self._running:
                 self._thread = threading.Thread(
                     target=self._run, name="singleton-lease-keeper", daemon=True
                 )
+                self._running = True
                 self._thread.start()
             elif self._queue[0][2] is kept:
                 # Only an earlier deadline needs the thread awake; waking it for
@@ -102,6 +105,12 @@ class LeaseKeeper:
         heapq.heappush(self._queue, (when, next(self._seq), kept))
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._running = False
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while True:
@@ -151,6 +160,9 @@ def get_keeper() -> LeaseKeeper:
     """The keeper of this process (a forked child gets its own)."""
     global _keeper
     pid = os.getpid()
+    known = _keeper
+    if known is not None and known[0] == pid:  # every run asks: no lock on this path
+        return known[1]
     with _keeper_lock:
         if _keeper is None or _keeper[0] != pid:
             _keeper = (pid, LeaseKeeper())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -35,7 +36,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from .channel import channel_for, supports_channel
+from .channel import channel_or_none
 from .client import RedisClient, call_acknowledged
 from .liveness import is_alive
 
@@ -339,14 +340,14 @@ class Lease:
         :mod:`.channel` (standalone Redis, real threads); raises
         ``redis.RedisError`` if the command could not be written.
         """
-        if not supports_channel(self.client):
+        channel = channel_or_none(self.client)
+        if channel is None:
             return False
 
         def handle(reply: Any, error: BaseException | None) -> None:
             on_result(None if error is not None else bool(reply), error)
 
-        channel_for(self.client).send(_RELEASE, self._release_keys(),
-                                      self._release_args(done_ttl, "", None), handle)
+        channel.send(_RELEASE, self._release_keys(), self._release_args(done_ttl, "", None), handle)
         return True
 
     def _release_keys(self) -> list[str]:
@@ -396,13 +397,40 @@ def _value_tail(task: str, node: str, pid: int, boot: str | None, claim: bool, l
 
 
 def _lock_value(task: str, task_id: str | None, node: str, boot: str | None, claim: bool,
-                live: bool) -> str:
+               live: bool) -> str:
     """A new lock value (JSON, see the module docstring): a fresh token, this run's id and time.
 
     Built from a cached tail: encoding the whole record each run cost more than its round trip.
     """
-    return (f'{{"v":{VALUE_FORMAT},"token":"{secrets.token_hex(12)}","task_id":{_json_str(task_id)},'
+    return (f'{{"v":{VALUE_FORMAT},"token":"{_token()}","task_id":{_json_str(task_id)},'
             f'"at":{time.time():.3f},{_value_tail(task, node, os.getpid(), boot, claim, live)}')
+
+
+class _Tokens:
+    """Tokens unique to one attempt: 48 random bits drawn once per process, then a counter.
+
+    A token only has to tell attempts apart (who may renew or release); it is
+    no secret. Drawing it from the OS per attempt cost a system call per run.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.prefix = secrets.token_hex(6)
+        self.counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):012x}"
+
+
+_tokens = _Tokens()
+
+
+def _token() -> str:
+    """The next token of this process (a forked child draws its own random part)."""
+    global _tokens
+    if _tokens.pid != os.getpid():
+        _tokens = _Tokens()
+    return _tokens()
 
 
 def _json_str(text: str | None) -> str:
@@ -452,43 +480,65 @@ def acquire(
     """
     encoded = _lock_value(task, task_id, node or _HOSTNAME, boot, claim, live)
     ttl_ms = _ms(ttl)
-    fence_ttl_ms = max(ttl_ms * 2, 10_000)
-    keys = [key, fence_key(key), done_key(key, task_id)] + ([stats_key] if stats_key else [])
+    keys = [key, fence_key(key), done_key(key, task_id)]
+    if stats_key:
+        keys.append(stats_key)
+    args: list[Any] = [encoded[:-1], ttl_ms, max(ttl_ms * 2, 10_000), adopt_claim_of or "", counters[0],
+                       counters[1], "", "1" if check_done else "", task_id or "", STATS_TTL_MS]
+    # Standalone Redis without WAIT: one round trip, which also reads the reply
+    # of this thread's last release (see :mod:`.channel`).
+    channel = channel_or_none(client) if wait_replicas <= 0 else None
+    attempt = _Attempt(client, channel, key, keys, args, ttl, stats_key, task_id, wait_replicas, wait_timeout)
+    result = attempt()
+    holder = result.holder
+    if (liveness_prefix is None or holder is None or not holder.live or holder.claim
+            or not holder.boot or is_alive(client, liveness_prefix, holder.boot)):
+        return result
+    args[6] = holder.raw or ""  # take over exactly that value
+    taken = attempt()
+    if taken.acquired:
+        return AcquireResult(lease=taken.lease, taken_over=holder)
+    return taken
 
-    def attempt(replace: str) -> AcquireResult:
-        args = [encoded[:-1], ttl_ms, fence_ttl_ms, adopt_claim_of or "", *counters, replace,
-                "1" if check_done else "", task_id or "", STATS_TTL_MS]
 
-        def give_back(conn: Any, reply: Any) -> None:
-            if reply[0] == 1:
-                _RELEASE(conn, _release_keys(key, task_id, stats_key),
-                         [reply[1], "unacknowledged", "", "", "", "", STATS_TTL_MS])
+@dataclass(slots=True)
+class _Attempt:
+    """One call of the acquire script with prepared KEYS and ARGV (see ``_ACQUIRE``)."""
 
-        if wait_replicas <= 0 and supports_channel(client):
-            # One round trip, which also reads the reply of this thread's last release.
-            status, value, extra = channel_for(client).call(_ACQUIRE, keys, args)
+    client: RedisClient
+    channel: Any
+    key: str
+    keys: list[str]
+    args: list[Any]
+    ttl: float
+    stats_key: str | None
+    task_id: str | None
+    wait_replicas: int
+    wait_timeout: float
+
+    def __call__(self) -> AcquireResult:
+        keys, args = self.keys, self.args
+        if self.channel is not None:
+            status, value, extra = self.channel.call(_ACQUIRE, keys, args)
         else:
             status, value, extra = call_acknowledged(
-                client, key, lambda conn: _ACQUIRE(conn, keys, args),
-                replicas=wait_replicas, timeout=wait_timeout, undo=give_back,
+                self.client, self.key, lambda conn: _ACQUIRE(conn, keys, args),
+                replicas=self.wait_replicas, timeout=self.wait_timeout, undo=self._give_back,
             )
         if status == 2:
             return AcquireResult(lease=None, completed=True)
         text = value.decode("utf-8") if isinstance(value, bytes) else value
         if status == 1:
-            return AcquireResult(lease=Lease(client, key, text, ttl, int(extra), stats_key, task_id or ""))
+            return AcquireResult(lease=Lease(self.client, self.key, text, self.ttl, int(extra), self.stats_key,
+                                             self.task_id or ""))
         pttl = int(extra)
         return AcquireResult(lease=None, holder=parse_holder(text), holder_ttl=pttl / 1000 if pttl > 0 else None)
 
-    result = attempt("")
-    holder = result.holder
-    if (liveness_prefix is None or holder is None or not holder.live or holder.claim
-            or not holder.boot or is_alive(client, liveness_prefix, holder.boot)):
-        return result
-    taken = attempt(holder.raw or "")
-    if taken.acquired:
-        return AcquireResult(lease=taken.lease, taken_over=holder)
-    return taken
+    def _give_back(self, conn: Any, reply: Any) -> None:
+        """Undo a taken lock that did not reach its replicas (``WAIT``)."""
+        if reply[0] == 1:
+            _RELEASE(conn, _release_keys(self.key, self.task_id, self.stats_key),
+                     [reply[1], "unacknowledged", "", "", "", "", STATS_TTL_MS])
 
 
 def release_value(client: RedisClient, key: str, value: bytes | str, *, stats_key: str | None = None,

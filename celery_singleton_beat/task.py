@@ -196,8 +196,8 @@ class SingletonTask(Task):
             settings.key_prefix,
             self.name,
             signature,
-            tuple(maybe_list(args) or ()),
-            dict(kwargs or {}),
+            args if type(args) is tuple else tuple(maybe_list(args) or ()),
+            kwargs or {},  # only read
             self.unique_on,
         )
 
@@ -300,11 +300,11 @@ class SingletonTask(Task):
         if request.called_directly:
             # A plain function call in the caller's process, as with any Celery task.
             return super().__call__(*args, **kwargs)
-        request.singleton = self._begin(args, kwargs)
+        run = request.singleton = self._begin(request, args, kwargs)
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            self._end(request.singleton, sys.exc_info()[1])
+            self._end(request, run, sys.exc_info()[1])
 
     if celery.VERSION[:2] < (5, 5):
         def push_request(self, *args: Any, **kwargs: Any) -> None:
@@ -323,13 +323,19 @@ class SingletonTask(Task):
               settings: SingletonSettings | None = None, **holder: Any) -> AcquireResult:
         """One acquire of ``key`` as this task: its name, counters and the WAIT settings."""
         settings = settings or get_settings(self.app)
-        stats_key = task_stats_key(settings.key_prefix, self.name) if settings.stats else None
         return acquire(get_redis(self.app), key, ttl, task=self.name, boot=boot_id(),
-                       stats_key=stats_key, counters=counters,
+                       stats_key=self._stats_key(settings), counters=counters,
                        wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout, **holder)
 
-    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
-        request = self.request
+    def _stats_key(self, settings: SingletonSettings) -> str | None:
+        """This task's counter hash under ``settings`` (None when counters are off), kept per settings."""
+        cached = self.__dict__.get("_singleton_stats")
+        if cached is None or cached[0] is not settings:
+            cached = self._singleton_stats = (
+                settings, task_stats_key(settings.key_prefix, self.name) if settings.stats else None)
+        return cached[1]
+
+    def _begin(self, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
         settings = get_settings(self.app)
         key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
@@ -357,7 +363,7 @@ class SingletonTask(Task):
                 self._wait_for_original(key, holder)
             self._conflict(key, result)
         assert result.lease is not None
-        kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback())
+        kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback(request))
         logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
         return SingletonRun(key, kept)
 
@@ -390,9 +396,9 @@ class SingletonTask(Task):
         except redis.RedisError as exc:  # it expires after queue_lock_ttl
             logger.error("could not release queue claim %s%s: %s", key, QUEUED_SUFFIX, exc)
 
-    def _lease_lost_callback(self) -> Callable[[KeptLease, str], None]:
+    def _lease_lost_callback(self, request: Context) -> Callable[[KeptLease, str], None]:
         """Report a lost lease once, the moment it is noticed (keeper or release)."""
-        app, task_name, request = self.app, self.name, self.request
+        app, task_name = self.app, self.name
         task_id, hostname, eager = request.id, request.hostname, request.is_eager
 
         def on_lost(kept: KeptLease, reason: str) -> None:
@@ -403,7 +409,7 @@ class SingletonTask(Task):
 
         return on_lost
 
-    def _end(self, run: SingletonRun | None, exc: BaseException | None) -> None:
+    def _end(self, request: Context, run: SingletonRun | None, exc: BaseException | None) -> None:
         kept = run._kept if run is not None else None
         if kept is None:
             return
@@ -411,7 +417,7 @@ class SingletonTask(Task):
         settings = get_settings(self.app)
         # The same task id runs again after a retry or a requeue: no done marker then.
         again = isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue)
-        done_ttl = settings.done_ttl if self.acks_late and not again and not self.request.is_eager else None
+        done_ttl = settings.done_ttl if self.acks_late and not again and not request.is_eager else None
         claim_ttl = None
         if isinstance(exc, Retry) and self.lock_mode == "until_executed":
             # The retry waits in the queue under the lock, turned into its claim.
@@ -421,7 +427,7 @@ class SingletonTask(Task):
         if claim_ttl is None and not isinstance(exc, SystemExit):
             # The usual ending: write the release now, read its reply with the
             # next acquire (one blocking round trip per run instead of two).
-            name, task_id = self.name, self.request.id
+            name, task_id = self.name, request.id
 
             def confirmed(released: bool | None, error: BaseException | None) -> None:
                 if error is not None:
@@ -436,21 +442,21 @@ class SingletonTask(Task):
                     return
             except redis.RedisError as error:
                 logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
-                             self.name, self.request.id, kept.lease.key, kept.lease.ttl, error)
+                             self.name, request.id, kept.lease.key, kept.lease.ttl, error)
                 return
         try:
             released = kept.lease.release(done_ttl=done_ttl, claim_ttl=claim_ttl)
         except redis.RedisError as error:
             logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
-                         self.name, self.request.id, kept.lease.key, kept.lease.ttl, error)
+                         self.name, request.id, kept.lease.key, kept.lease.ttl, error)
             return
         if released and isinstance(exc, SystemExit):
             logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",
-                           self.name, self.request.id, exc, kept.lease.key)
+                           self.name, request.id, exc, kept.lease.key)
         elif not released and isinstance(exc, SystemExit):
             # The pool child is being terminated (hard time limit, revoke+terminate).
             logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
-                        self.name, self.request.id, kept.lease.key)
+                        self.name, request.id, kept.lease.key)
         elif not released:  # reported once, by the callback, unless the keeper already did
             kept.mark_lost("the lock was gone when the run ended")
 
