@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint test-matrix test-matrix-smoke demo bench redis-server clean
+.PHONY: test lint test-matrix test-matrix-smoke demo bench redis-server valgrind clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,8 +57,17 @@ test-matrix-smoke: $(VENV)/.nox-installed redis-server
 	$(BIN)/nox -f noxfile.py -s smoke
 
 # Benchmarks: each starts its own redis-server; the table goes to stdout and benchmarks/results.md.
-bench: $(STAMP) redis-server
+# The instructions benchmark needs valgrind (installed here where we can, as redis-server).
+bench: $(STAMP) redis-server valgrind
+	$(BIN)/python -m pip install -q -e '.[fast]'
 	$(BIN)/python -m benchmarks.run_all $(BENCH_ARGS)
+
+valgrind:
+	@command -v valgrind >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing valgrind (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null; \
+	  else echo "valgrind not found: the instructions benchmark will be skipped" >&2; fi; }
 
 clean:
 	rm -rf $(VENV) .nox build *.egg-info

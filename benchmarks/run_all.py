@@ -29,6 +29,8 @@ BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
              {"tasks": 2000, "rounds": 3}, {"tasks": 30, "rounds": 1}),
     "peers": ("bench_peers", "Peers: plain Task, SingletonTask, celery-singleton, celery-once, one solo worker",
               {"tasks": 2000, "rounds": 3}, {"tasks": 30, "rounds": 1}),
+    "instructions": ("bench_instructions", "Instructions per task (callgrind): plain Task, SingletonTask and the peers",
+                     {"small": 200, "large": 1000}, {"small": 2, "large": 4, "variants": ("ours",)}),
     "contention": ("bench_contention", "Contention: 8 pool processes, 1,000 submissions over 10 keys",
                    {"submissions": 1000, "keys": 10, "rounds": 3}, {"submissions": 20, "keys": 4, "rounds": 1}),
     "beat": ("bench_beat", "Beat dispatch: entries due at once, PersistentScheduler vs SingletonScheduler",

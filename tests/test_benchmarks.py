@@ -11,7 +11,7 @@ from .support import RedisServer, TestProcess, child_env, wait_for
 
 #: The benchmark run's own deadline, below the test's timeout: a run that hangs
 #: fails with the end of its output (the harness attaches it to the report).
-DEADLINE = 480
+DEADLINE = 720
 
 
 @pytest.mark.timeout(DEADLINE + 120)
@@ -24,8 +24,10 @@ def test_every_benchmark_runs_with_tiny_sizes(tmp_path: Path, redis_server: Redi
              message="the benchmarks to finish")
     assert bench.returncode == 0, bench.tail(60)
     text = output.read_text()
-    for title in ("Task overhead", "Peers", "Contention", "Beat dispatch", "Lock primitives",
+    for title in ("Task overhead", "Peers", "Instructions per task", "Contention", "Beat dispatch", "Lock primitives",
                   "Killed pool child", "Memory"):
         assert f"### {title}" in text
     assert "| plain |" in text and "| singleton |" in text
     assert "| plain Celery Task |" in text and "| SingletonTask (ours, default mode) |" in text
+    # Instructions per task: counted under callgrind where valgrind is installed (CI installs it).
+    assert "Skipped: valgrind not found" in text or "instructions/task" in text
