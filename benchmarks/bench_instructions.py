@@ -34,6 +34,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,16 @@ def _collected(out: Path) -> int:
     if found is None:
         raise RuntimeError(f"callgrind wrote no total to {out}.log (did the program exit cleanly?)")
     return int(found.group(1).replace(b",", b""))
+
+
+def _pop(control: Any, name: str, worker: ChildProcess) -> bool:
+    """Wait for the control list ``name`` (short BLPOPs: redis-py's socket timeout is 5 s)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if control.blpop([name], timeout=1) is not None:
+            return True
+        worker.check_running()
+    return False
 
 
 def one_run(variant: str, tasks: int, python: str, work: Path, counted: str) -> int:
@@ -98,10 +109,10 @@ def one_run(variant: str, tasks: int, python: str, work: Path, counted: str) -> 
         control = ctl.client()
         try:
             worker.start()
-            if control.blpop(["ready"], timeout=TIMEOUT) is None:
+            if not _pop(control, "ready", worker):
                 raise RuntimeError(f"{variant}: the worker did not start the gate task:\n{worker.tail(30)}")
             control.rpush("go", "1")
-            if control.blpop(["done"], timeout=TIMEOUT) is None:
+            if not _pop(control, "done", worker):
                 raise RuntimeError(f"{variant}: {tasks} tasks not done:\n{worker.tail(30)}")
         finally:
             worker.stop(timeout=300)  # a warm shutdown, then callgrind writes its total

@@ -78,15 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = args.only or list(BENCHMARKS)
     sections = [f"## Benchmark results\n\nMachine: {machine()}.\n"]
+    failed = []
     for name in names:
         progress(f"== {name}")
-        section, seconds = run_one(name, args.quick)
+        try:
+            section, seconds = run_one(name, args.quick)
+        except Exception as exc:  # report it, keep the other benchmarks' results
+            failed.append(name)
+            progress(f"!! {name} failed: {exc!r}")
+            sections.append(f"### {BENCHMARKS[name][1]}\n\nFAILED: {exc!r}\n")
+            continue
         sections.append(section + f"\n_{name}: {seconds:.0f} s_\n")
     text = "\n".join(sections)
     print(text)
     if not args.quick or args.output != HERE / "results.md":
         args.output.write_text(text)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
