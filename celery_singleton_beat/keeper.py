@@ -64,6 +64,10 @@ class LeaseKeeper:
         self._active = 0
         #: The thread runs (cleared as it ends: only at interpreter exit, its loop catches errors).
         self._running = False
+        #: Times the thread came back from waiting (diagnostics and tests).
+        self.wakeups = 0
+        #: The thread is waiting (not renewing).
+        self.waiting = False
 
     def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
         """Start renewing ``lease``; call :meth:`forget` when the run ends."""
@@ -121,7 +125,10 @@ class LeaseKeeper:
                         _, _, kept = heapq.heappop(self._queue)
                         break
                     timeout = self._queue[0][0] - now if self._queue else None
+                    self.waiting = True
                     self._cond.wait(timeout)
+                    self.waiting = False
+                    self.wakeups += 1
             next_time = self._renew(kept)
             if next_time is not None:
                 with self._cond:

@@ -2,7 +2,7 @@
 
 A lock is one Redis string key whose value records who holds it::
 
-    {"v":1,"token":"<random>","task":"<name>","task_id":"<id>","node":"<worker>",
+    {"v":1,"token":"<per attempt>","task":"<name>","task_id":"<id>","node":"<worker>",
      "pid":123,"boot":"<worker incarnation>","at":1700000000.123,"claim":false,
      "fence":1700000000123456}
 

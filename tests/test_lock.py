@@ -105,6 +105,26 @@ def test_keeper_does_not_hold_on_to_forgotten_leases(redis_db: redis.Redis) -> N
     keeper.forget(running)
 
 
+def test_keeper_is_not_woken_by_each_short_run(redis_db: redis.Redis) -> None:
+    """A run that ends before its first renewal must not cost a thread wake-up.
+
+    Each such wake-up (a futex call, a switch to the keeper thread and back, the
+    GIL handed over twice) cost a solo worker about 8 system calls per no-op task.
+    Between runs the worker does I/O, which lets the keeper thread run: a PING stands for it.
+    """
+    keeper = LeaseKeeper()
+    lease = take(redis_db, ttl=60.0).lease
+    keeper.forget(keeper.keep(lease))  # starts the thread
+    wait_for(lambda: keeper.waiting, timeout=10, message="the keeper thread to wait")
+    before = keeper.wakeups
+    for _ in range(200):
+        kept = keeper.keep(lease)
+        redis_db.ping()
+        keeper.forget(kept)
+        redis_db.ping()
+    assert keeper.wakeups - before <= 5, f"the keeper woke {keeper.wakeups - before} times for 200 short runs"
+
+
 def test_keeper_reports_a_deleted_lease(redis_db: redis.Redis) -> None:
     lease = take(redis_db, ttl=0.6).lease
     reasons: list[str] = []
