@@ -29,6 +29,9 @@ logger = logging.getLogger("celery_singleton_beat")
 
 #: Renew when a third of the TTL has passed, leaving two more chances before expiry.
 RENEW_FRACTION = 1 / 3
+#: Seconds an idle keeper (nothing to renew) waits before it looks at its queue again.
+#: A new lease due later than that needs no wake-up: short runs cost no thread switch.
+IDLE_LOOK = 1.0
 
 
 class KeptLease:
@@ -68,10 +71,13 @@ class LeaseKeeper:
         self.wakeups = 0
         #: The thread is waiting (not renewing).
         self.waiting = False
+        #: Monotonic time the waiting thread looks at the queue by itself (-inf: looking now).
+        self._next_look = float("-inf")
 
     def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
         """Start renewing ``lease``; call :meth:`forget` when the run ends."""
         kept = KeptLease(lease, on_lost)
+        due = time.monotonic() + lease.ttl * RENEW_FRACTION
         with self._cond:
             self._active += 1
             if len(self._queue) > 2 * self._active + 32:
@@ -80,16 +86,17 @@ class LeaseKeeper:
                 # then, so drop them here, amortised over the runs that left them.
                 self._queue = [entry for entry in self._queue if entry[2].active]
                 heapq.heapify(self._queue)
-            self._schedule(kept, time.monotonic() + lease.ttl * RENEW_FRACTION)
+            self._schedule(kept, due)
             if not self._running:
                 self._thread = threading.Thread(
                     target=self._run, name="singleton-lease-keeper", daemon=True
                 )
                 self._running = True
                 self._thread.start()
-            elif self._queue[0][2] is kept:
-                # Only an earlier deadline needs the thread awake; waking it for
-                # every short task would cost a thread switch per run.
+            elif due < self._next_look:
+                # Only a renewal due before the thread looks again needs it awake:
+                # waking it for every short run cost a thread switch (and ~8
+                # system calls) per run.
                 self._cond.notify()
         return kept
 
@@ -118,13 +125,15 @@ class LeaseKeeper:
         while True:
             with self._cond:
                 while True:
+                    self._next_look = float("-inf")  # looking: a keep() needs no notify
                     while self._queue and not self._queue[0][2].active:
                         heapq.heappop(self._queue)
                     now = time.monotonic()
                     if self._queue and self._queue[0][0] <= now:
                         _, _, kept = heapq.heappop(self._queue)
                         break
-                    timeout = self._queue[0][0] - now if self._queue else None
+                    timeout = self._queue[0][0] - now if self._queue else IDLE_LOOK
+                    self._next_look = now + timeout
                     self.waiting = True
                     self._cond.wait(timeout)
                     self.waiting = False
