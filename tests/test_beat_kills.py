@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,7 +78,16 @@ def drain(redis_server: RedisServer, queue: str = QUEUE) -> None:
 
 def start_beats(redis_server: RedisServer, tmp_path: Path, schedule: dict[str, Any],
                 env: dict[str, str], processes: list[CeleryProcess]) -> list[CeleryProcess]:
-    """Two beats with the pause hook; both ticking before the burst's slot comes."""
+    """Two beats with the pause hook; both ticking before the burst's slot comes.
+
+    A beat skips the slots due before its scheduler started (catch-up none), so a
+    beat that comes up just after a slot never watches it: if the other beat won
+    that slot alone and then stops mid-burst, nobody takes its hand-backs over (a
+    test race, seen as a 60 s timeout). Both are started just after a slot
+    boundary, with most of a period to come up before the next slot.
+    """
+    wait_for(lambda: time.time() % PERIOD < 0.25, timeout=PERIOD + 5, interval=0.01,
+             message="a slot boundary")
     beats = []
     for name in ("a", "b"):
         beat = CeleryProcess(
@@ -90,7 +100,7 @@ def start_beats(redis_server: RedisServer, tmp_path: Path, schedule: dict[str, A
         processes.append(beat)
         beats.append(beat)
     for beat in beats:
-        beat.wait_for_log("beat: Starting...", timeout=60)
+        beat.wait_for_log("singleton scheduler", timeout=60)
     return beats
 
 
