@@ -397,7 +397,7 @@ def _value_tail(task: str, node: str, pid: int, boot: str | None, claim: bool, l
 
 
 def _lock_value(task: str, task_id: str | None, node: str, boot: str | None, claim: bool,
-               live: bool) -> str:
+                live: bool) -> str:
     """A new lock value (JSON, see the module docstring): a fresh token, this run's id and time.
 
     Built from a cached tail: encoding the whole record each run cost more than its round trip.

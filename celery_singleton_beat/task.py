@@ -203,8 +203,7 @@ class SingletonTask(Task):
 
     def singleton_stats_key(self) -> str | None:
         """The counter hash of this task, or None when counters are off."""
-        settings = get_settings(self.app)
-        return task_stats_key(settings.key_prefix, self.name) if settings.stats else None
+        return self._stats_key(get_settings(self.app))
 
     @property
     def effective_lock_ttl(self) -> float:
