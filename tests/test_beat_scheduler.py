@@ -196,6 +196,81 @@ def test_restarted_beat_does_not_resend_the_current_slot(redis_db: redis.Redis,
     assert again.sent == []
 
 
+# ----------------------------------------------------------------- catch-up "none" and others' unsent claims
+
+class BrokerDown(RecordingScheduler):
+    """Wins its claims but cannot publish: hands each slot back (``released``)."""
+
+    def send_task(self, *args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("broker unreachable")
+
+
+def test_beat_started_after_a_slot_with_catch_up_none_takes_over_its_hand_back(
+        redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """A slot another beat claimed and handed back is not a missed slot: a beat
+    started 10 s later with catch-up "none" sends it (nobody else would)."""
+    clock = ManualClock(START)
+    schedule = {"minutely": {"task": "t.m", "schedule": 60.0}}
+    failing = BrokerDown(app=scheduler_app(redis_server, clock, schedule))
+    failing.tick()
+    [key] = redis_server.client(LOCK_DB).keys("singleton:{beat:minutely}:*")
+    assert json.loads(redis_server.client(LOCK_DB).get(key))["state"] == "released"
+    clock.advance(10)
+    late = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
+                                                singleton_beat_catch_up="none"))
+    run_ticks([late], clock, 1, 0.25)
+    assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
+
+
+def test_beat_started_after_a_slot_with_catch_up_none_takes_over_a_dead_beats_claim(
+        redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """The winner claimed two slots in one round trip, sent (and marked) one and died:
+    a beat started later with catch-up "none" sends the other once its pending lease ends."""
+    clock = ManualClock(START)
+    schedule = {"a": {"task": "t.a", "schedule": 60.0}, "b": {"task": "t.b", "schedule": 60.0}}
+    conf = {"singleton_beat_pending_lease": 0.5}
+    dead = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule, **conf))
+    assert dead.tick() == 0  # one sent, the other claimed ahead
+    dead._mark_sent()  # the sent one is marked; then the beat is killed
+    [unsent] = list(dead._prefetched)
+    clock.advance(10)
+    late = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
+                                                singleton_beat_catch_up="none", **conf))
+    wait_for(lambda: late.tick() >= 0 and late.sent, timeout=10,
+             message="the late beat to take the dead beat's claim over")
+    assert [(s["task"], s["slot"]) for s in late.sent] == [(f"t.{unsent}", "2024-05-01T12:00:00Z")]
+    assert sent_slots(dead, late) == {"2024-05-01T12:00:00Z": 2}  # a and b, once each
+
+
+def test_beat_started_just_before_another_claims_the_slot_with_catch_up_none(
+        redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """Started just after the slot's instant, before the other beat's claim existed: the
+    late beat looks at the claim when the slot's first pending lease is over, so the
+    other's hand-back is still sent."""
+    clock = ManualClock(START)
+    schedule = {"minutely": {"task": "t.m", "schedule": 60.0}}
+    conf = {"singleton_beat_pending_lease": 0.5}
+    late = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
+                                                singleton_beat_catch_up="none", **conf))
+    late.populate_heap()  # its start-up, before any claim exists
+    failing = BrokerDown(app=scheduler_app(redis_server, clock, schedule, **conf))
+    failing.tick()  # wins, cannot publish, hands the slot back
+    wait_for(lambda: late.tick() >= 0 and late.sent, timeout=10,
+             message="the late beat to take the hand-back over")
+    assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
+
+
+def test_catch_up_none_still_skips_a_slot_nobody_claimed(redis_db: redis.Redis,
+                                                         redis_server: RedisServer) -> None:
+    clock = ManualClock(START + timedelta(seconds=10))
+    schedule = {"minutely": {"task": "t.m", "schedule": 60.0}}
+    late = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
+                                                singleton_beat_catch_up="none"))
+    run_ticks([late], clock, 2, 0.25)
+    assert late.sent == []
+    assert redis_server.client(LOCK_DB).keys("singleton:{beat:minutely}:*") == []
+
+
 # ----------------------------------------------------------------- what is written and sent
 
 def test_claims_history_counters_and_headers(redis_db: redis.Redis,
@@ -386,11 +461,6 @@ def test_claim_is_given_back_when_publishing_fails(redis_db: redis.Redis,
                                                    redis_server: RedisServer) -> None:
     """A slot won but not published (broker down) does not stay claimed."""
     clock = ManualClock(START)
-
-    class BrokerDown(RecordingScheduler):
-        def send_task(self, *args: Any, **kwargs: Any) -> None:
-            raise ConnectionError("broker unreachable")
-
     beat = BrokerDown(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     beat.tick()  # Celery logs the failed publish; beat goes on
     [key] = redis_server.client(LOCK_DB).keys("singleton:{beat:tick}:*")

@@ -9,7 +9,8 @@ Each method is one round trip to Redis (:class:`~.claims.ClaimStore`):
   ahead and the ``sent`` marks of earlier sends riding along;
 * marking published claims ``sent`` (when no claim round trip comes soon);
 * handing claims won but not sent back as ``released``;
-* taking over, and sending, slots whose claim stayed unsent past its pending lease.
+* taking over, and sending, slots whose claim stayed unsent past its pending lease
+  (slots lost to such a claim, and slots a catch-up ``"none"`` start counted as done).
 """
 
 from __future__ import annotations
@@ -208,8 +209,11 @@ class ClaimRounds:
             if not swapped:
                 claim.holder_value = current
                 parsed = parse_claim(current)
-                if parsed is not None and parsed.get("state") in UNSENT:
-                    self.handover.watch(claim, now)  # someone else took it over: watch them
+                if (parsed is not None and parsed.get("state") in UNSENT
+                        and parsed.get("instance") != self.instance_id):
+                    # Someone else took it over (or, for a look, holds it): watch them.
+                    claim.holder = parsed.get("instance")
+                    self.handover.watch(claim, now)
                 continue
             entry = self.schedule.get(claim.name)
             taken_claim = Claim(claim.name, claim.slot, claim.key, True, value=mine,

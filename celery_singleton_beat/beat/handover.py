@@ -11,7 +11,8 @@ Two lists, both keyed by claim key:
 * *watched*: slots this beat lost to a claim that was still ``pending`` (or
   ``released``). Each is looked at again once the pending lease would have
   ended (at once for ``released``); the scheduler then takes over whatever is
-  still unsent (see :mod:`.claims`).
+  still unsent (see :mod:`.claims`). Slots a beat started with catch-up
+  ``"none"`` counts as done are looked at too (holder not known yet).
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ class Handover:
 
     def watch(self, claim: Claim, now: float) -> None:
         """Look at ``claim`` (lost, holder unsent) again when its lease would end."""
-        due = now if claim.holder_state == RELEASED else now + self.lease
+        self.look(claim, now if claim.holder_state == RELEASED else now + self.lease)
+
+    def look(self, claim: Claim, due: float) -> None:
+        """Look at ``claim`` at ``due``; with no ``holder_value`` (a slot this beat did not
+        try to claim), only to learn its holder: an unsent one found is then watched."""
         heapq.heappush(self._watched, Watch(due, next(self._order), claim))
 
     def due_watches(self, now: float, limit: int) -> list[Watch]:

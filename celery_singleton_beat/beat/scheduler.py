@@ -216,7 +216,13 @@ class SingletonSchedulerMixin(ClaimRounds, _SchedulerBase):
             entry.last_run_at = handled
 
     def _first_sight(self, entry: Any) -> datetime:
-        """Start-up rule: the latest slot is due ("latest") or counts as done ("none")."""
+        """Start-up rule: the latest slot is due ("latest") or counts as done ("none").
+
+        A slot counted as done is still watched: if another beat claimed it and
+        does not send it (it stops mid-burst, its publish fails, it dies), this
+        beat takes it over, as any slot lost to an unsent claim. Another beat's
+        work in progress is not a missed slot.
+        """
         now = self._now()
         try:
             slot = current_slot(entry.schedule, now)
@@ -226,7 +232,21 @@ class SingletonSchedulerMixin(ClaimRounds, _SchedulerBase):
             return now
         if self.singleton_settings.beat_catch_up == "latest":
             return slot_before(entry.schedule, slot)
+        self._watch_started(entry, slot, (now - slot.at).total_seconds())
         return slot.at
+
+    def _watch_started(self, entry: Any, slot: Slot, age: float) -> None:
+        """Look at the claim of ``slot`` (``age`` seconds old) once its first pending
+        lease is over: by then any beat that claimed it on time has, and an unsent
+        claim found is watched like a slot lost to it (see ``_take_over_due``)."""
+        try:
+            spec = entry_spec(entry)
+        except ValueError:  # refused when applied: nothing to take over
+            return
+        if spec is None:
+            return
+        claim = Claim(entry.name, slot, spec.key(self.singleton_settings.key_prefix, slot), False)
+        self.handover.look(claim, time.monotonic() + max(0.0, self.handover.lease - age))
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
         for entry in self.schedule.values():
