@@ -47,7 +47,7 @@ FLUSH_AFTER = 0.1
 
 
 class _Script(Protocol):
-    """What the channel needs of a Lua script (:class:`~.lock.LuaScript`): its SHA and source."""
+    """What the channel needs of a Lua script (:class:`~.scripts.LuaScript`): its SHA and source."""
 
     sha: str
     source: bytes

@@ -16,14 +16,14 @@ A lock is one Redis string key whose value records who holds it::
 * **release_task** deletes a lock only if a given task id holds it; the worker's
   main process uses it for pool children that died without releasing.
 
-Scripts run with EVALSHA and are loaded on ``NOSCRIPT`` (after a Redis restart
-or on a new replica), so the script text crosses the network once per server.
+The scripts are in :mod:`.scripts`; they run with EVALSHA and are loaded on
+``NOSCRIPT`` (after a Redis restart or on a new replica), so the script text
+crosses the network once per server.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import json
 import os
@@ -34,11 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from .channel import channel_or_none
 from .client import RedisClient, call_acknowledged
 from .liveness import is_alive
+from .scripts import ACQUIRE, RELEASE, RELEASE_TASK, RENEW, STATS_TTL_MS, LuaScript
 
 __all__ = [
     "AcquireResult",
@@ -56,148 +55,6 @@ __all__ = [
 VALUE_FORMAT = 1
 
 
-class LuaScript:
-    """A Lua script run with EVALSHA, loaded into the server on ``NOSCRIPT``."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source.encode("utf-8")
-        self.sha = hashlib.sha1(self.source).hexdigest()
-
-    def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            client.script_load(self.source)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-
-
-# Counters: when a stats hash is passed as the key at index ``stats``, the
-# scripts count what they did in it (same round trip) and keep it for
-# STATS_TTL_MS (the last ARGV) after the last update. Redis Cluster callers
-# pass no stats key (it lives in another slot).
-_COUNT = """
-local function count(stats, field)
-  if stats and field ~= '' then
-    -- The TTL is set when a field is created and refreshed every 64th update
-    -- of it, not on each: one command less per lock operation.
-    local n = redis.call('HINCRBY', stats, field, 1)
-    if n % 64 == 1 then redis.call('PEXPIRE', stats, ARGV[#ARGV]) end
-  end
-end
-"""
-
-# KEYS: lock, fence, done marker of this task id[, stats].
-# ARGV: 1 value without its closing brace, 2 ttl ms, 3 fence ttl ms,
-#       4 task id allowed to adopt a publish-time claim ("" for none),
-#       5 counter when taken, 6 counter on conflict,
-#       7 a dead holder's exact value to take over ("" for none),
-#       8 "1" to refuse when the done marker exists, 9 this task id,
-#       10 stats ttl ms.
-# Returns {1, value, fence} when taken, {0, current value, pttl} when held,
-# {2, "", 0} when the done marker says this task id already completed.
-# A value that starts with ARGV[1] is this very attempt (a client library
-# replayed the call after a lost reply): it is reported as taken.
-_ACQUIRE = LuaScript(
-    _COUNT
-    + """
-if ARGV[8] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
-  count(KEYS[4], 'completed_copies')
-  return {2, '', 0}
-end
-local current = redis.call('GET', KEYS[1])
-if current then
-  if string.sub(current, 1, string.len(ARGV[1])) == ARGV[1] then
-    return {1, current, string.match(current, '"fence":(%d+)}$')}
-  end
-  if current == ARGV[7] then
-    current = false
-    count(KEYS[4], 'taken_over')
-  elseif ARGV[4] ~= '' then
-    local ok, holder = pcall(cjson.decode, current)
-    if ok and holder['claim'] == true and holder['task_id'] == ARGV[4] then
-      current = false
-    end
-  end
-end
-if current then
-  if ARGV[9] ~= '' and string.find(current, '"task_id":"' .. ARGV[9] .. '"', 1, true) then
-    count(KEYS[4], 'redelivered')
-  else
-    count(KEYS[4], ARGV[6])
-  end
-  return {0, current, redis.call('PTTL', KEYS[1])}
-end
-local fence = redis.call('INCR', KEYS[2])
-if fence == 1 then
-  -- A new counter starts from the server clock in microseconds, so a token is
-  -- still larger than any earlier one after the counter expired.
-  local now = redis.call('TIME')
-  fence = redis.call('INCRBY', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-local value = ARGV[1] .. ',"fence":' .. string.format('%d', fence) .. '}'
-redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
-count(KEYS[4], ARGV[5])
-return {1, value, fence}
-"""
-)
-
-# KEYS: lock[, stats]. ARGV: value, ttl ms, stats ttl ms. 1 if extended, 0 if not ours.
-_RENEW = LuaScript(
-    _COUNT
-    + """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  count(KEYS[2], 'renewed')
-  return 1
-end
-return 0
-"""
-)
-
-# KEYS: lock, done marker[, stats]. ARGV: 1 value, 2 counter if ours,
-# 3 counter if not ours ("" for none), 4 done marker ttl ms ("" for none),
-# 5 value to leave in the lock's place ("" to delete it), 6 its ttl ms,
-# 7 stats ttl ms. 1 if the lock was ours (deleted or replaced), 0 if not.
-_RELEASE = LuaScript(
-    _COUNT
-    + """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  if ARGV[5] ~= '' then
-    redis.call('SET', KEYS[1], ARGV[5], 'PX', ARGV[6])
-  else
-    redis.call('DEL', KEYS[1])
-  end
-  if ARGV[4] ~= '' then
-    redis.call('SET', KEYS[2], '1', 'PX', ARGV[4])
-  end
-  count(KEYS[3], ARGV[2])
-  return 1
-end
-count(KEYS[3], ARGV[3])
-return 0
-"""
-)
-
-# KEYS: lock[, stats]. ARGV: task id, counter, stats ttl ms.
-# 1 if that task held the lock and it was deleted (counted as ARGV[2]).
-_RELEASE_TASK = LuaScript(
-    _COUNT
-    + """
-local current = redis.call('GET', KEYS[1])
-if not current then return 0 end
-local ok, holder = pcall(cjson.decode, current)
-if ok and holder['task_id'] == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  count(KEYS[2], ARGV[2])
-  return 1
-end
-return 0
-"""
-)
-
-#: How long a counter hash lives after its last update (30 days).
-STATS_TTL_MS = 30 * 24 * 3600 * 1000
 
 
 def fence_key(key: str) -> str:
@@ -306,7 +163,7 @@ class Lease:
         decides (the keeper keeps trying until the lease would have expired).
         """
         started = time.monotonic()
-        renewed = bool(_RENEW(self.client, _keys(self.key, self.stats_key),
+        renewed = bool(RENEW(self.client, _keys(self.key, self.stats_key),
                               [self.value, _ms(self.ttl), STATS_TTL_MS]))
         if renewed:
             self.valid_until = started + self.ttl
@@ -326,7 +183,7 @@ class Lease:
             record.update(claim=True, at=round(time.time(), 3), live=False)
             record.pop("fence", None)
             replacement = json.dumps(record, separators=(",", ":"))
-        return bool(_RELEASE(self.client, self._release_keys(),
+        return bool(RELEASE(self.client, self._release_keys(),
                              self._release_args(done_ttl, replacement, claim_ttl)))
 
     def release_soon(self, on_result: Callable[[bool | None, BaseException | None], None], *,
@@ -347,7 +204,7 @@ class Lease:
         def handle(reply: Any, error: BaseException | None) -> None:
             on_result(None if error is not None else bool(reply), error)
 
-        channel.send(_RELEASE, self._release_keys(), self._release_args(done_ttl, "", None), handle)
+        channel.send(RELEASE, self._release_keys(), self._release_args(done_ttl, "", None), handle)
         return True
 
     def _release_keys(self) -> list[str]:
@@ -355,7 +212,7 @@ class Lease:
 
     def _release_args(self, done_ttl: float | None, replacement: str,
                       claim_ttl: float | None) -> list[Any]:
-        """ARGV of the release script for this lease (see ``_RELEASE``)."""
+        """ARGV of the release script for this lease (see ``RELEASE``)."""
         return [self.value, "released", "lost", _ms(done_ttl) if done_ttl else "",
                 replacement, _ms(claim_ttl) if claim_ttl else "", STATS_TTL_MS]
 
@@ -503,7 +360,7 @@ def acquire(
 
 @dataclass(slots=True)
 class _Attempt:
-    """One call of the acquire script with prepared KEYS and ARGV (see ``_ACQUIRE``)."""
+    """One call of the acquire script with prepared KEYS and ARGV (see ``ACQUIRE``)."""
 
     client: RedisClient
     channel: Any
@@ -519,10 +376,10 @@ class _Attempt:
     def __call__(self) -> AcquireResult:
         keys, args = self.keys, self.args
         if self.channel is not None:
-            status, value, extra = self.channel.call(_ACQUIRE, keys, args)
+            status, value, extra = self.channel.call(ACQUIRE, keys, args)
         else:
             status, value, extra = call_acknowledged(
-                self.client, self.key, lambda conn: _ACQUIRE(conn, keys, args),
+                self.client, self.key, lambda conn: ACQUIRE(conn, keys, args),
                 replicas=self.wait_replicas, timeout=self.wait_timeout, undo=self._give_back,
             )
         if status == 2:
@@ -537,21 +394,21 @@ class _Attempt:
     def _give_back(self, conn: Any, reply: Any) -> None:
         """Undo a taken lock that did not reach its replicas (``WAIT``)."""
         if reply[0] == 1:
-            _RELEASE(conn, _release_keys(self.key, self.task_id, self.stats_key),
+            RELEASE(conn, _release_keys(self.key, self.task_id, self.stats_key),
                      [reply[1], "unacknowledged", "", "", "", "", STATS_TTL_MS])
 
 
 def release_value(client: RedisClient, key: str, value: bytes | str, *, stats_key: str | None = None,
                   counter: str = "released") -> bool:
     """Delete ``key`` if its value is still exactly ``value`` (compare-and-delete)."""
-    return bool(_RELEASE(client, _release_keys(key, None, stats_key),
+    return bool(RELEASE(client, _release_keys(key, None, stats_key),
                          [value, counter, "", "", "", "", STATS_TTL_MS]))
 
 
 def release_task(client: RedisClient, key: str, task_id: str, *, stats_key: str | None = None,
                  counter: str = "released") -> bool:
     """Delete ``key`` if the task ``task_id`` holds it (run lease or publish claim)."""
-    return bool(_RELEASE_TASK(client, _keys(key, stats_key), [task_id, counter, STATS_TTL_MS]))
+    return bool(RELEASE_TASK(client, _keys(key, stats_key), [task_id, counter, STATS_TTL_MS]))
 
 
 def read_holder(client: RedisClient, key: str) -> Holder | None:

@@ -7,7 +7,8 @@ import json
 import redis
 
 from celery_singleton_beat import liveness
-from celery_singleton_beat.lock import _ACQUIRE, acquire, done_key, fence_key, read_holder
+from celery_singleton_beat.lock import acquire, done_key, fence_key, read_holder
+from celery_singleton_beat.scripts import ACQUIRE
 
 PREFIX = "singleton"
 KEY = "singleton:{t:" + "0" * 64 + "}"
@@ -65,8 +66,8 @@ def test_a_replayed_acquire_recognises_its_own_attempt(redis_db: redis.Redis) ->
     args = ['{"v":1,"token":"abc","task_id":"a"', 30_000, 60_000, "", "acquired", "skipped", "", "",
             "a", 1000]
     keys = [KEY, fence_key(KEY), done_key(KEY, "a")]
-    first = _ACQUIRE(redis_db, keys, args)
-    replay = _ACQUIRE(redis_db, keys, args)
+    first = ACQUIRE(redis_db, keys, args)
+    replay = ACQUIRE(redis_db, keys, args)
     assert first[0] == 1 and replay[0] == 1, "the replay is the same acquisition, not a conflict"
     assert replay[1] == first[1] and int(replay[2]) == int(first[2])
 

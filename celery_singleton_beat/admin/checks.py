@@ -20,7 +20,7 @@ from celery.exceptions import ImproperlyConfigured
 
 from ..client import RedisClient, get_redis, primaries
 from ..config import SingletonSettings, get_settings
-from ..lock import LuaScript
+from ..scripts import LuaScript
 from ._common import REDIS_ERRORS, KeySpace, examples, load_tasks, read, scan, text
 
 __all__ = [

@@ -39,7 +39,8 @@ from redis.exceptions import NoScriptError
 
 from ..client import ReplicasNotAcknowledged, group_by_node, is_cluster
 from ..keys import beat_stats_key
-from ..lock import STATS_TTL_MS, LuaScript, release_value
+from ..lock import release_value
+from ..scripts import STATS_TTL_MS, LuaScript
 from .entries import history_key, stats_key
 from .slots import Slot
 
