@@ -4,6 +4,7 @@ Lifecycle of a run (``lock_mode="while_executing"``, the default)::
 
     worker receives message -> __call__ -> acquire lease (1 round trip)
         held by another run -> on_conflict: skip (REVOKED: TaskSkipped) | raise | retry
+                               (:mod:`.conflicts`)
         taken                -> body runs; the keeper renews every lock_ttl/3
     body ends in any way (return, exception, retry, Ignore, Reject)
         -> release (1 round trip, only if the lease is still ours)
@@ -22,7 +23,7 @@ original runs on a live worker, ends without running once the original
 completed (the done marker of ``acks_late`` runs), and runs when the original's
 worker died (its lock is taken over, see :mod:`.liveness`).
 
-Publish-time modes add a *claim* taken in ``apply_async``:
+Publish-time modes add a *claim* taken in ``apply_async`` (:mod:`.publish`):
 
 * ``until_executed``: the claim is the lock itself; the run adopts it and holds
   it until it returns. A second publish while one is queued or running conflicts.
@@ -39,7 +40,6 @@ run decides, with a ready outcome.
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Callable
 from datetime import datetime
@@ -47,22 +47,22 @@ from typing import Any, ClassVar
 
 import celery
 import redis
-from celery import Task, states
 from celery.app.task import Context
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
-from celery.result import AsyncResult
-from celery.utils import uuid
 from kombu.utils.functional import maybe_list
 
 from . import worker as worker_support
-from .client import RedisClient, get_redis
+from .client import get_redis
 from .config import SingletonSettings, get_settings
-from .events import TASK_LOCK_LOST, TASK_SKIPPED, logger, send_task_event, send_task_event_soon
-from .exceptions import DuplicateTaskError, LockLost, LockUnavailable, TaskSkipped, describe_holder
+from .conflicts import ConflictOutcomes
+from .events import TASK_LOCK_LOST, logger, send_task_event_soon
+from .exceptions import describe_holder
 from .keeper import KeptLease, get_keeper
-from .keys import QUEUED_SUFFIX, UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
+from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .liveness import boot_id, publishes_liveness
-from .lock import AcquireResult, Holder, acquire, release_task, release_value
+from .lock import AcquireResult, acquire
+from .publish import PublishClaims, delay_of
+from .run import SingletonRun
 
 __all__ = ["LOCK_MODES", "ON_CONFLICT", "SingletonRun", "SingletonTask"]
 
@@ -70,64 +70,9 @@ LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
 #: Counter bumped when a run finds its lock held, by ``on_conflict``.
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
-#: Options that make a publish part of a canvas: the canvas froze the task id
-#: and waits on it, so a publish-time duplicate must still be sent (the run decides).
-_CANVAS_OPTIONS = ("chord", "group_id", "link", "link_error", "chain")
 
 
-def _in_canvas(options: dict[str, Any]) -> bool:
-    return any(options.get(name) for name in _CANVAS_OPTIONS)
-
-
-def _delay_of(options: dict[str, Any]) -> float:
-    """Seconds until a message published with these options may run (countdown / eta)."""
-    countdown = options.get("countdown")
-    if countdown:
-        return max(0.0, float(countdown))
-    eta = options.get("eta")
-    if isinstance(eta, str):
-        eta = datetime.fromisoformat(eta)
-    if isinstance(eta, datetime):
-        return max(0.0, (eta - datetime.now(eta.tzinfo)).total_seconds())  # naive eta: local time
-    return 0.0
-
-
-class SingletonRun:
-    """What a running task knows about its lock: ``task.singleton`` in the body.
-
-    ``fence`` is a number that grows with every acquisition of this key: pass it
-    to a downstream store that rejects writes carrying a smaller one, and a run
-    that lost its lease cannot overwrite the work of its successor.
-    """
-
-    def __init__(self, key: str, kept: KeptLease | None) -> None:
-        self.key = key
-        self._kept = kept
-
-    @property
-    def held(self) -> bool:
-        """True while this run holds its lock (False when it runs unlocked, fail-open)."""
-        return self._kept is not None and not self._kept.lost
-
-    @property
-    def lost(self) -> bool:
-        """True once the lease was lost (deleted, expired, taken) during the run."""
-        return self._kept is not None and self._kept.lost
-
-    @property
-    def fence(self) -> int | None:
-        """The fencing token of this run's lease (None when running unlocked)."""
-        return self._kept.lease.fence if self._kept is not None else None
-
-    def ensure_held(self) -> None:
-        """Raise :class:`LockLost` if the lease is gone; call before irreversible work."""
-        if self._kept is None:
-            raise LockLost(self.key, "the run holds no lock (Redis was unavailable, fail-open)")
-        if self._kept.lost:
-            raise LockLost(self.key, self._kept.lost_reason or "lost")
-
-
-class SingletonTask(Task):
+class SingletonTask(ConflictOutcomes, PublishClaims):
     """Base class for tasks that must not run twice at once for the same arguments.
 
     Use it as ``@app.task(base=SingletonTask, unique_on=[...], lock_ttl=60)``.
@@ -215,83 +160,6 @@ class SingletonTask(Task):
         """The lock of the current run (None outside a run or when called directly)."""
         return getattr(self.request, "singleton", None)
 
-    # -- publish ----------------------------------------------------------
-
-    def _republishing(self, task_id: str | None) -> bool:
-        """True when the running task publishes its own message again (retry, deferral)."""
-        request = self.request
-        return task_id is not None and not request.called_directly and request.id == task_id
-
-    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
-                    *more: Any, **options: Any) -> AsyncResult:
-        """Publish; in publish-time modes, claim the key first (see the module docstring)."""
-        if self.lock_mode == "while_executing":
-            return super().apply_async(args, kwargs, task_id, *more, **options)
-        if self._republishing(task_id):
-            self._reclaim_queue(args, kwargs, task_id or "", options)  # _republishing: not None
-            return super().apply_async(args, kwargs, task_id, *more, **options)
-        if _in_canvas(options):
-            # Nothing at publish: the run takes (or conflicts on) the key itself.
-            return super().apply_async(args, kwargs, task_id, *more, **options)
-        task_id = task_id or uuid()
-        key = self.singleton_key(args, kwargs)
-        claim_key = key + QUEUED_SUFFIX if self.lock_mode == "until_executing" else key
-        client = get_redis(self.app)
-        settings = get_settings(self.app)
-        try:
-            result = self._take(claim_key, settings.queue_lock_ttl + _delay_of(options),
-                                ("claimed", "publish_deduplicated"), task_id=task_id, claim=True)
-        except redis.RedisError as exc:
-            if not settings.fail_open:
-                raise LockUnavailable(claim_key, exc) from exc
-            logger.error("publishing %s[%s] without its claim on %s, Redis unavailable (fail-open): %s",
-                         self.name, task_id, claim_key, exc)
-            return super().apply_async(args, kwargs, task_id, *more, **options)
-        holder = result.holder
-        if not result.acquired and holder is not None and self._stale_claim(holder):
-            # The queued message of that claim was revoked or expired: it will never run.
-            release_value(client, claim_key, holder.raw or "")
-            result = self._take(claim_key, settings.queue_lock_ttl + _delay_of(options),
-                                ("claimed", "publish_deduplicated"), task_id=task_id, claim=True)
-            holder = result.holder
-        if not result.acquired and holder is not None and holder.task_id != task_id:
-            if self.on_conflict == "raise":
-                raise DuplicateTaskError(self.name, claim_key, holder.task_id)
-            logger.info("not publishing %s: %s already holds %s; returning its result",
-                        self.name, describe_holder(holder), claim_key)
-            return self.AsyncResult(holder.task_id)
-        try:
-            return super().apply_async(args, kwargs, task_id, *more, **options)
-        except BaseException:
-            if result.acquired:
-                release_task(client, claim_key, task_id)
-            raise
-
-    def _stale_claim(self, holder: Holder) -> bool:
-        """A claim whose message already ended: revoked (Celery records that at once), expired."""
-        if not holder.claim or not holder.task_id:
-            return False
-        try:
-            return self.AsyncResult(holder.task_id).state in states.READY_STATES
-        except Exception:  # no result backend, or it is down: the claim stands
-            return False
-
-    def _reclaim_queue(self, args: Any, kwargs: Any, task_id: str, options: dict[str, Any]) -> None:
-        """``until_executing``: a re-published message waits in the queue under its claim again.
-
-        Best effort: the message is published whatever happens here (a retry
-        must not be lost); a copy queued meanwhile by another publish is met
-        by the run lock instead.
-        """
-        if self.lock_mode != "until_executing":
-            return  # until_executed: the lock itself became the claim (see _end)
-        try:
-            self._take(self.singleton_key(args, kwargs) + QUEUED_SUFFIX,
-                       get_settings(self.app).queue_lock_ttl + _delay_of(options),
-                       ("claimed", ""), task_id=task_id, claim=True)
-        except redis.RedisError as exc:
-            logger.warning("%s[%s] re-published without its queue claim: %s", self.name, task_id, exc)
-
     # -- run --------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -366,35 +234,6 @@ class SingletonTask(Task):
         logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
         return SingletonRun(key, kept)
 
-    def _wait_for_original(self, key: str, holder: Holder) -> None:
-        """Another delivery of a message whose original still runs on a live worker.
-
-        Neither a duplicate to skip nor work to run now: the message is
-        published again with a countdown and this delivery ends without storing
-        anything (the original's state stands). The next look finds the
-        original completed (done marker: ends), gone (taken over: runs) or
-        still running (waits again). Always raises.
-        """
-        request = self.request
-        if request.is_eager:
-            raise DuplicateTaskError(self.name, key, holder.task_id)
-        countdown = get_settings(self.app).liveness_ttl / 2
-        logger.warning("%s[%s] is already running on %s (another delivery of the same message); "
-                       "looking again in %.1fs", self.name, request.id, describe_holder(holder), countdown)
-        try:
-            self.signature_from_request(request, countdown=countdown).apply_async()
-        except Exception as exc:
-            logger.error("%s[%s] could not be re-published (%s); the message goes back to the queue",
-                         self.name, request.id, exc)
-            raise Reject(exc, requeue=True) from exc
-        raise Ignore(f"{request.id} is still running on {holder.node}")
-
-    def _release_queue_claim(self, client: RedisClient, key: str) -> None:
-        try:
-            release_task(client, key + QUEUED_SUFFIX, self.request.id)
-        except redis.RedisError as exc:  # it expires after queue_lock_ttl
-            logger.error("could not release queue claim %s%s: %s", key, QUEUED_SUFFIX, exc)
-
     def _lease_lost_callback(self, request: Context) -> Callable[[KeptLease, str], None]:
         """Report a lost lease once, the moment it is noticed (keeper or release)."""
         app, task_name = self.app, self.name
@@ -421,7 +260,7 @@ class SingletonTask(Task):
         if isinstance(exc, Retry) and self.lock_mode == "until_executed":
             # The retry waits in the queue under the lock, turned into its claim.
             when = exc.when  # the retry's countdown in seconds, or its eta
-            claim_ttl = settings.queue_lock_ttl + _delay_of(
+            claim_ttl = settings.queue_lock_ttl + delay_of(
                 {"eta": when} if isinstance(when, datetime) else {"countdown": when})
         if claim_ttl is None and not isinstance(exc, SystemExit):
             # The usual ending: write the release now, read its reply with the
@@ -458,73 +297,3 @@ class SingletonTask(Task):
                         self.name, request.id, kept.lease.key)
         elif not released:  # reported once, by the callback, unless the keeper already did
             kept.mark_lost("the lock was gone when the run ended")
-
-    def _redis_unavailable(self, key: str, exc: Exception, *, fail_open: bool) -> SingletonRun:
-        request = self.request
-        if fail_open:
-            logger.error("%s[%s] runs WITHOUT its lock %s: Redis unavailable (fail-open): %s",
-                         self.name, request.id, key, exc)
-            return SingletonRun(key, None)
-        error = LockUnavailable(key, exc)
-        if request.is_eager:
-            raise error from exc
-        countdown = self._backoff(request.retries or 0)
-        logger.error("%s[%s] not started, Redis unavailable for %s; retrying in %.1fs: %s",
-                     self.name, request.id, key, countdown, exc)
-        # No cap: a run never starts unlocked (max_retries=None would mean the
-        # task's own default and end in FAILURE after a short outage). Celery
-        # keeps an explicit max_retries on the shared task object, where
-        # autoretry_for would read it for later runs: put back what was there.
-        had = "override_max_retries" in self.__dict__
-        previous = self.__dict__.get("override_max_retries")
-        try:
-            raise self.retry(exc=error, countdown=countdown, max_retries=sys.maxsize)
-        finally:
-            if had:
-                self.override_max_retries = previous
-            else:
-                self.__dict__.pop("override_max_retries", None)
-
-    def _backoff(self, retries: int) -> float:
-        """Exponential back-off with full jitter, capped by ``singleton_retry_backoff_max``."""
-        cap = min(get_settings(self.app).retry_backoff_max, 2.0 ** min(retries, 30))
-        return random.uniform(cap / 2, cap)
-
-    def _conflict(self, key: str, result: AcquireResult) -> None:
-        """Handle a run whose lock is held by another run; always raises."""
-        request = self.request
-        holder: Holder | None = result.holder
-        holder_id = holder.task_id if holder else None
-        if self.on_conflict == "raise":
-            logger.info("%s[%s] refused: %s holds %s", self.name, request.id, describe_holder(holder), key)
-            raise DuplicateTaskError(self.name, key, holder_id)
-        if self.on_conflict == "retry":
-            countdown = self._backoff(request.retries or 0)
-            logger.info("%s[%s] waits %.1fs: %s holds %s", self.name, request.id, countdown,
-                        describe_holder(holder), key)
-            raise self.retry(exc=DuplicateTaskError(self.name, key, holder_id), countdown=countdown)
-        logger.info("%s[%s] skipped: duplicate of %s holding %s",
-                    self.name, request.id, describe_holder(holder), key)
-        send_task_event(self, TASK_SKIPPED, holder_task_id=holder_id, key=key,
-                        holder_node=holder.node if holder else None)
-        if not request.is_eager:
-            self._store_skipped(TaskSkipped(self.name, key, holder_id))
-        raise Ignore(f"duplicate of {holder_id}")
-
-    def _store_skipped(self, exc: TaskSkipped) -> None:
-        """Record a skip as ``REVOKED`` so callers, chains and chords see an end.
-
-        Celery's own failure path does the propagation: the rest of a chain is
-        marked ``REVOKED``, a chord counts its part (its body fails with a
-        ``ChordError``). The task's own errbacks are not called: a skip is not
-        an error of the task.
-        """
-        request = self.request
-        try:
-            self.backend.mark_as_failure(request.id, exc, request=request, state=states.REVOKED,
-                                         store_result=not self.ignore_result, call_errbacks=False)
-        except NotImplementedError:  # no result backend configured
-            pass
-        except Exception as error:  # the skip itself stands; say why waiters may not see it
-            logger.error("%s[%s] could not record its skip in the result backend: %s",
-                         self.name, request.id, error)
