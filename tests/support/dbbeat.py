@@ -80,12 +80,13 @@ def sent_names(scheduler: Any) -> list[str]:
 
 
 def start_db_beat(redis_server: RedisServer, database: Path, name: str) -> CeleryProcess:
-    """``celery beat -S ...:SingletonDatabaseScheduler`` on ``database``; waits until it ticks."""
+    """``celery beat -S ...:SingletonDatabaseScheduler`` on ``database``; waits until its
+    scheduler has read the database (a row edited after this returns is a change it sees)."""
     env = child_env(redis_server, CSB_DJANGO_DB=str(database),
                     DJANGO_SETTINGS_MODULE="tests.apps.django_settings")
     beat = CeleryProcess(["-A", DJANGO_APP, "beat", "-S", SCHEDULER, "-l", "info"], env,
                          name=f"dbbeat-{name}").start()
-    beat.wait_for_log("beat: Starting...", timeout=60)
+    beat.wait_for_log("beat: singleton scheduler", timeout=60)
     return beat
 
 
