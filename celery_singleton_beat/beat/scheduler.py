@@ -12,6 +12,11 @@ Local schedule state (``last_run_at`` in the shelve file) never decides: a beat
 that starts sets each entry's ``last_run_at`` from the slots (see
 ``singleton_beat_catch_up``), and Redis claims decide who sends.
 See ``docs/beat.md`` for the full rules.
+
+The mixin's parts: :mod:`.anchoring` (the start-up rule), :mod:`.sending`
+(reserve, claim, send), :mod:`.claiming` (the Redis round trips: claims,
+marks, hand-backs, take-overs); this module holds Celery's set-up, timing and
+tick hooks and the back-off while Redis is down.
 """
 
 from __future__ import annotations
@@ -21,9 +26,8 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 from celery import schedules
@@ -33,41 +37,18 @@ from celery.exceptions import ImproperlyConfigured
 from ..client import get_redis
 from ..config import SingletonSettings, get_settings, sanitize_redis_url
 from ..events import logger
+from .anchoring import SlotAnchoring
 from .breaker import Breaker
-from .claiming import ClaimRounds
 from .claims import Claim, ClaimStore
-from .entries import (
-    CLAIM_HEADER,
-    ENTRY_HEADER,
-    ENTRY_OPTION,
-    INSTANCE_HEADER,
-    SLOT_HEADER,
-    SlotSpec,
-    entry_spec,
-    slot_task_id,
-)
+from .entries import ENTRY_OPTION, SlotSpec, entry_spec
 from .handover import Handover
-from .slots import Slot, SlotError, current_slot, interval_slot, slot_before, to_utc
+from .sending import Reservation, SlotSending
+from .slots import SlotError, current_slot, interval_slot, to_utc
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
 
 
-@dataclass
-class _Reserved:
-    """A slot chosen when an entry was reserved, before it is claimed and sent."""
-
-    slot: Slot | None
-    previous: datetime | None
-    error: str | None = None
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    from celery.beat import Scheduler as _SchedulerBase
-else:
-    _SchedulerBase = object
-
-
-class SingletonSchedulerMixin(ClaimRounds, _SchedulerBase):
+class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
     """Claim each due entry's slot in Redis; send only the slots this beat won.
 
     Mix it in front of any :class:`celery.beat.Scheduler` subclass::
@@ -109,7 +90,7 @@ class SingletonSchedulerMixin(ClaimRounds, _SchedulerBase):
         self._handled: dict[str, datetime] = {}
         # Per entry name: the latest real slot instant chosen (a search hint).
         self._hints: dict[str, datetime] = {}
-        self._reserved: dict[str, _Reserved] = {}
+        self._reserved: dict[str, Reservation] = {}
         # Claims won ahead for other due entries, and when (monotonic) they were won.
         self._prefetched: dict[str, tuple[Claim, float]] = {}
         self._sending: tuple[Claim, float] | None = None
@@ -176,23 +157,6 @@ class SingletonSchedulerMixin(ClaimRounds, _SchedulerBase):
         """
         return bool(self._prefetched)
 
-    def handled_entries(self) -> dict[str, datetime]:
-        """Per entry name, the latest slot this beat handled (a copy)."""
-        return dict(self._handled)
-
-    def reanchor(self, entry: Any, after: datetime) -> datetime:
-        """Let ``entry`` continue after ``after`` on its current schedule; the new anchor.
-
-        For schedules that change at run time: slots up to ``after`` count as
-        handled, and slots missed before now follow ``singleton_beat_catch_up``
-        (as at start-up). Every beat computes the same slots, so the claims
-        still give one send per slot.
-        """
-        anchored = max(after, self._first_sight(entry))
-        self._handled[entry.name] = anchored
-        self._hints.pop(entry.name, None)
-        return anchored
-
     # ----------------------------------------------------------------- timing
 
     def _now(self) -> datetime:
@@ -205,48 +169,6 @@ class SingletonSchedulerMixin(ClaimRounds, _SchedulerBase):
         except ValueError:
             # Reported (and the send refused) when the entry is applied.
             return SlotSpec(entry.name)
-
-    def _normalize(self, entry: Any) -> None:
-        """Give the entry the ``last_run_at`` its slots imply (not the stored one)."""
-        handled = self._handled.get(entry.name)
-        if handled is None:
-            handled = self._first_sight(entry)
-            self._handled[entry.name] = handled
-        if entry.last_run_at != handled:
-            entry.last_run_at = handled
-
-    def _first_sight(self, entry: Any) -> datetime:
-        """Start-up rule: the latest slot is due ("latest") or counts as done ("none").
-
-        A slot counted as done is still watched: if another beat claimed it and
-        does not send it (it stops mid-burst, its publish fails, it dies), this
-        beat takes it over, as any slot lost to an unsent claim. Another beat's
-        work in progress is not a missed slot.
-        """
-        now = self._now()
-        try:
-            slot = current_slot(entry.schedule, now)
-        except SlotError:
-            return now
-        if slot is None:
-            return now
-        if self.singleton_settings.beat_catch_up == "latest":
-            return slot_before(entry.schedule, slot)
-        self._watch_started(entry, slot, (now - slot.at).total_seconds())
-        return slot.at
-
-    def _watch_started(self, entry: Any, slot: Slot, age: float) -> None:
-        """Look at the claim of ``slot`` (``age`` seconds old) once its first pending
-        lease is over: by then any beat that claimed it on time has, and an unsent
-        claim found is watched like a slot lost to it (see ``_take_over_due``)."""
-        try:
-            spec = entry_spec(entry)
-        except ValueError:  # refused when applied: nothing to take over
-            return
-        if spec is None:
-            return
-        claim = Claim(entry.name, slot, spec.key(self.singleton_settings.key_prefix, slot), False)
-        self.handover.look(claim, time.monotonic() + max(0.0, self.handover.lease - age))
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
         for entry in self.schedule.values():
@@ -317,145 +239,6 @@ class SingletonSchedulerMixin(ClaimRounds, _SchedulerBase):
         except redis.RedisError as exc:  # the pending lease covers it
             logger.warning("beat: could not settle claims at stop (others take them over): %s", exc)
         super().close()
-
-    # ----------------------------------------------------------------- sending
-
-    def reserve(self, entry: Any) -> Any:
-        new_entry = super().reserve(entry)
-        spec = self._spec(entry)
-        if spec is None:
-            return new_entry
-        previous = self._handled.get(entry.name)
-        reserved = self._choose_slot(entry, previous)
-        self._reserved[entry.name] = reserved
-        if reserved.slot is not None and (previous is None or reserved.slot.at > previous):
-            self._handled[entry.name] = reserved.slot.at
-        if entry.name in self._handled:
-            new_entry.last_run_at = self._handled[entry.name]
-        return new_entry
-
-    def _choose_slot(self, entry: Any, previous: datetime | None) -> _Reserved:
-        prefetched = self._prefetched.get(entry.name)
-        if prefetched is not None:
-            return _Reserved(prefetched[0].slot, previous)
-        try:
-            slot = current_slot(entry.schedule, self._now(), self._hints.get(entry.name))
-        except SlotError as exc:
-            return _Reserved(None, previous, str(exc))
-        if slot is not None:
-            self._hints[entry.name] = slot.at
-        return _Reserved(slot, previous)
-
-    def apply_entry(self, entry: Any, producer: Any = None) -> None:
-        if self._spec(entry) is None:
-            super().apply_entry(entry, producer=producer)
-            return
-        decided = self._decide(entry)
-        if decided is None:
-            return
-        self._sending = decided
-        try:
-            super().apply_entry(entry, producer=producer)
-        finally:
-            self._sending = None
-
-    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True,
-                    **kwargs: Any) -> Any:
-        if advance:
-            entry = self.reserve(entry)
-        decided: tuple[Claim, float] | None = None
-        if self._spec(entry) is not None:
-            sending = self._sending
-            decided = sending if sending and sending[0].name == entry.name else None
-            if decided is None:  # called directly (RedBeat, custom ticks): claim here
-                decided = self._decide(entry)
-                if decided is None:
-                    return None
-        return self._send(entry, producer, decided, **kwargs)
-
-    def _send(self, entry: Any, producer: Any, decided: tuple[Claim, float] | None,
-              **kwargs: Any) -> Any:
-        """Send through the base scheduler with the slot in the headers.
-
-        The message's task id is derived from the claim key (one id per slot,
-        whichever beat sends it). The ``singleton`` option is not a publish
-        option: it is left out of the options for the time of the call.
-        """
-        options = dict(entry.options or {})
-        options.pop(ENTRY_OPTION, None)
-        if decided is not None:
-            claim = decided[0]
-            headers = dict(options.get("headers") or {})
-            headers[SLOT_HEADER] = claim.slot.label
-            headers[INSTANCE_HEADER] = self.instance_id
-            headers[CLAIM_HEADER] = claim.key
-            headers[ENTRY_HEADER] = claim.key.split("{beat:", 1)[1].rsplit("}:", 1)[0]
-            options["headers"] = headers
-            options.setdefault("task_id", slot_task_id(claim.key))
-        saved = entry.options
-        entry.options = options
-        try:
-            result = super().apply_async(entry, producer=producer, advance=False, **kwargs)
-        except Exception:
-            # Not published (broker down, ...): hand the slot back so that the
-            # other beats (or one starting within the slot) can still send it.
-            if decided is not None:
-                self._hand_back([decided[0]])
-            raise
-        finally:
-            entry.options = saved
-        if decided is not None:
-            self.handover.sent(*decided)
-        return result
-
-    def _decide(self, entry: Any) -> tuple[Claim, float] | None:
-        """Claim the entry's reserved slot; ``(claim, claimed at)`` if this beat sends, else None."""
-        name = entry.name
-        reserved = self._reserved.pop(name, None)
-        if reserved is None:  # not reserved through this class
-            previous = self._handled.get(name)
-            reserved = self._choose_slot(entry, previous)
-            if reserved.slot is not None and (previous is None or reserved.slot.at > previous):
-                self._handled[name] = reserved.slot.at
-        try:
-            spec = entry_spec(entry)
-        except ValueError as exc:
-            logger.error("beat: %s: not sent: bad options['%s']: %s", name, ENTRY_OPTION, exc)
-            return None
-        assert spec is not None
-        slot = reserved.slot
-        if slot is None:
-            logger.error("beat: %s: not sent: %s", name,
-                         reserved.error or "the schedule has no instant yet")
-            return None
-        if reserved.previous is not None and slot.at <= reserved.previous:
-            logger.debug("beat: %s: slot %s already handled by this instance", name, slot.label)
-            return None
-
-        decided = self._prefetched.pop(name, None)
-        if decided is not None and decided[0].slot.at != slot.at:
-            self._hand_back([decided[0]])
-            decided = None
-        if decided is None:
-            decided = self._claim_with_batch(entry, spec, slot)
-        claim = decided[0]
-
-        if claim.won:
-            logger.info("beat: %s: slot %s won by %s, sending", name, slot.label, self.instance_id)
-            return decided
-        if claim.won is False:
-            logger.info("beat: %s: slot %s already claimed by %s, skipping",
-                        name, slot.label, claim.holder or "another instance")
-            return None
-        if self.singleton_settings.beat_fails_open:
-            logger.warning("beat: %s: slot %s sent WITHOUT a claim (fail open): Redis unavailable: %s",
-                           name, slot.label, claim.error)
-            return decided
-        # Fail closed: not sent; the slot stays due and is tried again after the back-off.
-        self._handled[name] = slot_before(entry.schedule, slot)
-        self._retry_names.add(name)
-        self.breaker.report_unsent(name, slot, claim.error)
-        return None
 
     # ----------------------------------------------------------------- Redis trouble
 
