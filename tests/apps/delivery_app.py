@@ -31,6 +31,8 @@ from .records import record_client
 
 BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 
+# Tasks are not shared: the module is re-imported per test (load_app), and shared
+# tasks of earlier imports would be registered again in every later app.
 app = Celery("delivery_app", broker=os.environ.get("CSB_BROKER", f"{BASE}/0"), backend=f"{BASE}/1")
 app.conf.update(
     singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BASE}/2"),
@@ -76,39 +78,39 @@ def record_run(task: Any, key: str, seconds: float) -> str:
     return str(task.request.hostname)
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=["key"])
+@app.task(shared=False, bind=True, base=SingletonTask, unique_on=["key"])
 def slow(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     """A unit of work on ``key`` (skipped when another run holds it)."""
     return record_run(self, key, seconds)
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=["key"], on_conflict="raise")
+@app.task(shared=False, bind=True, base=SingletonTask, unique_on=["key"], on_conflict="raise")
 def strict(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     return record_run(self, key, seconds)
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=["key"], on_conflict="retry", max_retries=50)
+@app.task(shared=False, bind=True, base=SingletonTask, unique_on=["key"], on_conflict="retry", max_retries=50)
 def patient(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     return record_run(self, key, seconds)
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=["key"], lock_mode="until_executed",
+@app.task(shared=False, bind=True, base=SingletonTask, unique_on=["key"], lock_mode="until_executed",
           on_conflict="retry", max_retries=50)
 def patient_once(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     return record_run(self, key, seconds)
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=["key"], lock_mode="until_executed")
+@app.task(shared=False, bind=True, base=SingletonTask, unique_on=["key"], lock_mode="until_executed")
 def queued_once(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     return record_run(self, key, seconds)
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=["key"], lock_mode="until_executing")
+@app.task(shared=False, bind=True, base=SingletonTask, unique_on=["key"], lock_mode="until_executing")
 def queued_until_start(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     return record_run(self, key, seconds)
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=["key"], autoretry_for=(ValueError,),
+@app.task(shared=False, bind=True, base=SingletonTask, unique_on=["key"], autoretry_for=(ValueError,),
           max_retries=1, default_retry_delay=0.1)
 def flaky(self: SingletonTask, key: str, fail: bool) -> str:
     """Fails with ValueError when ``fail``: autoretry_for retries it once, then FAILURE."""
@@ -118,14 +120,14 @@ def flaky(self: SingletonTask, key: str, fail: bool) -> str:
     return key
 
 
-@app.task
+@app.task(shared=False)
 def collect(results: list[Any]) -> list[Any]:
     """A chord body."""
     records().rpush("chord-body", json.dumps(results))
     return results
 
 
-@app.task
+@app.task(shared=False)
 def after(value: Any) -> Any:
     """A chain's next step."""
     records().rpush("chain-after", json.dumps(value))
