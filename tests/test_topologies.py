@@ -293,7 +293,9 @@ def test_beat_sends_each_slot_once(topology: Topology) -> None:
     claims = list(scan_all(topology.admin, "singleton:{beat:entry-*"))
     assert len(claims) == 15, "every claim is in the topology"
     for beat in beats:
-        beat.close()
+        beat.close()  # marks what is left
+    states = {json.loads(topology.admin.get(key))["state"] for key in claims}
+    assert states == {"sent"}, "the sent marks reach every topology (one hash slot per call on Cluster)"
 
 
 def _socket_port(client: Any, key: str) -> int:

@@ -98,18 +98,29 @@ class Claim:
         return None if parsed is None else parsed.get("state")
 
 
-#: Compare-and-set keeping (at least) the key's TTL. KEYS: claim. ARGV: expected
-#: value, new value, minimum TTL in ms (0: keep). Returns {1} or {0, current}.
+#: Compare-and-set of claims, each keeping (at least) its TTL. KEYS: claims (one
+#: hash slot per call with Redis Cluster). ARGV: per claim, expected value, new
+#: value, minimum TTL in ms (0: keep). Returns per claim {1} or {0, current}.
+#: Many claims per call: a script call's set-up costs Redis more than its work.
 SWAP_SCRIPT = LuaScript("""
-local current = redis.call('GET', KEYS[1])
-if current ~= ARGV[1] then return {0, current} end
-local ttl = redis.call('PTTL', KEYS[1])
-local floor = tonumber(ARGV[3])
-if floor > ttl then ttl = floor end
-if ttl > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
-else redis.call('SET', KEYS[1], ARGV[2]) end
-return {1}
+local out = {}
+for i, key in ipairs(KEYS) do
+  local current = redis.call('GET', key)
+  if current ~= ARGV[3 * i - 2] then
+    out[i] = {0, current}
+  else
+    local ttl = redis.call('PTTL', key)
+    local floor = tonumber(ARGV[3 * i])
+    if floor > ttl then ttl = floor end
+    if ttl > 0 then redis.call('SET', key, ARGV[3 * i - 1], 'PX', ttl)
+    else redis.call('SET', key, ARGV[3 * i - 1]) end
+    out[i] = {1}
+  end
+end
+return out
 """)
+#: Claims per :data:`SWAP_SCRIPT` call (Redis runs nothing else meanwhile: ~1 ms).
+SWAP_CHUNK = 500
 
 #: A worker received a slot message. KEYS: claim, [counter hash]. ARGV: the
 #: message's instance, the worker, TTL in ms for a claim the worker creates,
@@ -165,8 +176,24 @@ def swap_many(client: Any, swaps: Sequence[tuple[str, bytes | str, str, int]]) -
     """
     if not swaps:
         return []
-    replies = _evalsha_pipelined(client, SWAP_SCRIPT, [([key], [old, new, ttl]) for key, old, new, ttl in swaps])
-    return [_swapped(reply) for reply in replies]
+    if is_cluster(client):  # a script's keys must share a hash slot there: one claim per call
+        replies = _evalsha_pipelined(client, SWAP_SCRIPT, [([key], [old, new, ttl])
+                                                           for key, old, new, ttl in swaps])
+        return [_swapped(reply[0]) for reply in replies]
+    outcomes: list[tuple[bool, bytes | None]] = []
+    for keys, args in _swap_calls(swaps):
+        outcomes.extend(_swapped(reply) for reply in SWAP_SCRIPT(client, keys, args))
+    return outcomes
+
+
+def _swap_calls(swaps: Sequence[tuple[str, bytes | str, str, int]]) -> list[tuple[list[str], list[Any]]]:
+    """``(KEYS, ARGV)`` of the :data:`SWAP_SCRIPT` calls for ``swaps``, :data:`SWAP_CHUNK` per call."""
+    calls = []
+    for start in range(0, len(swaps), SWAP_CHUNK):
+        chunk = swaps[start:start + SWAP_CHUNK]
+        calls.append(([key for key, _, _, _ in chunk],
+                      [arg for _, old, new, ttl in chunk for arg in (old, new, ttl)]))
+    return calls
 
 
 def _swapped(reply: Sequence[Any]) -> tuple[bool, bytes | None]:
@@ -278,17 +305,18 @@ class ClaimStore:
             return self._outcomes(pipe.execute()), marked
         pipe = client.pipeline(transaction=False)
         self._add_sets(pipe, batch, value)
-        for key, old, new, ttl in marks:
-            pipe.evalsha(SWAP_SCRIPT.sha, 1, key, old, new, ttl)
+        calls = _swap_calls(marks)
+        for keys, args in calls:
+            pipe.evalsha(SWAP_SCRIPT.sha, len(keys), *keys, *args)
         replies = pipe.execute(raise_on_error=False)
-        sets, tail = replies[:len(replies) - len(marks)], replies[len(replies) - len(marks):]
+        sets, tail = replies[:len(replies) - len(calls)], replies[len(replies) - len(calls):]
         for reply in sets:
             if isinstance(reply, Exception):
                 raise reply
         if any(isinstance(reply, Exception) for reply in tail):
             marked = swap_many(client, marks)  # loads the script on NOSCRIPT, raises the rest
         else:
-            marked = [_swapped(reply) for reply in tail]
+            marked = [_swapped(item) for reply in tail for item in reply]
         return self._outcomes(sets), marked
 
     def _add_sets(self, pipe: Any, batch: Iterable[Claim], value: str) -> None:
