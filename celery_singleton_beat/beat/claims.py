@@ -176,14 +176,10 @@ def swap_many(client: Any, swaps: Sequence[tuple[str, bytes | str, str, int]]) -
     """
     if not swaps:
         return []
-    if is_cluster(client):  # a script's keys must share a hash slot there: one claim per call
-        replies = _evalsha_pipelined(client, SWAP_SCRIPT, [([key], [old, new, ttl])
-                                                           for key, old, new, ttl in swaps])
-        return [_swapped(reply[0]) for reply in replies]
-    outcomes: list[tuple[bool, bytes | None]] = []
-    for keys, args in _swap_calls(swaps):
-        outcomes.extend(_swapped(reply) for reply in SWAP_SCRIPT(client, keys, args))
-    return outcomes
+    # A script's keys must share a hash slot on Cluster: one claim per call there.
+    calls = ([([key], [old, new, ttl]) for key, old, new, ttl in swaps] if is_cluster(client)
+             else _swap_calls(swaps))
+    return [_swapped(item) for reply in _evalsha_pipelined(client, SWAP_SCRIPT, calls) for item in reply]
 
 
 def _swap_calls(swaps: Sequence[tuple[str, bytes | str, str, int]]) -> list[tuple[list[str], list[Any]]]:
