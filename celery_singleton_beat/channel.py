@@ -1,23 +1,31 @@
 """One Redis connection per process and thread for the lock commands of runs.
 
-A run's critical path has two lock commands: acquire (its reply decides
-whether the body runs) and release (nobody waits for its reply). The channel
-writes a release at once -- Redis executes it as soon as it reads it, so other
-processes see the key free without delay -- and reads its reply later, in the
-same round trip as the next command it waits for (the next acquire, under
-steady load). A run therefore costs one blocking round trip, not two, and
-commands stay in order on the connection: a run of the same key right after
-its predecessor always finds the predecessor's release already executed.
+A run's critical path has two lock requests: the acquire (its reply decides
+whether the body runs) and the release. The channel writes a release at once
+-- Redis executes it as soon as it reads it, so other processes see the key
+free without delay -- and reads its reply later, in the same round trip as the
+next request it waits for (the next acquire, under steady load). A run
+therefore waits for one round trip, not two, and requests stay in order on the
+connection: a run of the same key right after its predecessor always finds the
+predecessor's release already executed. A run whose end others wait on (a
+chain's next step, callbacks) calls :meth:`Channel.flush` after writing its
+release, so that the release has executed before its end is published.
 
-When no next command comes, a background thread reads the pending replies
+When no next request comes, a background thread reads the pending replies
 :data:`FLUSH_AFTER` seconds after they were written, so the outcome of a
 release (was the lock still ours?) is always reported within that bound.
 
+A connection the server closed (a restart, a proxy's idle timeout) is found
+out when it is next used: the requests whose replies were pending are written
+again on a new connection (each is safe to run twice: see :mod:`.wire`) and
+their outcomes reported, and the request at hand is sent there too, so a
+stale connection costs a run neither its release nor a retry.
+
 Used for standalone Redis clients without ``singleton_wait_replicas``, in
 processes whose sockets are not green (Sentinel, Cluster, ``WAIT`` and the
-gevent / eventlet pools keep the plain path, two round trips). The connection
-is made from the client's own pool settings, belongs to one thread and process
-(a forked child makes its own), and is rebuilt after an error.
+gevent / eventlet pools keep the pooled path). The connection is made from
+the client's own pool settings, belongs to one thread and process (a forked
+child makes its own).
 """
 
 from __future__ import annotations
@@ -29,89 +37,114 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeGuard
+from collections.abc import Callable
+from typing import Any, TypeGuard
 
 import redis
-from redis.exceptions import NoScriptError
 
 from .events import logger
+from .server import server_of
+from .wire import BROKEN, RETRIED, Request, Written, _NoScript, ensure_checked, read_replies, write_request
 
 __all__ = ["Channel", "channel_for", "channel_or_none", "supports_channel"]
 
-#: Called with the reply of a command sent without waiting (or the error it got).
+#: Called with the result of a request sent without waiting (or the error it got).
 ReplyHandler = Callable[[Any, BaseException | None], None]
 
-#: Seconds after which a pending reply is read even if no next command comes.
+#: Seconds after which a pending reply is read even if no next request comes.
 FLUSH_AFTER = 0.1
 
 
-class _Script(Protocol):
-    """What the channel needs of a Lua script (:class:`~.scripts.LuaScript`): its SHA and source."""
+class _Pending:
+    """A request written without waiting, and who wants its result."""
 
-    sha: str
-    source: bytes
+    __slots__ = ("attempts", "on_reply", "written")
+
+    def __init__(self, written: Written, on_reply: ReplyHandler) -> None:
+        self.written = written
+        self.on_reply = on_reply
+        #: Connections it was written on (2: written again after a lost connection).
+        self.attempts = 1
 
 
 class Channel:
     """A dedicated connection: blocking calls, and sends whose replies are read later.
 
-    Replies are read strictly in the order the commands were written. A script
-    is loaded (``SCRIPT LOAD``, written just before its first call) once per
-    connection, so a call written without waiting never meets ``NOSCRIPT``:
-    re-running it later could reorder it after the next acquire. Should a
-    ``SCRIPT FLUSH`` happen anyway, the scripts are loaded again and the
-    commands that met ``NOSCRIPT`` run again in their order (a release ahead
-    of the acquire that follows it, when both failed).
+    Replies are read strictly in the order the requests were written.
     """
 
     def __init__(self, client: redis.Redis) -> None:
         self._pool = client.connection_pool
+        self._client = client
         # Held by the owning thread for each call, and by the flusher thread.
         self._lock = threading.Lock()
         #: Monotonic time the oldest unread reply was written (None: nothing pending).
         self.oldest: float | None = None
         self._connection: Any = None
-        self._loaded: set[str] = set()
-        self._pending: deque[tuple[_Script | None, Sequence[Any], Sequence[Any], ReplyHandler]] = deque()
+        #: The connection has carried a request (so the server may have closed it since).
+        self._used = False
+        self._pending: deque[_Pending] = deque()
         #: True while the flusher thread watches this channel (set and cleared by it).
         self.watched = False
 
     # ----------------------------------------------------------------- public
 
-    def call(self, script: _Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """Run ``script`` and return its reply; earlier sends' replies are read first.
+    def call(self, request: Request, before_write: Callable[[], Any] | None = None) -> Any:
+        """Send ``request`` and return its result; earlier sends' replies are read first.
 
-        One round trip: the command is written before the pending replies are read.
+        One round trip: the request is written before the pending replies are
+        read. ``before_write`` runs once the connection is up, before anything
+        is written (a recovery window's wait, see :mod:`.server`).
         """
         with self._lock:
-            return self._call(script, keys, args)
+            for attempt in (1, 2):
+                stale = self._used
+                try:
+                    connection = self._connect()
+                    if before_write is not None:
+                        before_write()
+                    written = write_request(connection, request)
+                    self._used = True
+                    failed = self._read_pending(connection)
+                    try:
+                        result = read_replies(connection, written)
+                    except _NoScript:
+                        failed.append(_Pending(written, _ignore))  # a placeholder: run below
+                        result = None
+                    if failed:  # SCRIPT FLUSH: earlier releases ran after this request, so redo both
+                        self._redo(connection, [entry for entry in failed if entry.on_reply is not _ignore])
+                        result = read_replies(connection, write_request(connection, request))
+                    return result
+                except RETRIED:
+                    self._reset("call", retry=True)
+                    if attempt == 2 or not stale:
+                        raise
+                except BROKEN:
+                    self._reset("call", retry=False)
+                    raise
+        raise AssertionError("unreachable")
 
-    def _call(self, script: _Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        connection = self._write(script, keys, args)
-        try:
-            failed = self._read_pending(connection)
-            try:
-                reply = connection.read_response()
-            except NoScriptError:  # SCRIPT FLUSH: load again, redo in order
-                self._loaded.clear()
-                self._redo(connection, failed)
-                return self._run_now(connection, script, keys, args)
-            self._redo(connection, failed)
-            return reply
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            self._reset("call")
-            raise
+    def send(self, request: Request, on_reply: ReplyHandler) -> None:
+        """Write ``request`` now; ``on_reply`` gets its result when it is read.
 
-    def send(self, script: _Script, keys: Sequence[Any], args: Sequence[Any],
-             on_reply: ReplyHandler) -> None:
-        """Write ``script``'s call now; ``on_reply`` gets its reply when it is read.
-
-        Raises ``redis.RedisError`` if the command could not be written.
+        Raises ``redis.RedisError`` if it could not be written (after one more
+        try on a new connection when the old one had been closed by the server).
         """
         with self._lock:
-            self._write(script, keys, args)
-            self._pending.append((script, keys, args, on_reply))
+            for attempt in (1, 2):
+                stale = self._used
+                try:
+                    written = write_request(self._connect(), request)
+                    self._used = True
+                    break
+                except RETRIED:
+                    self._reset("write", retry=True)
+                    if attempt == 2 or not stale:
+                        raise
+                except BROKEN:
+                    self._reset("write", retry=False)
+                    raise
+            self._pending.append(_Pending(written, on_reply))
             if self.oldest is None:
                 self.oldest = time.monotonic()
             watched = self.watched
@@ -123,11 +156,13 @@ class Channel:
         with self._lock:
             if not self._pending:
                 return
-            connection = self._connect()
             try:
+                connection = self._connect()
                 self._redo(connection, self._read_pending(connection))
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                self._reset("flush")
+            except RETRIED:
+                self._reset("flush", retry=True)
+            except BROKEN:
+                self._reset("flush", retry=False)
                 raise
 
     def unwatch_if_idle(self) -> bool:
@@ -149,114 +184,107 @@ class Channel:
 
     @property
     def pending(self) -> int:
-        """Calls written whose reply has not been read yet."""
-        return sum(1 for script, *_ in self._pending if script is not None)
+        """Requests written whose reply has not been read yet."""
+        return len(self._pending)
 
     # ----------------------------------------------------------------- internals
 
     def _connect(self) -> Any:
         if self._connection is None:
             self._connection = self._pool.make_connection()
+            self._used = False
+        if getattr(self._connection, "_sock", None) is None:
+            self._used = False
+        ensure_checked(self._connection, server_of(self._client))
         return self._connection
 
-    def _write(self, script: _Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        connection = self._connect()
-        try:
-            # A health check (PING) would read a pending reply as its own: only when none is.
-            if script.sha not in self._loaded:
-                connection.send_command("SCRIPT", "LOAD", script.source, check_health=not self._pending)
-                self._pending.append((None, (), (), _ignore))
-                self._loaded.add(script.sha)
-            connection.send_packed_command([_pack(b"EVALSHA", script.sha, len(keys), *keys, *args)],
-                                           check_health=not self._pending)
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            self._reset("write")
-            raise
-        return connection
+    def _read_pending(self, connection: Any) -> list[_Pending]:
+        """Read every pending reply, delivering each; return those that met ``NOSCRIPT``.
 
-    def _read_pending(self, connection: Any) -> list[tuple[_Script, Sequence[Any], Sequence[Any], ReplyHandler]]:
-        """Read every pending reply; return the calls that met ``NOSCRIPT`` (not run)."""
+        Those are run again by :meth:`_redo` once every reply written before
+        the redo has been read (a redo written now would be answered after
+        requests already on the wire).
+        """
         self.oldest = None
         failed = []
         while self._pending:
-            script, keys, args, on_reply = self._pending.popleft()
+            entry = self._pending[0]
             try:
-                reply = connection.read_response()
-            except NoScriptError:
-                self._loaded.clear()
-                if script is not None:
-                    failed.append((script, keys, args, on_reply))
+                result = read_replies(connection, entry.written)
+            except _NoScript:  # a SCRIPT FLUSH: load and run it again, in order
+                self._pending.popleft()
+                failed.append(entry)
                 continue
             except redis.ResponseError as exc:
-                _deliver(on_reply, None, exc)
+                self._pending.popleft()
+                _deliver(entry.on_reply, None, exc)
                 continue
-            _deliver(on_reply, reply, None)
+            # Popped only once read: a lost connection leaves it pending for _reset.
+            self._pending.popleft()
+            _deliver(entry.on_reply, result, None)
         return failed
 
-    def _redo(self, connection: Any,
-              failed: list[tuple[_Script, Sequence[Any], Sequence[Any], ReplyHandler]]) -> None:
-        for script, keys, args, on_reply in failed:
+    def _redo(self, connection: Any, failed: list[_Pending]) -> None:
+        """Run requests that met ``NOSCRIPT`` again, in their order, and deliver their results."""
+        for entry in failed:
             try:
-                reply = self._run_now(connection, script, keys, args)
+                result = read_replies(connection, write_request(connection, entry.written.request))
             except redis.ResponseError as exc:
-                _deliver(on_reply, None, exc)
+                _deliver(entry.on_reply, None, exc)
                 continue
-            _deliver(on_reply, reply, None)
+            _deliver(entry.on_reply, result, None)
 
-    def _run_now(self, connection: Any, script: _Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """Write and read one call with nothing pending (after a ``NOSCRIPT``)."""
-        self._write(script, keys, args)
-        self._read_pending(connection)  # the SCRIPT LOAD written ahead, if any
-        return connection.read_response()
+    def _reset(self, where: str, *, retry: bool) -> None:
+        """Drop the connection after an error.
 
-    def _reset(self, where: str) -> None:
-        """Drop the connection after an error; pending replies are lost (their
-        commands were written, so Redis ran them unless it went away first)."""
+        The requests whose replies were pending were written, but whether Redis
+        ran them is unknown. With ``retry`` (the server closed the connection:
+        a restart, a proxy), each is written once more on a new connection and
+        its outcome reported; otherwise, or if that fails too, its handler gets
+        the error (the lock then lapses at its TTL).
+        """
         lost, self._pending = list(self._pending), deque()
         self.oldest = None
-        self._loaded.clear()
+        self._drop()
+        if not (retry and lost):
+            _deliver_all(lost, redis.ConnectionError(f"connection lost before the reply ({where})"))
+            return
+        try:
+            fresh = self._connect()
+            for entry in lost:
+                entry.attempts += 1
+                entry.written = write_request(fresh, entry.written.request)
+        except BROKEN as exc:
+            self._drop()
+            _deliver_all(lost, exc)
+            return
+        self._used = True
+        self._pending.extend(lost)
+        logger.info("lock connection was closed by the server (%s); %d request(s) sent again on a new "
+                    "connection", where, len(lost))
+        try:
+            self._redo(fresh, self._read_pending(fresh))
+        except BROKEN as exc:
+            undelivered, self._pending = list(self._pending), deque()
+            self.oldest = None
+            self._drop()
+            _deliver_all(undelivered, exc)
+
+    def _drop(self) -> None:
         connection, self._connection = self._connection, None
+        self._used = False
         if connection is not None:
             with contextlib.suppress(Exception):  # already broken
                 connection.disconnect()
-        for _, _, _, on_reply in lost:
-            _deliver(on_reply, None, redis.ConnectionError(f"connection lost before the reply ({where})"))
 
 
-def _pack_python(*parts: Any) -> bytes:
-    """One command in RESP, for the few argument types the lock scripts use.
-
-    redis-py's general packer costs far more than the round trip on these
-    ~15-argument calls; this one does the same for bytes, str and int.
-    """
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        if type(part) is not bytes:
-            part = str(part).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
-    return b"".join(out)
-
-
-def _hiredis_packer() -> Callable[..., bytes] | None:
-    """hiredis's C packer (the ``fast`` extra), if installed: 2.5x faster than :func:`_pack_python`."""
-    try:
-        from hiredis import pack_command
-    except ImportError:  # not installed, or too old to have it
-        return None
-
-    def pack(*parts: Any) -> bytes:
-        return pack_command(parts)  # type: ignore[no-any-return]
-
-    # Same bytes for every argument type the scripts pass (checked once, here).
-    sample = (b"EVALSHA", "x" * 40, 2, "k:{a}", "\u00e9", 0, -1, b"\x00\xff")
-    return pack if pack(*sample) == _pack_python(*sample) else None
-
-
-_pack: Callable[..., bytes] = _hiredis_packer() or _pack_python
+def _deliver_all(entries: list[_Pending], error: BaseException) -> None:
+    for entry in entries:
+        _deliver(entry.on_reply, None, error)
 
 
 def _ignore(reply: Any, error: BaseException | None) -> None:
-    """Reply handler of a ``SCRIPT LOAD`` written ahead of a call."""
+    """The handler of nothing: marks a request run again by :meth:`Channel.call` itself."""
 
 
 def _deliver(on_reply: ReplyHandler, reply: Any, error: BaseException | None) -> None:
@@ -344,10 +372,10 @@ def _green() -> bool:
 
 
 def supports_channel(client: Any) -> TypeGuard[redis.Redis]:
-    """True for clients whose lock commands go through a :class:`Channel`.
+    """True for clients whose lock requests go through a :class:`Channel`.
 
     Standalone Redis (a plain connection pool) in a process with real threads;
-    Sentinel and Cluster clients, and greenlet pools, keep the plain path.
+    Sentinel and Cluster clients, and greenlet pools, keep the pooled path.
     """
     return (isinstance(client, redis.Redis)
             and type(client.connection_pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
@@ -368,7 +396,7 @@ def channel_for(client: redis.Redis) -> Channel:
 def channel_or_none(client: Any) -> Channel | None:
     """This thread's channel for ``client``, or None when it has none (:func:`supports_channel`).
 
-    One dictionary look-up per lock command: the verdict is cached with the channel.
+    One dictionary look-up per lock request: the verdict is cached with the channel.
     """
     channels: dict[int, tuple[weakref.ref[Any], Channel | None]] | None = getattr(_local, "channels", None)
     if channels is not None and _local.pid == os.getpid():

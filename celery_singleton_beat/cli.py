@@ -171,17 +171,19 @@ def locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
 
     Columns: task, kind (run: a running task; claim/queued: a message
     waiting in the queue), holder task id, node, pid, acquisition time (UTC),
-    TTL left, fencing token, key. JSON: a list of objects with task, key,
-    kind, task_id, node, pid, boot, acquired_at (epoch seconds), ttl
-    (seconds, null if the lock never expires) and fence.
+    TTL left, time since the holder last renewed it, key. JSON: a list of
+    objects with task, key, kind, task_id, node, pid, boot, acquired_at (epoch
+    seconds), ttl (seconds, null if the lock never expires) and renewed_ago
+    (seconds, null for a claim).
     """
     session = _Session(ctx)
     held = session.run(lambda: admin.list_locks(session.app, task=task_name))
     session.show(
         held, as_json, f"No lock of task {task_name} is held" if task_name else "No task lock is held",
-        ("TASK", "KIND", "HOLDER TASK ID", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "FENCE", "KEY"),
+        ("TASK", "KIND", "HOLDER TASK ID", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWED", "KEY"),
         lambda lock: (lock.task, lock.kind, lock.holder.task_id, lock.holder.node, lock.holder.pid,
-                      _utc(lock.holder.acquired_at), _duration(lock.ttl), lock.holder.fence, lock.key),
+                      _utc(lock.holder.acquired_at), _duration(lock.ttl),
+                      "-" if lock.renewed_ago is None else f"{_duration(lock.renewed_ago)} ago", lock.key),
         numeric=(4, 6, 7),
     )
     if held and not as_json:

@@ -53,6 +53,7 @@ from .config import (
     get_settings,
     parse_redis_url,
 )
+from .server import LockServer, memory_for
 
 __all__ = [
     "ACL_COMMANDS",
@@ -62,6 +63,7 @@ __all__ = [
     "SingletonRedisCluster",
     "acl_rules",
     "call_acknowledged",
+    "cluster_moved",
     "get_redis",
     "group_by_node",
     "is_cluster",
@@ -246,6 +248,9 @@ def get_redis(app: Celery) -> RedisClient:
             settings = get_settings(app)
             assert settings.redis_url is not None
             client = redis_from_url(settings.redis_url, **settings.redis_options)
+            # What this process learns of the server, per connection (see .server).
+            client.csb_server = LockServer(  # type: ignore[union-attr]
+                settings.key_prefix, settings.liveness_ttl, memory_for(settings.redis_url))
             _clients[app] = cached = (pid, client)
     return cached[1]
 
@@ -322,6 +327,14 @@ def group_by_node(client: RedisClient, keys: Sequence[str]) -> list[list[int]]:
     for index, key in enumerate(keys):
         groups.setdefault(client.get_node_from_key(key).name, []).append(index)
     return list(groups.values())
+
+
+def cluster_moved(client: Any, error: Exception) -> bool:
+    """True when ``error`` says a Cluster slot moved; the client's layout is then read again."""
+    if not isinstance(client, RedisCluster) or not any(word in str(error) for word in ("MOVED", "ASK")):
+        return False
+    client.nodes_manager.initialize()
+    return True
 
 
 @contextmanager

@@ -1,12 +1,17 @@
 """Renewal of running leases.
 
-One daemon thread per process renews every lease held in that process at a
-third of its TTL, so a run may last any multiple of ``lock_ttl``; a lease that
-stops being renewable is marked lost and its owner is told through a callback.
+One daemon thread per process renews every lease held in that process every
+:attr:`~.lock.Lease.renew_every` seconds (a third of its TTL, and for a
+worker's runs at most a third of ``singleton_liveness_ttl``, so that a dead
+holder's missed renewals show within seconds), so a run may last any multiple
+of ``lock_ttl``; a lease that stops being renewable is marked lost and its
+owner is told through a callback.
 
-When Redis does not answer, the keeper keeps trying until the lease would have
-expired; only then does it report the loss (the lock may still exist, but no
-one can vouch for it any more).
+When Redis does not answer, the keeper tries again every
+:data:`~.lock.RETRY_EVERY` seconds until the lease would have expired; only
+then does it report the loss (the lock may still exist, but no one can vouch
+for it any more). A renewal whose answer comes after its run ended (the run
+released the lock meanwhile) reports nothing.
 """
 
 from __future__ import annotations
@@ -21,17 +26,17 @@ from collections.abc import Callable
 
 import redis
 
-from .lock import Lease
+from .lock import RETRY_EVERY, Lease
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper"]
 
 logger = logging.getLogger("celery_singleton_beat")
 
-#: Renew when a third of the TTL has passed, leaving two more chances before expiry.
-RENEW_FRACTION = 1 / 3
 #: Seconds an idle keeper (nothing to renew) waits before it looks at its queue again.
 #: A new lease due later than that needs no wake-up: short runs cost no thread switch.
 IDLE_LOOK = 1.0
+#: Seconds between two log lines about the same lease while Redis does not answer.
+LOG_EVERY = 5.0
 
 
 class KeptLease:
@@ -43,6 +48,8 @@ class KeptLease:
         self.lost_reason: str | None = None
         self.renewals = 0
         self.active = True
+        #: Monotonic time before which a failed renewal is not logged again.
+        self.next_complaint = 0.0
 
     @property
     def lost(self) -> bool:
@@ -77,7 +84,7 @@ class LeaseKeeper:
     def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
         """Start renewing ``lease``; call :meth:`forget` when the run ends."""
         kept = KeptLease(lease, on_lost)
-        due = time.monotonic() + lease.ttl * RENEW_FRACTION
+        due = time.monotonic() + lease.renew_every
         with self._cond:
             self._active += 1
             if len(self._queue) > 2 * self._active + 32:
@@ -151,21 +158,29 @@ class LeaseKeeper:
         try:
             if lease.renew():
                 kept.renewals += 1
-                return time.monotonic() + lease.ttl * RENEW_FRACTION
-            kept.mark_lost("the lock was deleted, expired or taken by another holder")
+                if kept.next_complaint:
+                    kept.next_complaint = 0.0
+                    logger.warning("renewed lock %s again: Redis answers", lease.key)
+                return time.monotonic() + lease.renew_every
+            if kept.active:  # else the run ended and released it while this renewal was on its way
+                kept.mark_lost("the lock was deleted, expired or taken by another holder")
             return None
         except redis.RedisError as exc:
             now = time.monotonic()
             if now >= lease.valid_until:
-                kept.mark_lost(f"the lease expired while Redis was unreachable ({exc})")
+                if kept.active:
+                    kept.mark_lost(f"the lease expired while Redis was unreachable ({exc})")
                 return None
-            holder = lease.holder
-            logger.error("cannot renew lock %s of %s[%s], retrying until it would expire: %s",
-                         lease.key, holder.task if holder else "?", holder.task_id if holder else "?", exc)
-            return min(now + max(lease.ttl / 10, 0.05), lease.valid_until)
+            if now >= kept.next_complaint:  # the first failure, then every LOG_EVERY seconds
+                kept.next_complaint = now + LOG_EVERY
+                holder = lease.holder
+                logger.error("cannot renew lock %s of %s[%s], retrying until it would expire in %.1fs: %s",
+                             lease.key, holder.task if holder else "?", holder.task_id if holder else "?",
+                             lease.valid_until - now, exc)
+            return min(now + min(max(lease.ttl / 10, 0.05), RETRY_EVERY), lease.valid_until)
         except Exception:  # never let the keeper thread die
             logger.exception("unexpected error renewing lock %s", lease.key)
-            return time.monotonic() + lease.ttl * RENEW_FRACTION
+            return time.monotonic() + lease.renew_every
 
 
 _keeper: tuple[int, LeaseKeeper] | None = None

@@ -2,23 +2,25 @@
 
 A lock is one Redis string key whose value records who holds it::
 
-    {"v":1,"token":"<per attempt>","task":"<name>","task_id":"<id>","node":"<worker>",
-     "pid":123,"boot":"<worker incarnation>","at":1700000000.123,"claim":false,
-     "fence":1700000000123456}
+    {"v":2,"token":"<per attempt>","task_id":"<id>","at":1700000000.123,"task":"<name>",
+     "node":"<worker>","pid":123,"boot":"<worker incarnation>","claim":false,"live":true,
+     "ttl":60000,"every":3333}
 
-* **acquire** is one round trip: a Lua script that does ``SET NX PX`` and bumps
-  the key's fencing counter. The counter lives beside the lock (same hash tag)
-  and is seeded from the Redis clock when it is first created, so fencing tokens
-  keep growing even after the counter key expires.
-* **renew** and **release** are one round trip each and compare the whole value:
-  only the attempt that wrote it can extend or delete it, so a run whose lease
-  expired and was taken by another can never cut the new holder's lease short.
-* **release_task** deletes a lock only if a given task id holds it; the worker's
-  main process uses it for pool children that died without releasing.
+* **acquire** is one request with no Lua (:func:`.commands.acquire_request`):
+  ``MULTI``, ``TIME``, ``SET NX PX GET``, ``EXEC``. The fencing token is the
+  server's clock in microseconds at that instant: it grows with every
+  acquisition of a key, across restarts and failovers.
+* **renew** and **release** compare the whole value (natively where the server
+  can, else in Lua): only the attempt that wrote it can extend or delete it, so
+  a run whose lease expired and was taken by another never cuts the new
+  holder's lease short.
+* **rare paths**, after the reply named another holder: a run adopting its own
+  publish claim, a repeated request finding its own value, and the take-over
+  of a holder that is provably dead (:func:`_take_over`).
 
-The scripts are in :mod:`.scripts`; they run with EVALSHA and are loaded on
-``NOSCRIPT`` (after a Redis restart or on a new replica), so the script text
-crosses the network once per server.
+``ttl`` and ``every`` (milliseconds) say how long the lease lasts and how
+often its keeper renews it: a reader can tell from the key's remaining TTL
+when it was last renewed.
 """
 
 from __future__ import annotations
@@ -31,35 +33,51 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from . import counters
 from .channel import channel_or_none
-from .client import RedisClient, call_acknowledged
-from .liveness import is_alive
-from .scripts import ACQUIRE, RELEASE, RELEASE_TASK, RENEW, STATS_TTL_MS, LuaScript
+from .client import RedisClient, ReplicasNotAcknowledged
+from .commands import (
+    NativeRefused,
+    acquire_request,
+    look_request,
+    put_back_request,
+    release_request,
+    renew_request,
+    script_request,
+    time_token,
+)
+from .events import logger
+from .liveness import boot_id, is_alive
+from .scripts import ADOPT, CLAIM_ON_RETRY, RELEASE_FOR, TAKE_OVER
+from .server import PORTABLE, ServerInfo, server_of
+from .wire import Request, pack, run_on, run_pooled
 
 __all__ = [
+    "TAKEOVER_WAIT",
     "AcquireResult",
     "Holder",
     "Lease",
-    "LuaScript",
+    "LockSpec",
     "acquire",
     "done_key",
-    "fence_key",
     "parse_holder",
-    "release_task",
+    "read_holder",
+    "release_for",
     "release_value",
 ]
 
-VALUE_FORMAT = 1
+VALUE_FORMAT = 2
 
-
-
-
-def fence_key(key: str) -> str:
-    """The fencing counter beside ``key`` (same Redis Cluster slot)."""
-    return f"{key}:fence"
+#: Seconds a worker watches a lock whose holder looks dead (liveness key gone,
+#: renewals missed) before taking it over: a holder that is alive renews within
+#: it (its keeper retries every quarter second while Redis does not answer), so
+#: a lock that merely could not be renewed during an outage is never taken.
+TAKEOVER_WAIT = 1.5
+#: Seconds between renewal attempts while Redis does not answer (at most).
+RETRY_EVERY = 0.25
 
 
 def done_key(key: str, task_id: str | None) -> str:
@@ -82,6 +100,7 @@ class Holder:
     pid: int | None
     boot: str | None
     acquired_at: float | None
+    #: The fencing token, in values written before 0.3 (since then it is not stored).
     fence: int | None
     claim: bool
     token: str | None
@@ -89,6 +108,9 @@ class Holder:
     live: bool = False
     #: The lock's value exactly as stored (for compare-and-delete).
     raw: str | None = None
+    #: The lease in seconds and how often its keeper renews it (values since 0.3).
+    ttl: float | None = None
+    every: float | None = None
 
     @property
     def is_claim(self) -> bool:
@@ -107,6 +129,11 @@ def parse_holder(raw: bytes | str | None) -> Holder | None:
             raise ValueError
     except ValueError:
         data = {}
+
+    def seconds(name: str) -> float | None:
+        value = data.get(name)
+        return value / 1000 if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
     return Holder(
         task_id=data.get("task_id"),
         task=data.get("task"),
@@ -119,6 +146,8 @@ def parse_holder(raw: bytes | str | None) -> Holder | None:
         token=data.get("token"),
         live=bool(data.get("live", False)),
         raw=text,
+        ttl=seconds("ttl"),
+        every=seconds("every"),
     )
 
 
@@ -126,141 +155,71 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def _keys(key: str, stats_key: str | None) -> list[str]:
-    return [key, stats_key] if stats_key else [key]
-
-
-def _release_keys(key: str, task_id: str | None, stats_key: str | None) -> list[str]:
-    """KEYS of the release script: the lock, the task id's done marker, the counters."""
-    return [key, done_key(key, task_id), *([stats_key] if stats_key else [])]
-
-
-class Lease:
-    """A lock held by this process: renew it, release it, read its fencing token."""
-
-    def __init__(self, client: RedisClient, key: str, value: str, ttl: float, fence: int,
-                 stats_key: str | None = None, task_id: str | None = None) -> None:
-        self.client = client
-        self.key = key
-        self.stats_key = stats_key
-        self.value = value
-        self.ttl = ttl
-        self.fence = fence
-        #: The task id in ``value`` (its done marker is released with the lock).
-        self.task_id = task_id if task_id is not None else (parse_holder(value) or _NO_HOLDER).task_id
-        #: Monotonic time until which the lease is known to be valid.
-        self.valid_until = time.monotonic() + ttl
-
-    @functools.cached_property
-    def holder(self) -> Holder | None:
-        """The lock's value, decoded (on first use: runs never need it)."""
-        return parse_holder(self.value)
-
-    def renew(self) -> bool:
-        """Extend the lease by ``ttl``; False if the lock is no longer ours.
-
-        Raises ``redis.RedisError`` when Redis cannot be asked; the caller
-        decides (the keeper keeps trying until the lease would have expired).
-        """
-        started = time.monotonic()
-        renewed = bool(RENEW(self.client, _keys(self.key, self.stats_key),
-                              [self.value, _ms(self.ttl), STATS_TTL_MS]))
-        if renewed:
-            self.valid_until = started + self.ttl
-        return renewed
-
-    def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None) -> bool:
-        """Give the lock up if it is still ours; True if it was (else counted as lost).
-
-        ``done_ttl``: also leave this task id's done marker for that long.
-        ``claim_ttl``: instead of deleting the lock, turn it into a publish-time
-        claim of the same task id for that long (a retry of an
-        ``until_executed`` task stays covered while it waits in the queue).
-        """
-        replacement = ""
-        if claim_ttl is not None:
-            record = json.loads(self.value)
-            record.update(claim=True, at=round(time.time(), 3), live=False)
-            record.pop("fence", None)
-            replacement = json.dumps(record, separators=(",", ":"))
-        return bool(RELEASE(self.client, self._release_keys(),
-                             self._release_args(done_ttl, replacement, claim_ttl)))
-
-    def release_soon(self, on_result: Callable[[bool | None, BaseException | None], None], *,
-                     done_ttl: float | None = None) -> bool:
-        """Release without waiting for the reply; False when that is not possible here.
-
-        The release is written at once (Redis frees the key as soon as it reads
-        it); its reply -- was the lock still ours? -- reaches ``on_result`` when
-        this thread next waits for a lock reply (its next acquire), or at the
-        latest :data:`.channel.FLUSH_AFTER` later. Only for clients with a
-        :mod:`.channel` (standalone Redis, real threads); raises
-        ``redis.RedisError`` if the command could not be written.
-        """
-        channel = channel_or_none(self.client)
-        if channel is None:
-            return False
-
-        def handle(reply: Any, error: BaseException | None) -> None:
-            on_result(None if error is not None else bool(reply), error)
-
-        channel.send(RELEASE, self._release_keys(), self._release_args(done_ttl, "", None), handle)
-        return True
-
-    def _release_keys(self) -> list[str]:
-        return _release_keys(self.key, self.task_id, self.stats_key)
-
-    def _release_args(self, done_ttl: float | None, replacement: str,
-                      claim_ttl: float | None) -> list[Any]:
-        """ARGV of the release script for this lease (see ``RELEASE``)."""
-        return [self.value, "released", "lost", _ms(done_ttl) if done_ttl else "",
-                replacement, _ms(claim_ttl) if claim_ttl else "", STATS_TTL_MS]
-
-    def __repr__(self) -> str:
-        return f"<Lease {self.key} fence={self.fence} ttl={self.ttl}s>"
-
-
 @dataclass(frozen=True)
-class AcquireResult:
-    """The outcome of :func:`acquire`.
+class LockSpec:
+    """How a task takes its lock: what is the same for every run (built once per task and settings).
 
-    ``lease`` when taken; else ``holder`` (who holds it, and ``holder_ttl``)
-    or ``completed`` (the done marker of this task id exists). ``taken_over``
-    names the dead holder whose lock was taken over, if any.
+    ``live``: the process publishes liveness (a worker), so its locks are
+    renewed at least every ``liveness_ttl / 3`` and may be taken over once
+    its worker is provably dead. ``liveness_prefix``: take over dead holders
+    (None: never). ``check_done``: refuse when this task id's done marker
+    exists (``acks_late``). ``claim``: a publish-time claim (held for a
+    queued message, not renewed). ``counters``: the counter for "taken" and
+    the one for "held by another". ``wait_replicas``: a taken lock must reach
+    that many replicas within ``wait_timeout`` (``WAIT``), else it is given
+    back and :class:`~.client.ReplicasNotAcknowledged` raised.
     """
 
-    lease: Lease | None
-    holder: Holder | None = None
-    holder_ttl: float | None = None
-    completed: bool = False
-    taken_over: Holder | None = None
+    task: str
+    ttl: float
+    boot: str | None = None
+    live: bool = False
+    liveness_ttl: float = 10.0
+    liveness_prefix: str | None = None
+    check_done: bool = False
+    claim: bool = False
+    stats_key: str | None = None
+    counters: tuple[str, str] = ("acquired", "skipped")
+    wait_replicas: int = 0
+    wait_timeout: float = 1.0
+    ttl_ms: int = field(init=False, repr=False)
+    #: Seconds between two renewals by the keeper.
+    renew_every: float = field(init=False, repr=False)
+    #: Seconds after a renewal's start for which the holder vouches for its lease:
+    #: the earliest moment another worker could take it over (or the TTL).
+    grace: float = field(init=False, repr=False)
 
-    @property
-    def acquired(self) -> bool:
-        return self.lease is not None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ttl_ms", _ms(self.ttl))
+        every = min(self.ttl, self.liveness_ttl) / 3 if self.live else self.ttl / 3
+        object.__setattr__(self, "renew_every", every)
+        grace = min(self.ttl, 2 * every + TAKEOVER_WAIT) if self.live else self.ttl
+        object.__setattr__(self, "grace", grace)
 
 
 _HOSTNAME = socket.gethostname()
-_NO_HOLDER = Holder(None, None, None, None, None, None, None, False, None)
 
 
 @functools.lru_cache(maxsize=256)
-def _value_tail(task: str, node: str, pid: int, boot: str | None, claim: bool, live: bool) -> str:
+def _value_tail(spec: LockSpec, node: str, pid: int) -> str:
     """The fields of a lock value that are the same for every run of a task in a process."""
-    record: dict[str, Any] = {"task": task, "node": node, "pid": pid, "boot": boot, "claim": claim}
-    if live:
+    record: dict[str, Any] = {"task": spec.task, "node": node, "pid": pid, "boot": spec.boot,
+                              "claim": spec.claim}
+    if spec.live:
         record["live"] = True
+    record["ttl"] = spec.ttl_ms
+    if not spec.claim:
+        record["every"] = _ms(spec.renew_every)
     return json.dumps(record, separators=(",", ":"))[1:]
 
 
-def _lock_value(task: str, task_id: str | None, node: str, boot: str | None, claim: bool,
-                live: bool) -> str:
+def _lock_value(spec: LockSpec, task_id: str | None, node: str | None) -> str:
     """A new lock value (JSON, see the module docstring): a fresh token, this run's id and time.
 
     Built from a cached tail: encoding the whole record each run cost more than its round trip.
     """
     return (f'{{"v":{VALUE_FORMAT},"token":"{_token()}","task_id":{_json_str(task_id)},'
-            f'"at":{time.time():.3f},{_value_tail(task, node, os.getpid(), boot, claim, live)}')
+            f'"at":{time.time():.3f},{_value_tail(spec, node or _HOSTNAME, os.getpid())}')
 
 
 class _Tokens:
@@ -298,117 +257,340 @@ def _json_str(text: str | None) -> str:
 _encode_str: Callable[[str], str] = json.encoder.encode_basestring
 
 
-def acquire(
-    client: RedisClient,
-    key: str,
-    ttl: float,
-    *,
-    task: str,
-    task_id: str | None,
-    node: str | None = None,
-    boot: str | None = None,
-    live: bool = False,
-    claim: bool = False,
-    adopt_claim_of: str | None = None,
-    check_done: bool = False,
-    liveness_prefix: str | None = None,
-    stats_key: str | None = None,
-    counters: tuple[str, str] = ("acquired", "skipped"),
-    wait_replicas: int = 0,
-    wait_timeout: float = 1.0,
-) -> AcquireResult:
-    """Try once to take ``key`` for ``ttl`` seconds (one round trip when free).
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
-    ``claim=True`` writes a publish-time claim (held for a queued message,
-    not renewed). ``adopt_claim_of`` lets the run of that task id take over
-    its own publish-time claim instead of conflicting with it.
-    ``check_done`` refuses when this task id's done marker exists.
-    ``liveness_prefix``: when the lock is held by a worker incarnation that
-    publishes liveness and its liveness key is gone, the holder is dead and
-    the lock is taken over (one ``EXISTS`` and one more script call, both
-    only on that path); the compare is on the holder's exact value, so a lock
-    re-taken meanwhile is left alone. With ``stats_key``, the outcome is
-    counted there in the same round trip: ``counters`` names the field for
-    "taken" and the one for "held by another". With ``wait_replicas``, a taken
-    lock must reach that many replicas within ``wait_timeout`` (``WAIT``),
-    else it is given back and
-    :class:`~celery_singleton_beat.client.ReplicasNotAcknowledged` (a
-    ``RedisError``: "Redis unavailable") is raised.
-    """
-    encoded = _lock_value(task, task_id, node or _HOSTNAME, boot, claim, live)
-    ttl_ms = _ms(ttl)
-    keys = [key, fence_key(key), done_key(key, task_id)]
-    if stats_key:
-        keys.append(stats_key)
-    args: list[Any] = [encoded[:-1], ttl_ms, max(ttl_ms * 2, 10_000), adopt_claim_of or "", counters[0],
-                       counters[1], "", "1" if check_done else "", task_id or "", STATS_TTL_MS]
-    # Standalone Redis without WAIT: one round trip, which also reads the reply
-    # of this thread's last release (see :mod:`.channel`).
-    channel = channel_or_none(client) if wait_replicas <= 0 else None
-    attempt = _Attempt(client, channel, key, keys, args, ttl, stats_key, task_id, wait_replicas, wait_timeout)
-    result = attempt()
-    holder = result.holder
-    if (liveness_prefix is None or holder is None or not holder.live or holder.claim
-            or not holder.boot or is_alive(client, liveness_prefix, holder.boot)):
+
+# -------------------------------------------------------------------- running requests
+
+
+def _execute(client: RedisClient, key: str, build: Callable[[ServerInfo], Request], *,
+             pooled: bool = False, before_write: Callable[[], Any] | None = None,
+             after: Callable[[Any, Any], Any] | None = None) -> Any:
+    """Run the request ``build`` makes for the server: on this thread's channel where it has
+    one (and ``pooled`` and ``after`` are not asked for), else on a pooled connection."""
+    server = server_of(client)
+    for attempt in (1, 2):
+        request = build(server.info or PORTABLE)
+        try:
+            channel = None if pooled or after is not None else channel_or_none(client)
+            if channel is not None:
+                return channel.call(request, before_write)
+            return run_pooled(client, key, request, after=after, before_write=before_write)
+        except NativeRefused as exc:
+            if attempt == 2:
+                raise
+            logger.warning("the lock Redis refused a native command (%s); using the portable ones", exc)
+            server.downgrade()
+    raise AssertionError("unreachable")
+
+
+def _acknowledged(spec: LockSpec, key: str, value: str, taken: Callable[[Any], bool]) -> Callable[[Any, Any], Any]:
+    """``after`` for :func:`_execute`: a taken lock must reach ``spec.wait_replicas`` replicas."""
+    def after(connection: Any, result: Any) -> Any:
+        if not taken(result):
+            return result
+        connection.send_packed_command([pack(b"WAIT", spec.wait_replicas, _ms(spec.wait_timeout))],
+                                       check_health=False)
+        acknowledged = int(connection.read_response())
+        if acknowledged < spec.wait_replicas:
+            run_on(connection, release_request(PORTABLE, key, value))
+            raise ReplicasNotAcknowledged(key, acknowledged, spec.wait_replicas, spec.wait_timeout)
         return result
-    args[6] = holder.raw or ""  # take over exactly that value
-    taken = attempt()
-    if taken.acquired:
-        return AcquireResult(lease=taken.lease, taken_over=holder)
-    return taken
+
+    return after
 
 
-@dataclass(slots=True)
-class _Attempt:
-    """One call of the acquire script with prepared KEYS and ARGV (see ``ACQUIRE``)."""
+# -------------------------------------------------------------------- the lease
 
-    client: RedisClient
-    channel: Any
-    key: str
-    keys: list[str]
-    args: list[Any]
-    ttl: float
-    stats_key: str | None
-    task_id: str | None
-    wait_replicas: int
-    wait_timeout: float
 
-    def __call__(self) -> AcquireResult:
-        keys, args = self.keys, self.args
-        if self.channel is not None:
-            status, value, extra = self.channel.call(ACQUIRE, keys, args)
+class Lease:
+    """A lock held by this process: renew it, release it, read its fencing token."""
+
+    def __init__(self, client: RedisClient, key: str, value: str, spec: LockSpec, fence: int,
+                 task_id: str | None, started: float) -> None:
+        self.client = client
+        self.key = key
+        self.value = value
+        self.spec = spec
+        self.ttl = spec.ttl
+        self.fence = fence
+        #: The task id in ``value`` (its done marker is released with the lock).
+        self.task_id = task_id
+        self._confirmed(started)
+
+    def _confirmed(self, started: float) -> None:
+        """The lock was ours (taken or renewed) at ``started`` (monotonic, before the request)."""
+        #: Monotonic time until which the lock exists in Redis, if Redis keeps it.
+        self.valid_until = started + self.spec.ttl
+        #: Monotonic time until which no other worker can have taken the lock:
+        #: ``ensure_held()`` passes only before it.
+        self.vouched_until = started + self.spec.grace
+
+    @functools.cached_property
+    def holder(self) -> Holder | None:
+        """The lock's value, decoded (on first use: runs never need it)."""
+        return parse_holder(self.value)
+
+    @property
+    def renew_every(self) -> float:
+        return self.spec.renew_every
+
+    def renew(self) -> bool:
+        """Extend the lease by ``ttl``; False if the lock is no longer ours.
+
+        A lock the server lost while a recovery window is open (a restart, a
+        failover: see :mod:`.server`) is put back. Raises ``redis.RedisError``
+        when Redis cannot be asked; the caller decides (the keeper keeps trying
+        until the lease would have expired).
+        """
+        started = time.monotonic()
+        spec = self.spec
+        outcome = _execute(self.client, self.key,
+                           lambda info: renew_request(info, self.key, self.value, spec.ttl_ms), pooled=True)
+        if outcome is None:  # native SET IFEQ does not say why: ask
+            current, _, _ = _execute(self.client, self.key, lambda info: look_request(self.key), pooled=True)
+            outcome = 0 if current is not None else -1
+        if outcome == -1 and server_of(self.client).may_put_back() and _execute(
+                self.client, self.key, lambda info: put_back_request(self.key, self.value, spec.ttl_ms), pooled=True):
+            logger.warning("put lock %s back after the lock Redis lost it (%s)", self.key,
+                           server_of(self.client).recovery_reason)
+            counters.count(self.client, spec.stats_key, "put_back")
+            outcome = 1
+        if outcome == 1:
+            self._confirmed(started)
+            counters.count(self.client, spec.stats_key, "renewed")
+            return True
+        return False
+
+    def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None) -> bool:
+        """Give the lock up if it is still ours; True if it was (else counted as lost).
+
+        ``done_ttl``: also leave this task id's done marker for that long.
+        ``claim_ttl``: instead of deleting the lock, turn it into a publish-time
+        claim of the same task id for that long (a retry of an
+        ``until_executed`` task stays covered while it waits in the queue).
+        """
+        if claim_ttl is not None:
+            record = json.loads(self.value)
+            record.update(claim=True, at=round(time.time(), 3), live=False, ttl=_ms(claim_ttl))
+            record.pop("every", None)
+            replacement = json.dumps(record, separators=(",", ":"))
+            released = bool(_execute(self.client, self.key, lambda info: script_request(
+                CLAIM_ON_RETRY.command([self.key], [self.value, replacement, _ms(claim_ttl)]), CLAIM_ON_RETRY,
+                _first_int)))
         else:
-            status, value, extra = call_acknowledged(
-                self.client, self.key, lambda conn: ACQUIRE(conn, keys, args),
-                replicas=self.wait_replicas, timeout=self.wait_timeout, undo=self._give_back,
-            )
-        if status == 2:
-            return AcquireResult(lease=None, completed=True)
-        text = value.decode("utf-8") if isinstance(value, bytes) else value
-        if status == 1:
-            return AcquireResult(lease=Lease(self.client, self.key, text, self.ttl, int(extra), self.stats_key,
-                                             self.task_id or ""))
-        pttl = int(extra)
-        return AcquireResult(lease=None, holder=parse_holder(text), holder_ttl=pttl / 1000 if pttl > 0 else None)
+            released = bool(_execute(self.client, self.key, lambda info: self._release_request(info, done_ttl)))
+        self.count_release(released)
+        return released
 
-    def _give_back(self, conn: Any, reply: Any) -> None:
-        """Undo a taken lock that did not reach its replicas (``WAIT``)."""
-        if reply[0] == 1:
-            RELEASE(conn, _release_keys(self.key, self.task_id, self.stats_key),
-                     [reply[1], "unacknowledged", "", "", "", "", STATS_TTL_MS])
+    def count_release(self, released: bool | None) -> None:
+        if released is not None:
+            counters.count(self.client, self.spec.stats_key, "released" if released else "lost")
+
+    def release_soon(self, on_result: Callable[[bool | None, BaseException | None], None], *,
+                     done_ttl: float | None = None) -> bool:
+        """Release without waiting for the reply; False when that is not possible here.
+
+        The release is written at once (Redis frees the key as soon as it reads
+        it); its reply -- was the lock still ours? -- reaches ``on_result`` when
+        this thread next waits for a lock reply (its next acquire), or at the
+        latest :data:`.channel.FLUSH_AFTER` later. Only for clients with a
+        :mod:`.channel` (standalone Redis, real threads); raises
+        ``redis.RedisError`` if the request could not be written.
+        """
+        channel = channel_or_none(self.client)
+        if channel is None:
+            return False
+        server = server_of(self.client)
+
+        def handle(reply: Any, error: BaseException | None) -> None:
+            if isinstance(error, NativeRefused):  # once per process at most: portable, at once
+                server.downgrade()
+                reply, error = run_pooled(self.client, self.key, self._release_request(PORTABLE, done_ttl)), None
+            released = None if error is not None else bool(reply)
+            self.count_release(released)
+            on_result(released, error)
+
+        channel.send(self._release_request(server.info or PORTABLE, done_ttl), handle)
+        return True
+
+    def _release_request(self, info: ServerInfo, done_ttl: float | None) -> Request:
+        done = done_key(self.key, self.task_id) if done_ttl else None
+        return release_request(info, self.key, self.value, done, _ms(done_ttl) if done_ttl else None)
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.key} fence={self.fence} ttl={self.ttl}s>"
+
+
+def _first_int(replies: list[Any]) -> int:
+    if isinstance(replies[0], Exception):
+        raise replies[0]
+    return int(replies[0])
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """The outcome of :func:`acquire`.
+
+    ``lease`` when taken; else ``holder`` (who holds it) or ``completed``
+    (the done marker of this task id exists). ``taken_over`` names the dead
+    holder whose lock was taken over, if any. ``waited``: seconds the acquire
+    waited for a recovery window (:mod:`.server`).
+    """
+
+    lease: Lease | None
+    holder: Holder | None = None
+    completed: bool = False
+    taken_over: Holder | None = None
+    waited: float = 0.0
+
+    @property
+    def acquired(self) -> bool:
+        return self.lease is not None
+
+
+def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, *,
+            node: str | None = None, adopt_claim_of: str | None = None) -> AcquireResult:
+    """Try once to take ``key`` as ``spec`` says (one request when it is free).
+
+    ``adopt_claim_of`` lets the run of that task id take over its own
+    publish-time claim instead of conflicting with it. Counted (in batches,
+    see :mod:`.counters`) under ``spec.counters``.
+    """
+    server = server_of(client)
+    value = _lock_value(spec, task_id, node)
+    done = done_key(key, task_id) if spec.check_done else None
+    waited = [0.0]
+
+    def pause() -> None:
+        waited[0] += server.pause()
+
+    after = _acknowledged(spec, key, value, lambda r: r[1] is None) if spec.wait_replicas > 0 else None
+    started = time.monotonic()
+    token, previous, completed = _execute(
+        client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done),
+        before_write=pause, after=after)
+    taken = previous is None or _text(previous) == value  # its own value: the request ran twice
+    if completed:
+        if taken:
+            _execute(client, key, lambda info: release_request(info, key, value))
+        counters.count(client, spec.stats_key, "completed_copies")
+        return AcquireResult(lease=None, completed=True)
+    if taken:
+        counters.count(client, spec.stats_key, spec.counters[0])
+        return AcquireResult(Lease(client, key, value, spec, token, task_id, started), waited=waited[0])
+    holder = parse_holder(previous)
+    assert holder is not None
+    if adopt_claim_of and holder.claim and holder.task_id == adopt_claim_of:
+        lease = _replace(client, key, spec, task_id, ADOPT.command([key], [holder.raw, value, spec.ttl_ms]),
+                         ADOPT, value)
+        if lease is not None:
+            counters.count(client, spec.stats_key, spec.counters[0])
+            return AcquireResult(lease, waited=waited[0])
+    elif spec.liveness_prefix is not None and _looks_dead(client, spec.liveness_prefix, holder):
+        result = _take_over(client, key, spec, task_id, value, holder)
+        if result is not None:
+            return result
+    counters.count(client, spec.stats_key,
+                   "redelivered" if task_id and holder.task_id == task_id and not holder.claim else spec.counters[1])
+    return AcquireResult(lease=None, holder=holder, waited=waited[0])
+
+
+def _replace(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, command: tuple[Any, ...],
+             script: Any, value: str) -> Lease | None:
+    """Run a compare-and-replace script (ADOPT, TAKE_OVER); the lease if it replaced the holder."""
+    def finish(replies: list[Any]) -> tuple[int, Any]:
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        reply = replies[0]
+        return (time_token(reply[1], reply[2]), None) if int(reply[0]) == 1 else (0, reply[1])
+
+    after = _acknowledged(spec, key, value, lambda r: r[1] is None) if spec.wait_replicas > 0 else None
+    started = time.monotonic()
+    token, current = _execute(client, key, lambda info: script_request(command, script, finish), after=after)
+    if current is None and token:
+        return Lease(client, key, value, spec, token, task_id, started)
+    return None
+
+
+def _looks_dead(client: RedisClient, prefix: str, holder: Holder) -> bool:
+    """A first look: a worker's run lock whose worker's liveness key is gone (one ``EXISTS``)."""
+    return (holder.live and not holder.claim and bool(holder.boot) and holder.boot != boot_id()
+            and not is_alive(client, prefix, holder.boot or ""))
+
+
+def _missed_renewals(holder: Holder, pttl: int) -> bool:
+    """The lock's remaining TTL shows that its keeper missed a renewal.
+
+    Renewed every ``every`` seconds back to ``ttl``: more than two intervals
+    since the last renewal is a missed one. A value without these fields
+    (written before 0.3) counts as missed: its liveness key alone decides, as
+    it did then, after the wait of :data:`TAKEOVER_WAIT`.
+    """
+    if pttl < 0:
+        return False  # gone meanwhile, or a key without expiry: not ours to take
+    if holder.ttl is None or holder.every is None:
+        return True
+    return holder.ttl * 1000 - pttl > 2 * holder.every * 1000
+
+
+def _take_over(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, value: str,
+               holder: Holder) -> AcquireResult | None:
+    """Take the lock of a holder that is provably dead; None when it is not.
+
+    Dead = its worker's liveness key is gone **and** the lock has missed its
+    renewals **and** it stays unrenewed for :data:`TAKEOVER_WAIT` more
+    seconds while this worker watches. A missing liveness key alone proves
+    nothing (deleted, evicted, lost in a failover, or the worker's main
+    process stalled while its pool child renews), and a lock that merely could
+    not be renewed while Redis was down is renewed within the wait once Redis
+    answers again.
+    """
+    assert spec.liveness_prefix is not None
+    current, pttl, server_ms = _execute(client, key, lambda info: look_request(key))
+    if current is None or _text(current) != holder.raw or not _missed_renewals(holder, pttl):
+        return None
+    time.sleep(TAKEOVER_WAIT)
+    if is_alive(client, spec.liveness_prefix, holder.boot or ""):
+        return None
+    lease = _replace(client, key, spec, task_id,
+                     TAKE_OVER.command([key], [holder.raw, pttl, server_ms, value, spec.ttl_ms]), TAKE_OVER, value)
+    if lease is None:
+        return None
+    counters.count(client, spec.stats_key, "taken_over")
+    counters.count(client, spec.stats_key, spec.counters[0])
+    return AcquireResult(lease, taken_over=holder)
+
+
+# -------------------------------------------------------------------- on someone else's behalf
 
 
 def release_value(client: RedisClient, key: str, value: bytes | str, *, stats_key: str | None = None,
                   counter: str = "released") -> bool:
     """Delete ``key`` if its value is still exactly ``value`` (compare-and-delete)."""
-    return bool(RELEASE(client, _release_keys(key, None, stats_key),
-                         [value, counter, "", "", "", "", STATS_TTL_MS]))
+    text = _text(value)
+    released = bool(_execute(client, key, lambda info: release_request(info, key, text), pooled=True))
+    if released:
+        counters.count(client, stats_key, counter)
+    return released
 
 
-def release_task(client: RedisClient, key: str, task_id: str, *, stats_key: str | None = None,
-                 counter: str = "released") -> bool:
-    """Delete ``key`` if the task ``task_id`` holds it (run lease or publish claim)."""
-    return bool(RELEASE_TASK(client, _keys(key, stats_key), [task_id, counter, STATS_TTL_MS]))
+def release_for(client: RedisClient, key: str, task_id: str, *, boot: str | None = None, pid: int | None = None,
+                claims_only: bool = False, stats_key: str | None = None, counter: str = "released") -> bool:
+    """Delete ``key`` if it is held by exactly that holder: ``task_id``, and ``boot`` and
+    ``pid`` where given; with ``claims_only``, only a publish-time claim of ``task_id``.
+
+    For releases on someone else's behalf (a pool child that died, a copy of a
+    message that was discarded): a task id alone is not an identity, since a
+    redelivered copy of the message carries the same one.
+    """
+    released = bool(_execute(client, key, lambda info: script_request(
+        RELEASE_FOR.command([key], [task_id, boot or "", "" if pid is None else pid, "1" if claims_only else ""]),
+        RELEASE_FOR, _first_int), pooled=True))
+    if released:
+        counters.count(client, stats_key, counter)
+    return released
 
 
 def read_holder(client: RedisClient, key: str) -> Holder | None:

@@ -24,11 +24,11 @@ from celery.result import AsyncResult
 from celery.utils import uuid
 
 from .client import RedisClient, get_redis
-from .config import SingletonSettings, get_settings
+from .config import get_settings
 from .events import logger
 from .exceptions import DuplicateTaskError, LockUnavailable, describe_holder
 from .keys import QUEUED_SUFFIX
-from .lock import AcquireResult, Holder, release_task, release_value
+from .lock import AcquireResult, Holder, release_for, release_value
 
 __all__ = ["PublishClaims", "delay_of"]
 
@@ -63,8 +63,8 @@ class PublishClaims(Task):
     def singleton_key(self, args: Any = None, kwargs: Any = None) -> str:
         raise NotImplementedError  # SingletonTask
 
-    def _take(self, key: str, ttl: float, counters: tuple[str, str], *,
-              settings: SingletonSettings | None = None, **holder: Any) -> AcquireResult:
+    def _take(self, key: str, ttl: float, counters: tuple[str, str], *, task_id: str | None,
+              claim: bool = False) -> AcquireResult:
         raise NotImplementedError  # SingletonTask
 
     def _republishing(self, task_id: str | None) -> bool:
@@ -114,7 +114,7 @@ class PublishClaims(Task):
             return super().apply_async(args, kwargs, task_id, *more, **options)
         except BaseException:
             if result.acquired:
-                release_task(client, claim_key, task_id)
+                release_for(client, claim_key, task_id, claims_only=True)
             raise
 
     def _stale_claim(self, holder: Holder) -> bool:
@@ -144,6 +144,6 @@ class PublishClaims(Task):
 
     def _release_queue_claim(self, client: RedisClient, key: str) -> None:
         try:
-            release_task(client, key + QUEUED_SUFFIX, self.request.id)
+            release_for(client, key + QUEUED_SUFFIX, self.request.id, claims_only=True)
         except redis.RedisError as exc:  # it expires after queue_lock_ttl
             logger.error("could not release queue claim %s%s: %s", key, QUEUED_SUFFIX, exc)

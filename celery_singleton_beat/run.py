@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from .exceptions import LockLost
 from .keeper import KeptLease
 
@@ -22,8 +24,10 @@ class SingletonRun:
 
     @property
     def held(self) -> bool:
-        """True while this run holds its lock (False when it runs unlocked, fail-open)."""
-        return self._kept is not None and not self._kept.lost
+        """True while this run can vouch for its lock: not lost, and renewed recently enough
+        that no other worker can have taken it over (False when it runs unlocked, fail-open)."""
+        return self._kept is not None and not self._kept.lost and \
+            time.monotonic() < self._kept.lease.vouched_until
 
     @property
     def lost(self) -> bool:
@@ -36,8 +40,20 @@ class SingletonRun:
         return self._kept.lease.fence if self._kept is not None else None
 
     def ensure_held(self) -> None:
-        """Raise :class:`LockLost` if the lease is gone; call before irreversible work."""
-        if self._kept is None:
+        """Raise :class:`LockLost` unless the run can vouch for its lease; call before irreversible work.
+
+        The lease is vouched for until the earliest moment another worker could
+        take it over after its last renewal (see ``docs/design.md``). Past that
+        -- a pause of this process, or Redis unreachable from it -- this raises
+        even while the lock may still be in Redis; the keeper's next successful
+        renewal vouches for it again.
+        """
+        kept = self._kept
+        if kept is None:
             raise LockLost(self.key, "the run holds no lock (Redis was unavailable, fail-open)")
-        if self._kept.lost:
-            raise LockLost(self.key, self._kept.lost_reason or "lost")
+        if kept.lost:
+            raise LockLost(self.key, kept.lost_reason or "lost")
+        late = time.monotonic() - kept.lease.vouched_until
+        if late >= 0:
+            raise LockLost(self.key, f"not renewed for {kept.lease.spec.grace + late:.1f}s: another worker "
+                                     f"may hold it (this process was paused, or Redis did not answer)")

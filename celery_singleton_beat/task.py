@@ -60,7 +60,7 @@ from .exceptions import describe_holder
 from .keeper import KeptLease, get_keeper
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .liveness import boot_id, publishes_liveness
-from .lock import AcquireResult, acquire
+from .lock import AcquireResult, LockSpec, acquire
 from .publish import PublishClaims, delay_of
 from .run import SingletonRun
 
@@ -186,13 +186,28 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
             """
             self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
-    def _take(self, key: str, ttl: float, counters: tuple[str, str], *,
-              settings: SingletonSettings | None = None, **holder: Any) -> AcquireResult:
-        """One acquire of ``key`` as this task: its name, counters and the WAIT settings."""
-        settings = settings or get_settings(self.app)
-        return acquire(get_redis(self.app), key, ttl, task=self.name, boot=boot_id(),
-                       stats_key=self._stats_key(settings), counters=counters,
-                       wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout, **holder)
+    def _take(self, key: str, ttl: float, counters: tuple[str, str], *, task_id: str | None,
+              claim: bool = False) -> AcquireResult:
+        """One acquire of ``key`` as this task outside a run (publish-time claims)."""
+        settings = get_settings(self.app)
+        spec = LockSpec(task=self.name, ttl=ttl, boot=boot_id(), claim=claim, stats_key=self._stats_key(settings),
+                        counters=counters, wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
+        return acquire(get_redis(self.app), key, spec, task_id)
+
+    def _run_spec(self, settings: SingletonSettings, eager: bool) -> LockSpec:
+        """How a run of this task takes its lock under ``settings``; built once and kept."""
+        live = publishes_liveness()
+        cached = self.__dict__.get("_singleton_spec")
+        if cached is not None and cached[0] is settings and cached[1] == (eager, live):
+            return cached[2]  # type: ignore[no-any-return]
+        spec = LockSpec(
+            task=self.name, ttl=float(self.lock_ttl) if self.lock_ttl is not None else settings.lock_ttl,
+            boot=boot_id(), live=live, liveness_ttl=settings.liveness_ttl, liveness_prefix=settings.key_prefix,
+            check_done=bool(self.acks_late) and not eager, stats_key=self._stats_key(settings),
+            counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
+            wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
+        self._singleton_spec = (settings, (eager, live), spec)
+        return spec
 
     def _stats_key(self, settings: SingletonSettings) -> str | None:
         """This task's counter hash under ``settings`` (None when counters are off), kept per settings."""
@@ -206,13 +221,9 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         settings = get_settings(self.app)
         key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
-        ttl = float(self.lock_ttl) if self.lock_ttl is not None else settings.lock_ttl
         try:
-            result = self._take(key, ttl, ("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
-                                settings=settings,
-                                task_id=request.id, node=request.hostname, adopt_claim_of=adopt,
-                                live=publishes_liveness(), liveness_prefix=settings.key_prefix,
-                                check_done=bool(self.acks_late) and not request.is_eager)
+            result = acquire(get_redis(self.app), key, self._run_spec(settings, bool(request.is_eager)), request.id,
+                             node=request.hostname, adopt_claim_of=adopt)
         except redis.RedisError as exc:
             return self._redis_unavailable(key, exc, fail_open=settings.fail_open)
         if self.lock_mode == "until_executing":

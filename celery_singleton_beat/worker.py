@@ -37,9 +37,10 @@ from celery.worker.request import Request
 from .client import get_redis
 from .config import get_settings
 from .events import logger
+from .exceptions import describe_holder
 from .keys import QUEUED_SUFFIX
 from .liveness import Heartbeat, boot_id
-from .lock import release_task
+from .lock import Holder, read_holder, release_for
 
 __all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install"]
 
@@ -95,31 +96,60 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
-def _release_for_request(request: Request, why: str) -> None:
-    """Delete the lock and claims the request's task id holds, from the main process.
-
-    Both keys are compared on the task id, so a message that never ran frees
-    only its publish-time claim (the lock itself under ``until_executed``).
-    """
+def _keys_of(request: Request) -> tuple[Any, str] | None:
+    """The task and lock key of ``request``'s message, or None (not a singleton task, bad arguments)."""
     task = request.task
     key_of = getattr(task, "singleton_key", None)
     if key_of is None:
-        return
+        return None
     try:
-        key = key_of(request.args, request.kwargs)
+        return task, key_of(request.args, request.kwargs)
     except Exception:  # bad arguments: the run never took a lock
+        return None
+
+
+def _release_for_request(request: Request, why: str, *, pid: int | None) -> None:
+    """Free, from the main process, what the request's run or message held.
+
+    ``pid``: the pool process whose run died: its run lock is deleted only if
+    it names this worker incarnation, that process and the task id (a
+    redelivered copy of the message, same task id, may hold it by now).
+    ``None``: the message never ran (revoked, expired): only publish-time
+    claims of its task id are freed, never a run lock -- that would be the
+    lock of another delivery of the same message, still running.
+    """
+    found = _keys_of(request)
+    if found is None:
         return
+    task, key = found
     try:
         client = get_redis(task.app)
         stats_key = task.singleton_stats_key()
         freed = [k for k in (key, key + QUEUED_SUFFIX)
-                 if release_task(client, k, request.id, stats_key=stats_key, counter="reclaimed")]
+                 if release_for(client, k, request.id, boot=boot_id() if pid is not None and k == key else None,
+                                pid=pid if k == key else None, claims_only=pid is None or k != key,
+                                stats_key=stats_key, counter="reclaimed")]
     except redis.RedisError as exc:
         logger.error("%s[%s] %s; could not free %s (it expires after its TTL): %s",
                      request.name, request.id, why, key, exc)
         return
     if freed:
         logger.warning("%s[%s] %s; freed its lock %s", request.name, request.id, why, ", ".join(freed))
+
+
+def _original_running(request: Request) -> Holder | None:
+    """The run of the same task id that holds the message's lock, if one does (another delivery)."""
+    found = _keys_of(request)
+    if found is None:
+        return None
+    task, key = found
+    try:
+        holder = read_holder(get_redis(task.app), key)
+    except redis.RedisError:
+        return None
+    if holder is not None and holder.task_id == request.id and not holder.claim:
+        return holder
+    return None
 
 
 class SingletonRequest(Request):
@@ -138,7 +168,7 @@ class SingletonRequest(Request):
             # ``finally`` released (a timed-out greenlet is killed with an exception).
             return
         if _process_gone(pid):
-            _release_for_request(self, why)
+            _release_for_request(self, why, pid=pid)
             return
 
         def wait_then_release() -> None:
@@ -149,7 +179,7 @@ class SingletonRequest(Request):
                                  "is left to its lease", self.name, self.id, why, pid, _EXIT_WAIT)
                     return
                 time.sleep(0.02)
-            _release_for_request(self, why)
+            _release_for_request(self, why, pid=pid)
 
         threading.Thread(target=wait_then_release, name="singleton-release", daemon=True).start()
 
@@ -172,8 +202,31 @@ class SingletonRequest(Request):
             # Revoked or expired before it started: its publish-time claims
             # would otherwise block every publish until they expire.
             self._singleton_released = True
-            _release_for_request(self, "was revoked or expired before it ran")
+            _release_for_request(self, "was revoked or expired before it ran", pid=None)
         return revoked
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> Any:
+        """A discarded copy of a message whose original still runs stores nothing.
+
+        Celery marks the task id ``REVOKED`` in the result backend when it
+        discards a revoked or expired message; for a second delivery of a
+        message whose first delivery is running (``acks_late`` redelivery, a
+        re-publish with the same id) that is the running task's state, which
+        would read ``REVOKED`` until its real result replaces it. The copy is
+        acknowledged and dropped with a log line; the original's outcome stands.
+        """
+        if not terminated and self.worker_pid is None:
+            original = _original_running(self)
+            if original is not None:
+                from celery.worker.state import task_ready
+
+                logger.warning("%s[%s]: discarded a %s copy; the original delivery runs on %s and keeps its "
+                               "lock and result", self.name, self.id, reason, describe_holder(original))
+                task_ready(self)
+                self.acknowledge()
+                self._already_revoked = True
+                return None
+        return super()._announce_revoked(reason, terminated, signum, expired)
 
 
 class SingletonWorkerStep(bootsteps.StartStopStep):

@@ -28,7 +28,7 @@ from celery.exceptions import ImproperlyConfigured
 from celery_singleton_beat import SingletonError, admin
 from celery_singleton_beat.beat.entries import ENTRY_HEADER
 from celery_singleton_beat.client import get_redis
-from celery_singleton_beat.lock import AcquireResult, Lease, acquire
+from celery_singleton_beat.lock import AcquireResult, Lease
 
 from .support import (
     LOCK_DB,
@@ -40,6 +40,7 @@ from .support import (
     wait_for,
 )
 from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks
+from .support.locking import take_lock
 from .support.slots import UTC
 
 HOLD = "tests.apps.ops_app.hold"
@@ -49,7 +50,7 @@ GONE = "w9@gone-host"
 
 def hold_lock(ops: ModuleType, key: str, task_id: str, node: str = GONE) -> Lease:
     """Take the lock of ``hold(key)`` as a worker would (with counters), from this process."""
-    result: AcquireResult = acquire(get_redis(ops.app), ops.hold.singleton_key((key,), {}), 30, task=HOLD,
+    result: AcquireResult = take_lock(get_redis(ops.app), ops.hold.singleton_key((key,), {}), 30, task=HOLD,
                                     task_id=task_id, node=node, stats_key=ops.hold.singleton_stats_key())
     assert result.lease is not None, result
     return result.lease
@@ -78,8 +79,8 @@ def test_list_locks_with_filters_and_read_lock(ops: ModuleType, locks: redis.Red
     by_id = {lock.holder.task_id: lock for lock in held}
     lock_a = by_id["task-a"]
     assert isinstance(lock_a, admin.HeldLock)
-    assert (lock_a.key, lock_a.value, lock_a.holder.node, lock_a.holder.fence) == (
-        a.key, a.value.encode(), GONE, a.fence)
+    assert (lock_a.key, lock_a.value, lock_a.holder.node) == (a.key, a.value.encode(), GONE)
+    assert lock_a.renewed_ago is not None and 0 <= lock_a.renewed_ago < 30
     assert lock_a.ttl is not None and 0 < lock_a.ttl <= 30
     assert lock_a.as_json()["task_id"] == "task-a"
     assert by_id[claim.id].task == PUBLISH_ONCE
@@ -168,7 +169,7 @@ def test_check_holders_asks_the_workers(
         running = admin.list_locks(ops.app, task=HOLD, node=node)
         stale = hold_lock(ops, "stale", "not-running-here", node=node)
         silent = hold_lock(ops, "silent", "task-gone")
-        claim = acquire(get_redis(ops.app), ops.publish_once.singleton_key(("q",), {}), 30,
+        claim = take_lock(get_redis(ops.app), ops.publish_once.singleton_key(("q",), {}), 30,
                         task=PUBLISH_ONCE, task_id="queued-claim", claim=True)
         assert claim.acquired
         report = admin.check_holders(ops.app, admin.list_locks(ops.app), timeout=2)
@@ -235,7 +236,7 @@ def test_read_counters_of_tasks(ops: ModuleType) -> None:
     assert admin.read_counters(ops.app) == admin.Counters({}, {}, {}, stats_enabled=True)
     assert admin.read_counters(ops.app).empty
     hold_lock(ops, "a", "task-a")
-    assert not acquire(get_redis(ops.app), ops.hold.singleton_key(("a",), {}), 30, task=HOLD,
+    assert not take_lock(get_redis(ops.app), ops.hold.singleton_key(("a",), {}), 30, task=HOLD,
                        task_id="dup", stats_key=ops.hold.singleton_stats_key()).acquired
     ops.publish_once.delay("q")
     counters = admin.read_counters(ops.app)

@@ -13,19 +13,18 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import redis
 
 from celery_singleton_beat.channel import channel_for
-from celery_singleton_beat.lock import acquire
 
 from .support import RedisServer, wait_for
+from .support.locking import take_lock
 
 KEY = "t:{demo.task:abc}"
 
 
 def take(client: redis.Redis, task_id: str, key: str = KEY) -> Any:
-    return acquire(client, key, 30, task="demo.task", task_id=task_id, node="w1@host", boot="b1")
+    return take_lock(client, key, 30, task="demo.task", task_id=task_id, node="w1@host", boot="b1")
 
 
 def outcomes() -> tuple[list[tuple[bool | None, BaseException | None]], Callable[..., None]]:
@@ -89,21 +88,22 @@ def test_after_script_flush_a_pending_release_still_runs_before_the_next_acquire
     assert seen == [(True, None)]
 
 
-def test_a_lost_connection_reports_unknown_outcomes_and_the_channel_recovers(
+def test_a_connection_closed_by_a_restart_costs_neither_the_release_nor_the_next_acquire(
         make_redis: Callable[..., RedisServer]) -> None:
-    server = make_redis()
+    """An AOF restart between a release's write and its reply: the release is written again
+    on a new connection and reported; the next acquire does not fail (no fail-closed retry)."""
+    server = make_redis("--appendonly", "yes")
     client = server.client()
     lease = take(client, "id-1").lease
     seen, handler = outcomes()
-    lease.release_soon(handler)
-    server.stop()
-    server.start()  # same port, empty: the channel's connection is gone
-    with pytest.raises(redis.ConnectionError):
-        take(client, "id-2")
-    # The reply had either arrived before the server went away, or it is reported unknown.
-    assert seen == [(True, None)] or (len(seen) == 1 and seen[0][0] is None
-                                      and isinstance(seen[0][1], redis.ConnectionError)), seen
-    assert take(client, "id-2").acquired  # a new connection, scripts loaded again
+    server.kill()  # SIGKILL: the lock is in the append-only file
+    lease.release_soon(handler)  # written onto the dead connection
+    server.start()  # same port, same data: the lock is back
+    assert server.client().exists(KEY), "the release never ran: the lock came back with the file"
+    result = take(client, "id-2")  # the stale connection is found out and replaced
+    assert result.acquired, "the release was sent again before this acquire"
+    assert seen == [(True, None)], "its outcome reported"
+    assert take(client, "id-3", key="t:{demo.task:other}").acquired
 
 
 def test_a_forked_child_uses_its_own_connection(redis_db: redis.Redis) -> None:

@@ -19,11 +19,13 @@ from typing import Any
 
 import redis
 
+from celery_singleton_beat import counters
 from celery_singleton_beat.client import get_redis
-from celery_singleton_beat.lock import AcquireResult, acquire
+from celery_singleton_beat.lock import AcquireResult
 
 from .support import CeleryProcess, RedisServer, child_env, free_port, run_command, wait_for
 from .support.beat import start_beat
+from .support.locking import take_lock
 
 APP = "tests.apps.ops_app"
 HOLD = "tests.apps.ops_app.hold"
@@ -56,9 +58,11 @@ def ok(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def hold_lock(ops: ModuleType, key: str, task_id: str, node: str = "w9@gone-host") -> AcquireResult:
-    """Take the lock of ``hold(key)`` as a worker would (with counters), from this process."""
-    return acquire(get_redis(ops.app), ops.hold.singleton_key((key,), {}), 30, task=HOLD, task_id=task_id, node=node,
-                   stats_key=ops.hold.singleton_stats_key())
+    """Take the lock of ``hold(key)`` as a worker would (with counters, written at once), from this process."""
+    result = take_lock(get_redis(ops.app), ops.hold.singleton_key((key,), {}), 30, task=HOLD, task_id=task_id,
+                       node=node, stats_key=ops.hold.singleton_stats_key())
+    counters.flush()
+    return result
 
 
 def test_every_command_works_on_an_empty_redis(ops: ModuleType, redis_server: RedisServer) -> None:
@@ -90,10 +94,10 @@ def test_locks_shows_holders_and_stats_counts_them(
     table = ok(cli(redis_server, "locks"))
     header, *rows = table.splitlines()
     assert header.split() == ["TASK", "KIND", "HOLDER", "TASK", "ID", "NODE", "PID", "ACQUIRED",
-                              "(UTC)", "TTL", "FENCE", "KEY"]
+                              "(UTC)", "TTL", "RENEWED", "KEY"]
     row_a = next(row for row in rows if "task-a" in row)
     assert row_a.split()[:4] == [HOLD, "run", "task-a", "w9@gone-host"]
-    assert str(first.lease.fence) in row_a and first.lease.key in row_a
+    assert " ago " in row_a and first.lease.key in row_a
     assert any(claim.id in row and "claim" in row for row in rows)
     assert "3 lock(s) held." in table
 
@@ -101,7 +105,8 @@ def test_locks_shows_holders_and_stats_counts_them(
     assert set(listed) == {"task-a", "task-b", claim.id}
     a = listed["task-a"]
     assert a["task"] == HOLD and a["kind"] == "run" and a["node"] == "w9@gone-host"
-    assert a["key"] == first.lease.key and a["fence"] == first.lease.fence
+    assert a["key"] == first.lease.key and 0 <= a["renewed_ago"] < 30
+    assert listed[claim.id]["renewed_ago"] is None, "a claim is not renewed"
     assert a["pid"] == os.getpid() and a["acquired_at"] == first.lease.holder.acquired_at
     assert 0 < a["ttl"] <= 30
     assert listed[claim.id]["kind"] == "claim" and listed[claim.id]["task"] == PUBLISH_ONCE

@@ -20,10 +20,11 @@ import redis
 
 from celery_singleton_beat.beat import read_history, stats_key
 from celery_singleton_beat.keys import beat_stats_key
-from celery_singleton_beat.lock import VALUE_FORMAT, acquire
+from celery_singleton_beat.lock import VALUE_FORMAT
 
 from .support import LOCK_DB, RedisServer, wait_for
 from .support.beat import ClockApp, ManualClock, RecordingScheduler
+from .support.locking import take_lock
 
 UTC = timezone.utc
 START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=UTC)
@@ -179,20 +180,22 @@ def test_a_beat_stopped_in_a_burst_hands_its_claims_to_the_others(
 
 # ----------------------------------------------------------------- lock value
 
-def test_the_lock_value_is_format_1_with_the_documented_fields(redis_db: redis.Redis,
+def test_the_lock_value_is_format_2_with_the_documented_fields(redis_db: redis.Redis,
                                                                redis_server: RedisServer) -> None:
     """README "Value": the JSON record, its fields and its format version."""
     client = redis_server.client(LOCK_DB)
     key = f"{PREFIX}:{{proj.task:{'0' * 64}}}"
-    result = acquire(client, key, 10, task="proj.task", task_id="id-1", node="w1@host", boot="b1")
+    result = take_lock(client, key, 10, task="proj.task", task_id="id-1", node="w1@host", boot="b1")
     value = json.loads(client.get(key))
     # Readers take fields by name and ignore the ones they do not know, so fields
     # may be added without a new format; these are the documented ones.
-    assert set(value) >= {"v", "token", "task", "task_id", "node", "pid", "boot", "at", "claim", "fence"}
-    assert value["v"] == VALUE_FORMAT == 1
+    assert set(value) >= {"v", "token", "task", "task_id", "node", "pid", "boot", "at", "claim", "ttl", "every"}
+    assert value["v"] == VALUE_FORMAT == 2
     assert (value["task"], value["task_id"], value["node"], value["boot"], value["claim"]) == (
         "proj.task", "id-1", "w1@host", "b1", False)
-    assert result.lease is not None and value["fence"] == result.lease.fence
+    assert (value["ttl"], value["every"]) == (10_000, 3333)
+    assert "fence" not in value, "the fencing token is the acquisition's, read from its reply"
+    assert result.lease is not None and result.lease.fence > 0
 
 
 # ----------------------------------------------------------------- task-lock-lost with Redis unreachable
@@ -207,7 +210,7 @@ def test_with_redis_unreachable_a_loss_is_reported_once_when_the_lease_would_hav
     try:
         client = server.client()
         client.connection_pool.connection_kwargs.update(socket_timeout=0.2, socket_connect_timeout=0.2)
-        lease = acquire(client, f"{PREFIX}:{{proj.task:{'1' * 64}}}", 0.6, task="proj.task", task_id="id-1").lease
+        lease = take_lock(client, f"{PREFIX}:{{proj.task:{'1' * 64}}}", 0.6, task="proj.task", task_id="id-1").lease
         assert lease is not None
         reports: list[tuple[float, str]] = []
         kept = LeaseKeeper().keep(lease, on_lost=lambda _, reason: reports.append((time.monotonic(), reason)))

@@ -1,22 +1,43 @@
-"""Liveness keys and take-over of locks held by dead worker incarnations (real Redis)."""
+"""Liveness keys, and the take-over of locks whose holder is provably dead (real Redis).
+
+Dead = the holder's liveness key is gone **and** its lock missed its renewals
+**and** stays unrenewed while the contender watches (``TAKEOVER_WAIT``). Each
+test below removes one piece of that evidence and checks the lock stays.
+"""
 
 from __future__ import annotations
 
 import json
+import time
+from typing import Any
 
+import pytest
 import redis
 
 from celery_singleton_beat import liveness
-from celery_singleton_beat.lock import acquire, done_key, fence_key, read_holder
-from celery_singleton_beat.scripts import ACQUIRE
+from celery_singleton_beat import lock as lock_module
+from celery_singleton_beat.keeper import LeaseKeeper
+from celery_singleton_beat.lock import TAKEOVER_WAIT, read_holder
+
+from .support import wait_for
+from .support.locking import take_lock
 
 PREFIX = "singleton"
 KEY = "singleton:{t:" + "0" * 64 + "}"
 
 
-def take(client: redis.Redis, task_id: str, *, boot: str, live: bool = True, **extra: object):
-    return acquire(client, KEY, 30, task="t", task_id=task_id, boot=boot, live=live,
-                   liveness_prefix=PREFIX, **extra)
+def take(client: redis.Redis, task_id: str, *, boot: str, live: bool = True, **extra: Any) -> Any:
+    extra.setdefault("liveness_ttl", 0.3)  # renewed every 0.1 s: a missed renewal shows at once
+    return take_lock(client, KEY, 30, task="t", task_id=task_id, boot=boot, live=live, liveness_prefix=PREFIX,
+                     **extra)
+
+
+def wait_until_renewals_missed(client: redis.Redis) -> None:
+    """Until the lock's TTL shows more than two missed renewal intervals."""
+    holder = read_holder(client, KEY)
+    assert holder is not None and holder.every is not None and holder.ttl is not None
+    wait_for(lambda: holder.ttl * 1000 - client.pttl(KEY) > 2 * holder.every * 1000 + 50, timeout=5,
+             message="the lock's renewals to be overdue")
 
 
 def test_heartbeat_writes_a_key_with_its_ttl_and_marks_the_process(redis_db: redis.Redis) -> None:
@@ -34,20 +55,60 @@ def test_heartbeat_writes_a_key_with_its_ttl_and_marks_the_process(redis_db: red
         liveness._publishing = False  # this test process is no worker
 
 
-def test_lock_of_a_dead_incarnation_is_taken_over(redis_db: redis.Redis) -> None:
+def test_lock_of_a_dead_incarnation_is_taken_over_after_the_watch(redis_db: redis.Redis) -> None:
     first = take(redis_db, "a", boot="dead-boot")
     assert first.acquired
+    wait_until_renewals_missed(redis_db)  # nobody renews: the process tree is gone
+    started = time.monotonic()
     second = take(redis_db, "b", boot="other")
-    assert second.acquired, "no liveness key for dead-boot: its lock is free"
+    assert second.acquired, "no liveness key for dead-boot and no renewal: its lock is free"
+    assert time.monotonic() - started >= TAKEOVER_WAIT, "watched before taking it"
     assert second.taken_over is not None and second.taken_over.task_id == "a"
     assert read_holder(redis_db, KEY).task_id == "b"
     assert second.lease.fence > first.lease.fence
     assert first.lease.release() is False, "the dead run's late release spares the new holder"
 
 
+def test_a_holder_that_renews_keeps_its_lock_without_its_liveness_key(redis_db: redis.Redis) -> None:
+    """The liveness key deleted (an operator, FLUSHDB, eviction, a failover that lost it) or
+    not rewritten (the worker's main process stalled) while the run renews: not dead."""
+    holder = take(redis_db, "a", boot="stalled-main")
+    keeper = LeaseKeeper()
+    kept = keeper.keep(holder.lease)
+    try:
+        wait_for(lambda: kept.renewals >= 2, timeout=5, message="the holder renewing")
+        assert not liveness.is_alive(redis_db, PREFIX, "stalled-main"), "its liveness key is gone"
+        for i in range(3):
+            assert not take(redis_db, f"b{i}", boot="other").acquired
+        assert read_holder(redis_db, KEY).task_id == "a" and not kept.lost
+    finally:
+        keeper.forget(kept)
+
+
+def test_a_holder_that_renews_while_watched_keeps_its_lock(redis_db: redis.Redis,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an outage every lock is overdue and liveness keys may have lapsed; a live holder
+    renews as soon as Redis answers again, within the contender's watch."""
+    holder = take(redis_db, "a", boot="cut-off")
+    wait_until_renewals_missed(redis_db)  # Redis did not answer the holder for a while
+    real_sleep = time.sleep
+    watched: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the contender's watch: the holder is back meanwhile
+        watched.append(seconds)
+        assert holder.lease.renew()
+        real_sleep(seconds)
+
+    monkeypatch.setattr(lock_module.time, "sleep", sleep)
+    assert not take(redis_db, "b", boot="other").acquired
+    assert watched == [TAKEOVER_WAIT], "the contender did watch the overdue lock"
+    assert read_holder(redis_db, KEY).task_id == "a"
+
+
 def test_lock_of_a_live_incarnation_is_never_taken_over(redis_db: redis.Redis) -> None:
     redis_db.set(liveness.live_key(PREFIX, "live-boot"), "{}", px=30_000)
     assert take(redis_db, "a", boot="live-boot").acquired
+    wait_until_renewals_missed(redis_db)
     second = take(redis_db, "b", boot="other")
     assert not second.acquired and second.holder.task_id == "a"
 
@@ -61,31 +122,12 @@ def test_locks_without_liveness_and_claims_wait_for_their_ttl(redis_db: redis.Re
     assert not take(redis_db, "b", boot="other").acquired
 
 
-def test_a_replayed_acquire_recognises_its_own_attempt(redis_db: redis.Redis) -> None:
-    """RedisCluster (and redis-py retries) may send the same script call twice after a lost reply."""
-    args = ['{"v":1,"token":"abc","task_id":"a"', 30_000, 60_000, "", "acquired", "skipped", "", "",
-            "a", 1000]
-    keys = [KEY, fence_key(KEY), done_key(KEY, "a")]
-    first = ACQUIRE(redis_db, keys, args)
-    replay = ACQUIRE(redis_db, keys, args)
-    assert first[0] == 1 and replay[0] == 1, "the replay is the same acquisition, not a conflict"
-    assert replay[1] == first[1] and int(replay[2]) == int(first[2])
-
-
-def test_done_marker_ends_a_later_copy_and_spares_retries(redis_db: redis.Redis) -> None:
-    run = take(redis_db, "a", boot="b1")
-    assert run.lease.release(done_ttl=60)
-    assert redis_db.pttl(done_key(KEY, "a")) > 0
-    copy = take(redis_db, "a", boot="b2", check_done=True)
-    assert copy.completed and not copy.acquired
-    other = take(redis_db, "z", boot="b2", check_done=True)
-    assert other.acquired, "another task id is not affected by a's marker"
-
-
-def test_release_can_leave_a_claim_for_a_retry(redis_db: redis.Redis) -> None:
-    run = take(redis_db, "a", boot="b1")
-    assert run.lease.release(claim_ttl=5)
-    holder = read_holder(redis_db, KEY)
-    assert holder.task_id == "a" and holder.claim and not holder.live
-    assert 0 < redis_db.pttl(KEY) <= 5000
-    assert take(redis_db, "a", boot="b2", adopt_claim_of="a").acquired
+def test_a_lock_of_an_older_release_is_taken_over_on_its_liveness_key_and_the_watch(
+        redis_db: redis.Redis) -> None:
+    """Values written before 0.3 say neither their lease nor their renewal interval: a
+    missing liveness key and no renewal during the watch decide, as before."""
+    old = ('{"v":1,"token":"t","task":"t","task_id":"old","node":"n@h","pid":1,"boot":"gone",'
+           '"at":1.0,"claim":false,"live":true,"fence":7}')
+    redis_db.set(KEY, old, px=30_000)
+    taken = take(redis_db, "new", boot="other")
+    assert taken.acquired and taken.taken_over is not None and taken.taken_over.fence == 7

@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
 
+from celery_singleton_beat import counters
+from celery_singleton_beat.commands import legacy_fence_key
 from celery_singleton_beat.keeper import LeaseKeeper
-from celery_singleton_beat.lock import acquire, fence_key, read_holder, release_task
+from celery_singleton_beat.lock import done_key, read_holder, release_for
+from celery_singleton_beat.run import SingletonRun
 
 from .support import RedisServer, soak, wait_for
+from .support.locking import take_lock
 
 KEY = "t:{demo.task:abc}"
 
 
-def take(client: redis.Redis, task_id: str = "id-1", ttl: float = 5.0, **kw):
-    return acquire(client, KEY, ttl, task="demo.task", task_id=task_id, node="w1@host", boot="b1", **kw)
+def take(client: redis.Redis, task_id: str = "id-1", ttl: float = 5.0, **kw: Any) -> Any:
+    kw.setdefault("boot", "b1")
+    return take_lock(client, KEY, ttl, task="demo.task", task_id=task_id, node="w1@host", **kw)
+
+
+def server_micros(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
 
 
 def test_acquire_is_exclusive_and_reports_the_holder(redis_db: redis.Redis) -> None:
@@ -26,8 +38,19 @@ def test_acquire_is_exclusive_and_reports_the_holder(redis_db: redis.Redis) -> N
     assert first.acquired and not second.acquired
     assert second.holder is not None and second.holder.task_id == "id-1"
     assert second.holder.node == "w1@host" and second.holder.task == "demo.task"
-    assert 0 < (second.holder_ttl or 0) <= 5.0
     assert redis_db.pttl(KEY) > 0, "a lock always expires on its own"
+
+
+def test_the_value_says_who_holds_it_and_how_often_it_is_renewed(redis_db: redis.Redis) -> None:
+    lease = take(redis_db, ttl=6.0, live=True, liveness_ttl=3.0).lease
+    value = json.loads(redis_db.get(KEY))
+    assert value["v"] == 2 and value["task_id"] == "id-1" and value["boot"] == "b1" and value["live"] is True
+    assert value["ttl"] == 6000
+    assert value["every"] == 1000, "a worker's lease is renewed every liveness_ttl/3 when that is shorter"
+    assert "fence" not in value, "the fencing token comes from the acquisition, not the value"
+    assert lease.renew_every == pytest.approx(1.0)
+    eager = take_lock(redis_db, "t:{demo.task:eager}", 6.0, task="demo.task", task_id="e").lease
+    assert json.loads(redis_db.get("t:{demo.task:eager}"))["every"] == 2000 and eager.renew_every == 2.0
 
 
 def test_release_and_renew_only_by_the_holder(redis_db: redis.Redis) -> None:
@@ -44,30 +67,48 @@ def test_release_and_renew_only_by_the_holder(redis_db: redis.Redis) -> None:
     assert successor.release() is True and not redis_db.exists(KEY)
 
 
-def test_fencing_token_grows_even_after_its_counter_expired(redis_db: redis.Redis) -> None:
-    fences = []
-    for i in range(3):
+def test_fencing_tokens_are_the_server_clock_and_grow_with_every_acquisition(redis_db: redis.Redis) -> None:
+    tokens = []
+    for i in range(20):
+        before = server_micros(redis_db)
         lease = take(redis_db, f"id-{i}").lease
-        fences.append(lease.fence)
-        lease.release()
-    assert fences == sorted(fences) and len(set(fences)) == 3
-    redis_db.delete(fence_key(KEY))  # as if the counter expired during a long idle time
-    after = take(redis_db, "id-9").lease
-    assert after.fence > fences[-1]
-    assert read_holder(redis_db, KEY).fence == after.fence
+        after = server_micros(redis_db)
+        assert before <= lease.fence <= after, "the server's clock in microseconds at the acquisition"
+        tokens.append(lease.fence)
+        assert lease.release()
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+def test_an_acquire_drops_the_per_key_counter_of_older_releases(redis_db: redis.Redis) -> None:
+    """A 0.2 worker numbers its tokens from a per-key counter it seeds from the clock when
+    the counter is missing: removing it keeps that worker's next token above ours."""
+    redis_db.set(legacy_fence_key(KEY), 5)
+    lease = take(redis_db).lease
+    assert lease is not None and not redis_db.exists(legacy_fence_key(KEY))
 
 
 def test_scripts_are_reloaded_after_script_flush(redis_db: redis.Redis) -> None:
-    take(redis_db).lease.release()
+    lease = take(redis_db).lease
+    assert lease.renew()
     redis_db.script_flush()
+    assert lease.renew(), "the renewal script is loaded again"
+    assert lease.release()
     assert take(redis_db).acquired
 
 
-def test_release_task_frees_only_that_tasks_lock(redis_db: redis.Redis) -> None:
-    take(redis_db, "id-1")
-    assert release_task(redis_db, KEY, "someone-else") is False
-    assert release_task(redis_db, KEY, "id-1") is True
+def test_release_for_frees_only_that_very_holder(redis_db: redis.Redis) -> None:
+    """A release on someone else's behalf compares the holder's whole identity."""
+    take(redis_db, "id-1", boot="b1")
+    pid = read_holder(redis_db, KEY).pid
+    assert release_for(redis_db, KEY, "someone-else") is False
+    assert release_for(redis_db, KEY, "id-1", boot="another-incarnation") is False
+    assert release_for(redis_db, KEY, "id-1", boot="b1", pid=pid + 1) is False, "another process of that id"
+    assert release_for(redis_db, KEY, "id-1", claims_only=True) is False, "a run lock is never a claim"
+    assert redis_db.exists(KEY)
+    assert release_for(redis_db, KEY, "id-1", boot="b1", pid=pid) is True
     assert not redis_db.exists(KEY)
+    take(redis_db, "queued", claim=True)
+    assert release_for(redis_db, KEY, "queued", claims_only=True) is True
 
 
 def test_a_run_adopts_its_own_publish_claim_only(redis_db: redis.Redis) -> None:
@@ -75,8 +116,32 @@ def test_a_run_adopts_its_own_publish_claim_only(redis_db: redis.Redis) -> None:
     assert not take(redis_db, "id-2", adopt_claim_of="id-2").acquired
     adopted = take(redis_db, "id-1", adopt_claim_of="id-1")
     assert adopted.acquired and adopted.lease.holder.claim is False
+    assert adopted.lease.fence > 0
     # A run lease is never adopted, even by the same task id (acks_late redelivery).
     assert not take(redis_db, "id-1", adopt_claim_of="id-1").acquired
+
+
+def test_done_marker_ends_a_later_copy_and_spares_retries(redis_db: redis.Redis) -> None:
+    run = take(redis_db, "a", boot="b1")
+    assert run.lease.release(done_ttl=60)
+    assert redis_db.pttl(done_key(KEY, "a")) > 0
+    copy = take(redis_db, "a", boot="b2", check_done=True)
+    assert copy.completed and not copy.acquired
+    assert not redis_db.exists(KEY), "the copy took nothing"
+    other = take(redis_db, "z", boot="b2", check_done=True)
+    assert other.acquired, "another task id is not affected by a's marker"
+
+
+def test_release_can_leave_a_claim_for_a_retry(redis_db: redis.Redis) -> None:
+    run = take(redis_db, "a", boot="b1")
+    assert run.lease.release(claim_ttl=5)
+    holder = read_holder(redis_db, KEY)
+    assert holder.task_id == "a" and holder.claim and not holder.live
+    assert 0 < redis_db.pttl(KEY) <= 5000
+    assert take(redis_db, "a", boot="b2", adopt_claim_of="a").acquired
+
+
+# -------------------------------------------------------------------- the keeper
 
 
 def test_keeper_keeps_a_lease_alive_for_five_times_its_ttl(redis_db: redis.Redis) -> None:
@@ -132,82 +197,98 @@ def test_keeper_reports_a_deleted_lease(redis_db: redis.Redis) -> None:
     assert reasons and "deleted" in reasons[0]
 
 
+def test_a_renewal_answered_after_its_run_released_is_no_loss(redis_db: redis.Redis) -> None:
+    """A renewal in flight when the run ends meets the executed release: the run ended
+    cleanly, so nothing is reported (no LockLost warning, no task-lock-lost event)."""
+    lease = take(redis_db, ttl=30.0).lease
+    reasons: list[str] = []
+    keeper = LeaseKeeper()
+    kept = keeper.keep(lease, on_lost=lambda _k, reason: reasons.append(reason))
+    # The order of a renewal that was already on its way when the run ended:
+    keeper.forget(kept)  # the run ends ...
+    assert lease.release()  # ... and its release executes first
+    assert LeaseKeeper._renew(kept) is None  # then the renewal's answer: not ours any more
+    assert not kept.lost and reasons == []
+
+
 def test_keeper_reports_loss_when_redis_is_gone_past_the_ttl(make_redis: Callable[..., RedisServer]) -> None:
     server = make_redis()
     client = server.client(socket_timeout=0.2, socket_connect_timeout=0.2)
-    lease = acquire(client, KEY, 0.6, task="demo.task", task_id="id-1").lease
+    lease = take_lock(client, KEY, 0.6, task="demo.task", task_id="id-1").lease
     kept = LeaseKeeper().keep(lease)
     server.kill()
     wait_for(lambda: kept.lost, timeout=10, message="loss reported")
     assert "unreachable" in (kept.lost_reason or "")
 
 
-def requests_of(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """From now on, the name of every command this process writes to a Redis connection
-    (one request each; the lock's own connection included)."""
-    sent: list[str] = []
+def test_ensure_held_fails_once_the_lease_may_have_lapsed_whatever_the_keeper_saw(
+        redis_db: redis.Redis) -> None:
+    """A process paused past its lease (SIGSTOP, a stalled VM) must not vouch for it after it
+    resumes, before its keeper has even looked: ensure_held() reads the clock, not a flag."""
+    lease = take(redis_db, ttl=0.5).lease
+    run = SingletonRun(KEY, LeaseKeeper().keep(lease))
+    run.ensure_held()
+    forgotten = run._kept
+    assert forgotten is not None
+    LeaseKeeper().forget(forgotten)  # no renewal: as if the process had been stopped
+    wait_for(lambda: time.monotonic() >= lease.valid_until, timeout=5, message="the lease to lapse")
+    assert not run.lost, "the keeper never looked"
+    with pytest.raises(Exception, match="not renewed"):
+        run.ensure_held()
+    assert not run.held
+
+
+# -------------------------------------------------------------------- requests
+
+
+def requests_of(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """From now on, the command names of every write this process makes to a Redis
+    connection (one request each; the lock's own connection included)."""
+    sent: list[list[str]] = []
     send = redis.connection.AbstractConnection.send_packed_command
 
     def recorded(self: Any, command: Any, *args: Any, **options: Any) -> Any:
-        first = command if isinstance(command, (bytes, str)) else command[0]
-        first = first.encode() if isinstance(first, str) else bytes(first)
-        sent.append(first.split(b"\r\n")[2].decode().upper())  # *<n> $<len> NAME ...
+        data = b"".join(c.encode() if isinstance(c, str) else bytes(c)
+                        for c in ([command] if isinstance(command, (bytes, str)) else command))
+        names, lines = [], data.split(b"\r\n")
+        i = 0
+        while i < len(lines) - 1:
+            count = int(lines[i][1:])
+            names.append(lines[i + 2].decode().upper())
+            i += 1 + 2 * count
+        sent.append(names)
         return send(self, command, *args, **options)
 
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", recorded)
     return sent
 
 
-def test_counters_are_kept_in_the_same_round_trip(redis_db: redis.Redis, redis_server: RedisServer,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each operation is one request (EVALSHA) and its counter has moved when it returns."""
+def test_each_operation_is_one_request_and_counters_are_written_in_batches(
+        redis_db: redis.Redis, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Lua in the acquire, no request per run for counters: they arrive in one batch."""
     stats = "t:{stats}:task:demo.task"
-    warm = take(redis_db, "warm-up", stats_key="t:{stats}:warm-up").lease  # every script loaded first
+    warm = take(redis_db, "warm-up").lease  # connections made and checked, scripts loaded
     assert warm is not None and warm.renew() and warm.release()
-    release_task(redis_db, KEY, "nobody", stats_key="t:{stats}:warm-up")
     observer = redis_server.client()
-
-    def counts() -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in observer.hgetall(stats).items()}
-
-    observer.ping()  # connected before the recording starts
+    observer.ping()
+    counters.flush()
     sent = requests_of(monkeypatch)
 
-    def one_request(operation: Callable[[], Any], expected: dict[str, int]) -> Any:
+    def one_request(operation: Callable[[], Any]) -> Any:
         sent.clear()
         result = operation()
-        assert sent == ["EVALSHA"], f"one request, the script: {sent}"
-        assert counts() == expected, "the counter moved in that same request"
+        assert len(sent) == 1, f"one request: {sent}"
         return result
 
-    lease = one_request(lambda: take(redis_db, stats_key=stats).lease, {"acquired": 1})
-    one_request(lambda: take(redis_db, "id-2", stats_key=stats, counters=("acquired", "refused")),
-                {"acquired": 1, "refused": 1})
-    one_request(lease.renew, {"acquired": 1, "refused": 1, "renewed": 1})
-    one_request(lease.release, {"acquired": 1, "refused": 1, "renewed": 1, "released": 1})
-    one_request(lambda: take(redis_db, "id-3", stats_key=stats),
-                {"acquired": 2, "refused": 1, "renewed": 1, "released": 1})
-    observer.delete(KEY)
-    assert one_request(lambda: release_task(redis_db, KEY, "id-3", stats_key=stats),
-                       {"acquired": 2, "refused": 1, "renewed": 1, "released": 1}) is False  # nothing held
+    lease = one_request(lambda: take(redis_db, stats_key=stats).lease)
+    assert sent[0][:2] == ["MULTI", "TIME"] and "EVALSHA" not in sent[0] and sent[0][-1] == "EXEC"
+    one_request(lambda: take(redis_db, "id-2", stats_key=stats, counters=("acquired", "refused")))
+    one_request(lease.renew)
+    one_request(lease.release)
+    assert observer.hgetall(stats) == {}, "nothing counted per operation"
+    sent.clear()
+    counters.flush()
+    assert len(sent) == 1 and sent[0].count("HINCRBY") == 4, f"one batch: {sent}"
+    assert {k.decode(): int(v) for k, v in observer.hgetall(stats).items()} == {
+        "acquired": 1, "refused": 1, "renewed": 1, "released": 1}
     assert observer.pttl(stats) > 0, "counters expire when no longer updated"
-
-
-def test_counter_hash_ttl_is_refreshed_on_creation_and_every_64th_update(redis_db: redis.Redis) -> None:
-    """The counters keep a TTL without a PEXPIRE per lock operation (docs/monitoring.md)."""
-    stats = "t:{stats}:task:demo.task"
-
-    def one_run(i: int) -> None:
-        result = take(redis_db, f"id-{i}", stats_key=stats)
-        assert result.lease is not None and result.lease.release()
-
-    one_run(0)
-    assert redis_db.pttl(stats) > 0, "a new counter field sets the TTL"
-    redis_db.persist(stats)  # as if the TTL had been lost
-    for i in range(1, 63):  # acquired/released reach 63: no refresh yet
-        one_run(i)
-    assert redis_db.pttl(stats) == -1
-    one_run(63)
-    one_run(64)  # the 65th update of each field refreshes it
-    assert int(redis_db.hget(stats, "acquired")) == 65
-    assert redis_db.pttl(stats) > 0

@@ -11,9 +11,10 @@ from types import ModuleType
 import redis
 
 from celery_singleton_beat.liveness import live_key
-from celery_singleton_beat.lock import acquire, read_holder
+from celery_singleton_beat.lock import read_holder
 
 from .support import LOCK_DB, RedisServer, start_worker, wait_for
+from .support.locking import take_lock
 from .support.tasks import (
     EventCapture,
     check_one_run_at_a_time,
@@ -164,7 +165,7 @@ def test_a_deleted_lock_is_reported_lost_and_the_late_release_spares_the_new_hol
         assert records.get("outcome:k") == b"LockLost"
         event = capture.wait()  # sent while the run still waits for "retaken": at detection
     assert event["uuid"] == result.id and event["key"] == key and not result.ready()
-    new_holder = acquire(locks, key, 30, task="other", task_id="new-holder")
+    new_holder = take_lock(locks, key, 30, task="other", task_id="new-holder")
     assert new_holder.acquired
     records.set("retaken:k", "1")
     assert result.get(timeout=30) == "LockLost"

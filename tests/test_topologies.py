@@ -54,10 +54,11 @@ from celery_singleton_beat.config import (
     sanitize_redis_url,
     validate_settings,
 )
-from celery_singleton_beat.lock import acquire, read_holder, release_value
+from celery_singleton_beat.lock import read_holder, release_value
 
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
 from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots
+from .support.locking import take_lock
 from .support.slots import UTC, duplicates_and_misses
 from .support.tasks import settled
 from .support.topologies import (
@@ -181,9 +182,9 @@ def test_key_prefixes_keep_apps_on_one_redis_apart(redis_db: redis.Redis, redis_
 
         key = app.tasks["proj.sync"].singleton_key((7,), {})
         keys.append(key)
-        assert acquire(get_redis(app), key, 5, task="proj.sync", task_id=f"{app.main}-1").acquired
+        assert take_lock(get_redis(app), key, 5, task="proj.sync", task_id=f"{app.main}-1").acquired
     assert [k.split(":{")[0] for k in keys] == ["app-a", "app-b", "tenant:singleton"]
-    assert not acquire(get_redis(apps[0]), keys[0], 5, task="proj.sync", task_id="again").acquired
+    assert not take_lock(get_redis(apps[0]), keys[0], 5, task="proj.sync", task_id="again").acquired
     locks = redis_server.client(2)
     assert sorted(k.decode() for k in locks.scan_iter(match="*{proj.sync:*") if b":fence" not in k) == sorted(keys)
 
@@ -249,13 +250,13 @@ def test_the_lease_works(topology: Topology) -> None:
     assert get_settings(app).stats == (topology.name != "cluster")
     key = app.tasks["topo.sync"].singleton_key((1,), {})
 
-    first = acquire(client, key, 2.0, task="topo.sync", task_id="a", node="n1")
-    second = acquire(client, key, 2.0, task="topo.sync", task_id="b", node="n2")
+    first = take_lock(client, key, 2.0, task="topo.sync", task_id="a", node="n1")
+    second = take_lock(client, key, 2.0, task="topo.sync", task_id="b", node="n2")
     assert first.lease is not None and not second.acquired
     assert second.holder is not None and second.holder.task_id == "a"
     assert first.lease.renew() and topology.admin.pttl(key) > 0
     assert first.lease.release() and not topology.admin.exists(key)
-    again = acquire(client, key, 2.0, task="topo.sync", task_id="c")
+    again = take_lock(client, key, 2.0, task="topo.sync", task_id="c")
     assert again.lease is not None and again.lease.fence > first.lease.fence
     assert again.lease.release()
 
@@ -347,7 +348,7 @@ def test_wait_replicas(topology: Topology) -> None:
     key = app.tasks["topo.sync"].singleton_key((3,), {})
 
     def take(conn: redis.Redis) -> Any:
-        return acquire(conn, key, 5.0, task="topo.sync", task_id="w")
+        return take_lock(conn, key, 5.0, task="topo.sync", task_id="w")
 
     def give_back(conn: redis.Redis, result: Any) -> None:
         if result.lease is not None:
@@ -437,12 +438,12 @@ def test_acl_user_needs_exactly_the_documented_commands() -> None:
         app = lock_app(topology, singleton_wait_replicas=1, singleton_wait_timeout=0.05)
         client = get_redis(app)
         key = app.tasks["topo.sync"].singleton_key((1,), {})
-        lease = acquire(client, key, 5, task="topo.sync", task_id="t1", node="n@h", boot="old").lease
+        lease = take_lock(client, key, 5, task="topo.sync", task_id="t1", node="n@h", boot="old").lease
         assert lease is not None and lease.renew()
-        assert not acquire(client, key, 5, task="topo.sync", task_id="t2").acquired
+        assert not take_lock(client, key, 5, task="topo.sync", task_id="t2").acquired
         assert lease.release()
-        acquire(client, key, 5, task="topo.sync", task_id="t3", node="n@h", boot="old", live=True)
-        assert acquire(client, key, 5, task="topo.sync", task_id="t4", boot="new",
+        take_lock(client, key, 5, task="topo.sync", task_id="t3", node="n@h", boot="old", live=True)
+        assert take_lock(client, key, 5, task="topo.sync", task_id="t4", boot="new",
                        liveness_prefix="singleton").taken_over is not None
         with pytest.raises(ReplicasNotAcknowledged):
             call_acknowledged(client, key, lambda conn: conn.set(key, "x", nx=True, px=1000),
@@ -473,7 +474,7 @@ def test_acl_user_on_cluster(cluster_topology: Topology) -> None:
     client = redis_from_url(url)
     try:
         key = "singleton:{topo.sync:acl}"
-        lease = acquire(client, key, 5, task="topo.sync", task_id="a").lease
+        lease = take_lock(client, key, 5, task="topo.sync", task_id="a").lease
         assert lease is not None and lease.renew() and lease.release()
     finally:
         client.close()
@@ -486,7 +487,7 @@ def test_cluster_helpers_reach_every_primary(cluster_topology: Topology) -> None
     try:
         keys = [f"singleton:{{topo.sync:{i}}}" for i in range(30)]
         for key in keys:
-            assert acquire(client, key, 30, task="topo.sync", task_id=key).acquired
+            assert take_lock(client, key, 30, task="topo.sync", task_id=key).acquired
         per_node = [sum(1 for _ in node.scan_iter(match="singleton:{*")) for node in primary_clients(client)]
         assert len(per_node) == 3 and all(per_node), f"locks and fences on every primary: {per_node}"
         found = sorted(k.decode() for k in scan_all(client, "singleton:{*") if not k.endswith(b":fence"))
@@ -506,9 +507,9 @@ def test_dead_workers_locks_are_taken_over_on_cluster(cluster_topology: Topology
     task = lock_app(cluster_topology).tasks["topo.sync"]
     try:
         for i in range(12):
-            acquire(client, task.singleton_key((i,), {}), 30, task="topo.sync", task_id=str(i),
+            take_lock(client, task.singleton_key((i,), {}), 30, task="topo.sync", task_id=str(i),
                     node="w1@h", boot="before", live=True)
-        taken = [acquire(client, task.singleton_key((i,), {}), 30, task="topo.sync", task_id=f"n{i}",
+        taken = [take_lock(client, task.singleton_key((i,), {}), 30, task="topo.sync", task_id=f"n{i}",
                          boot="after", liveness_prefix="singleton") for i in range(12)]
         assert all(t.taken_over is not None and t.taken_over.task_id == str(i) for i, t in enumerate(taken))
     finally:
@@ -523,7 +524,7 @@ def test_a_cluster_outage_is_redis_unavailable() -> None:
         clear_settings_cache()
         reset_clients()
         app = lock_app(topology, task_eager_propagates=True)
-        lease = acquire(get_redis(app), "singleton:{topo.sync:x}", 30, task="topo.sync", task_id="a").lease
+        lease = take_lock(get_redis(app), "singleton:{topo.sync:x}", 30, task="topo.sync", task_id="a").lease
         assert lease is not None
         beat = RecordingScheduler(app=beat_app(ManualClock(START), {"e": {"task": "t.e", "schedule": 1.0}},
                                                topology.url))
@@ -547,12 +548,12 @@ def test_sentinel_and_primary_passwords() -> None:
     try:
         assert ":data-pw@" in group.url
         client = redis_from_url(group.url, sentinel_kwargs={"password": "sentinel-pw"})
-        lease = acquire(client, "singleton:{topo.sync:auth}", 5, task="topo.sync", task_id="a").lease
+        lease = take_lock(client, "singleton:{topo.sync:auth}", 5, task="topo.sync", task_id="a").lease
         assert lease is not None and lease.renew() and lease.release()
         client.close()
         refused = redis_from_url(group.url)  # the sentinels refuse a client without their password
         with pytest.raises(redis.RedisError):
-            acquire(refused, "singleton:{topo.sync:auth}", 5, task="topo.sync", task_id="b")
+            take_lock(refused, "singleton:{topo.sync:auth}", 5, task="topo.sync", task_id="b")
         refused.close()
     finally:
         group.stop()
@@ -570,15 +571,15 @@ def test_async_replication_loses_a_lock_and_wait_refuses_it() -> None:
     try:
         primary = redis.Redis(port=group.servers[0].port, socket_timeout=5)
         replica = redis.Redis(port=group.servers[1].port, socket_timeout=5)
-        before = acquire(primary, "singleton:{k:before}", 30, task="k", task_id="before").lease
+        before = take_lock(primary, "singleton:{k:before}", 30, task="k", task_id="before").lease
         assert before is not None and primary.wait(1, 5000) == 1
 
         replica.replicaof("NO", "ONE")  # promoted; the old primary does not know yet
-        lost = acquire(primary, "singleton:{k:lost}", 30, task="k", task_id="split").lease
+        lost = take_lock(primary, "singleton:{k:lost}", 30, task="k", task_id="split").lease
         assert lost is not None, "the old primary still takes writes"
         with pytest.raises(ReplicasNotAcknowledged):
             call_acknowledged(primary, "singleton:{k:wait}",
-                              lambda conn: acquire(conn, "singleton:{k:wait}", 30, task="k", task_id="w"),
+                              lambda conn: take_lock(conn, "singleton:{k:wait}", 30, task="k", task_id="w"),
                               replicas=1, timeout=0.2,
                               undo=lambda conn, r: r.lease and release_value(conn, "singleton:{k:wait}", r.lease.value))
         assert not primary.exists("singleton:{k:wait}")
@@ -587,7 +588,7 @@ def test_async_replication_loses_a_lock_and_wait_refuses_it() -> None:
         wait_for(lambda: primary.info("replication").get("master_link_status") == "up", timeout=30,
                  message="the old primary resynced")
         assert replica.exists("singleton:{k:before}"), "a replicated lock survives the failover"
-        rival = acquire(replica, "singleton:{k:lost}", 30, task="k", task_id="rival").lease
+        rival = take_lock(replica, "singleton:{k:lost}", 30, task="k", task_id="rival").lease
         assert rival is not None, "the unreplicated lock is gone: a second holder gets it"
         lost.client = before.client = replica  # what a Sentinel-managed client does by itself
         assert before.renew() and not lost.renew(), "the first holder learns it at its next renewal"

@@ -23,10 +23,11 @@ from redis.exceptions import RedisClusterException
 from ..beat import history_key as beat_history_key
 from ..beat import stats_key as beat_totals_key
 from ..client import RedisClient, get_redis, scan_all
+from ..commands import legacy_fence_key as fence_key
 from ..config import SingletonSettings, get_settings, sanitize_redis_url
 from ..exceptions import SingletonError
 from ..keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
-from ..lock import fence_key
+from ..server import recovery_key, server_key
 
 __all__ = [
     "AdminError",
@@ -199,6 +200,8 @@ class KeySpace:
         self._fixed = {
             beat_history_key(prefix): "beat-history",
             beat_totals_key(prefix): "beat-stats",
+            server_key(prefix): "server-record",
+            recovery_key(prefix): "recovery-window",
         }
         self._task_stats = task_stats_key(prefix, "")
         self._beat_stats = beat_stats_key(prefix, "")

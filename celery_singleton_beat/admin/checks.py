@@ -164,11 +164,13 @@ def _check_expiry(client: RedisClient, prefix: str) -> Check:
     stuck: list[str] = []
     foreign: list[str] = []
     for batch in scan(client, space.pattern):
-        scanned += len(batch)
         for key, (pttl,) in zip(batch, read(client, batch, "pttl"), strict=True):
+            kind = space.kind(key)
+            if kind in ("server-record", "recovery-window"):
+                continue  # the library's own record of the server (never expires by design)
+            scanned += 1
             if pttl != -1:
                 continue
-            kind = space.kind(key)
             if kind in ("lock", "queued", "fence", "slot"):
                 stuck.append(key)
             elif kind == "other":

@@ -57,13 +57,22 @@ class HeldLock:
     #: Seconds left, or None for a lock that never expires (a problem).
     ttl: float | None
 
+    @property
+    def renewed_ago(self) -> float | None:
+        """Seconds since the holder last renewed the lock (its lease minus the TTL left);
+        None for a claim, or a value that does not say its lease (before 0.3)."""
+        lease = self.holder.ttl
+        if lease is None or self.ttl is None or self.holder.claim:
+            return None
+        return max(0.0, round(lease - self.ttl, 3))
+
     def as_json(self) -> dict[str, Any]:
         """The ``locks --json`` object of this lock."""
         h = self.holder
         return {
             "task": self.task, "key": self.key, "kind": self.kind, "task_id": h.task_id,
             "node": h.node, "pid": h.pid, "boot": h.boot, "acquired_at": h.acquired_at,
-            "ttl": self.ttl, "fence": h.fence,
+            "ttl": self.ttl, "renewed_ago": self.renewed_ago,
         }
 
 

@@ -10,6 +10,7 @@ from celery import Celery
 
 from ..beat import stats_key as beat_totals_key
 from ..client import RedisClient
+from ..counters import flush as flush_counters
 from ..keys import beat_stats_key, task_stats_key
 from ._common import connect, glob_escape, read, scan, text
 
@@ -82,9 +83,12 @@ def read_counters(app: Celery) -> Counters:
     """The counters under the app's prefix; :data:`TASK_COUNTERS` and
     :data:`BEAT_COUNTERS` are always present (0 when never bumped).
 
-    Raises :class:`InvalidSettings`, :class:`RedisUnavailable` or
-    :class:`AdminRedisError`.
+    Workers count in their own process and write every second (see
+    :mod:`~celery_singleton_beat.counters`); this process's own counts are
+    written first. Raises :class:`InvalidSettings`, :class:`RedisUnavailable`
+    or :class:`AdminRedisError`.
     """
+    flush_counters()
     target = connect(app)
     prefix = target.prefix
     task_base = task_stats_key(prefix, "")

@@ -1,0 +1,120 @@
+"""Counters (acquired, skipped, released, ...) counted in the process, written in batches.
+
+A run never pays a request for its counters: each outcome adds one to a
+dictionary of this process, and a daemon thread writes what accumulated, one
+pipeline of ``HINCRBY`` per counter hash, at most :data:`FLUSH_EVERY` seconds
+after the first count (and at interpreter exit). The hashes expire
+:data:`~.scripts.STATS_TTL_MS` after their last write.
+
+What a process counted and had not written yet is lost with it when it is
+SIGKILLed: at most one batch, the counts of its last second.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections import defaultdict
+from typing import Any
+
+import redis
+
+from .events import logger
+from .scripts import STATS_TTL_MS
+
+__all__ = ["FLUSH_EVERY", "count", "flush"]
+
+#: Seconds after a first count that the batch is written.
+FLUSH_EVERY = 1.0
+
+
+class _Batch:
+    """This process's counts not yet written, per client and counter hash."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: dict[tuple[int, str], defaultdict[str, int]] = {}
+        self.clients: dict[int, Any] = {}
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def add(self, client: Any, key: str, field: str, amount: int) -> None:
+        with self.lock:
+            slot = (id(client), key)
+            fields = self.counts.get(slot)
+            if fields is None:
+                fields = self.counts[slot] = defaultdict(int)
+                self.clients[id(client)] = client
+            fields[field] += amount
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="singleton-counters", daemon=True)
+                self.thread.start()
+            self.wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            threading.Event().wait(FLUSH_EVERY)  # let the batch fill for a second
+            self.flush()
+
+    def flush(self) -> None:
+        with self.lock:
+            counts, self.counts = self.counts, {}
+            clients, self.clients = self.clients, {}
+        by_client: dict[int, list[tuple[str, dict[str, int]]]] = defaultdict(list)
+        for (client_id, key), counted in counts.items():
+            by_client[client_id].append((key, dict(counted)))
+        for client_id, hashes in by_client.items():
+            try:
+                pipe = clients[client_id].pipeline(transaction=False)
+                for key, fields in hashes:
+                    for field, amount in fields.items():
+                        pipe.hincrby(key, field, amount)
+                    pipe.pexpire(key, STATS_TTL_MS)
+                pipe.execute()
+            except (redis.RedisError, OSError) as exc:  # counters are best effort
+                logger.debug("could not write %d counter hash(es): %s", len(hashes), exc)
+            except Exception as exc:  # never let the thread die
+                logger.warning("could not write counters: %s", exc)
+
+
+_batches: dict[int, _Batch] = {}
+_batches_lock = threading.Lock()
+
+
+def _batch() -> _Batch:
+    pid = os.getpid()
+    batch = _batches.get(pid)
+    if batch is None:
+        with _batches_lock:
+            batch = _batches.get(pid)
+            if batch is None:
+                _batches.clear()  # a forked child counts for itself
+                batch = _batches[pid] = _Batch()
+    return batch
+
+
+def _after_fork_in_child() -> None:
+    global _batches_lock
+    _batches_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def count(client: Any, key: str | None, field: str, amount: int = 1) -> None:
+    """Add ``amount`` to ``field`` of the counter hash ``key`` (nothing when ``key`` is None)."""
+    if key and field:
+        _batch().add(client, key, field, amount)
+
+
+def flush() -> None:
+    """Write this process's pending counts now (tests, tools, interpreter exit)."""
+    batch = _batches.get(os.getpid())
+    if batch is not None:
+        batch.flush()
+
+
+atexit.register(flush)

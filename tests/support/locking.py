@@ -1,0 +1,14 @@
+"""Taking a lock by hand, as a run would, with the spec's fields as keyword arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_singleton_beat.lock import AcquireResult, LockSpec, acquire
+
+
+def take_lock(client: Any, key: str, ttl: float, *, task: str, task_id: str | None = None, node: str | None = None,
+              adopt_claim_of: str | None = None, **spec: Any) -> AcquireResult:
+    """``acquire(client, key, LockSpec(task=task, ttl=ttl, **spec), task_id, ...)``."""
+    return acquire(client, key, LockSpec(task=task, ttl=ttl, **spec), task_id, node=node,
+                   adopt_claim_of=adopt_claim_of)
