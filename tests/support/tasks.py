@@ -8,6 +8,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -163,12 +164,33 @@ def check_one_run_at_a_time(records: redis.Redis, locks: redis.Redis, task_name:
             f"runs of {key} overlapped in time"
         total_runs += len(completed)
     assert lock_keys(locks) == [], "every lock was released"
-    counts = {k.decode(): int(v) for k, v in locks.hgetall(f"singleton:{{stats}}:task:{task_name}").items()}
-    assert counts.get("acquired") == counts.get("released") == total_runs, counts
-    assert counts.get("skipped", 0) == len(every) - total_runs, counts
+    counts = counts_when(locks, task_name, lambda c: c.get("acquired") == c.get("released") == total_runs
+                         and c.get("skipped", 0) == len(every) - total_runs)
     assert "lost" not in counts and "reclaimed" not in counts, counts
     return OverlapFigures(len(every), total_runs, len(every) - total_runs,
                           int(max(records.zscore("peak", key) or 0 for key in by_key)), seconds)
+
+
+def task_counts(locks: redis.Redis, task_name: str) -> dict[str, int]:
+    """The lock counters of ``task_name`` (acquired, released, skipped, renewed, lost, ...)."""
+    return {k.decode(): int(v) for k, v in locks.hgetall(f"singleton:{{stats}}:task:{task_name}").items()}
+
+
+def counts_when(locks: redis.Redis, task_name: str, check: Callable[[dict[str, int]], bool],
+                timeout: float = 15.0) -> dict[str, int]:
+    """The counters of ``task_name`` once ``check`` holds for them (workers write their counts
+    in batches, within a second); fails with the last counts seen."""
+    seen: list[dict[str, int]] = [{}]
+
+    def done() -> bool:
+        seen[0] = task_counts(locks, task_name)
+        return check(seen[0])
+
+    try:
+        wait_for(done, timeout=timeout, message=f"the counters of {task_name}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {seen[0]}") from None
+    return seen[0]
 
 
 class EventCapture:
