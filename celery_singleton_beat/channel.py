@@ -221,6 +221,8 @@ class Channel:
                 continue
             # Popped only once read: a lost connection leaves it pending for _reset.
             self._pending.popleft()
+            if entry.attempts > 1 and not result and entry.written.request.unsure_when_repeated:
+                result = None  # its first attempt may have run: unknown, not "not ours"
             _deliver(entry.on_reply, result, None)
         return failed
 

@@ -249,8 +249,10 @@ def get_redis(app: Celery) -> RedisClient:
             assert settings.redis_url is not None
             client = redis_from_url(settings.redis_url, **settings.redis_options)
             # What this process learns of the server, per connection (see .server).
+            url, options = settings.redis_url, settings.redis_options
             client.csb_server = LockServer(  # type: ignore[union-attr]
-                settings.key_prefix, settings.liveness_ttl, memory_for(settings.redis_url))
+                settings.key_prefix, settings.liveness_ttl, memory_for(url),
+                factory=lambda: redis_from_url(url, **options))
             _clients[app] = cached = (pid, client)
     return cached[1]
 

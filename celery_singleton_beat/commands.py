@@ -113,7 +113,7 @@ def release_request(info: ServerInfo, key: str, value: str, done_key: str | None
         _raise_first(replies)
         return bool(replies[0])
 
-    return Request(commands, finish, scripts=() if native else (RELEASE,))
+    return Request(commands, finish, scripts=() if native else (RELEASE,), unsure_when_repeated=True)
 
 
 def renew_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Request:

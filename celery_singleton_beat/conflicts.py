@@ -6,14 +6,16 @@
 * The holder is this very message's original delivery, still running on a
   live worker (``acks_late`` redelivery): the copy waits, published again with a
   countdown and nothing stored.
-* Redis cannot be asked: fail closed (retry with back-off, no cap) or, with
-  ``singleton_fail_open``, run without the lock.
+* Redis cannot be asked: fail closed (retry with back-off, no cap; when the
+  retry cannot be published either, wait in the worker until Redis answers)
+  or, with ``singleton_fail_open``, run without the lock.
 """
 
 from __future__ import annotations
 
 import random
 import sys
+import time
 
 from celery import Task, states
 from celery.exceptions import Ignore, Reject
@@ -53,7 +55,16 @@ class ConflictOutcomes(Task):
             raise Reject(exc, requeue=True) from exc
         raise Ignore(f"{request.id} is still running on {holder.node}")
 
-    def _redis_unavailable(self, key: str, exc: Exception, *, fail_open: bool) -> SingletonRun:
+    def _redis_unavailable(self, key: str, exc: Exception, *, fail_open: bool, attempt: int) -> SingletonRun | None:
+        """The lock could not be asked for: run unlocked (fail open), or defer the run.
+
+        Fail closed, the run is published again with a back-off (no cap) and
+        this delivery ends (``RETRY``). When that publish fails too -- the
+        broker is the same Redis, or is down as well -- the message is not
+        dropped (Celery would reject it for good): this worker waits with the
+        same back-off and returns None, and the caller asks for the lock again;
+        the run executes here once Redis answers.
+        """
         request = self.request
         if fail_open:
             logger.error("%s[%s] runs WITHOUT its lock %s: Redis unavailable (fail-open): %s",
@@ -62,9 +73,23 @@ class ConflictOutcomes(Task):
         error = LockUnavailable(key, exc)
         if request.is_eager:
             raise error from exc
-        countdown = self._backoff(request.retries or 0)
-        logger.error("%s[%s] not started, Redis unavailable for %s; retrying in %.1fs: %s",
-                     self.name, request.id, key, countdown, exc)
+        countdown = self._backoff(max(request.retries or 0, attempt))
+        if attempt == 0:
+            logger.error("%s[%s] not started, Redis unavailable for %s; retrying in %.1fs: %s",
+                         self.name, request.id, key, countdown, exc)
+            try:
+                self._retry_uncapped(error, countdown)
+            except Reject as refused:  # the retry could not be published: keep the message here
+                logger.error("%s[%s] could not be published again either (%s); waiting in this worker "
+                             "until Redis answers", self.name, request.id, refused.reason)
+        else:
+            logger.warning("%s[%s] still waiting for Redis (lock %s), next try in %.1fs: %s",
+                           self.name, request.id, key, countdown, exc)
+        time.sleep(countdown)
+        return None
+
+    def _retry_uncapped(self, error: Exception, countdown: float) -> None:
+        """``self.retry`` without a retry limit; raises ``Retry`` (or ``Reject`` if it could not publish)."""
         # No cap: a run never starts unlocked (max_retries=None would mean the
         # task's own default and end in FAILURE after a short outage). Celery
         # keeps an explicit max_retries on the shared task object, where

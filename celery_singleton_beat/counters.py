@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from . import native
 from .events import logger
 from .scripts import STATS_TTL_MS
 
@@ -30,14 +31,18 @@ FLUSH_EVERY = 1.0
 
 
 class _Batch:
-    """This process's counts not yet written, per client and counter hash."""
+    """This process's counts not yet written, per client and counter hash.
+
+    Its writer is a real OS thread (see :mod:`.native`), with a Redis client of
+    its own in greenlet pools.
+    """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = native.allocate_lock()
         self.counts: dict[tuple[int, str], defaultdict[str, int]] = {}
         self.clients: dict[int, Any] = {}
-        self.wake = threading.Event()
-        self.thread: threading.Thread | None = None
+        self.wake = native.Wakeup()
+        self.started = False
 
     def add(self, client: Any, key: str, field: str, amount: int) -> None:
         with self.lock:
@@ -47,16 +52,16 @@ class _Batch:
                 fields = self.counts[slot] = defaultdict(int)
                 self.clients[id(client)] = client
             fields[field] += amount
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="singleton-counters", daemon=True)
-                self.thread.start()
-            self.wake.set()
+            start, self.started = not self.started, True
+        if start:
+            native.start_thread(self._run, "singleton-counters")
+        self.wake.notify()
 
     def _run(self) -> None:
+        pause = native.Wakeup()  # never notified: a sleep of the OS thread
         while True:
-            self.wake.wait()
-            self.wake.clear()
-            threading.Event().wait(FLUSH_EVERY)  # let the batch fill for a second
+            self.wake.wait(3600.0)
+            pause.wait(FLUSH_EVERY)  # let the batch fill for a second
             self.flush()
 
     def flush(self) -> None:
@@ -68,7 +73,7 @@ class _Batch:
             by_client[client_id].append((key, dict(counted)))
         for client_id, hashes in by_client.items():
             try:
-                pipe = clients[client_id].pipeline(transaction=False)
+                pipe = native.thread_client(clients[client_id]).pipeline(transaction=False)
                 for key, fields in hashes:
                     for field, amount in fields.items():
                         pipe.hincrby(key, field, amount)

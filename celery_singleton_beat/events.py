@@ -15,10 +15,11 @@ Flower's Result column, and what ``result:`` searches match.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from celery import Celery, Task
+
+from . import native
 
 __all__ = [
     "SKIPPED",
@@ -76,9 +77,16 @@ def send_task_event_soon(app: Celery, hostname: str | None, task_id: str, event_
     """
     def send() -> None:
         try:
-            with app.events.default_dispatcher(hostname=hostname) as dispatcher:
-                dispatcher.send(event_type, uuid=task_id, retry=False, **fields)
+            if native.green():
+                # A real OS thread (see .native): the app's producer pool belongs to
+                # the hub's thread, so this thread uses a connection of its own.
+                with app.connection_for_write() as connection, \
+                        app.events.Dispatcher(connection, hostname=hostname) as dispatcher:
+                    dispatcher.send(event_type, uuid=task_id, retry=False, **fields)
+            else:
+                with app.events.default_dispatcher(hostname=hostname) as dispatcher:
+                    dispatcher.send(event_type, uuid=task_id, retry=False, **fields)
         except Exception as exc:  # events are best effort, like Celery's own
             logger.warning("could not send %s event for %s: %s", event_type, task_id, exc)
 
-    threading.Thread(target=send, name=f"singleton-{event_type}", daemon=True).start()
+    native.start_thread(send, f"singleton-{event_type}")

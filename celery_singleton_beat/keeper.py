@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import redis
 
+from . import native
 from .lock import RETRY_EVERY, Lease
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper"]
@@ -63,13 +64,19 @@ class KeptLease:
 
 
 class LeaseKeeper:
-    """Renews leases from one background thread (started on first use)."""
+    """Renews leases from one background OS thread (started on first use).
+
+    In a gevent or eventlet worker it is a real thread with a Redis client of
+    its own (:mod:`.native`): a task that blocks the hub does not stop renewals.
+    """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())  # not re-entered: a plain lock is cheaper
+        # Real OS-thread primitives (see .native): under gevent or eventlet the
+        # keeper must renew while the running task blocks the hub.
+        self._mutex = native.allocate_lock()
+        self._wake = native.Wakeup()
         self._queue: list[tuple[float, int, KeptLease]] = []
         self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
         #: Leases kept and not yet forgotten (the queue also holds forgotten ones).
         self._active = 0
         #: The thread runs (cleared as it ends: only at interpreter exit, its loop catches errors).
@@ -85,7 +92,7 @@ class LeaseKeeper:
         """Start renewing ``lease``; call :meth:`forget` when the run ends."""
         kept = KeptLease(lease, on_lost)
         due = time.monotonic() + lease.renew_every
-        with self._cond:
+        with self._mutex:
             self._active += 1
             if len(self._queue) > 2 * self._active + 32:
                 # Ended runs leave their entry until its renewal time (they are
@@ -94,22 +101,21 @@ class LeaseKeeper:
                 self._queue = [entry for entry in self._queue if entry[2].active]
                 heapq.heapify(self._queue)
             self._schedule(kept, due)
-            if not self._running:
-                self._thread = threading.Thread(
-                    target=self._run, name="singleton-lease-keeper", daemon=True
-                )
-                self._running = True
-                self._thread.start()
-            elif due < self._next_look:
-                # Only a renewal due before the thread looks again needs it awake:
-                # waking it for every short run cost a thread switch (and ~8
-                # system calls) per run.
-                self._cond.notify()
+            start = not self._running
+            self._running = True
+            # Only a renewal due before the thread looks again needs it awake:
+            # waking it for every short run cost a thread switch (and ~8
+            # system calls) per run.
+            wake = not start and due < self._next_look
+        if start:
+            native.start_thread(self._run, "singleton-lease-keeper")
+        elif wake:
+            self._wake.notify()
         return kept
 
     def forget(self, kept: KeptLease) -> None:
         """Stop renewing (the entry is dropped lazily: when it comes due or the queue is compacted)."""
-        with self._cond:
+        with self._mutex:
             if kept.active:
                 kept.active = False
                 self._active -= 1
@@ -130,24 +136,25 @@ class LeaseKeeper:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while True:
-                    self._next_look = float("-inf")  # looking: a keep() needs no notify
-                    while self._queue and not self._queue[0][2].active:
-                        heapq.heappop(self._queue)
-                    now = time.monotonic()
-                    if self._queue and self._queue[0][0] <= now:
-                        _, _, kept = heapq.heappop(self._queue)
-                        break
+            with self._mutex:
+                self._next_look = float("-inf")  # looking: a keep() needs no notify
+                while self._queue and not self._queue[0][2].active:
+                    heapq.heappop(self._queue)
+                now = time.monotonic()
+                due = self._queue and self._queue[0][0] <= now
+                kept = heapq.heappop(self._queue)[2] if due else None
+                if kept is None:
                     timeout = self._queue[0][0] - now if self._queue else IDLE_LOOK
                     self._next_look = now + timeout
                     self.waiting = True
-                    self._cond.wait(timeout)
-                    self.waiting = False
-                    self.wakeups += 1
+            if kept is None:
+                self._wake.wait(timeout)
+                self.waiting = False
+                self.wakeups += 1
+                continue
             next_time = self._renew(kept)
             if next_time is not None:
-                with self._cond:
+                with self._mutex:
                     if kept.active:
                         self._schedule(kept, next_time)
 
@@ -156,7 +163,7 @@ class LeaseKeeper:
         """Renew once; the monotonic time of the next attempt, or None when done."""
         lease = kept.lease
         try:
-            if lease.renew():
+            if lease.renew(native.thread_client(lease.client)):
                 kept.renewals += 1
                 if kept.next_complaint:
                     kept.next_complaint = 0.0

@@ -25,12 +25,13 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from typing import Any
 
 import redis
+
+from . import native
 
 __all__ = ["Heartbeat", "boot_id", "is_alive", "live_key", "publishes_liveness"]
 
@@ -79,13 +80,13 @@ class Heartbeat:
         self.interval = ttl / 3
         self.value = json.dumps({"node": node, "host": socket.gethostname(), "pid": os.getpid(),
                                  "started": round(time.time(), 3)}, separators=(",", ":"))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._wake = native.Wakeup()
         self.beats = 0
 
-    def beat(self) -> bool:
+    def beat(self, client: Any = None) -> bool:
         """Write the key once; False when an earlier write of it had lapsed."""
-        previous = self.client.set(self.key, self.value, px=self.ttl_ms, get=True)
+        previous = (client or self.client).set(self.key, self.value, px=self.ttl_ms, get=True)
         lapsed = self.beats > 0 and previous is None
         self.beats += 1
         return not lapsed
@@ -98,19 +99,25 @@ class Heartbeat:
             self.beat()
         except redis.RedisError as exc:
             logger.error("cannot write liveness key %s yet (retrying): %s", self.key, exc)
-        self._thread = threading.Thread(target=self._run, name="singleton-heartbeat", daemon=True)
-        self._thread.start()
+        # A real OS thread (see .native): a task blocking a gevent/eventlet hub
+        # must not make this worker look dead.
+        native.start_thread(self._run, "singleton-heartbeat")
         return self
 
     def stop(self) -> None:
         """Stop renewing (the key expires after its TTL)."""
-        self._stop.set()
+        self._stopped = True
+        self._wake.notify()
 
     def _run(self) -> None:
         wait = self.interval
-        while not self._stop.wait(wait):
+        client = native.thread_client(self.client)
+        while True:
+            self._wake.wait(wait)
+            if self._stopped:
+                return
             try:
-                if not self.beat():
+                if not self.beat(client):
                     logger.error("liveness key %s had expired: this worker counted as dead for a "
                                  "while; other workers may have taken over its locks", self.key)
                 wait = self.interval

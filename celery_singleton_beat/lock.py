@@ -336,25 +336,27 @@ class Lease:
     def renew_every(self) -> float:
         return self.spec.renew_every
 
-    def renew(self) -> bool:
+    def renew(self, client: RedisClient | None = None) -> bool:
         """Extend the lease by ``ttl``; False if the lock is no longer ours.
 
         A lock the server lost while a recovery window is open (a restart, a
         failover: see :mod:`.server`) is put back. Raises ``redis.RedisError``
         when Redis cannot be asked; the caller decides (the keeper keeps trying
-        until the lease would have expired).
+        until the lease would have expired). ``client``: another client of the
+        same server to send it through (the keeper's own, in greenlet pools).
         """
         started = time.monotonic()
         spec = self.spec
-        outcome = _execute(self.client, self.key,
-                           lambda info: renew_request(info, self.key, self.value, spec.ttl_ms), pooled=True)
+        via = client or self.client
+        outcome = _execute(via, self.key, lambda info: renew_request(info, self.key, self.value, spec.ttl_ms),
+                           pooled=True)
         if outcome is None:  # native SET IFEQ does not say why: ask
-            current, _, _ = _execute(self.client, self.key, lambda info: look_request(self.key), pooled=True)
+            current, _, _ = _execute(via, self.key, lambda info: look_request(self.key), pooled=True)
             outcome = 0 if current is not None else -1
-        if outcome == -1 and server_of(self.client).may_put_back() and _execute(
-                self.client, self.key, lambda info: put_back_request(self.key, self.value, spec.ttl_ms), pooled=True):
+        if outcome == -1 and server_of(via).may_put_back() and _execute(
+                via, self.key, lambda info: put_back_request(self.key, self.value, spec.ttl_ms), pooled=True):
             logger.warning("put lock %s back after the lock Redis lost it (%s)", self.key,
-                           server_of(self.client).recovery_reason)
+                           server_of(via).recovery_reason)
             counters.count(self.client, spec.stats_key, "put_back")
             outcome = 1
         if outcome == 1:
@@ -389,13 +391,14 @@ class Lease:
             counters.count(self.client, self.spec.stats_key, "released" if released else "lost")
 
     def release_soon(self, on_result: Callable[[bool | None, BaseException | None], None], *,
-                     done_ttl: float | None = None) -> bool:
+                     done_ttl: float | None = None, wait: bool = False) -> bool:
         """Release without waiting for the reply; False when that is not possible here.
 
         The release is written at once (Redis frees the key as soon as it reads
         it); its reply -- was the lock still ours? -- reaches ``on_result`` when
         this thread next waits for a lock reply (its next acquire), or at the
-        latest :data:`.channel.FLUSH_AFTER` later. Only for clients with a
+        latest :data:`.channel.FLUSH_AFTER` later. ``wait``: read it now, so
+        that the release has run when this returns. Only for clients with a
         :mod:`.channel` (standalone Redis, real threads); raises
         ``redis.RedisError`` if the request could not be written.
         """
@@ -413,6 +416,8 @@ class Lease:
             on_result(released, error)
 
         channel.send(self._release_request(server.info or PORTABLE, done_ttl), handle)
+        if wait:
+            channel.flush()
         return True
 
     def _release_request(self, info: ServerInfo, done_ttl: float | None) -> Request:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -200,8 +201,11 @@ class LockServer:
     """
 
     def __init__(self, prefix: str, liveness_ttl: float,
-                 memory: dict[tuple[Any, ...], str] | None = None) -> None:
+                 memory: dict[tuple[Any, ...], str] | None = None,
+                 factory: Callable[[], Any] | None = None) -> None:
         self.prefix = prefix
+        #: Builds another client of the same server and settings (see :meth:`copy_of`).
+        self._factory = factory
         #: The run id last seen behind each address (see :func:`memory_for`).
         self._seen = {} if memory is None else memory
         #: Seconds a restart or failover keeps new acquisitions waiting.
@@ -272,6 +276,23 @@ class LockServer:
                 return waited
             time.sleep(left)
             waited += left
+
+    def copy_of(self, client: Any) -> Any:
+        """A new client of the same server and settings as ``client``, sharing this record.
+
+        For threads that must not share connections with others (greenlet pools:
+        see :mod:`.native`). Clients the library did not build are copied from
+        their connection pool's settings (one server; Sentinel and Cluster
+        clients are built from the app's settings by :func:`.client.get_redis`).
+        """
+        if self._factory is not None:
+            copy = self._factory()
+        else:
+            pool = client.connection_pool
+            copy = type(client)(connection_pool=type(pool)(connection_class=pool.connection_class,
+                                                           **pool.connection_kwargs))
+        copy.csb_server = self
+        return copy
 
     def downgrade(self) -> None:
         """A native command was refused: use the portable commands from now on."""

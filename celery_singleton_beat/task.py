@@ -66,6 +66,12 @@ from .run import SingletonRun
 
 __all__ = ["LOCK_MODES", "ON_CONFLICT", "SingletonRun", "SingletonTask"]
 
+
+def _has_followers(request: Context) -> bool:
+    """Whether work is published when this run ends: callbacks/errbacks, a chain's next
+    step, a chord's body (counted by its parts)."""
+    return bool(request.callbacks or request.errbacks or request.chain or request.chord)
+
 LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
 #: Counter bumped when a run finds its lock held, by ``on_conflict``.
@@ -221,11 +227,17 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         settings = get_settings(self.app)
         key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
-        try:
-            result = acquire(get_redis(self.app), key, self._run_spec(settings, bool(request.is_eager)), request.id,
-                             node=request.hostname, adopt_claim_of=adopt)
-        except redis.RedisError as exc:
-            return self._redis_unavailable(key, exc, fail_open=settings.fail_open)
+        attempt = 0
+        while True:
+            try:
+                result = acquire(get_redis(self.app), key, self._run_spec(settings, bool(request.is_eager)),
+                                 request.id, node=request.hostname, adopt_claim_of=adopt)
+                break
+            except redis.RedisError as exc:
+                unlocked = self._redis_unavailable(key, exc, fail_open=settings.fail_open, attempt=attempt)
+                if unlocked is not None:
+                    return unlocked
+                attempt += 1
         if self.lock_mode == "until_executing":
             self._release_queue_claim(get_redis(self.app), key)
         if result.completed:
@@ -258,6 +270,24 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
 
         return on_lost
 
+    def _release_reported(self, request: Context, kept: KeptLease) -> Callable[[bool | None, BaseException | None],
+                                                                                None]:
+        """The handler of a release's reply, read after the run ended."""
+        name, task_id = self.name, request.id
+
+        def confirmed(released: bool | None, error: BaseException | None) -> None:
+            if error is not None:
+                logger.warning("%s[%s] released %s, but its reply was lost (%s); if the release "
+                               "did not run, the lock expires within %.0fs",
+                               name, task_id, kept.lease.key, error, kept.lease.ttl)
+            elif released is None:
+                logger.info("%s[%s] released %s again on a new connection (the first reply was lost)",
+                            name, task_id, kept.lease.key)
+            elif not released:
+                kept.mark_lost("the lock was gone when the run ended")
+
+        return confirmed
+
     def _end(self, request: Context, run: SingletonRun | None, exc: BaseException | None) -> None:
         kept = run._kept if run is not None else None
         if kept is None:
@@ -274,20 +304,14 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
             claim_ttl = settings.queue_lock_ttl + delay_of(
                 {"eta": when} if isinstance(when, datetime) else {"countdown": when})
         if claim_ttl is None and not isinstance(exc, SystemExit):
-            # The usual ending: write the release now, read its reply with the
-            # next acquire (one blocking round trip per run instead of two).
-            name, task_id = self.name, request.id
-
-            def confirmed(released: bool | None, error: BaseException | None) -> None:
-                if error is not None:
-                    logger.warning("%s[%s] released %s, but its reply was lost (%s); if the release "
-                                   "did not run, the lock expires within %.0fs",
-                                   name, task_id, kept.lease.key, error, kept.lease.ttl)
-                elif not released:
-                    kept.mark_lost("the lock was gone when the run ended")
-
+            # The usual ending: write the release now and read its reply with the
+            # next acquire (one blocking round trip per run instead of two) --
+            # unless others follow this run (a chain's next step, callbacks, a
+            # chord): they are published once this returns and may take the same
+            # key, so the release must have run by then (one round trip more).
             try:
-                if kept.lease.release_soon(confirmed, done_ttl=done_ttl):
+                if kept.lease.release_soon(self._release_reported(request, kept), done_ttl=done_ttl,
+                                           wait=_has_followers(request)):
                     return
             except redis.RedisError as error:
                 logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",

@@ -70,13 +70,16 @@ class Request:
     leaves replies unread on its connection.
     """
 
-    __slots__ = ("commands", "finish", "scripts")
+    __slots__ = ("commands", "finish", "scripts", "unsure_when_repeated")
 
     def __init__(self, commands: list[tuple[Any, ...]], finish: Callable[[list[Any]], Any],
-                 scripts: Sequence[LuaScript] = ()) -> None:
+                 scripts: Sequence[LuaScript] = (), *, unsure_when_repeated: bool = False) -> None:
         self.commands = commands
         self.finish = finish
         self.scripts = scripts
+        #: A compare-and-delete sent again after a lost connection: "not ours" may mean
+        #: the first attempt ran. Its result is then reported unknown (None).
+        self.unsure_when_repeated = unsure_when_repeated
 
 
 class Written:

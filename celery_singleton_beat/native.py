@@ -1,0 +1,110 @@
+"""Real OS threads for the library's background work, also under gevent and eventlet.
+
+The lease keeper, the liveness heartbeat and the counters' writer must keep
+their pace whatever the task code does. In a gevent or eventlet worker
+(``-P gevent``/``eventlet``) the ``threading`` module is patched: a
+"thread" is a greenlet, which runs only when the running task gives the hub
+control back, so a task that blocks the hub (a CPU loop, an unpatched C call)
+for longer than its lease would lose it. Here the original primitives are
+used instead: :func:`start_thread` starts a real OS thread, :func:`allocate_lock`
+and :class:`Wakeup` block only the thread that waits.
+
+Such a thread talks to Redis through a client of its own
+(:func:`thread_client`): a connection made on the hub of one thread must not
+be used from another. In a process without gevent or eventlet all of this is
+the plain ``threading``/``_thread`` module and the client itself.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Wakeup", "allocate_lock", "get_ident", "green", "start_thread", "thread_client"]
+
+
+def green() -> bool:
+    """True when gevent or eventlet patched the process (greenlet pools)."""
+    gevent = sys.modules.get("gevent.monkey")
+    if gevent is not None and (gevent.is_module_patched("socket") or gevent.is_module_patched("threading")):
+        return True
+    eventlet = sys.modules.get("eventlet.patcher")
+    return eventlet is not None and bool(eventlet.is_monkey_patched("socket")
+                                         or eventlet.is_monkey_patched("thread"))
+
+
+def _original_thread_module() -> Any:
+    monkey: Any = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        class _Original:
+            start_new_thread = staticmethod(monkey.get_original("_thread", "start_new_thread"))
+            allocate_lock = staticmethod(monkey.get_original("_thread", "allocate_lock"))
+            get_ident = staticmethod(monkey.get_original("_thread", "get_ident"))
+        return _Original
+    eventlet = sys.modules.get("eventlet.patcher")
+    if eventlet is not None and eventlet.is_monkey_patched("thread"):
+        return eventlet.original("_thread")
+    return _thread
+
+
+def allocate_lock() -> Any:
+    """A lock that blocks the OS thread that waits on it (never a greenlet's lock)."""
+    return _original_thread_module().allocate_lock()
+
+
+def get_ident() -> int:
+    """The OS thread's identity (not a greenlet's)."""
+    return int(_original_thread_module().get_ident())
+
+
+def start_thread(target: Callable[[], Any], name: str) -> None:
+    """Run ``target`` in a new daemon OS thread."""
+    if not green():
+        threading.Thread(target=target, name=name, daemon=True).start()
+        return
+    _original_thread_module().start_new_thread(target, ())
+
+
+class Wakeup:
+    """Sleep until a deadline or until woken: a one-slot signal between OS threads.
+
+    :meth:`wait` blocks only the calling thread; :meth:`notify` never blocks,
+    so a greenlet may call it without holding up its hub.
+    """
+
+    def __init__(self) -> None:
+        self._signal = allocate_lock()
+        self._signal.acquire()  # held: no wake-up pending
+
+    def wait(self, timeout: float) -> bool:
+        """Return when woken (True) or after ``timeout`` seconds (False)."""
+        return bool(self._signal.acquire(True, max(timeout, 0.0)))
+
+    def notify(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already released: a wake-up is pending
+            self._signal.release()
+
+
+_clients: dict[tuple[int, int], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def thread_client(client: Any) -> Any:
+    """``client``, or in a greenlet process a copy of it owned by the calling OS thread.
+
+    The copy has the same settings and shares what the library knows of the
+    server (see :func:`.server.server_of`).
+    """
+    if not green():
+        return client
+    key = (get_ident(), id(client))
+    own = _clients.get(key)
+    if own is None:
+        from .server import server_of
+
+        own = _clients[key] = server_of(client).copy_of(client)
+    return own
