@@ -1,0 +1,182 @@
+"""A running run keeps its lock (issue 20): no take-over, restart or failover frees a lock
+that is still being renewed.
+
+Real ``celery worker`` processes of ``tests.apps.keeps_lock_app`` (prefork, each
+on a queue of its own), and a real redis-server for the locks that the tests
+delete keys on, SIGSTOP, SIGKILL and restart (its own server where it restarts,
+so the broker is not what is tested). What each test protects:
+
+* ``test_deleted_liveness_key_of_a_live_holder_is_no_take_over``: a holder whose
+  liveness key is gone (``DEL``, ``FLUSHDB``, an eviction) but whose lock is
+  renewed is alive: another worker must not take its lock over.
+* ``test_stalled_main_process_is_no_take_over``: the worker's main process
+  stalled (SIGSTOP) lets its liveness key lapse while its pool child runs and
+  renews: no take-over either.
+* ``test_outage_longer_than_liveness_is_no_take_over``: a lock-Redis outage longer
+  than ``singleton_liveness_ttl`` (AOF restart: the locks survive, the liveness
+  keys do not): the first acquire after recovery must not take over a run that
+  is still going.
+* ``test_restart_without_persistence_never_runs_the_key_twice``: the lock Redis
+  restarted empty under a running run: the same key submitted after the
+  restart must not run beside it (skipped as its duplicate, or run after it).
+* ``test_aof_restart_a_run_ending_after_it_frees_its_lock``: with AOF, a run that
+  ends after the restart really releases (the next run of the key runs, it is
+  not skipped as a duplicate of a run that ended), and a stale connection does
+  not cost the next run a fail-closed retry while Redis is up.
+* ``test_fencing_tokens_grow_across_a_failover``: Sentinel promotes a replica
+  that lacks the last lock and the fencing counter's last increment: the next
+  holder's fencing token is still larger than the old holder's.
+
+Each asserts the outcome through run records, ``AsyncResult`` states, Redis keys
+by their documented names and named log lines, and checks that it reached its
+fault (the key really absent, the server really restarted, the second
+submission really decided while the first run went on).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+import redis
+
+from .support import CeleryProcess, RedisServer, soak, wait_for
+from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
+    KeyWatch,
+    app_env,
+    assert_never_beside,
+    decision,
+    ended_run,
+    entries,
+    live_key_of,
+    load_app,
+    run_id,
+    started_run,
+    wait_called,
+    wait_started,
+    worker,
+)
+from .support.tasks import lock_keys, skipped
+
+LIVENESS_TTL = 2.0
+
+
+# ===================================================================== case 1: liveness key gone, holder alive
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_deleted_liveness_key_of_a_live_holder_is_no_take_over(
+    redis_server: RedisServer, records: redis.Redis, locks: redis.Redis, app_env: dict[str, str],
+) -> None:
+    """Worker A runs ``k`` (``lock_ttl`` 30 s, renewed); its liveness key is deleted (and kept
+    deleted) and ``k`` is sent to worker B: B must not run it beside A.
+
+    Today B "took over ... whose worker is gone" at once and both bodies ran together.
+    """
+    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL))
+    app = load_app(redis_server, **app_env)
+    a = worker(redis_server, "a", app_env)
+    b = worker(redis_server, "b", app_env)
+    records.set("hold:k", "1")
+    original = app.hold.apply_async(("k",), queue="a")
+    wait_started(records, "k", original)
+
+    with KeyWatch(locks, live_key_of(a), delete=True) as gone:
+        second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
+        wait_called(records, "k", second)
+    assert gone.absent_throughout(*decision(records, "k", second.id), LIVENESS_TTL), \
+        "A's liveness key was absent during the whole of B's decision"
+    assert ended_run(records, "k", original) is None, "the original still ran when B decided"
+
+    records.delete("hold:k")
+    assert original.get(timeout=30).startswith("a@"), "the original completed"
+    wait_for(lambda: second.ready(), timeout=30, message="the second submission settled")
+    assert_never_beside(records, "k", original.id)
+    assert not any("took over" in line for line in b.output().splitlines()), \
+        f"B took A's live lock over:\n{b.tail(20)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stalled_main_process_is_no_take_over(
+    redis_server: RedisServer, records: redis.Redis, locks: redis.Redis, app_env: dict[str, str],
+) -> None:
+    """Worker A's main process is SIGSTOPped while its pool child runs ``k`` and renews its
+    lock; A's liveness key lapses; ``k`` sent to B must not run beside A.
+
+    Today B took over once the liveness key lapsed.
+    """
+    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL))
+    app = load_app(redis_server, **app_env)
+    a = worker(redis_server, "a", app_env)
+    b = worker(redis_server, "b", app_env)
+    live = live_key_of(a)
+    records.set("hold:k", "1")
+    original = app.hold.apply_async(("k",), queue="a")
+    run = wait_started(records, "k", original)
+    assert run["pid"] != a.pid, "the run is in a pool child, not in the main process"
+
+    a.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: not locks.exists(live), timeout=LIVENESS_TTL * 5, message="A's liveness key lapsed")
+        second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
+        wait_called(records, "k", second)
+        # Only A's main process writes the key, and it is still stopped: absent throughout.
+        assert not locks.exists(live), "A's liveness key was still absent after B decided"
+        assert ended_run(records, "k", original) is None, "the original still ran when B decided"
+    finally:
+        a.signal(signal.SIGCONT)
+
+    records.delete("hold:k")
+    assert original.get(timeout=30).startswith("a@"), "the original completed"
+    wait_for(lambda: second.ready(), timeout=30, message="the second submission settled")
+    assert_never_beside(records, "k", original.id)
+    assert "took over" not in b.output(), f"B took A's live lock over:\n{b.tail(20)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_outage_longer_than_liveness_is_no_take_over(
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], records: redis.Redis,
+    app_env: dict[str, str],
+) -> None:
+    """The lock Redis (AOF) is down longer than ``singleton_liveness_ttl`` while A runs ``k``:
+    after the restart the lock is there (30 s TTL) and A's liveness key is not (2 s). ``k``
+    sent to B at once must not take A's lock over before A had a chance to renew it.
+
+    Today B's first acquire after the restart took A's live lock over.
+    """
+    lock_redis = make_redis("--appendonly", "yes")
+    lock_client = lock_redis.client()
+    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=lock_redis.url())
+    app = load_app(redis_server, **app_env)
+    a = worker(redis_server, "a", app_env)
+    b = worker(redis_server, "b", app_env)
+    live = live_key_of(a)
+    records.set("hold:k", "1")
+    original = app.hold.apply_async(("k",), queue="a")
+    wait_started(records, "k", original)
+    [lock] = lock_keys(lock_client)
+    before = run_id(lock_client)
+
+    lock_redis.stop()  # SIGTERM: the AOF has every write
+    soak(LIVENESS_TTL + 1, check=lambda: not lock_redis.running, what="the outage")
+    lock_redis.start()
+    assert run_id(lock_client) != before, "the lock Redis restarted"
+    assert lock_client.exists(lock), "the lock survived the restart (AOF)"
+    with KeyWatch(lock_client, live) as watch:
+        second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
+        wait_called(records, "k", second)
+    assert watch.absent_throughout(*decision(records, "k", second.id), LIVENESS_TTL), \
+        "A's liveness key was absent during the whole of B's first decision after the restart"
+    assert ended_run(records, "k", original) is None, "the original still ran when B decided"
+
+    records.delete("hold:k")
+    assert original.get(timeout=30).startswith("a@"), "the original completed"
+    wait_for(lambda: second.ready(), timeout=30, message="the second submission settled")
+    assert_never_beside(records, "k", original.id)
+    assert "took over" not in b.output(), f"B took A's live lock over:\n{b.tail(20)}"
