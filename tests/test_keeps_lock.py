@@ -180,3 +180,103 @@ def test_outage_longer_than_liveness_is_no_take_over(
     wait_for(lambda: second.ready(), timeout=30, message="the second submission settled")
     assert_never_beside(records, "k", original.id)
     assert "took over" not in b.output(), f"B took A's live lock over:\n{b.tail(20)}"
+
+
+# ===================================================================== case 2: restart without persistence
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_restart_without_persistence_never_runs_the_key_twice(
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], records: redis.Redis,
+    app_env: dict[str, str],
+) -> None:
+    """A runs ``k`` (``lock_ttl`` 6 s); the lock Redis (no persistence) is SIGKILLed and
+    restarted empty; ``k`` sent to B right after must not run beside A: the holder puts
+    its lock back, and a new acquisition of ``k`` waits for that short window (B's run is
+    skipped as A's duplicate, or runs after A).
+
+    Today B ran at once beside A (the restarted server had no lock).
+    """
+    lock_redis = make_redis()
+    lock_client = lock_redis.client()
+    app_env.update(CSB_LOCK_TTL="6", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=lock_redis.url())
+    app = load_app(redis_server, **app_env)
+    worker(redis_server, "a", app_env)
+    worker(redis_server, "b", app_env)
+    records.set("hold:k", "1")
+    original = app.hold.apply_async(("k",), queue="a")
+    wait_started(records, "k", original)
+    before = run_id(lock_client)
+
+    lock_redis.restart()  # SIGKILL, started again on its port: empty
+    restarted = time.time()
+    assert run_id(lock_client) != before, "the lock Redis restarted"
+    second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
+    wait_called(records, "k", second)
+    received, decided = decision(records, "k", second.id)
+    assert ended_run(records, "k", original) is None, "the original still ran when B decided"
+
+    records.delete("hold:k")
+    assert original.get(timeout=30).startswith("a@"), "the original completed"
+    wait_for(lambda: second.ready(), timeout=30, message="the second submission settled")
+    assert_never_beside(records, "k", original.id)
+    print(f"\nrestart without persistence: B received k {received - restarted:.2f}s after the restart, "
+          f"decided in {decided - received:.2f}s: {'skipped' if skipped(second) else second.state}")
+
+
+# ===================================================================== case 3: AOF restart, the run ends after it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_aof_restart_a_run_ending_after_it_frees_its_lock(
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], records: redis.Redis,
+    app_env: dict[str, str],
+) -> None:
+    """The lock Redis (AOF) restarts while A runs ``k``; A ends after the restart. The next
+    run of ``k`` (on B, whose lock connection dates from before the restart) must run:
+    A's release reached Redis (retried on a new connection if need be), and B's stale
+    connection costs it no fail-closed retry while Redis is up.
+
+    Today A's release was written onto the dead connection and lost (the lock stayed
+    until its TTL, so the next run was skipped as a duplicate of a run that had ended),
+    and B's first acquire failed with "Redis unavailable ... Connection closed by server".
+    """
+    lock_redis = make_redis("--appendonly", "yes")
+    lock_client = lock_redis.client()
+    app_env.update(CSB_LOCK_TTL="10", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=lock_redis.url())
+    app = load_app(redis_server, **app_env)
+    worker(redis_server, "a", app_env)
+    b = worker(redis_server, "b", app_env)
+    assert app.hold.apply_async(("warm",), queue="b").get(timeout=30).startswith("b@"), \
+        "B's pool process ran a run (its lock connection is open)"
+    records.set("hold:k", "1")
+    original = app.hold.apply_async(("k",), queue="a")
+    wait_started(records, "k", original)
+    [lock] = lock_keys(lock_client)
+    before = run_id(lock_client)
+
+    lock_redis.stop()  # SIGTERM: the AOF has every write
+    lock_redis.start()
+    restarted = time.time()
+    assert run_id(lock_client) != before, "the lock Redis restarted"
+    assert lock_client.exists(lock), "A's lock survived the restart (AOF)"
+
+    records.delete("hold:k")
+    assert original.get(timeout=30).startswith("a@"), "the original completed"
+    ended = ended_run(records, "k", original.id)
+    assert ended is not None and ended["end"] > restarted, "the original ended after the restart"
+
+    following = app.hold.apply_async(("k",), queue="b")
+    wait_for(lambda: following.ready(), timeout=30, message="the next run of k settled")
+    run = started_run(records, "k", following.id)
+    unavailable = [line for line in b.output().splitlines() if "Redis unavailable" in line]
+    problems = []
+    if run is None:
+        problems.append(f"the next run of k did not run ({'skipped' if skipped(following) else following.state}): "
+                        f"the ended run's lock was still there")
+    if unavailable or (run is not None and run["retries"]):
+        problems.append(f"B's stale lock connection cost the next run a fail-closed retry: {unavailable}")
+    assert not problems, "; ".join(problems)
+    print(f"\nAOF restart: the next run of k started {run['start'] - ended['end']:.2f}s after the run ended")
