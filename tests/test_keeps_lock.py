@@ -60,6 +60,7 @@ from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
     worker,
 )
 from .support.tasks import lock_keys, skipped
+from .support.topologies import start_sentinels, wait_for_new_primary
 
 LIVENESS_TTL = 2.0
 
@@ -280,3 +281,79 @@ def test_aof_restart_a_run_ending_after_it_frees_its_lock(
         problems.append(f"B's stale lock connection cost the next run a fail-closed retry: {unavailable}")
     assert not problems, "; ".join(problems)
     print(f"\nAOF restart: the next run of k started {run['start'] - ended['end']:.2f}s after the run ended")
+
+
+# ===================================================================== case 9: fencing tokens across a failover
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fencing_tokens_grow_across_a_failover(
+    redis_server: RedisServer, records: redis.Redis, app_env: dict[str, str],
+) -> None:
+    """Sentinel (3 sentinels, one replica): an earlier run of ``k`` took fencing token F,
+    replicated; the replica is then cut off (SIGSTOPped, its link killed), A takes ``k``
+    (token F+1) on the primary alone, and the primary is SIGKILLed. Sentinel promotes
+    the replica, which lacks A's lock and the counter's last increment. The next holder
+    of ``k`` must still get a larger token than A's.
+
+    Today it got A's token again (F+1 twice). Also measured (printed, not asserted):
+    how long until the next holder starts, and when A is told ``LockLost``.
+    """
+    group = start_sentinels(down_after_ms=1000)
+    try:
+        app_env.update(CSB_LOCK_TTL="10", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=group.url)
+        app = load_app(redis_server, **app_env)
+        a = worker(redis_server, "a", app_env, concurrency=2)
+        earlier = app.hold.apply_async(("k",), queue="a")
+        assert earlier.get(timeout=30).startswith("a@")
+        old = group.master_address()
+        primary = group.server_on(old[1])
+        replica = next(s for s in group.servers[:2] if s is not primary)
+        primary_client, replica_client = primary.client(), replica.client()
+        assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the earlier token)"
+
+        replica.send(signal.SIGSTOP)
+        try:
+            primary_client.client_kill_filter(_type="replica")  # the replica receives nothing more
+            records.set("hold:k", "1")
+            holder = app.hold.apply_async(("k",), queue="a")
+            run = wait_started(records, "k", holder)
+            written = primary_client.info("replication")["master_repl_offset"]
+            primary.kill()
+            killed = time.time()
+        finally:
+            replica.send(signal.SIGCONT)
+        assert replica_client.info("replication")["master_repl_offset"] < written, \
+            "the replica lacks the primary's last writes (A's lock)"
+        wait_for_new_primary(group, old)
+        promoted = time.time()
+
+        attempts = []
+
+        def next_holder() -> dict | None:
+            if attempts:
+                later = started_run(records, "k", attempts[-1].id)
+                if later is not None:
+                    return later
+                if not attempts[-1].ready():
+                    return None
+                records.delete("hold:k")  # skipped: A still holds k (put back); let it end
+            attempts.append(app.hold.apply_async(("k",), queue="a"))
+            return None
+
+        later = wait_for(next_holder, timeout=60, message="a later holder of k")
+        wait_for(lambda: "lost its lock" in a.output() or ended_run(records, "k", holder.id), timeout=30,
+                 message="A told LockLost, or ended")
+        records.delete("hold:k")
+        assert holder.get(timeout=30).startswith("a@")
+        lost_at = ended_run(records, "k", holder.id)["lost_at"]
+        earlier_fence = started_run(records, "k", earlier.id)["fence"]
+        print(f"\nfailover: promoted {promoted - killed:.2f}s after the kill; next holder started "
+              f"{later['start'] - killed:.2f}s after it; A told LockLost "
+              + (f"{lost_at - killed:.2f}s after it" if lost_at else "never")
+              + f"; tokens: earlier {earlier_fence}, A {run['fence']}, next {later['fence']}")
+        assert earlier_fence < run["fence"] < later["fence"], \
+            f"fencing tokens grow: earlier {earlier_fence}, A {run['fence']}, next holder {later['fence']}"
+    finally:
+        group.stop()
