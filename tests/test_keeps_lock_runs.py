@@ -1,0 +1,148 @@
+"""A running run keeps its lock (issue 20), as the run itself sees it: discarded copies,
+pauses, greenlet pools, and the end of a run.
+
+Real ``celery worker`` processes of ``tests.apps.keeps_lock_app`` (each on a queue
+of its own), real redis-servers. What each test protects:
+
+* ``test_a_discarded_copy_leaves_the_running_original_alone``: a copy of a running
+  ``acks_late`` task (broker redelivery, or a second publish with the same id)
+  that expires or is revoked frees only itself: the original's lock stays (no
+  new run of the key beside it) and its stored state is never REVOKED while it
+  runs; it ends SUCCESS.
+* ``test_paused_past_its_lease_ensure_held_never_passes_again``: a run paused
+  (SIGSTOP) past its lease, whose key a successor took meanwhile, is not told
+  its lock is held once it resumes.
+* ``test_a_blocked_hub_keeps_its_lease``: on gevent and eventlet, a greenlet that
+  blocks the hub longer than the lease does not let the lease expire (renewal
+  from a real thread): no second run of the key starts.
+* ``test_a_renewal_in_flight_at_the_end_is_no_lost_lock``: a renewal sent just
+  before a run ended, executed after its release, is not reported as a lost
+  lock (no "lost its lock" warning, no ``task-lock-lost`` event).
+
+Each asserts through run records, ``AsyncResult`` states and named log lines or
+events, and checks that it reached its fault.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import ModuleType
+
+import pytest
+import redis
+
+from .support import RedisServer, wait_for
+from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
+    app_env,
+    assert_never_beside,
+    decision,
+    ended_run,
+    entries,
+    load_app,
+    started_run,
+    wait_started,
+    worker,
+)
+
+LIVENESS_TTL = 2.0
+
+
+# ===================================================================== case 5: paused past the lease
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_paused_past_its_lease_ensure_held_never_passes_again(
+    redis_server: RedisServer, records: redis.Redis, app_env: dict[str, str],
+) -> None:
+    """A's pool child runs ``k`` (``lock_ttl`` 2 s), calling ``ensure_held()`` before each
+    step; it is SIGSTOPped until its lease expired and B's run of ``k`` started (the
+    expired lease, as documented). Once resumed, ``ensure_held()`` must not pass while B
+    holds ``k``.
+
+    Today it passed once after SIGCONT (it read a flag only the keeper sets).
+    """
+    app_env.update(CSB_LOCK_TTL="2", CSB_LIVENESS_TTL=str(LIVENESS_TTL))
+    app = load_app(redis_server, **app_env)
+    worker(redis_server, "a", app_env)
+    worker(redis_server, "b", app_env)
+    records.set("hold:a", "1")
+    records.set("hold:b", "1")
+    original = app.guarded.apply_async(("k",), {"hold": "a"}, queue="a")
+    pid = wait_started(records, "k", original)["pid"]
+    wait_for(lambda: records.llen(f"passes:{original.id}") > 0, timeout=10, message="the original checking its lock")
+
+    attempts = []
+
+    def successor_started() -> dict | None:
+        if attempts:
+            run = started_run(records, "k", attempts[-1].id)
+            if run is not None or not attempts[-1].ready():
+                return run
+        attempts.append(app.guarded.apply_async(("k",), {"hold": "b"}, queue="b"))
+        return None
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        successor = wait_for(successor_started, timeout=30, message="B's run of k started (A's lease expired)")
+        resumed = time.time()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: ended_run(records, "k", original.id), timeout=30, message="the original ended")
+    assert ended_run(records, "k", successor["task_id"]) is None, "B still held k after A resumed"
+    late = [p for p in entries(records, f"passes:{original.id}") if p[0] >= resumed]
+    records.delete("hold:b")
+    assert not late, f"ensure_held() passed {len(late)} time(s) after the resume, while B held k: {late}"
+    assert original.get(timeout=10) == "lost", "the original learnt it lost its lock"
+
+
+# ===================================================================== case 6: a blocked gevent / eventlet hub
+
+#: How long the greenlet blocks its hub, and the lease (renewed every third of it).
+BLOCK, SHORT_TTL = 6.0, 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_a_blocked_hub_keeps_its_lease(
+    pool: str, redis_server: RedisServer, records: redis.Redis, app_env: dict[str, str],
+) -> None:
+    """On a ``pool`` worker, a run of ``k`` (``lock_ttl`` 2 s) blocks the hub for 6 s (an
+    unpatched sleep, as a C call or a CPU loop would). ``k`` is sent to a prefork worker
+    again and again meanwhile: none may run while the blocked run goes on, also after
+    the lease would have expired unrenewed.
+
+    Today the lease expired and a second run started beside the first (prefork and
+    threads keep theirs: their keeper is a real thread).
+    """
+    app_env.update(CSB_LOCK_TTL=str(SHORT_TTL), CSB_LIVENESS_TTL=str(LIVENESS_TTL))
+    app = load_app(redis_server, **app_env)
+    a = worker(redis_server, "a", app_env, pool=pool, concurrency=4)
+    a.wait_for_line("concurrency:", f"4 ({pool}", timeout=5)
+    worker(redis_server, "b", app_env)
+    blocked = app.block_hub.apply_async(("k", BLOCK), queue="a")
+    wait_started(records, "k", blocked)
+
+    tries: list = []
+
+    def block_over() -> bool:
+        if ended_run(records, "k", blocked.id) is not None:
+            return True
+        if not tries or tries[-1].ready():
+            tries.append(app.block_hub.apply_async(("k", 0.3), queue="b"))  # same task, same key
+        return False
+
+    wait_for(block_over, timeout=BLOCK + 30, message="the blocked run ended")
+    began, ended = blocked.get(timeout=10).values()
+    wait_for(lambda: all(t.ready() for t in tries), timeout=30, message="every second submission settled")
+    decisions = [decision(records, "k", t.id) for t in tries]
+    late = [d for d in decisions if d[0] >= began + SHORT_TTL and d[1] <= ended]
+    assert late, (f"a second submission was decided after the lease would have expired unrenewed, "
+                  f"while the hub was blocked ({began:.3f}-{ended:.3f}): {decisions}")
+    assert_never_beside(records, "k", blocked.id)
+    print(f"\n{pool}: {len(tries)} second submissions during the {BLOCK:.0f}s block, "
+          f"{len(late)} after the unrenewed lease's end, "
+          f"{sum(started_run(records, 'k', t.id) is not None for t in tries)} ran")
