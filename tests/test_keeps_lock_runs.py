@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from datetime import datetime, timedelta, timezone
 from types import ModuleType
 
 import pytest
@@ -47,6 +49,8 @@ from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
 )
 
 LIVENESS_TTL = 2.0
+#: Seconds from publish until a message with ``expires`` expires (its copy is discarded then).
+EXPIRES = 6.0
 
 
 # ===================================================================== case 5: paused past the lease
@@ -146,3 +150,93 @@ def test_a_blocked_hub_keeps_its_lease(
     print(f"\n{pool}: {len(tries)} second submissions during the {BLOCK:.0f}s block, "
           f"{len(late)} after the unrenewed lease's end, "
           f"{sum(started_run(records, 'k', t.id) is not None for t in tries)} ran")
+
+
+# ===================================================================== case 4: a discarded copy of a running task
+
+
+class Watch:
+    """Reads a task's stored state and whether its lock exists, every 20 ms, from a thread."""
+
+    def __init__(self, app: ModuleType, task_id: str, locks: redis.Redis, lock: str) -> None:
+        self.app, self.task_id, self.locks, self.lock = app, task_id, locks, lock
+        #: (time, state, lock present) of each look.
+        self.looks: list[tuple[float, str, bool]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watch-original", daemon=True)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            at = time.time()
+            present = bool(self.locks.exists(self.lock))
+            self.looks.append((at, self.app.app.AsyncResult(self.task_id).state, present))
+            self._stop.wait(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("copy", ["redelivered", "published-again"])
+@pytest.mark.parametrize("discard", ["expires", "revoke"])
+def test_a_discarded_copy_leaves_the_running_original_alone(
+    discard: str, copy: str, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
+    app_env: dict[str, str],
+) -> None:
+    """An ``acks_late`` run of ``k`` (``lock_ttl`` 9 s) goes on on one worker while a copy of
+    its message (``copy``: restored by the broker after a 2 s visibility timeout, or
+    published again with the same task id) waits on the other worker for the original
+    to end; the copy is then discarded (``discard``: its ``expires`` passes, or
+    ``revoke(id)`` without terminate). The copy frees nothing of the original: its lock
+    stays (``k`` sent again is not run beside it), its stored state is never REVOKED
+    while it runs, and it ends SUCCESS.
+
+    Today the discard deleted the original's lock (a release matched on the task id
+    only), a new run of ``k`` ran beside the original, and the original read REVOKED
+    until its SUCCESS.
+    """
+    app_env.update(CSB_LOCK_TTL="9", CSB_LIVENESS_TTL=str(LIVENESS_TTL),
+                   CSB_VISIBILITY="2" if copy == "redelivered" else "3600")
+    app = load_app(redis_server, **app_env)
+    # Both take queue "a": the broker's copy goes to whichever is free.
+    workers = {"a": worker(redis_server, "a", app_env), "b": worker(redis_server, "b", app_env, queues="a,b")}
+    lock = app.hold.singleton_key(("k",))
+    expires = datetime.now(timezone.utc) + timedelta(seconds=EXPIRES) if discard == "expires" else None
+    records.set("hold:k", "1")
+    with Watch(app, (original := app.hold.apply_async(("k",), queue="a", expires=expires)).id, locks, lock) as watch:
+        holder = wait_started(records, "k", original)["node"].split("@")[0]
+        free = "b" if holder == "a" else "a"  # the free worker takes the copy and the next run
+        if copy == "published-again":
+            app.hold.apply_async(("k",), queue=free, task_id=original.id, expires=expires)
+        workers[free].wait_for_line("already running on", original.id, timeout=30)  # the copy waits
+        if discard == "revoke":
+            app.app.control.revoke(original.id)
+        workers[free].wait_for_line("Discarding revoked task", original.id, timeout=30)
+        assert ended_run(records, "k", original.id) is None, "the original still ran when its copy was discarded"
+
+        second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue=free)
+        wait_for(lambda: second.ready(), timeout=30, message="the next submission of k settled")
+        assert ended_run(records, "k", original.id) is None, "the original still ran when k was sent again"
+        records.delete("hold:k")
+        wait_for(lambda: app.app.AsyncResult(original.id).state == "SUCCESS", timeout=30,
+                 message="the original's SUCCESS")
+    assert app.app.AsyncResult(original.id).result.startswith(f"{holder}@"), "the original's result stands"
+    run = ended_run(records, "k", original.id)
+    while_running = [(state, present) for at, state, present in watch.looks if run["start"] <= at < run["end"]]
+    beside = [e["task_id"] for e in entries(records, "started:k") if e["task_id"] != original.id]
+    revoked = [state for state, _ in while_running if state == "REVOKED"]
+    problems = []
+    if records.get("overlap:k") is not None or beside:
+        problems.append(f"a new run of k ran beside the original ({beside})")
+    if not all(present for _, present in while_running):
+        problems.append(f"the original's lock vanished while it ran "
+                        f"({sum(not p for _, p in while_running)} of {len(while_running)} looks)")
+    if revoked:
+        problems.append(f"the original read REVOKED while it ran ({len(revoked)} of {len(while_running)} looks)")
+    assert not problems, "; ".join(problems)

@@ -59,10 +59,10 @@ def app_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
 
 
 def worker(redis_server: RedisServer, name: str, env: dict[str, str], *, pool: str = "prefork",
-           concurrency: int = 1) -> CeleryProcess:
-    """A worker of the app consuming the queue named like it (``name``)."""
+           concurrency: int = 1, queues: str | None = None) -> CeleryProcess:
+    """A worker of the app consuming ``queues`` (comma-separated; default: the queue named like it)."""
     return start_worker(redis_server, APP, name, pool=pool, concurrency=concurrency,
-                        extra=["-Q", name], env=env)
+                        extra=["-Q", queues or name], env=env)
 
 
 def entries(records: redis.Redis, name: str) -> list[dict[str, Any]]:
