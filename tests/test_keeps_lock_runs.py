@@ -29,13 +29,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from types import ModuleType
 
 import pytest
 import redis
 
-from .support import RedisServer, wait_for
+from .support import CeleryProcess, RedisServer, soak, wait_for
 from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
     app_env,
     assert_never_beside,
@@ -47,6 +48,8 @@ from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
     wait_started,
     worker,
 )
+from .support.proxy import HoldingProxy
+from .support.tasks import EventCapture
 
 LIVENESS_TTL = 2.0
 #: Seconds from publish until a message with ``expires`` expires (its copy is discarded then).
@@ -240,3 +243,60 @@ def test_a_discarded_copy_leaves_the_running_original_alone(
     if revoked:
         problems.append(f"the original read REVOKED while it ran ({len(revoked)} of {len(while_running)} looks)")
     assert not problems, "; ".join(problems)
+
+
+# ===================================================================== case 8: a renewal in flight at the end
+
+
+def no_lost_lock(process: CeleryProcess) -> bool:
+    """True while ``process`` logged no ``LockLost`` warning ("lost its lock"); else fails with it."""
+    lines = [line for line in process.output().splitlines() if "lost its lock" in line]
+    assert not lines, f"LockLost reported after a clean ending: {lines}"
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_renewal_in_flight_at_the_end_is_no_lost_lock(
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], records: redis.Redis,
+    app_env: dict[str, str],
+) -> None:
+    """A's lock connections go through a proxy. While A runs ``k`` (``lock_ttl`` 1.5 s) the
+    proxy holds what A sends; once it holds A's next renewal (the first command naming
+    the lock key), the run ends cleanly. Its release (the key again, on another
+    connection) is let through first, then the renewal: the renewal meets the executed
+    release. A run that ended cleanly is no lost lock: no "lost its lock" warning, no
+    ``task-lock-lost`` event.
+
+    Today the renewal's miss was reported as ``LockLost`` after the clean ending.
+    """
+    lock_redis = make_redis()
+    with HoldingProxy(lock_redis.port) as proxy:
+        # A held renewal must not time out: 5 s sockets.
+        app_env.update(CSB_LOCK_TTL="1.5", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=proxy.url(),
+                       CSB_SOCKET_TIMEOUT="5")
+        app = load_app(redis_server, **app_env)
+        a = worker(redis_server, "a", app_env)
+        key = app.hold.singleton_key(("k",)).encode()
+        with EventCapture(app.app, "task-lock-lost") as lost:
+            records.set("hold:k", "1")
+            run = app.hold.apply_async(("k",), queue="a")
+            wait_started(records, "k", run)
+            proxy.hold(naming=key)  # commands about the lock, from now on
+            renewal_at, renewal = wait_for(lambda: proxy.held_with(key), timeout=10,
+                                           message="A's renewal of its lock, held")[0]
+            records.delete("hold:k")  # the run ends now, its renewal in flight
+            try:
+                _, release = wait_for(lambda: [h for h in proxy.held_with(key) if h[1] != renewal], timeout=5,
+                                      message="A's release, held")[0]
+            except AssertionError:
+                release = None  # the run's end waits for its renewal: the two cannot cross
+            proxy.let_go([release] if release is not None else [])
+            assert run.get(timeout=30).startswith("a@"), "the run ended cleanly"
+            assert renewal_at < ended_run(records, "k", run.id)["end"], "the renewal was sent before the run ended"
+            # The renewal's reply is read within a round trip of its release: a report would follow at once.
+            soak(2, check=lambda: no_lost_lock(a), interval=0.05, what="a clean ending")
+        assert not lost.events, f"task-lock-lost event after a clean ending: {lost.events}"
+        print("\nrenewal in flight at the end: "
+              + ("the release was let through ahead of the held renewal" if release is not None
+                 else "the run's end waited for its renewal (no release while it was held)"))
