@@ -37,21 +37,19 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
-from types import ModuleType
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
-from .support import CeleryProcess, RedisServer, soak, wait_for
-from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
+from .support import RedisServer, soak, wait_for
+from .support.keeps_lock import (
     KeyWatch,
-    app_env,
     assert_never_beside,
     call_of,
     decision,
     ended_run,
-    entries,
+    knobs,
     live_key_of,
     load_app,
     run_id,
@@ -62,6 +60,13 @@ from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
 )
 from .support.tasks import lock_keys, skipped
 from .support.topologies import start_sentinels, wait_for_new_primary
+
+
+@pytest.fixture
+def app_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
+    """The workers' environment, filled in by the test (see ``support.keeps_lock.knobs``)."""
+    yield from knobs()
+
 
 LIVENESS_TTL = 2.0
 
@@ -101,7 +106,7 @@ def test_deleted_liveness_key_of_a_live_holder_is_no_take_over(
             tries.append(app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b"))
             return None
 
-        second = wait_for(decided_while_gone, timeout=30, message="B deciding while A's liveness key was gone")
+        wait_for(decided_while_gone, timeout=30, message="B deciding while A's liveness key was gone")
     assert ended_run(records, "k", original.id) is None, "the original still ran when B decided"
 
     records.delete("hold:k")

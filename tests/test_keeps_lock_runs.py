@@ -29,7 +29,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from types import ModuleType
 
@@ -37,12 +37,12 @@ import pytest
 import redis
 
 from .support import CeleryProcess, RedisServer, soak, wait_for
-from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
-    app_env,
+from .support.keeps_lock import (
     assert_never_beside,
     decision,
     ended_run,
     entries,
+    knobs,
     load_app,
     started_run,
     wait_started,
@@ -50,6 +50,13 @@ from .support.keeps_lock import (  # noqa: F401 - app_env is a fixture
 )
 from .support.proxy import HoldingProxy
 from .support.tasks import EventCapture
+
+
+@pytest.fixture
+def app_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
+    """The workers' environment, filled in by the test (see ``support.keeps_lock.knobs``)."""
+    yield from knobs()
+
 
 LIVENESS_TTL = 2.0
 #: Seconds from publish until a message with ``expires`` expires (its copy is discarded then).

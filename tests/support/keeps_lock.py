@@ -8,6 +8,7 @@ test says which worker gets a submission), their run records, and
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import re
@@ -18,7 +19,6 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
-import pytest
 import redis
 from celery.result import AsyncResult
 
@@ -47,9 +47,9 @@ def load_app(redis_server: RedisServer, **env: str) -> ModuleType:
     return importlib.import_module(APP)
 
 
-@pytest.fixture
-def app_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
-    """The workers' environment (the test fills it in); the knobs are cleared afterwards."""
+def knobs() -> Iterator[dict[str, str]]:
+    """Body of the test modules' ``app_env`` fixture: the workers' environment (the test
+    fills it in); the app's knobs are cleared afterwards."""
     env: dict[str, str] = {}
     yield env
     for name in KNOBS:
@@ -178,7 +178,7 @@ class KeyWatch:
             return False
         first, last = before[-1], after[0]
         span = looks[first:last + 1]
-        gaps = [b[0] - a[1] for a, b in zip(span, span[1:])]
+        gaps = [b[0] - a[1] for a, b in itertools.pairwise(span)]
         if max(gaps, default=0) >= ttl:
             return False
         # Deleting looks: the first may have found (and deleted) it; no later one may.

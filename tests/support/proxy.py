@@ -4,8 +4,9 @@ TCP orders bytes within one connection, never across two: a command written on
 one connection can reach the server after a command written later on another.
 :class:`HoldingProxy` makes that happen on purpose. It relays bytes both ways;
 while *holding*, it keeps what clients send on a connection (in order) from the
-first chunk that names a given text on, instead of forwarding it; :meth:`HoldingProxy.let_go` then forwards the held bytes of the
-connections it is given first, each one only after the server answered the
+first chunk that names a given text on, instead of forwarding it;
+:meth:`HoldingProxy.let_go` then forwards the held bytes of the connections it
+is given first, each one only after the server answered the
 previous one, and the rest in the order they arrived. Nothing is dropped or
 altered; only the moment bytes reach the server changes, as with a slow network.
 """
