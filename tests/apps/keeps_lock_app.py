@@ -20,6 +20,8 @@ database (db 3) holds, written by the workers:
   at its end (task id, node, pid, fence, retries, start, end, ``lost_at``: when
   ``task.singleton.lost`` first read True); ``inflight:<key>`` counts the runs in
   flight and ``overlap:<key>`` the starts that found another run in flight;
+* ``revoked:<task id>``: each delivery of that id that Celery discarded as revoked or
+  expired (its ``task_revoked`` signal);
 * ``passes:<task id>``: each ``ensure_held()`` that passed in :func:`guarded`, as
   ``[before, after]`` times around the call.
 
@@ -36,7 +38,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun, task_prerun
+from celery.signals import task_postrun, task_prerun, task_revoked
 
 from celery_singleton_beat import LockLost, SingletonTask
 
@@ -101,6 +103,15 @@ def _after(task_id: str | None = None, task: Any = None, args: Any = None, kwarg
     records().rpush(f"calls:{key}", json.dumps({
         "task_id": task_id, "node": task.request.hostname, "pid": os.getpid(), "state": state,
         "prerun": _prerun.pop(task_id, None), "postrun": time.time()}))
+
+
+@task_revoked.connect(weak=False)  # type: ignore[untyped-decorator]
+def _discarded(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+    task_id = getattr(request, "id", None)
+    if task_id is None or getattr(sender, "app", None) is not app:
+        return
+    records().rpush(f"revoked:{task_id}", json.dumps({"node": getattr(request, "hostname", None),
+                                                      "expired": bool(expired), "at": time.time()}))
 
 
 # -------------------------------------------------------------------- runs
