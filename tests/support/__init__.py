@@ -12,6 +12,8 @@ underneath is :mod:`harness`, shared with the benchmarks and the demo.
 * :mod:`.processes`: ``CeleryProcess``, ``start_worker``, ``TestProcess``, ``child_env``, ``run_command``.
 * :mod:`.topologies`: TLS, ACL, Cluster and Sentinel topologies on loopback.
 * :mod:`.tasks`: the task apps and their run records, ``EventCapture``.
+* :mod:`.keeps_lock`: the keeps-lock tests' app, records and ``KeyWatch`` (a key provably absent).
+* :mod:`.proxy`: ``HoldingProxy``, a loopback TCP relay that reorders two connections' commands.
 * :mod:`.beat`: real beats, in-process schedulers with a manual clock.
 * :mod:`.dbbeat`: django-celery-beat rows, database schedulers and their beats.
 * :mod:`.slots`: ``UTC``, ``utc()``, slot labels.
