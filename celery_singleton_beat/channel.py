@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
+import socket
 import threading
 import time
 import weakref
@@ -42,6 +42,7 @@ from typing import Any, TypeGuard
 
 import redis
 
+from . import native
 from .events import logger
 from .server import server_of
 from .wire import BROKEN, RETRIED, Request, Written, _NoScript, ensure_checked, read_replies, write_request
@@ -53,6 +54,12 @@ ReplyHandler = Callable[[Any, BaseException | None], None]
 
 #: Seconds after which a pending reply is read even if no next request comes.
 FLUSH_AFTER = 0.1
+#: A connection idle for this long is checked (one non-blocking peek, a system call)
+#: before it is written to: a release written onto a connection the server closed
+#: (a restart during the run) would only be found out, and sent again, when its
+#: reply is read -- up to FLUSH_AFTER later, while others see the lock held. Runs
+#: shorter than this skip the check; the flusher still sends their release again.
+IDLE_CHECK = 0.02
 
 
 class _Pending:
@@ -83,6 +90,8 @@ class Channel:
         self._connection: Any = None
         #: The connection has carried a request (so the server may have closed it since).
         self._used = False
+        #: Monotonic time of the last reply read (or of connecting).
+        self._last_read = 0.0
         self._pending: deque[_Pending] = deque()
         #: True while the flusher thread watches this channel (set and cleared by it).
         self.watched = False
@@ -114,6 +123,7 @@ class Channel:
                     if failed:  # SCRIPT FLUSH: earlier releases ran after this request, so redo both
                         self._redo(connection, [entry for entry in failed if entry.on_reply is not _ignore])
                         result = read_replies(connection, write_request(connection, request))
+                    self._last_read = time.monotonic()
                     return result
                 except RETRIED:
                     self._reset("call", retry=True)
@@ -159,6 +169,7 @@ class Channel:
             try:
                 connection = self._connect()
                 self._redo(connection, self._read_pending(connection))
+                self._last_read = time.monotonic()
             except RETRIED:
                 self._reset("flush", retry=True)
             except BROKEN:
@@ -190,11 +201,15 @@ class Channel:
     # ----------------------------------------------------------------- internals
 
     def _connect(self) -> Any:
+        if self._connection is not None and self._used and not self._pending \
+                and time.monotonic() - self._last_read > IDLE_CHECK and _closed_by_server(self._connection):
+            self._drop()  # a restart or a proxy closed it while it was idle: a new one
         if self._connection is None:
             self._connection = self._pool.make_connection()
             self._used = False
         if getattr(self._connection, "_sock", None) is None:
             self._used = False
+            self._last_read = time.monotonic()
         ensure_checked(self._connection, server_of(self._client))
         return self._connection
 
@@ -285,6 +300,21 @@ def _deliver_all(entries: list[_Pending], error: BaseException) -> None:
         _deliver(entry.on_reply, None, error)
 
 
+def _closed_by_server(connection: Any) -> bool:
+    """One non-blocking peek: True if the server closed ``connection`` (EOF or an error)."""
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        return True
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"")
+    except (BlockingIOError, InterruptedError):
+        return False  # nothing to read: open
+    except OSError:
+        return True
+    except Exception:  # an SSL socket refuses flags: leave it to the retry on error
+        return False
+
+
 def _ignore(reply: Any, error: BaseException | None) -> None:
     """The handler of nothing: marks a request run again by :meth:`Channel.call` itself."""
 
@@ -364,15 +394,6 @@ def _flusher() -> _Flusher:
     return flusher
 
 
-def _green() -> bool:
-    """True when gevent or eventlet patched the sockets (greenlet pools)."""
-    gevent = sys.modules.get("gevent.monkey")
-    if gevent is not None and gevent.is_module_patched("socket"):
-        return True
-    eventlet = sys.modules.get("eventlet.patcher")
-    return eventlet is not None and bool(eventlet.is_monkey_patched("socket"))
-
-
 def supports_channel(client: Any) -> TypeGuard[redis.Redis]:
     """True for clients whose lock requests go through a :class:`Channel`.
 
@@ -381,7 +402,7 @@ def supports_channel(client: Any) -> TypeGuard[redis.Redis]:
     """
     return (isinstance(client, redis.Redis)
             and type(client.connection_pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
-            and not _green())
+            and not native.green())
 
 
 _local = threading.local()

@@ -61,6 +61,12 @@ def is_alive(client: Any, prefix: str, boot: str) -> bool:
     return boot == _boot_id or bool(client.exists(live_key(prefix, boot)))
 
 
+def _first_reply(replies: list[Any]) -> Any:
+    if isinstance(replies[0], Exception):
+        raise replies[0]
+    return replies[0]
+
+
 class Heartbeat:
     """Keeps this incarnation's liveness key alive from a daemon thread.
 
@@ -85,8 +91,17 @@ class Heartbeat:
         self.beats = 0
 
     def beat(self, client: Any = None) -> bool:
-        """Write the key once; False when an earlier write of it had lapsed."""
-        previous = (client or self.client).set(self.key, self.value, px=self.ttl_ms, get=True)
+        """Write the key once; False when an earlier write of it had lapsed.
+
+        Sent like the lock requests (:mod:`.wire`), so that the connection is
+        checked as theirs are: the worker's main process learns which server
+        it uses before the pool forks, and its pool processes inherit that
+        (how they tell a restart of that server, see :mod:`.server`).
+        """
+        from .wire import Request, run_pooled
+
+        previous = run_pooled(client or self.client, self.key,
+                              Request([(b"SET", self.key, self.value, b"PX", self.ttl_ms, b"GET")], _first_reply))
         lapsed = self.beats > 0 and previous is None
         self.beats += 1
         return not lapsed
