@@ -80,6 +80,11 @@ _PEER_OPTIONS = {
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
 
 
+def _defined_on(cls: type, attribute: str) -> bool:
+    """``hasattr`` without running descriptors (``Task.app`` would bind the class to an app)."""
+    return any(attribute in vars(klass) for klass in cls.__mro__)
+
+
 def _one_typo_apart(a: str, b: str) -> bool:
     """True if ``a`` becomes ``b`` by one edit: a character added, dropped or replaced,
     or two neighbouring characters swapped."""
@@ -167,7 +172,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         real typo is usually one keystroke, and a wrong guess would refuse a
         valid task.
         """
-        if attribute.startswith("_") or attribute in OPTIONS or hasattr(SingletonTask, attribute):
+        if attribute.startswith("_") or attribute in OPTIONS or _defined_on(SingletonTask, attribute):
             return None
         if attribute in _PEER_OPTIONS:
             library, instead = _PEER_OPTIONS[attribute]

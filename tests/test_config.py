@@ -85,6 +85,17 @@ def test_a_misspelt_singleton_option_fails_at_registration_with_a_suggestion(
     assert str(info.value).startswith("task proj.sync: ") and message in str(info.value)
 
 
+def test_checking_options_leaves_the_base_class_unbound(app: Celery) -> None:
+    """Looking at a task's attributes must not bind ``SingletonTask`` itself to an app
+    (``Task.app`` is a property that does): every later task would inherit that app's
+    ``acks_late``, ``store_eager_result``, ... instead of reading its own app's."""
+    @app.task(base=SingletonTask, name="proj.sync", shared=False, queue="q", lock_name="x")
+    def sync(customer_id: int) -> None: ...
+
+    app.finalize()
+    assert "_app" not in vars(SingletonTask) and "acks_late" not in vars(SingletonTask)
+
+
 def test_a_misspelt_option_of_a_task_class_fails_too(app: Celery) -> None:
     class Base(SingletonTask):
         lock_tll = 5
