@@ -82,10 +82,10 @@ class ConflictOutcomes(Task):
         except Retry as retry:
             if retry.sig is None or not getattr(retry.exc, _EAGER_RETRY, False):
                 raise
-            return retry.sig.apply()  # type: ignore[no-any-return]
+            return retry.sig.apply()
         if result.state == states.IGNORED and isinstance(result.result, _Skip):
             return _revoked(result, result.result.skipped)
-        return result  # type: ignore[no-any-return]
+        return result
 
     def _wait_for_original(self, key: str, holder: Holder) -> None:
         """Another delivery of a message whose original still runs on a live worker.

@@ -1,4 +1,4 @@
-"""``task.singleton``: what a running :class:`~celery_singleton_beat.task.SingletonTask` knows of its lock."""
+"""``task.singleton_run``: what a running :class:`~celery_singleton_beat.task.SingletonTask` knows of its lock."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ __all__ = ["SingletonRun"]
 
 
 class SingletonRun:
-    """What a running task knows about its lock: ``task.singleton`` in the body.
+    """What a running task knows about its lock: ``self.singleton_run`` in the body.
 
     ``fence`` is a number that grows with every acquisition of this key: pass it
     to a downstream store that rejects writes carrying a smaller one, and a run
@@ -35,9 +35,13 @@ class SingletonRun:
         """The fencing token of this run's lease (None when running unlocked)."""
         return self._kept.lease.fence if self._kept is not None else None
 
-    def ensure_held(self) -> None:
-        """Raise :class:`LockLost` if the lease is gone; call before irreversible work."""
+    def ensure_held(self) -> int:
+        """Raise :class:`LockLost` if the lease is gone; call before irreversible work.
+
+        Returns the fencing token (:attr:`fence`), typed ``int``: the lease is held.
+        """
         if self._kept is None:
             raise LockLost(self.key, "the run holds no lock (Redis was unavailable, fail-open)")
         if self._kept.lost:
             raise LockLost(self.key, self._kept.lost_reason or "lost")
+        return self._kept.lease.fence

@@ -91,11 +91,11 @@ def _one_typo_apart(a: str, b: str) -> bool:
     if abs(len(a) - len(b)) > 1 or a == b:
         return False
     if len(a) == len(b):
-        differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
         return len(differ) == 1 or (len(differ) == 2 and differ[1] == differ[0] + 1
                                     and a[differ[0]] == b[differ[1]] and a[differ[1]] == b[differ[0]])
     short, long = (a, b) if len(a) < len(b) else (b, a)
-    i = next((i for i, (x, y) in enumerate(zip(short, long)) if x != y), len(short))
+    i = next((i for i, (x, y) in enumerate(zip(short, long, strict=False)) if x != y), len(short))
     return short[i:] == long[i + 1:]
 
 
@@ -215,6 +215,21 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
     def singleton(self) -> SingletonRun | None:
         """The lock of the current run (None outside a run or when called directly)."""
         return getattr(self.request, "singleton", None)
+
+    @property
+    def singleton_run(self) -> SingletonRun:
+        """The lock of the current run, for the body: ``self.singleton_run.ensure_held()``.
+
+        :attr:`singleton` without the ``None``, so typed code needs no check.
+        Raises ``RuntimeError`` where there is no run: outside a task body, or in
+        a body called directly as a plain function (``task(...)``, no lock taken).
+        """
+        run = getattr(self.request, "singleton", None)
+        if run is None:
+            where = "outside a run" if self.request_stack.top is None else "called directly (no lock is taken)"
+            raise RuntimeError(f"{self.name}: no singleton run: the task is {where}; "
+                               f"use apply()/delay() to run it with its lock")
+        return run  # type: ignore[no-any-return]  # request fields are Any to mypy
 
     # -- run --------------------------------------------------------------
 

@@ -69,6 +69,21 @@ def test_called_directly_runs_the_body_without_a_lock(eager_app: Celery, locks: 
     assert job(1) == (None, [])
 
 
+def test_singleton_run_is_the_runs_lock_and_says_where_there_is_none(eager_app: Celery) -> None:
+    """The typed accessor of the body (README Usage); ``singleton`` keeps working."""
+    @eager_app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, x: int) -> tuple[bool, int, int | None]:
+        run = self.singleton_run
+        return run is self.singleton, run.ensure_held(), run.fence
+
+    same, fence, expected = job.delay(1).get()
+    assert same and fence == expected and isinstance(fence, int)
+    with pytest.raises(RuntimeError, match=r"no singleton run: the task is called directly \(no lock"):
+        job(1)
+    with pytest.raises(RuntimeError, match="no singleton run: the task is outside a run"):
+        job.singleton_run  # noqa: B018
+
+
 def test_eager_with_redis_down_fails_closed_with_a_clear_error() -> None:
     app = Celery("down", broker="memory://", set_as_current=False)
     app.conf.update(task_always_eager=True, task_eager_propagates=True,
