@@ -154,6 +154,39 @@ def test_an_eager_skip_is_what_a_worker_records(eager_app: Celery, locks: redis.
     assert lease.release()
 
 
+def test_a_skip_has_one_name_on_every_surface(eager_app: Celery, locks: redis.Redis, on_log_line: object) -> None:
+    """README "One skip, the name on each surface": "skipped" wherever the library
+    names it, REVOKED where Celery needs a ready state, SKIPPED where Celery's event
+    state derives it from the event name, "ignored" in Celery's own trace line."""
+    from celery.events.state import State
+
+    @eager_app.task(base=SingletonTask, shared=False, name="proj.job")
+    def job(x: int) -> int:
+        return x
+
+    ours = on_log_line("skipped: duplicate of task holder", lambda n: None)  # type: ignore[operator]
+    celerys, trace = _OnLine("Task proj.job[", lambda n: None), logging.getLogger("celery.app.trace")
+    level = trace.level
+    trace.addHandler(celerys)
+    trace.setLevel(logging.INFO)
+    lease = hold(locks, job, 1)
+    try:
+        result = job.delay(1)
+    finally:
+        trace.removeHandler(celerys)
+        trace.setLevel(level)
+        lease.release()
+    assert result.state == states.REVOKED and isinstance(result.result, TaskSkipped)  # IGNORED before
+    assert "skipped, duplicate of task holder" in str(result.result)
+    assert ours.seen == 1
+    assert [text for at, text in celerys.messages] == [f"Task proj.job[{result.id}] ignored"]
+    assert locks.hget(job.singleton_stats_key(), "skipped") == b"1"
+    flower = State()  # what Flower keeps of the events: task-skipped -> SKIPPED
+    flower.event({"type": "task-skipped", "uuid": result.id, "hostname": "w1", "timestamp": time.time(),
+                  "local_received": time.time(), "clock": 1})
+    assert flower.tasks[result.id].state == "SKIPPED"
+
+
 def test_an_eager_chain_stops_at_a_skipped_step(eager_app: Celery, locks: redis.Redis) -> None:
     after: list[object] = []
 
@@ -193,11 +226,14 @@ class _OnLine(logging.Handler):
         super().__init__()
         self.text, self.action, self.seen = text, action, 0
         self.records: list[tuple[float, tuple[object, ...]]] = []
+        self.messages: list[tuple[float, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
+        message = record.getMessage()
+        if self.text in message:
             self.seen += 1
             self.records.append((time.monotonic(), tuple(record.args or ())))
+            self.messages.append((time.monotonic(), message))
             self.action(self.seen)  # type: ignore[operator]
 
     def countdown(self, index: int) -> tuple[float, float]:
