@@ -9,6 +9,14 @@
 * Redis cannot be asked: fail closed (retry with back-off, no cap; when the
   retry cannot be published either, wait in the worker until Redis answers)
   or, with ``singleton_fail_open``, run without the lock.
+
+Eager runs (``apply()``, ``task_always_eager``) end as a worker's would, so a
+test in eager mode sees what production sees: a skip is an ``EagerResult`` in
+state ``REVOKED`` whose ``.get()`` raises :class:`~.exceptions.TaskSkipped`
+(Celery's tracer knows no such ending: the run raises ``Ignore`` and
+:meth:`ConflictOutcomes.apply` turns the ``IGNORED`` result into that), and a
+retry waits out its back-off in the caller's process before the next attempt,
+up to ``max_retries``, where Celery would run it again at once.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ from __future__ import annotations
 import random
 import sys
 import time
+from typing import Any
 
 from celery import Task, states
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, Retry
+from celery.result import EagerResult
 
 from .config import get_settings
 from .events import TASK_SKIPPED, logger, send_task_event
@@ -28,9 +38,55 @@ from .run import SingletonRun
 
 __all__ = ["ConflictOutcomes"]
 
+#: Set on the DuplicateTaskError of an eager conflict retry, to tell it from other retries.
+_EAGER_RETRY = "_singleton_eager_retry"
+
+
+class _Skip(Ignore):
+    """Ends the run of a skipped duplicate; carries what callers get (``TaskSkipped``).
+
+    Rebuilt from its ``args`` when a pool child sends it to the worker's main
+    process (pickle), so ``args`` is exactly the constructor's argument.
+    """
+
+    def __init__(self, skipped: TaskSkipped) -> None:
+        super().__init__(skipped)
+        self.skipped = skipped
+
+    def __str__(self) -> str:
+        return f"duplicate of {self.skipped.holder_task_id}"
+
+
+def _revoked(result: EagerResult, skipped: TaskSkipped) -> EagerResult:
+    """``result`` of an eager skip as a worker records it: ``REVOKED`` with ``TaskSkipped``."""
+    try:
+        return EagerResult(result.id, skipped, states.REVOKED, name=getattr(result, "name", None))
+    except TypeError:  # Celery < 5.5: eager results have no name
+        return EagerResult(result.id, skipped, states.REVOKED)
+
 
 class ConflictOutcomes(Task):
     """The endings of a run that did not get its lock; the base of ``SingletonTask``."""
+
+    def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> EagerResult:
+        """Run eagerly (Celery's ``apply``); a skip or a conflict retry ends as on a worker.
+
+        A skipped duplicate returns an ``EagerResult`` in state ``REVOKED`` whose
+        ``.get()`` raises :class:`~.exceptions.TaskSkipped`, with or without
+        ``task_eager_propagates`` (a skip is an outcome, not an error of the
+        caller: it is not raised here). With ``task_eager_propagates`` Celery
+        raises an eager ``Retry`` to the caller instead of running it again; a
+        conflict retry (which waited out its back-off already) runs again here.
+        """
+        try:
+            result = super().apply(args, kwargs, **options)
+        except Retry as retry:
+            if retry.sig is None or not getattr(retry.exc, _EAGER_RETRY, False):
+                raise
+            return retry.sig.apply()
+        if result.state == states.IGNORED and isinstance(result.result, _Skip):
+            return _revoked(result, result.result.skipped)
+        return result
 
     def _wait_for_original(self, key: str, holder: Holder) -> None:
         """Another delivery of a message whose original still runs on a live worker.
@@ -118,17 +174,38 @@ class ConflictOutcomes(Task):
             logger.info("%s[%s] refused: %s holds %s", self.name, request.id, describe_holder(holder), key)
             raise DuplicateTaskError(self.name, key, holder_id)
         if self.on_conflict == "retry":
-            countdown = self._backoff(request.retries or 0)
-            logger.info("%s[%s] waits %.1fs: %s holds %s", self.name, request.id, countdown,
-                        describe_holder(holder), key)
-            raise self.retry(exc=DuplicateTaskError(self.name, key, holder_id), countdown=countdown)
+            self._retry_later(key, holder)
         logger.info("%s[%s] skipped: duplicate of %s holding %s",
                     self.name, request.id, describe_holder(holder), key)
         send_task_event(self, TASK_SKIPPED, holder_task_id=holder_id, key=key,
                         holder_node=holder.node if holder else None)
-        if not request.is_eager:
-            self._store_skipped(TaskSkipped(self.name, key, holder_id))
-        raise Ignore(f"duplicate of {holder_id}")
+        skipped = TaskSkipped(self.name, key, holder_id)
+        if not request.is_eager or self.store_eager_result:
+            self._store_skipped(skipped)
+        raise _Skip(skipped)
+
+    def _retry_later(self, key: str, holder: Holder | None) -> None:
+        """``on_conflict="retry"``: the run is retried after a back-off; always raises.
+
+        Once ``max_retries`` is spent, Celery's ``retry()`` raises the
+        :class:`DuplicateTaskError` itself (``FAILURE``), without a wait. An eager
+        run waits out the back-off here, in the caller's process, as its message
+        would wait in the broker.
+        """
+        request = self.request
+        retries = request.retries or 0
+        error = DuplicateTaskError(self.name, key, holder.task_id if holder else None)
+        countdown = self._backoff(retries)
+        if self.max_retries is not None and retries + 1 > self.max_retries:
+            logger.info("%s[%s] refused after %d retries: %s holds %s", self.name, request.id, retries,
+                        describe_holder(holder), key)
+        else:
+            logger.info("%s[%s] waits %.1fs: %s holds %s", self.name, request.id, countdown,
+                        describe_holder(holder), key)
+            if request.is_eager:
+                setattr(error, _EAGER_RETRY, True)
+                time.sleep(countdown)
+        raise self.retry(exc=error, countdown=countdown)
 
     def _store_skipped(self, exc: TaskSkipped) -> None:
         """Record a skip as ``REVOKED`` so callers, chains and chords see an end.

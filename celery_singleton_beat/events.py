@@ -34,7 +34,8 @@ __all__ = [
 #: The library's single logger; every decision is one line on it.
 logger = logging.getLogger("celery_singleton_beat")
 
-#: Result/Flower state of a run skipped because another run held its lock.
+#: Flower's state of a run skipped because another run held its lock, derived by Celery's
+#: event state from the ``task-skipped`` event; the result backend stores ``REVOKED``.
 SKIPPED = "SKIPPED"
 #: Task event of a skipped duplicate; fields: holder_task_id, key, holder_node, result.
 TASK_SKIPPED = "task-skipped"

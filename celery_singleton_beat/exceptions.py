@@ -89,8 +89,8 @@ class TaskSkipped(TaskRevokedError, SingletonError):
 class LockLost(SingletonError):
     """The run's lease ended before the run did (expired, deleted or taken over).
 
-    Raised by ``task.singleton.ensure_held()``; code that writes downstream can
-    call it before committing, or pass ``task.singleton.fence`` to a store that
+    Raised by ``task.singleton_run.ensure_held()``; code that writes downstream can
+    call it before committing, or pass ``task.singleton_run.fence`` to a store that
     rejects stale fencing tokens.
     """
 

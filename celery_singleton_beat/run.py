@@ -1,4 +1,4 @@
-"""``task.singleton``: what a running :class:`~celery_singleton_beat.task.SingletonTask` knows of its lock."""
+"""``task.singleton_run``: what a running :class:`~celery_singleton_beat.task.SingletonTask` knows of its lock."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ __all__ = ["SingletonRun"]
 
 
 class SingletonRun:
-    """What a running task knows about its lock: ``task.singleton`` in the body.
+    """What a running task knows about its lock: ``self.singleton_run`` in the body.
 
     ``fence`` is a number that grows with every acquisition of this key: pass it
     to a downstream store that rejects writes carrying a smaller one, and a run
@@ -39,9 +39,10 @@ class SingletonRun:
         """The fencing token of this run's lease (None when running unlocked)."""
         return self._kept.lease.fence if self._kept is not None else None
 
-    def ensure_held(self) -> None:
+    def ensure_held(self) -> int:
         """Raise :class:`LockLost` unless the run can vouch for its lease; call before irreversible work.
 
+        Returns the fencing token (:attr:`fence`), typed ``int``: the lease is held.
         The lease is vouched for until the earliest moment another worker could
         take it over after its last renewal (see ``docs/design.md``). Past that
         -- a pause of this process, or Redis unreachable from it -- this raises
@@ -57,3 +58,4 @@ class SingletonRun:
         if late >= 0:
             raise LockLost(self.key, f"not renewed for {kept.lease.spec.grace + late:.1f}s: another worker "
                                      f"may hold it (this process was paused, or Redis did not answer)")
+        return kept.lease.fence

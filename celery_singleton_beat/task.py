@@ -64,7 +64,7 @@ from .lock import AcquireResult, LockSpec, acquire
 from .publish import PublishClaims, delay_of
 from .run import SingletonRun
 
-__all__ = ["LOCK_MODES", "ON_CONFLICT", "SingletonRun", "SingletonTask"]
+__all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "SingletonRun", "SingletonTask"]
 
 
 def _has_followers(request: Context) -> bool:
@@ -74,8 +74,35 @@ def _has_followers(request: Context) -> bool:
 
 LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
+#: The task options of SingletonTask (checked at registration, typos included).
+OPTIONS = ("unique_on", "lock_ttl", "lock_mode", "on_conflict")
+#: Options of the libraries teams switch from (docs/migrating.md): library, what to use here.
+_PEER_OPTIONS = {
+    "lock_expiry": ("celery-singleton", "lock_ttl"),
+    "raise_on_duplicate": ("celery-singleton", "on_conflict='raise'"),
+    "once": ("celery-once", "lock_mode='until_executed' (with on_conflict='raise' for AlreadyQueued)"),
+}
 #: Counter bumped when a run finds its lock held, by ``on_conflict``.
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
+
+
+def _defined_on(cls: type, attribute: str) -> bool:
+    """``hasattr`` without running descriptors (``Task.app`` would bind the class to an app)."""
+    return any(attribute in vars(klass) for klass in cls.__mro__)
+
+
+def _one_typo_apart(a: str, b: str) -> bool:
+    """True if ``a`` becomes ``b`` by one edit: a character added, dropped or replaced,
+    or two neighbouring characters swapped."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        return len(differ) == 1 or (len(differ) == 2 and differ[1] == differ[0] + 1
+                                    and a[differ[0]] == b[differ[1]] and a[differ[1]] == b[differ[0]])
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    i = next((i for i, (x, y) in enumerate(zip(short, long, strict=False)) if x != y), len(short))
+    return short[i:] == long[i + 1:]
 
 
 class SingletonTask(ConflictOutcomes, PublishClaims):
@@ -132,6 +159,35 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
             check_unique_on(name, task_signature(cls), cls.unique_on)
         except ValueError as exc:
             raise bad("unique_on", str(exc)) from None
+        for klass in cls.__mro__:  # the task's own class and those between it and SingletonTask
+            if klass is SingletonTask:
+                break
+            for attribute in vars(klass):
+                hint = cls._singleton_looking(attribute)
+                if hint is not None:
+                    raise ImproperlyConfigured(f"task {name}: {hint}")
+
+    @staticmethod
+    def _singleton_looking(attribute: str) -> str | None:
+        """What to say about a task attribute that looks like a misspelt option, else None.
+
+        A misspelling is one typo away from an option name (a character added,
+        dropped or replaced, two neighbours swapped; case and ``-`` ignored), or
+        a peer library's option name. Celery's own task attributes, private names
+        and anything further away (a user's own attributes) are left alone: a
+        real typo is usually one keystroke, and a wrong guess would refuse a
+        valid task.
+        """
+        if attribute.startswith("_") or attribute in OPTIONS or _defined_on(SingletonTask, attribute):
+            return None
+        if attribute in _PEER_OPTIONS:
+            library, instead = _PEER_OPTIONS[attribute]
+            return f"{attribute} is {library}'s option; did you mean {instead}? (docs/migrating.md)"
+        spelt = attribute.lower().replace("-", "_")
+        for option in OPTIONS:
+            if spelt == option or _one_typo_apart(spelt, option):
+                return f"unknown option {attribute}; did you mean {option}?"
+        return None
 
     # -- keys and settings ------------------------------------------------
 
@@ -165,6 +221,21 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
     def singleton(self) -> SingletonRun | None:
         """The lock of the current run (None outside a run or when called directly)."""
         return getattr(self.request, "singleton", None)
+
+    @property
+    def singleton_run(self) -> SingletonRun:
+        """The lock of the current run, for the body: ``self.singleton_run.ensure_held()``.
+
+        :attr:`singleton` without the ``None``, so typed code needs no check.
+        Raises ``RuntimeError`` where there is no run: outside a task body, or in
+        a body called directly as a plain function (``task(...)``, no lock taken).
+        """
+        run = getattr(self.request, "singleton", None)
+        if run is None:
+            where = "outside a run" if self.request_stack.top is None else "called directly (no lock is taken)"
+            raise RuntimeError(f"{self.name}: no singleton run: the task is {where}; "
+                               f"use apply()/delay() to run it with its lock")
+        return run  # type: ignore[no-any-return]  # request fields are Any to mypy
 
     # -- run --------------------------------------------------------------
 

@@ -57,6 +57,83 @@ def test_good_options_register(app: Celery) -> None:
 
 
 @pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"uniqe_on": ["customer_id"]}, "unknown option uniqe_on; did you mean unique_on?"),
+        ({"lock_tll": 5}, "unknown option lock_tll; did you mean lock_ttl?"),
+        ({"lockttl": 5}, "unknown option lockttl; did you mean lock_ttl?"),
+        ({"Lock_TTL": 5}, "unknown option Lock_TTL; did you mean lock_ttl?"),
+        ({"on_conflcit": "raise"}, "unknown option on_conflcit; did you mean on_conflict?"),
+        ({"lock_modes": "until_executed"}, "unknown option lock_modes; did you mean lock_mode?"),
+        ({"unique_onn": []}, "unknown option unique_onn; did you mean unique_on?"),
+        # The peers' names, for a team switching from them (docs/migrating.md).
+        ({"lock_expiry": 600}, "lock_expiry is celery-singleton's option; did you mean lock_ttl?"),
+        ({"raise_on_duplicate": True}, "raise_on_duplicate is celery-singleton's option; "
+                                       "did you mean on_conflict='raise'?"),
+        ({"once": {"graceful": True}}, "once is celery-once's option; did you mean lock_mode="),
+    ],
+)
+def test_a_misspelt_singleton_option_fails_at_registration_with_a_suggestion(
+    app: Celery, options: dict, message: str
+) -> None:
+    """Issue 22: ``@app.task(base=SingletonTask, uniqe_on=[...], lock_tll=5)`` was accepted and ignored."""
+    with pytest.raises(ImproperlyConfigured) as info:
+        @app.task(base=SingletonTask, name="proj.sync", shared=False, **options)
+        def sync(customer_id: int, verbose: bool = False) -> None: ...
+
+        app.finalize()
+    assert str(info.value).startswith("task proj.sync: ") and message in str(info.value)
+
+
+def test_checking_options_leaves_the_base_class_unbound(app: Celery) -> None:
+    """Looking at a task's attributes must not bind ``SingletonTask`` itself to an app
+    (``Task.app`` is a property that does): every later task would inherit that app's
+    ``acks_late``, ``store_eager_result``, ... instead of reading its own app's."""
+    @app.task(base=SingletonTask, name="proj.sync", shared=False, queue="q", lock_name="x")
+    def sync(customer_id: int) -> None: ...
+
+    app.finalize()
+    assert "_app" not in vars(SingletonTask) and "acks_late" not in vars(SingletonTask)
+
+
+def test_a_misspelt_option_of_a_task_class_fails_too(app: Celery) -> None:
+    class Base(SingletonTask):
+        lock_tll = 5
+
+    with pytest.raises(ImproperlyConfigured, match=r"unknown option lock_tll; did you mean lock_ttl\?"):
+        @app.task(base=Base, name="proj.sync", shared=False)
+        def sync(customer_id: int) -> None: ...
+
+        app.finalize()
+
+
+def test_celery_options_and_own_attributes_are_not_taken_for_typos(app: Celery) -> None:
+    """Celery's own task options, and attributes of a user's own that are more than one
+    typo away from an option name, register (and keep their values)."""
+    celery_options = {
+        "max_retries": 5, "default_retry_delay": 1, "acks_late": True, "acks_on_failure_or_timeout": True,
+        "reject_on_worker_lost": True, "autoretry_for": (ValueError,), "retry_backoff": True, "retry_backoff_max": 10,
+        "retry_jitter": False, "rate_limit": "10/m", "time_limit": 30, "soft_time_limit": 20, "ignore_result": True,
+        "store_errors_even_if_ignored": True, "track_started": True, "typing": True, "serializer": "json",
+        "queue": "singles", "priority": 3, "expires": 60, "trail": False, "throws": (KeyError,),
+        "store_eager_result": True, "resultrepr_maxsize": 512,
+    }
+    own = {"lock_name": "sync", "lock_key": "k", "unique_id": "c", "lock_timeout": 5, "conflicts": 0,
+           "ttl": 3, "mode": "x", "uniq": True, "lock_owner": "team-a"}
+
+    @app.task(base=SingletonTask, name="proj.sync", shared=False, unique_on=["customer_id"], lock_ttl=5,
+              bind=True, **celery_options, **own)
+    def sync(self: SingletonTask, customer_id: int) -> None: ...
+
+    app.finalize()
+    task = app.tasks["proj.sync"]
+    assert all(getattr(task, name) == value for name, value in {**celery_options, **own}.items())
+    for name in dir(Celery("probe", set_as_current=False).Task):  # every attribute Celery's Task has
+        if not name.startswith("_"):
+            SingletonTask._singleton_looking(name) is None or pytest.fail(f"Celery's {name} taken for a typo")
+
+
+@pytest.mark.parametrize(
     ("setting", "value", "message"),
     [
         ("singleton_redis_url", "amqp://guest@localhost//", "must be a Redis URL"),

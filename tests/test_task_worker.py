@@ -59,6 +59,8 @@ def test_skipped_duplicate_is_logged_stored_and_sent_as_an_event(
     assert event["uuid"] == duplicate.id
     assert event["holder_task_id"] == holder.id and event["key"] == duplicate.result.key
     worker.wait_for_log(f"skipped: duplicate of task {holder.id}")
+    # Celery's own trace line for any run that ends with Ignore (README: the name on each surface).
+    worker.wait_for_log(f"Task tests.apps.tasks_app.work[{duplicate.id}] ignored")
     records.delete("hold:k")
     assert holder.get(timeout=30) == "k"
 

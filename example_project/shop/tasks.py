@@ -92,18 +92,14 @@ def build_sales_report(self: SingletonTask) -> dict[str, Any]:
     token than one it has seen.
     """
     journal.record_execution(self)
-    run = self.singleton
-    if run is None:
-        raise RuntimeError("build_sales_report needs its lock: run it on a worker or with apply()")
     total = 0
     for chunk in range(REPORT_CHUNKS):
         time.sleep(REPORT_CHUNK_SECONDS)  # one slow aggregate query
         total += 100 + chunk
-    run.ensure_held()  # a held lease has a fencing token
-    assert run.fence is not None
+    fence = self.singleton_run.ensure_held()  # the fencing token of a lease still held
     report = {"total": total, "built_at": time.time(), "task_id": self.request.id}
-    written = journal.fenced_write("sales", run.fence, report)
-    return {**report, "fence": run.fence, "written": written}
+    written = journal.fenced_write("sales", fence, report)
+    return {**report, "fence": fence, "written": written}
 
 
 @app.task(bind=True, name="shop.release_expired_reservations")
