@@ -12,9 +12,10 @@ from celery import Celery, chain, states
 
 from celery_singleton_beat import DuplicateTaskError, LockUnavailable, SingletonKeyError, SingletonTask, TaskSkipped
 from celery_singleton_beat.client import reset_clients
-from celery_singleton_beat.lock import Lease, acquire, read_holder
+from celery_singleton_beat.lock import Lease, read_holder
 
 from .support import LOCK_DB, RedisServer, free_port
+from .support.locking import take_lock
 from .support.tasks import lock_keys
 
 
@@ -127,7 +128,7 @@ def test_unencodable_argument_in_eager_mode(eager_app: Celery) -> None:
 
 def hold(locks: redis.Redis, task: SingletonTask, *args: object) -> Lease:
     """Take the lock of ``task(*args)`` as another run would (task id ``holder``)."""
-    result = acquire(locks, task.singleton_key(args), 60, task=task.name, task_id="holder")
+    result = take_lock(locks, task.singleton_key(args), 60, task=task.name, task_id="holder")
     assert result.lease is not None
     return result.lease
 
