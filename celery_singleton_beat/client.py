@@ -93,6 +93,9 @@ ACL_COMMANDS: dict[str, tuple[str, ...]] = {
     "beat": ("set", "lpush", "ltrim", "hincrby", "ping"),
     # idle connections' health checks (health_check_interval)
     "health": ("ping",),
+    # the start-up check of workers and beats names the server and its version
+    # (refused, it only costs that line: SET ... GET then decides the version)
+    "startup": ("info",),
     # singleton_wait_replicas > 0
     "wait": ("wait",),
     # Redis Cluster clients discover the slots (and the command table) on start
@@ -109,7 +112,7 @@ def acl_rules(prefix: str = "singleton", *, cluster: bool = False, wait: bool = 
     ``prefix`` is the effective ``singleton_key_prefix`` (with any global key
     prefix in front). Example: ``ACL SETUSER app on >secret`` followed by these.
     """
-    groups = ["locks", "liveness", "beat", "health"]
+    groups = ["locks", "liveness", "beat", "health", "startup"]
     groups += ["wait"] * wait + ["cluster"] * cluster + ["select"] * select
     commands = sorted({command for group in groups for command in ACL_COMMANDS[group]})
     return ["resetkeys", f"~{prefix}:*", "resetchannels", "-@all", *(f"+{c}" for c in commands)]

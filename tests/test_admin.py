@@ -257,7 +257,7 @@ def test_doctor_report(redis_db: redis.Redis, redis_server: RedisServer,
     report = admin.doctor(app_for(redis_server.url(LOCK_DB)))
     assert report.ok and report.exit_code == 0 and report.problems == 0
     assert [(c.name, c.status) for c in report.checks] == [
-        ("configuration", "OK"), ("redis", "OK"), ("version", "OK"), ("lua", "OK"),
+        ("configuration", "OK"), ("redis", "OK"), ("version", "OK"), ("access", "OK"), ("lua", "OK"),
         ("eviction", "OK"), ("expiry", "OK")]
     assert report.settings is not None and report.settings.key_prefix == "singleton"
     assert report.as_json() == {"ok": True, "checks": [c.as_json() for c in report.checks]}

@@ -37,6 +37,15 @@ from celery.exceptions import ImproperlyConfigured
 from ..client import get_redis
 from ..config import SingletonSettings, get_settings, sanitize_redis_url
 from ..events import logger
+from ..startup import (
+    EX_CONFIG,
+    LockRedisDown,
+    LockRedisUnusable,
+    RecheckAfterOutage,
+    ServerInfo,
+    check_lock_redis,
+    refuse_to_start,
+)
 from .anchoring import SlotAnchoring
 from .breaker import Breaker
 from .claims import Claim, ClaimStore
@@ -98,6 +107,9 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         # True while consecutive ticks send due entries (a burst), see schedules_equal.
         self._in_burst = False
         self._burst_compared = False
+        # Set when the claims Redis did not answer at start: checked again from tick.
+        self._recheck: RecheckAfterOutage | None = None
+        self._fatal: int | None = None
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------------------- set-up
@@ -106,18 +118,41 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         super().setup_schedule()
         self._check_entries()
         settings = self.singleton_settings
+        try:
+            server: ServerInfo | None = check_lock_redis(lambda: get_redis(self.app), settings)
+        except LockRedisUnusable as exc:
+            refuse_to_start(f"beat {self.instance_id}", exc)
+        except LockRedisDown as exc:
+            server, down = None, str(exc)
+            self._recheck = RecheckAfterOutage(lambda: get_redis(self.app), settings)
         logger.info(
             "beat: singleton scheduler %s: catch-up %s, %s, pending lease %.1fs, claims in %s",
             self.instance_id, settings.beat_catch_up,
             "fail open" if settings.beat_fails_open else "fail closed",
-            settings.beat_pending_lease, sanitize_redis_url(settings.redis_url),
+            settings.beat_pending_lease,
+            server.describe() if server else sanitize_redis_url(settings.redis_url),
         )
-        try:
-            get_redis(self.app).ping()
-        except redis.RedisError as exc:
-            logger.warning("beat: Redis for slot claims is unreachable at start (%s); "
-                           "due slots are %s until it is", exc,
+        if server is None:
+            logger.warning("beat: %s; due slots are %s until it does", down,
                            "sent unclaimed" if settings.beat_fails_open else "not sent")
+
+    def _recheck_server(self) -> None:
+        """After an outage at start: once the claims Redis answers, check that it can be used.
+
+        A server that answers but cannot be used stops beat with exit code 78
+        (through :meth:`close`, which Celery's beat loop calls last).
+        """
+        assert self._recheck is not None
+        try:
+            server = self._recheck.poll()
+        except LockRedisUnusable as exc:
+            logger.critical("beat %s stops: %s. `celery -A <app> singleton doctor` checks the settings "
+                            "and the server", self.instance_id, exc)
+            self._fatal = EX_CONFIG
+            raise SystemExit(EX_CONFIG) from None
+        if server is not None:
+            self._recheck = None
+            logger.info("beat: claims in %s: answers now", server.describe())
 
     def _check_entries(self) -> None:
         """Reject entries whose singleton option or schedule cannot work (at beat start)."""
@@ -138,7 +173,7 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
     def info(self) -> str:
         settings = self.singleton_settings
         line = (
-            f"    . singleton -> {sanitize_redis_url(settings.redis_url)} "
+            f"    . singleton -> {sanitize_redis_url(settings.redis_url)} ({settings.topology}) "
             f"prefix={settings.key_prefix} instance={self.instance_id} "
             f"catch-up={settings.beat_catch_up} "
             f"{'fail-open' if settings.beat_fails_open else 'fail-closed'}"
@@ -197,6 +232,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         return state
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        if self._recheck is not None:
+            self._recheck_server()
         delay = super().tick(*args, **kwargs)
         if self._retry_names:
             delay = min(delay, self._reschedule_retries())
@@ -213,6 +250,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             if self.handover.marks_due(now):
                 self._mark_sent()
         wake = self.handover.next_wake(time.monotonic())
+        if self._recheck is not None:
+            wake = self._recheck.wait() if wake is None else min(wake, self._recheck.wait())
         return float(delay) if wake is None else min(float(delay), wake)
 
     def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
@@ -239,6 +278,10 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         except redis.RedisError as exc:  # the pending lease covers it
             logger.warning("beat: could not settle claims at stop (others take them over): %s", exc)
         super().close()
+        if self._fatal is not None:
+            # Celery's beat loop turns SystemExit into a clean stop (exit code 0);
+            # raised again here, after the schedule was saved, it keeps its 78.
+            raise SystemExit(self._fatal)
 
     # ----------------------------------------------------------------- Redis trouble
 
