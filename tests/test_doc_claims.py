@@ -11,6 +11,7 @@ losing them, these tests and the docs change together.
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -19,10 +20,11 @@ import pytest
 import redis
 
 from celery_singleton_beat.beat import read_history, stats_key
+from celery_singleton_beat.client import acl_rules
 from celery_singleton_beat.keys import beat_stats_key
 from celery_singleton_beat.lock import VALUE_FORMAT, acquire
 
-from .support import LOCK_DB, RedisServer, wait_for
+from .support import LOCK_DB, ROOT, RedisServer, wait_for
 from .support.beat import ClockApp, ManualClock, RecordingScheduler
 
 UTC = timezone.utc
@@ -219,3 +221,54 @@ def test_with_redis_unreachable_a_loss_is_reported_once_when_the_lease_would_hav
         assert len(reports) == 1
     finally:
         server.stop()
+
+
+# ----------------------------------------------------------------- the package index page
+
+REPOSITORY = "https://github.com/celery-singleton-beat/celery-singleton-beat"
+_LINK = re.compile(r"(!?)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(markdown: str) -> set[str]:
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M)
+    return {_slug(heading) for heading in headings}
+
+
+def test_readme_links_work_on_the_package_index_page() -> None:
+    """README.md is the package's long description: the index page shows it outside the
+    repository, where a relative link (``docs/beat.md``) is dead. Every link to a file of
+    the repository must be absolute (blob/main, raw/main for images) and name a file that
+    exists here, and every ``#anchor`` a heading of its file."""
+    readme = (ROOT / "README.md").read_text()
+    links = _LINK.findall(readme)
+    assert len(links) > 10
+    checked = 0
+    for image, target in links:
+        url, _, anchor = target.partition("#")
+        if not url:  # an anchor of the README itself
+            assert anchor in _anchors(readme), target
+            continue
+        assert url.startswith(("https://", "http://")), f"relative link {target!r}: dead on the index page"
+        if not url.startswith(REPOSITORY):
+            continue
+        kind, _, path = url[len(REPOSITORY) + 1:].partition("/main/")
+        assert kind == ("raw" if image else "blob"), f"{target!r}: use {'raw' if image else 'blob'}/main"
+        assert (ROOT / path).is_file(), f"{target!r}: {path} is not a file of the repository"
+        if anchor:
+            assert anchor in _anchors((ROOT / path).read_text()), f"{target!r}: no such heading in {path}"
+        checked += 1
+    assert checked >= 15
+
+
+def test_deployment_acl_block_is_what_acl_rules_returns() -> None:
+    """docs/deployment.md shows the ACL rules a user for workers and beats needs."""
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    block = re.search(r"```\nACL SETUSER app on >secret (.*?)```", doc, re.S)
+    assert block is not None
+    assert block.group(1).split() == acl_rules()
