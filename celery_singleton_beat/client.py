@@ -1,7 +1,10 @@
 """The Redis client used for locks and beat slots, for every topology.
 
 :func:`get_redis` gives one client (and so one connection pool) per app and per
-process, built by :func:`redis_from_url` from ``singleton_redis_url``:
+process, built by :func:`redis_from_url` from ``singleton_redis_url``. On a single
+server each thread that takes locks also keeps a dedicated connection of its own
+(:mod:`.channel`), made from the pool's settings but outside the pool (so
+``max_connections`` does not bound it). The topologies:
 
 * one server (``redis://``, ``rediss://``, ``unix://``): :class:`redis.Redis`;
 * Sentinel (``sentinel://h1:26379;sentinel://h2:26379`` + ``master_name``): the

@@ -55,6 +55,10 @@ Status = Literal["OK", "WARN", "FAIL"]
 #: Exit codes of ``doctor`` (and of every ``celery singleton`` command).
 EX_FAILURE = 1
 EX_UNAVAILABLE: int = getattr(os, "EX_UNAVAILABLE", 69)
+#: Keys the library always writes with a TTL: one without is stuck for good (a lock
+#: blocks its task, a done marker refuses its task id, a liveness key keeps a dead
+#: worker's locks from being taken over).
+STUCK_KINDS = ("lock", "queued", "fence", "done", "slot", "live", "probe")
 #: Eviction policies under which Redis never deletes a key to make room.
 SAFE_EVICTION = ("noeviction",)
 _SEVERITY = {"OK": 0, "WARN": 1, "FAIL": 2}
@@ -165,7 +169,8 @@ def _check_eviction(client: redis.Redis) -> Check:
 
 
 def _check_expiry(client: RedisClient, prefix: str) -> Check:
-    """Every lock, claim and fencing counter must expire; counters and history are bounded."""
+    """Every lock, claim, fencing counter, done marker and liveness key must expire;
+    counters and history are bounded."""
     space = KeySpace(prefix)
     scanned = 0
     stuck: list[str] = []
@@ -176,14 +181,16 @@ def _check_expiry(client: RedisClient, prefix: str) -> Check:
             if pttl != -1:
                 continue
             kind = space.kind(key)
-            if kind in ("lock", "queued", "fence", "slot"):
+            if kind in STUCK_KINDS:
                 stuck.append(key)
             elif kind == "other":
                 foreign.append(key)
     if stuck:
         return Check("expiry", "FAIL", f"{len(stuck)} of {scanned} key(s) under '{prefix}:' never "
                                        f"expire: {examples(stuck)}. A lock without TTL blocks its "
-                                       "task for good: free it with `celery singleton release KEY`")
+                                       "task for good: free it with `celery singleton release KEY`; "
+                                       "a done marker (:done:) or liveness key (:live:) without TTL: "
+                                       "delete it")
     if foreign:
         return Check("expiry", "WARN", f"{len(foreign)} key(s) under '{prefix}:' that this library "
                                        f"does not write have no TTL: {examples(foreign)}")
@@ -319,7 +326,8 @@ def doctor(app: Celery, *, load: bool = True) -> DoctorReport:
     key): it fails below 6.2 and for an ACL user that may not write there.
     ``lua``: a cjson script runs as the lock scripts do.
     ``eviction``: ``noeviction``, else an evicted lock lets a duplicate run.
-    ``expiry``: no lock, claim or fence key under the prefix without TTL.
+    ``expiry``: no lock, claim, fence, done marker, liveness or slot key
+    under the prefix without TTL.
     With invalid settings, only ``configuration`` runs.
     """
     first, settings, tasks = _configuration(app, load)
