@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 import redis
@@ -32,6 +33,7 @@ from .support import CeleryProcess, RedisServer, child_env, run_command, wait_fo
 from .support.beat import start_beat
 from .support.owners import register
 from .support.servers import old_redis_server_binary
+from .support.topologies import make_certificate, start_tls
 
 EX_CONFIG = 78
 PASSWORD = "right-pw-1234"
@@ -250,3 +252,26 @@ def test_redis_older_than_6_2_is_refused(case: str, redis_server: RedisServer, t
     assert code == EX_CONFIG, lines
     assert any(line.startswith("FAIL") and "6.2 or later" in line for line in lines.values()), lines
     assert old.client().dbsize() == 0
+
+
+def test_a_failed_tls_handshake_stops_the_worker_and_a_plain_url_is_retried(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A TLS-only server (client certificates required). A certificate authority that did not
+    sign its certificate: a configuration error. ``redis://`` to its TLS port: the server
+    closes the connection without a word, which cannot be told from an outage (documented)."""
+    topology = start_tls()
+    try:
+        stranger = make_certificate(tmp_path)  # another self-signed CA
+        port = topology.servers[0].port
+        good_ca = parse_qs(urlsplit(topology.url).query)["ssl_ca_certs"][0]
+        bad = topology.url.replace(f"ssl_ca_certs={quote(good_ca, safe='')}",
+                                   f"ssl_ca_certs={quote(str(stranger.cert), safe='')}")
+        assert bad != topology.url
+        line = refused(start_tasks_worker(redis_server, "w-tls", bad), "worker w-tls@")
+        assert "the TLS handshake failed" in line and "CERTIFICATE_VERIFY_FAILED" in line, line
+
+        plain = start_tasks_worker(redis_server, "w-plain", f"redis://127.0.0.1:{port}/0")
+        plain.wait_for_log("ready.", timeout=60)
+        assert "does not answer yet" in plain.output() and plain.running
+    finally:
+        topology.stop()
