@@ -49,8 +49,8 @@ __all__ = [
     "TESTED_REDIS",
     "LockRedisDown",
     "LockRedisUnusable",
-    "RecheckAfterOutage",
     "ServerInfo",
+    "StartupCheck",
     "check_lock_redis",
     "explain",
     "is_outage",
@@ -293,34 +293,60 @@ def check_lock_redis(client_of: Callable[[], RedisClient], settings: SingletonSe
     return ServerInfo(url, settings.topology, names)
 
 
-class RecheckAfterOutage:
-    """After an outage at start: run the check again, at most once per ``interval``, until it passes.
+class StartupCheck:
+    """The start-up check of one process (``"worker w1@host"``, ``"beat host:12:a1b2c3"``).
 
-    The server that comes back may still be misconfigured (a password that
-    changed, a database it lacks): :meth:`poll` raises
-    :class:`LockRedisUnusable` then, as the check at start would have.
+    :meth:`run` at start: the server, or None during an outage (logged with
+    ``consequence``, what the process does meanwhile); a configuration error
+    ends the process (:func:`refuse_to_start`). After an outage, :meth:`poll`
+    (at most once per ``interval``) checks again until the server answers,
+    logs when it does, and raises :class:`LockRedisUnusable` (after logging
+    why the process stops) when the server that came back cannot be used:
+    the outage had hidden a wrong password, a missing database... How the
+    process then stops is the caller's (a worker's thread, a beat's tick).
     """
 
-    def __init__(self, client_of: Callable[[], RedisClient], settings: SingletonSettings,
+    def __init__(self, what: str, client_of: Callable[[], RedisClient], settings: SingletonSettings,
                  interval: float = 1.0) -> None:
-        self.client_of, self.settings, self.interval = client_of, settings, interval
-        self._next = time.monotonic() + interval
+        self.what, self.client_of, self.settings, self.interval = what, client_of, settings, interval
+        #: True from an outage at start until the server answered.
+        self.pending = False
+        self._next = 0.0
 
-    def poll(self) -> ServerInfo | None:
-        """The server once it answers (and passes), None while it is still down or not due."""
-        now = time.monotonic()
-        if now < self._next:
-            return None
-        self._next = now + self.interval
+    def run(self, consequence: str) -> ServerInfo | None:
+        """Check at start; see the class."""
         try:
             return check_lock_redis(self.client_of, self.settings)
+        except LockRedisUnusable as exc:
+            refuse_to_start(self.what, exc)
         except LockRedisDown as exc:
-            logger.debug("%s; checking again in %.1fs", exc, self.interval)
+            logger.error("%s: %s; %s", self.what, exc, consequence)
+            self.pending, self._next = True, time.monotonic() + self.interval
             return None
 
     def wait(self) -> float:
         """Seconds until :meth:`poll` is due."""
         return max(self._next - time.monotonic(), 0.0)
+
+    def poll(self) -> ServerInfo | None:
+        """The server once it answers and passes (logged), None while it is down or not due."""
+        now = time.monotonic()
+        if not self.pending or now < self._next:
+            return None
+        self._next = now + self.interval
+        try:
+            server = check_lock_redis(self.client_of, self.settings)
+        except LockRedisDown as exc:
+            logger.debug("%s: %s; checking again in %.1fs", self.what, exc, self.interval)
+            return None
+        except LockRedisUnusable as exc:
+            self.pending = False
+            logger.critical("%s stops: %s. `celery -A <app> singleton doctor` checks the settings and "
+                            "the server", self.what, exc)
+            raise
+        self.pending = False
+        logger.info("%s: lock Redis %s answers now", self.what, server.describe())
+        return server
 
 
 def refuse_to_start(what: str, error: LockRedisUnusable) -> NoReturn:

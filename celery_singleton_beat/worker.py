@@ -42,15 +42,7 @@ from .events import logger
 from .keys import QUEUED_SUFFIX
 from .liveness import Heartbeat, boot_id
 from .lock import release_task
-from .startup import (
-    EX_CONFIG,
-    LockRedisDown,
-    LockRedisUnusable,
-    RecheckAfterOutage,
-    ServerInfo,
-    check_lock_redis,
-    refuse_to_start,
-)
+from .startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 
 __all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install"]
 
@@ -207,21 +199,14 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         app, node = worker.app, worker.hostname
         self.settings = get_settings(app)  # raises ImproperlyConfigured
-        try:
-            server: ServerInfo | None = check_lock_redis(lambda: get_redis(app), self.settings)
-        except LockRedisUnusable as exc:
-            refuse_to_start(f"worker {node}", exc)
-        except LockRedisDown as exc:
-            server = None
-            logger.error("%s: %s; singleton tasks wait (retry) until it answers", node, exc)
+        check = StartupCheck(f"worker {node}", lambda: get_redis(app), self.settings)
+        server = check.run("singleton tasks wait (retry) until it answers")  # exits 78 if unusable
         self.heartbeat = Heartbeat(_AppClient(app), self.settings.key_prefix,
                                    self.settings.liveness_ttl, node).start()
         if server is None:
             logger.warning("%s: liveness key %s (ttl %.0fs) is written once the lock Redis answers",
                            node, self.heartbeat.key, self.settings.liveness_ttl)
-            recheck = RecheckAfterOutage(lambda: get_redis(app), self.settings)
-            threading.Thread(target=_recheck_until_up, args=(recheck, node, self.heartbeat.key),
-                             name="singleton-recheck", daemon=True).start()
+            threading.Thread(target=_check_until_up, args=(check,), name="singleton-recheck", daemon=True).start()
         else:
             logger.info("%s: lock Redis %s; liveness key %s (ttl %.0fs)", node, server.describe(),
                         self.heartbeat.key, self.settings.liveness_ttl)
@@ -252,8 +237,8 @@ class _AppClient:
         return getattr(get_redis(self._app), name)
 
 
-def _recheck_until_up(recheck: RecheckAfterOutage, node: str, live_key: str) -> None:
-    """Thread of a worker that started during an outage: log when the lock Redis answers.
+def _check_until_up(check: StartupCheck) -> None:
+    """Thread of a worker that started during an outage: check until the lock Redis answers.
 
     A server that answers but cannot be used (the outage hid a wrong
     password, a missing database...) stops the worker as it would have at
@@ -262,20 +247,14 @@ def _recheck_until_up(recheck: RecheckAfterOutage, node: str, live_key: str) -> 
     """
     from celery.worker import state
 
-    while True:
-        time.sleep(recheck.wait())
+    while check.pending:
+        time.sleep(check.wait())
         try:
-            server = recheck.poll()
-        except LockRedisUnusable as exc:
-            logger.critical("worker %s stops: %s. `celery -A <app> singleton doctor` checks the settings "
-                            "and the server", node, exc)
+            check.poll()
+        except LockRedisUnusable:
             state.should_stop = EX_CONFIG
-            return
         except Exception:  # never let the thread die silently
-            logger.exception("%s: checking the lock Redis failed", node)
-            return
-        if server is not None:
-            logger.info("%s: lock Redis %s answers now; liveness key %s", node, server.describe(), live_key)
+            logger.exception("%s: checking the lock Redis failed", check.what)
             return
 
 

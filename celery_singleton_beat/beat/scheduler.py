@@ -37,15 +37,7 @@ from celery.exceptions import ImproperlyConfigured
 from ..client import get_redis
 from ..config import SingletonSettings, get_settings, sanitize_redis_url
 from ..events import logger
-from ..startup import (
-    EX_CONFIG,
-    LockRedisDown,
-    LockRedisUnusable,
-    RecheckAfterOutage,
-    ServerInfo,
-    check_lock_redis,
-    refuse_to_start,
-)
+from ..startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 from .anchoring import SlotAnchoring
 from .breaker import Breaker
 from .claims import Claim, ClaimStore
@@ -107,8 +99,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         # True while consecutive ticks send due entries (a burst), see schedules_equal.
         self._in_burst = False
         self._burst_compared = False
-        # Set when the claims Redis did not answer at start: checked again from tick.
-        self._recheck: RecheckAfterOutage | None = None
+        # The claims Redis at start; after an outage there, checked again from tick.
+        self._server_check = StartupCheck(f"beat {self.instance_id}", lambda: get_redis(app), settings)
         self._fatal: int | None = None
         super().__init__(*args, **kwargs)
 
@@ -118,13 +110,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         super().setup_schedule()
         self._check_entries()
         settings = self.singleton_settings
-        try:
-            server: ServerInfo | None = check_lock_redis(lambda: get_redis(self.app), settings)
-        except LockRedisUnusable as exc:
-            refuse_to_start(f"beat {self.instance_id}", exc)
-        except LockRedisDown as exc:
-            server, down = None, str(exc)
-            self._recheck = RecheckAfterOutage(lambda: get_redis(self.app), settings)
+        server = self._server_check.run(  # exits 78 if unusable
+            "due slots are " + ("sent unclaimed" if settings.beat_fails_open else "not sent") + " until it answers")
         logger.info(
             "beat: singleton scheduler %s: catch-up %s, %s, pending lease %.1fs, claims in %s",
             self.instance_id, settings.beat_catch_up,
@@ -132,27 +119,18 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             settings.beat_pending_lease,
             server.describe() if server else sanitize_redis_url(settings.redis_url),
         )
-        if server is None:
-            logger.warning("beat: %s; due slots are %s until it does", down,
-                           "sent unclaimed" if settings.beat_fails_open else "not sent")
 
-    def _recheck_server(self) -> None:
-        """After an outage at start: once the claims Redis answers, check that it can be used.
+    def _check_server_again(self) -> None:
+        """After an outage at start: a server that answers but cannot be used stops beat.
 
-        A server that answers but cannot be used stops beat with exit code 78
-        (through :meth:`close`, which Celery's beat loop calls last).
+        Exit code 78, through :meth:`close` (Celery's beat loop turns the
+        ``SystemExit`` raised here into a clean stop, then closes the scheduler).
         """
-        assert self._recheck is not None
         try:
-            server = self._recheck.poll()
-        except LockRedisUnusable as exc:
-            logger.critical("beat %s stops: %s. `celery -A <app> singleton doctor` checks the settings "
-                            "and the server", self.instance_id, exc)
+            self._server_check.poll()
+        except LockRedisUnusable:
             self._fatal = EX_CONFIG
             raise SystemExit(EX_CONFIG) from None
-        if server is not None:
-            self._recheck = None
-            logger.info("beat: claims in %s: answers now", server.describe())
 
     def _check_entries(self) -> None:
         """Reject entries whose singleton option or schedule cannot work (at beat start)."""
@@ -232,8 +210,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         return state
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        if self._recheck is not None:
-            self._recheck_server()
+        if self._server_check.pending:
+            self._check_server_again()
         delay = super().tick(*args, **kwargs)
         if self._retry_names:
             delay = min(delay, self._reschedule_retries())
@@ -250,8 +228,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             if self.handover.marks_due(now):
                 self._mark_sent()
         wake = self.handover.next_wake(time.monotonic())
-        if self._recheck is not None:
-            wake = self._recheck.wait() if wake is None else min(wake, self._recheck.wait())
+        if self._server_check.pending:
+            wake = min(wake, self._server_check.wait()) if wake is not None else self._server_check.wait()
         return float(delay) if wake is None else min(float(delay), wake)
 
     def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
@@ -278,9 +256,7 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         except redis.RedisError as exc:  # the pending lease covers it
             logger.warning("beat: could not settle claims at stop (others take them over): %s", exc)
         super().close()
-        if self._fatal is not None:
-            # Celery's beat loop turns SystemExit into a clean stop (exit code 0);
-            # raised again here, after the schedule was saved, it keeps its 78.
+        if self._fatal is not None:  # raised again after the schedule was saved: exit code 78
             raise SystemExit(self._fatal)
 
     # ----------------------------------------------------------------- Redis trouble
