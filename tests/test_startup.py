@@ -29,7 +29,7 @@ from redis._parsers.helpers import parse_info
 
 from celery_singleton_beat.client import acl_rules
 
-from .support import CeleryProcess, RedisServer, child_env, run_command, wait_for
+from .support import CeleryProcess, RedisServer, child_env, free_port, run_command, wait_for
 from .support.beat import start_beat
 from .support.owners import register
 from .support.servers import old_redis_server_binary
@@ -275,3 +275,14 @@ def test_a_failed_tls_handshake_stops_the_worker_and_a_plain_url_is_retried(
         assert "does not answer yet" in plain.output() and plain.running
     finally:
         topology.stop()
+
+
+def test_a_redis_cluster_that_does_not_answer_at_start_is_an_outage(redis_server: RedisServer) -> None:
+    """A Cluster client asks its nodes for the slot layout when it is built; before, the
+    worker step built it at start and the worker died with a traceback when no node answered."""
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    worker = start_tasks_worker(redis_server, "w-cluster", url)
+    worker.wait_for_log("ready.", timeout=60)
+    output = worker.output()
+    assert f"the lock Redis {url} does not answer yet (ClusterUnavailable" in output, output
+    assert "Traceback" not in output and worker.running
