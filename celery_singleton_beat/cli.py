@@ -363,13 +363,16 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check the configuration and the Redis server.
 
     Exit code: 0 when no check fails (warnings allowed), 78 when the
-    singleton_* settings are invalid, 69 when Redis is unreachable, 1 for
-    any other failed check.
+    singleton_* settings are invalid or the server refuses them (a wrong
+    password, an ACL refusal, a missing database, a TLS failure: a worker
+    would refuse to start), 69 when Redis is unreachable, 1 for any other
+    failed check.
 
     Checks: singleton_* settings, and the app's task modules import (its
-    singleton tasks are counted); Redis reachable; version (5.0 or later, 7.0
-    or later tested) and role (a primary); Lua (a cjson script, run as the lock
-    scripts are); eviction policy (anything but noeviction can evict locks, and
+    singleton tasks are counted); Redis reachable; version (6.2 or later, 7.0
+    or later for every feature) and role (a primary); access (SET ... PX ...
+    GET under the key prefix, as the heartbeat sends it); Lua (a cjson script,
+    run as the lock scripts are); eviction policy (anything but noeviction can evict locks, and
     an evicted lock lets a duplicate run); keys under the prefix that never
     expire (a lock without TTL blocks its task for good). FAIL is a problem, WARN worth a look.
     """

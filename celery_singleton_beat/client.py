@@ -1,7 +1,10 @@
 """The Redis client used for locks and beat slots, for every topology.
 
 :func:`get_redis` gives one client (and so one connection pool) per app and per
-process, built by :func:`redis_from_url` from ``singleton_redis_url``:
+process, built by :func:`redis_from_url` from ``singleton_redis_url``. On a single
+server each thread that takes locks also keeps a dedicated connection of its own
+(:mod:`.channel`), made from the pool's settings but outside the pool (so
+``max_connections`` does not bound it). The topologies:
 
 * one server (``redis://``, ``rediss://``, ``unix://``): :class:`redis.Redis`;
 * Sentinel (``sentinel://h1:26379;sentinel://h2:26379`` + ``master_name``): the
@@ -86,15 +89,21 @@ T = TypeVar("T")
 #: Commands called inside the Lua scripts are listed too: Redis checks them
 #: against the caller's ACL.
 ACL_COMMANDS: dict[str, tuple[str, ...]] = {
-    # acquire / renew / release and their scripts (with counters, singleton_stats)
-    "locks": ("evalsha", "script|load", "get", "set", "del", "exists", "incr", "incrby",
-              "pexpire", "pttl", "time", "hincrby"),
+    # acquire (MULTI: TIME, SET NX PX GET, EXISTS, DEL), renew / release and their
+    # scripts, the per-connection look at the server (INFO, EVAL of the recovery
+    # check), counters in batches (singleton_stats). Native DELIFEQ / DELEX / SET IFEQ
+    # are used where granted (a NOPERM falls back to the scripts).
+    "locks": ("multi", "exec", "time", "get", "set", "del", "exists", "pexpire", "pttl", "evalsha", "eval",
+              "script|load", "info", "hincrby"),
     # worker liveness: the heartbeat (SET ... GET) and the take-over check (EXISTS)
     "liveness": ("set", "exists"),
     # beat: slot claims, history and counters, start-up check
     "beat": ("set", "lpush", "ltrim", "hincrby", "ping"),
     # idle connections' health checks (health_check_interval)
     "health": ("ping",),
+    # the start-up check of workers and beats names the server and its version
+    # (refused, it only costs that line: SET ... GET then decides the version)
+    "startup": ("info",),
     # singleton_wait_replicas > 0
     "wait": ("wait",),
     # Redis Cluster clients discover the slots (and the command table) on start
@@ -111,7 +120,7 @@ def acl_rules(prefix: str = "singleton", *, cluster: bool = False, wait: bool = 
     ``prefix`` is the effective ``singleton_key_prefix`` (with any global key
     prefix in front). Example: ``ACL SETUSER app on >secret`` followed by these.
     """
-    groups = ["locks", "liveness", "beat", "health"]
+    groups = ["locks", "liveness", "beat", "health", "startup"]
     groups += ["wait"] * wait + ["cluster"] * cluster + ["select"] * select
     commands = sorted({command for group in groups for command in ACL_COMMANDS[group]})
     return ["resetkeys", f"~{prefix}:*", "resetchannels", "-@all", *(f"+{c}" for c in commands)]

@@ -59,7 +59,8 @@ class NativeRefused(ResponseError):
 
 def _refused(error: Exception) -> bool:
     text = str(error).lower()
-    return "unknown command" in text or "syntax error" in text or "unknown subcommand" in text
+    return ("unknown command" in text or "syntax error" in text or "unknown subcommand" in text
+            or text.startswith("noperm") or "no permissions" in text)
 
 
 def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,

@@ -1,9 +1,11 @@
 """Worker-side support: liveness, and locks of runs that could not release them.
 
 * :class:`SingletonWorkerStep` runs when a worker starts: it validates the
-  ``singleton_*`` settings (a mistake stops the worker with a clear error) and
-  starts the :class:`~celery_singleton_beat.liveness.Heartbeat` that proves
-  this incarnation alive. Locks of incarnations that stopped proving it are
+  ``singleton_*`` settings (a mistake stops the worker with a clear error),
+  checks the lock Redis (:mod:`.startup`: a configuration error stops the
+  worker with one line and exit code 78, an outage is retried) and starts the
+  :class:`~celery_singleton_beat.liveness.Heartbeat` that proves this
+  incarnation alive. Locks of incarnations that stopped proving it are
   taken over by the next run that wants them (see :mod:`.liveness`), so no
   start-up sweep and no trust in node names is needed.
 * :class:`SingletonRequest` runs in the worker's main process. When a pool
@@ -41,6 +43,7 @@ from .exceptions import describe_holder
 from .keys import QUEUED_SUFFIX
 from .liveness import Heartbeat, boot_id
 from .lock import Holder, read_holder, release_for
+from .startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 
 __all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install"]
 
@@ -230,11 +233,14 @@ class SingletonRequest(Request):
 
 
 class SingletonWorkerStep(bootsteps.StartStopStep):
-    """Validates settings when the worker starts and keeps its liveness key.
+    """Validates settings and the lock Redis when the worker starts; keeps its liveness key.
 
-    The heartbeat starts while the worker is being built, before the pool
-    forks or any message is consumed, and is never stopped before the process
-    ends: during a warm shutdown the running tasks still hold their locks.
+    A lock Redis that cannot be used as configured stops the worker before it
+    consumes anything (:func:`~celery_singleton_beat.startup.refuse_to_start`);
+    one that does not answer yet is checked again until it does. The heartbeat
+    starts while the worker is being built, before the pool forks or any
+    message is consumed, and is never stopped before the process ends: during
+    a warm shutdown the running tasks still hold their locks.
     On a prefork pool it also looks for exited children every
     :data:`POOL_CHECK_INTERVAL` seconds, so a killed child's lock is freed
     (and the child replaced) within that, not within Celery's 5 s.
@@ -244,11 +250,19 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        self.settings = get_settings(worker.app)  # raises ImproperlyConfigured
-        self.heartbeat = Heartbeat(get_redis(worker.app), self.settings.key_prefix,
-                                   self.settings.liveness_ttl, worker.hostname).start()
-        logger.info("%s: liveness key %s (ttl %.0fs)", worker.hostname, self.heartbeat.key,
-                    self.settings.liveness_ttl)
+        app, node = worker.app, worker.hostname
+        self.settings = get_settings(app)  # raises ImproperlyConfigured
+        check = StartupCheck(f"worker {node}", lambda: get_redis(app), self.settings)
+        server = check.run("singleton tasks wait (retry) until it answers")  # exits 78 if unusable
+        self.heartbeat = Heartbeat(_AppClient(app), self.settings.key_prefix,
+                                   self.settings.liveness_ttl, node).start()
+        if server is None:
+            logger.warning("%s: liveness key %s (ttl %.0fs) is written once the lock Redis answers",
+                           node, self.heartbeat.key, self.settings.liveness_ttl)
+            threading.Thread(target=_check_until_up, args=(check,), name="singleton-recheck", daemon=True).start()
+        else:
+            logger.info("%s: lock Redis %s; liveness key %s (ttl %.0fs)", node, server.describe(),
+                        self.heartbeat.key, self.settings.liveness_ttl)
 
     def register_with_event_loop(self, worker: Any, hub: Any) -> None:
         """Prefork: run the pool's own check for exited children more often.
@@ -260,6 +274,41 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
 
         if isinstance(worker.pool, prefork.TaskPool):
             hub.call_repeatedly(POOL_CHECK_INTERVAL, worker.pool.maintain_pool)
+
+
+class _AppClient:
+    """The app's lock client, looked up at each use.
+
+    A Redis Cluster client cannot be built while no node answers: the
+    heartbeat of a worker started during an outage gets this instead.
+    """
+
+    def __init__(self, app: Celery) -> None:
+        self._app = app
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(get_redis(self._app), name)
+
+
+def _check_until_up(check: StartupCheck) -> None:
+    """Thread of a worker that started during an outage: check until the lock Redis answers.
+
+    A server that answers but cannot be used (the outage hid a wrong
+    password, a missing database...) stops the worker as it would have at
+    start: Celery's consumer loop sees ``should_stop`` and shuts down warm,
+    with exit code 78.
+    """
+    from celery.worker import state
+
+    while check.pending:
+        time.sleep(check.wait())
+        try:
+            check.poll()
+        except LockRedisUnusable:
+            state.should_stop = EX_CONFIG
+        except Exception:  # never let the thread die silently
+            logger.exception("%s: checking the lock Redis failed", check.what)
+            return
 
 
 @signals.worker_init.connect  # type: ignore[untyped-decorator]  # celery is untyped

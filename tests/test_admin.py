@@ -28,7 +28,8 @@ from celery.exceptions import ImproperlyConfigured
 from celery_singleton_beat import SingletonError, admin
 from celery_singleton_beat.beat.entries import ENTRY_HEADER
 from celery_singleton_beat.client import get_redis
-from celery_singleton_beat.lock import AcquireResult, Lease
+from celery_singleton_beat.liveness import Heartbeat
+from celery_singleton_beat.lock import AcquireResult, Lease, done_key
 
 from .support import (
     LOCK_DB,
@@ -258,7 +259,7 @@ def test_doctor_report(redis_db: redis.Redis, redis_server: RedisServer,
     report = admin.doctor(app_for(redis_server.url(LOCK_DB)))
     assert report.ok and report.exit_code == 0 and report.problems == 0
     assert [(c.name, c.status) for c in report.checks] == [
-        ("configuration", "OK"), ("redis", "OK"), ("version", "OK"), ("lua", "OK"),
+        ("configuration", "OK"), ("redis", "OK"), ("version", "OK"), ("access", "OK"), ("lua", "OK"),
         ("eviction", "OK"), ("expiry", "OK")]
     assert report.settings is not None and report.settings.key_prefix == "singleton"
     assert report.as_json() == {"ok": True, "checks": [c.as_json() for c in report.checks]}
@@ -280,6 +281,37 @@ def test_doctor_report(redis_db: redis.Redis, redis_server: RedisServer,
     down = admin.doctor(app_for(cache.url(2)))
     assert [(c.name, c.status) for c in down.checks] == [("configuration", "OK"), ("redis", "FAIL")]
     assert down.exit_code == 69 and "unreachable" in down.checks[1].detail
+
+
+def test_doctor_expiry_check_knows_done_markers_and_liveness_keys(redis_db: redis.Redis,
+                                                                  redis_server: RedisServer) -> None:
+    """The library writes ``<lock>:done:<task id>`` (acks_late runs) and ``<prefix>:live:<boot>``
+    (worker liveness), each with a TTL. Without one, a done marker refuses that task id for
+    good and a liveness key keeps a dead worker's locks from ever being taken over: the
+    expiry check must fail on them, not call them keys "this library does not write"."""
+    app = app_for(redis_server.url(LOCK_DB))
+    client = get_redis(app)
+    key = "singleton:{t.x:" + "1" * 64 + "}"
+    lease = take_lock(client, key, 30, task="t.x", task_id="t1").lease
+    assert lease is not None and lease.release(done_ttl=60)
+    heartbeat = Heartbeat(client, "singleton", 10, "w@h")
+    heartbeat.beat()
+    done = done_key(key, "t1")
+    assert client.exists(done, heartbeat.key) == 2
+
+    expiry = admin.doctor(app, load=False).check("expiry")
+    assert expiry is not None and (expiry.status, expiry.detail) == (
+        "OK", "3 key(s) under 'singleton:'; every lock and claim expires")  # + the fencing counter
+
+    client.persist(done)
+    client.persist(heartbeat.key)
+    report = admin.doctor(app, load=False)
+    expiry = report.check("expiry")
+    assert expiry is not None and expiry.status == "FAIL", expiry
+    assert done in expiry.detail and heartbeat.key in expiry.detail and report.exit_code == 1
+    assert admin.KeySpace("singleton").kind(done) == "done"
+    assert admin.KeySpace("singleton").kind(heartbeat.key) == "live"
+    assert admin.KeySpace("singleton").lock(done) is None  # not a lock of its own
 
 
 def test_doctor_loads_the_example_projects_tasks(redis_db: redis.Redis, redis_server: RedisServer) -> None:

@@ -77,7 +77,7 @@ def test_every_command_works_on_an_empty_redis(ops: ModuleType, redis_server: Re
     report = json.loads(ok(cli(redis_server, "doctor", "--json")))
     assert report["ok"] is True
     assert [(c["check"], c["status"]) for c in report["checks"]] == [
-        ("configuration", "OK"), ("redis", "OK"), ("version", "OK"), ("lua", "OK"),
+        ("configuration", "OK"), ("redis", "OK"), ("version", "OK"), ("access", "OK"), ("lua", "OK"),
         ("eviction", "OK"), ("expiry", "OK")]
     assert "nothing held" in report["checks"][-1]["detail"]
 
@@ -254,15 +254,23 @@ def test_doctor_flags_an_evicting_redis_and_locks_that_never_expire(
     cache.client().config_set("maxmemory-policy", "noeviction")
     assert json.loads(ok(cli(cache, "doctor", "--json", settings=settings)))["ok"] is True
 
-    # A user allowed only what the locks need: what it may not read is a warning.
+    # A user allowed only what the locks need: what it may not read (INFO, CONFIG) is a
+    # warning; the version then rests on SET ... GET, which the heartbeat sends.
     cache.client().acl_setuser("locks", enabled=True, passwords=["+pw"], keys=["singleton:*"],
-                               commands=["-@all", "+ping", "+select", "+scan", "+pttl",
+                               commands=["-@all", "+ping", "+select", "+scan", "+pttl", "+set",
                                          "+evalsha", "+script|load"])
     limited = {"singleton_redis_url": f"redis://locks:pw@127.0.0.1:{cache.port}/2"}
     report = json.loads(ok(cli(cache, "doctor", "--json", settings=limited)))
     assert {c["check"]: c["status"] for c in report["checks"]} == {
-        "configuration": "OK", "redis": "OK", "version": "WARN", "lua": "OK",
+        "configuration": "OK", "redis": "OK", "version": "WARN", "access": "OK", "lua": "OK",
         "eviction": "WARN", "expiry": "OK"}
+
+    # Without SET the user cannot write a liveness key: a configuration error (78), as for a worker.
+    cache.client().acl_setuser("locks", enabled=True, commands=["-set"])
+    result = cli(cache, "doctor", settings=limited)
+    assert result.returncode == 78, result.stdout
+    lines = {line.split()[1]: line for line in result.stdout.splitlines()[1:-1]}
+    assert lines["access"].startswith("FAIL") and "the ACL user may not" in lines["access"]
 
 
 def test_bad_settings_and_an_unreachable_redis_are_errors(ops: ModuleType, redis_server: RedisServer) -> None:
@@ -296,14 +304,17 @@ def test_an_unreachable_redis_cluster_is_one_line_and_exit_69(ops: ModuleType, r
 
 
 def test_doctor_version_check_and_exit_codes() -> None:
-    """Redis 5.0 is the oldest the lock scripts run on (writes after TIME); 7.0 is tested."""
+    """Redis 6.2 is the floor (SET ... GET); 7.0 has every feature; Valkey by its redis_version."""
     from celery_singleton_beat.admin import Check, doctor_exit_code, version_check
 
     assert version_check("7.0.15", "master").status == "OK"
     assert version_check("7.2.4", "master", "cluster").status == "OK"
     assert version_check("6.2.14", "master").status == "WARN"
-    assert version_check("5.0.0", "master").status == "WARN"
+    assert version_check("6.0.20", "master").status == "FAIL"  # no SET ... GET: the floor is 6.2
+    assert version_check("5.0.0", "master").status == "FAIL"
     assert version_check("4.0.14", "master").status == "FAIL"
+    valkey = version_check("7.2.4", "master", name="Valkey 8.1.8")  # Valkey's INFO: redis_version 7.2.4
+    assert (valkey.status, valkey.detail) == ("OK", "Valkey 8.1.8 (standalone, master)")
     assert version_check("7.0.15", "slave").status == "FAIL"
 
     def checks(**status: str) -> list[Check]:
@@ -312,4 +323,6 @@ def test_doctor_version_check_and_exit_codes() -> None:
     assert doctor_exit_code(checks(configuration="OK", redis="OK", eviction="WARN")) == 0
     assert doctor_exit_code(checks(configuration="OK", redis="OK", eviction="FAIL")) == 1
     assert doctor_exit_code(checks(configuration="OK", redis="FAIL")) == 69
+    # A Redis that answers but refuses the settings (password, ACL, database, TLS) is 78, as for a worker.
+    assert doctor_exit_code([Check("configuration", "OK", ""), Check("redis", "FAIL", "", exit_code=78)]) == 78
     assert doctor_exit_code(checks(configuration="FAIL")) == 78

@@ -11,6 +11,8 @@ losing them, these tests and the docs change together.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -19,10 +21,12 @@ import pytest
 import redis
 
 from celery_singleton_beat.beat import read_history, stats_key
+from celery_singleton_beat.client import acl_rules
+from celery_singleton_beat.exceptions import TaskSkipped
 from celery_singleton_beat.keys import beat_stats_key
 from celery_singleton_beat.lock import VALUE_FORMAT
 
-from .support import LOCK_DB, RedisServer, wait_for
+from .support import LOCK_DB, ROOT, RedisServer, wait_for
 from .support.beat import ClockApp, ManualClock, RecordingScheduler
 from .support.locking import take_lock
 
@@ -222,3 +226,165 @@ def test_with_redis_unreachable_a_loss_is_reported_once_when_the_lease_would_hav
         assert len(reports) == 1
     finally:
         server.stop()
+
+
+# ----------------------------------------------------------------- the package index page
+
+REPOSITORY = "https://github.com/celery-singleton-beat/celery-singleton-beat"
+_LINK = re.compile(r"(!?)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(markdown: str) -> set[str]:
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M)
+    return {_slug(heading) for heading in headings}
+
+
+def test_readme_links_work_on_the_package_index_page() -> None:
+    """README.md is the package's long description: the index page shows it outside the
+    repository, where a relative link (``docs/beat.md``) is dead. Every link to a file of
+    the repository must be absolute (blob/main, raw/main for images) and name a file that
+    exists here, and every ``#anchor`` a heading of its file."""
+    readme = (ROOT / "README.md").read_text()
+    links = _LINK.findall(readme)
+    assert len(links) > 10
+    checked = 0
+    for image, target in links:
+        url, _, anchor = target.partition("#")
+        if not url:  # an anchor of the README itself
+            assert anchor in _anchors(readme), target
+            continue
+        assert url.startswith(("https://", "http://")), f"relative link {target!r}: dead on the index page"
+        if not url.startswith(REPOSITORY):
+            continue
+        kind, _, path = url[len(REPOSITORY) + 1:].partition("/main/")
+        assert kind == ("raw" if image else "blob"), f"{target!r}: use {'raw' if image else 'blob'}/main"
+        assert (ROOT / path).is_file(), f"{target!r}: {path} is not a file of the repository"
+        if anchor:
+            assert anchor in _anchors((ROOT / path).read_text()), f"{target!r}: no such heading in {path}"
+        checked += 1
+    assert checked >= 15
+
+
+def test_deployment_acl_block_is_what_acl_rules_returns() -> None:
+    """docs/deployment.md shows the ACL rules a user for workers and beats needs."""
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    block = re.search(r"```\nACL SETUSER app on >secret (.*?)```", doc, re.S)
+    assert block is not None
+    assert block.group(1).split() == acl_rules()
+
+
+# ----------------------------------------------------------------- names the docs use
+
+
+def _documents() -> dict[str, str]:
+    """README, docs/*.md and the package's modules (their docstrings reach users too)."""
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "celery_singleton_beat").rglob("*.py"))]
+    return {str(path.relative_to(ROOT)): path.read_text() for path in paths}
+
+
+def test_every_cli_command_the_docs_name_exists() -> None:
+    """`celery [-A proj] singleton <command>` in the docs and docstrings is a real command
+    (docs/django.md and contrib/django.py named `beat-history`, which never existed)."""
+    from celery_singleton_beat.cli import singleton
+
+    commands = set(singleton.commands)
+    named = {(where, command) for where, text in _documents().items()
+             for command in re.findall(r"celery\s+(?:-A\s+\S+\s+)?singleton\s+([a-z][\w-]*)", text)}
+    assert len(named) > 10
+    unknown = sorted(item for item in named if item[1] not in commands)
+    assert unknown == [], f"not commands of `celery singleton` ({sorted(commands)}): {unknown}"
+
+
+def test_task_skipped_fields_are_the_ones_the_docs_name() -> None:
+    """docs/monitoring.md names the fields of the TaskSkipped result (not holder_node)."""
+    doc = (ROOT / "docs" / "monitoring.md").read_text()
+    row = re.search(r"result `TaskSkipped` \(([^)]*)\)", doc)
+    assert row is not None
+    named = set(re.findall(r"`(\w+)`", row.group(1).split(";")[0]))
+    skipped = TaskSkipped("t.x", "singleton:{t.x:0}", "holder-id")
+    assert named and all(hasattr(skipped, field) for field in named), named
+    assert not hasattr(skipped, "holder_node")
+
+
+def test_package_docstring_does_not_promise_exactly_once() -> None:
+    import celery_singleton_beat
+
+    readme = (ROOT / "README.md").read_text()
+    assert "**Not exactly once**" in readme
+    assert "exactly-once" not in (celery_singleton_beat.__doc__ or "").lower()
+    assert "not exactly once" in (celery_singleton_beat.__doc__ or "")
+
+
+def test_code_citations_of_this_project_name_what_exists() -> None:
+    """In docs/comparison.md's tables the last column is this project: each `path.py: Class.method,
+    other` citation there names a file of the package that defines them (one had moved)."""
+    doc = (ROOT / "docs" / "comparison.md").read_text()
+    checked = 0
+    for line in doc.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")] if line.startswith("|") else []
+        if len(cells) < 3:
+            continue
+        for path, names in re.findall(r"`([\w/]+\.py): ([\w., ]+)`", cells[-1]):
+            in_package = not path.startswith(("tests/", "benchmarks/"))
+            source = ROOT / "celery_singleton_beat" / path if in_package else ROOT / path
+            assert source.is_file(), f"{path}: not a file of this repository"
+            text = source.read_text()
+            first, *others = [name.strip() for name in names.split(",")]
+            owner, _, member = first.rpartition(".")
+            if owner:
+                assert re.search(rf"^class {owner}\b", text, re.M), f"{path}: no class {owner}"
+            for name in (member, *others):
+                assert re.search(rf"^\s*(def|class|async def) {re.escape(name)}\b|^\s*{re.escape(name)}\s*[:=]",
+                                 text, re.M), f"{path}: nothing named {name}"
+            checked += 1
+    assert checked >= 10
+
+
+def test_keys_table_lists_every_kind_of_key_the_library_writes() -> None:
+    """docs/monitoring.md's key table (and so doctor's expiry check) covers done markers,
+    liveness keys and the start-up probe, not only locks, claims and counters."""
+    from celery_singleton_beat.admin import KeySpace
+    from celery_singleton_beat.liveness import live_key
+    from celery_singleton_beat.lock import done_key, fence_key
+
+    lock = "singleton:{t.x:" + "0" * 64 + "}"
+    samples = {
+        "lock": (lock, "`<prefix>:{<task>:<sha256>}`"),
+        "queued": (lock + ":queued", ":queued`"),
+        "fence": (fence_key(lock), "`...:fence`"),
+        "done": (done_key(lock, "t1"), "`...:done:<task id>`"),
+        "slot": ("singleton:{beat:e}:2024-05-01T12:00:00Z", "`<prefix>:{beat:<name>}:<slot>`"),
+        "live": (live_key("singleton", "3f0c9a"), "`<prefix>:live:<boot>`"),
+        "probe": ("singleton:probe:0123abcd", "`<prefix>:probe:<random>`"),
+        "beat-history": ("singleton:{beat}:history", "`<prefix>:{beat}:history`"),
+        "task-stats": ("singleton:{stats}:task:t.x", "`<prefix>:{stats}:task:<task>`"),
+        "beat-stats": ("singleton:{stats}:beat:e", "`<prefix>:{stats}:beat:<entry>`"),
+    }
+    space = KeySpace("singleton")
+    assert {name: space.kind(key) for name, (key, _) in samples.items()} == {name: name for name in samples}
+    doc = (ROOT / "docs" / "monitoring.md").read_text()
+    table = doc[doc.index("## Keys under the prefix"):]
+    missing = [row for _, row in samples.values() if row not in table]
+    assert missing == [], missing
+
+
+def test_beat_md_quotes_the_start_up_line_the_scheduler_logs(redis_server: RedisServer,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    doc = (ROOT / "docs" / "beat.md").read_text()
+    quoted = next(line for line in doc.splitlines() if line.startswith("beat: singleton scheduler "))
+    with caplog.at_level(logging.INFO, logger="celery_singleton_beat"):
+        scheduler = beat(redis_server, Clock(START), {"e": 1.0})
+    logged = next(record.getMessage() for record in caplog.records
+                  if record.getMessage().startswith("beat: singleton scheduler "))
+    version = redis_server.client().info("server")["redis_version"]
+    expected = (quoted.replace("web-1:4242:9f3a1c", scheduler.instance_id)
+                .replace("redis://redis:6379/1", redis_server.url(LOCK_DB))
+                .replace("Redis 7.0.15", f"Redis {version}"))
+    assert logged == expected

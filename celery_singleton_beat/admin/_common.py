@@ -27,6 +27,8 @@ from ..commands import legacy_fence_key as fence_key
 from ..config import SingletonSettings, get_settings, sanitize_redis_url
 from ..exceptions import SingletonError
 from ..keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
+from ..liveness import live_key
+from ..lock import done_key
 from ..server import recovery_key, server_key
 
 __all__ = [
@@ -180,6 +182,9 @@ class KeySpace:
 
     * ``<p>:{<task>:<sha256>}`` a run lock or publish-time claim; ``:queued``
       the queue claim of ``until_executing``; ``:fence`` their fencing counters;
+      ``:done:<task id>`` the done marker of an ``acks_late`` run;
+    * ``<p>:live:<boot>`` a worker's liveness key; ``<p>:probe:<random>`` the
+      start-up check's probe (deleted at once);
     * ``<p>:{beat:<name>}:<slot>`` a beat slot claim;
     * ``<p>:{stats}:task:<task>`` / ``<p>:{stats}:beat:<entry>`` counters;
     * ``<p>:{beat}:history`` / ``<p>:{beat}:stats`` the beat's capped history
@@ -193,9 +198,11 @@ class KeySpace:
         p = re.escape(prefix)
         self._lock = re.compile(
             rf"{p}:\{{(?P<task>.+):[0-9a-f]{{64}}\}}(?P<queued>{re.escape(QUEUED_SUFFIX)})?"
-            rf"(?P<fence>{re.escape(fence_key(''))})?\Z",
+            rf"(?:(?P<fence>{re.escape(fence_key(''))})|(?P<done>{re.escape(done_key('', None))}[^{{}}]*))?\Z",
             re.S,
         )
+        self._live = live_key(prefix, "")
+        self._probe = f"{prefix}:probe:"
         self._slot = re.compile(rf"{p}:\{{beat:(?P<name>.+)\}}:(?P<slot>[^{{}}]+)\Z", re.S)
         self._fixed = {
             beat_history_key(prefix): "beat-history",
@@ -209,7 +216,7 @@ class KeySpace:
     def lock(self, key: str) -> tuple[str, str] | None:
         """``(task, kind)`` of a lock key (kind ``lock`` or ``queued``); None otherwise."""
         match = self._lock.match(key)
-        if match is None or match["fence"]:
+        if match is None or match["fence"] or match["done"] is not None:
             return None
         return match["task"], "queued" if match["queued"] else "lock"
 
@@ -221,13 +228,19 @@ class KeySpace:
         return match["name"], match["slot"]
 
     def kind(self, key: str) -> str:
-        """``lock``, ``queued``, ``fence``, ``slot``, ``task-stats``, ``beat-stats``,
-        ``beat-history`` or ``other``."""
+        """``lock``, ``queued``, ``fence``, ``done``, ``slot``, ``live``, ``probe``,
+        ``task-stats``, ``beat-stats``, ``beat-history`` or ``other``."""
         match = self._lock.match(key)
         if match is not None:
+            if match["done"] is not None:
+                return "done"
             return "fence" if match["fence"] else ("queued" if match["queued"] else "lock")
         if key in self._fixed:
             return self._fixed[key]
+        if key.startswith(self._live) and re.fullmatch(r"[0-9a-f]+", key[len(self._live):]):
+            return "live"
+        if key.startswith(self._probe):
+            return "probe"
         if key.startswith(self._task_stats):
             return "task-stats"
         if key.startswith(self._beat_stats):

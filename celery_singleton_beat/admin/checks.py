@@ -11,7 +11,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis
@@ -20,7 +20,18 @@ from celery.exceptions import ImproperlyConfigured
 
 from ..client import RedisClient, get_redis, primaries
 from ..config import SingletonSettings, get_settings
-from ..scripts import LuaScript
+from ..startup import (
+    EX_CONFIG,
+    MIN_REDIS,
+    TESTED_REDIS,
+    LockRedisUnusable,
+    explain,
+    is_outage,
+    probe_lua,
+    probe_set_get,
+    server_name,
+    version_problem,
+)
 from ._common import REDIS_ERRORS, KeySpace, examples, load_tasks, read, scan, text
 
 __all__ = [
@@ -44,17 +55,12 @@ Status = Literal["OK", "WARN", "FAIL"]
 #: Exit codes of ``doctor`` (and of every ``celery singleton`` command).
 EX_FAILURE = 1
 EX_UNAVAILABLE: int = getattr(os, "EX_UNAVAILABLE", 69)
-EX_CONFIG: int = getattr(os, "EX_CONFIG", 78)
-#: Oldest Redis the lock scripts run on: they write after calling TIME, which
-#: needs effects replication (the default from 5.0 on).
-MIN_REDIS = (5, 0)
-#: Oldest Redis this project tests with; beat's ``SET NX GET`` (which names the
-#: holder of a lost slot in the log) needs 7.0, older servers get ``SET NX``.
-TESTED_REDIS = (7, 0)
+#: Keys the library always writes with a TTL: one without is stuck for good (a lock
+#: blocks its task, a done marker refuses its task id, a liveness key keeps a dead
+#: worker's locks from being taken over).
+STUCK_KINDS = ("lock", "queued", "fence", "done", "slot", "live", "probe")
 #: Eviction policies under which Redis never deletes a key to make room.
 SAFE_EVICTION = ("noeviction",)
-#: A script using what the lock scripts use: Lua and its cjson library.
-_LUA_PROBE = "return cjson.decode(ARGV[1])['lua']"
 _SEVERITY = {"OK": 0, "WARN": 1, "FAIL": 2}
 
 
@@ -65,6 +71,8 @@ class Check:
     name: str
     status: Status
     detail: str
+    #: For a FAIL: the exit code it calls for, when its name does not say (see :func:`doctor_exit_code`).
+    exit_code: int | None = field(default=None, compare=False)
 
     def as_json(self) -> dict[str, str]:
         """The ``doctor --json`` object of this check."""
@@ -109,10 +117,13 @@ class DoctorReport:
 
 
 def doctor_exit_code(checks: Sequence[Check]) -> int:
-    """0 without FAIL; 78 for invalid settings, 69 for an unreachable Redis, else 1."""
+    """0 without FAIL; 78 for invalid settings or a Redis that refuses them (wrong password,
+    ACL, missing database, TLS), 69 for an unreachable Redis, else 1."""
     failed = {check.name for check in checks if check.status == "FAIL"}
     if not failed:
         return 0
+    if any(check.status == "FAIL" and check.exit_code == EX_CONFIG for check in checks):
+        return EX_CONFIG
     if "configuration" in failed:
         return EX_CONFIG
     if "redis" in failed:
@@ -158,7 +169,8 @@ def _check_eviction(client: redis.Redis) -> Check:
 
 
 def _check_expiry(client: RedisClient, prefix: str) -> Check:
-    """Every lock, claim and fencing counter must expire; counters and history are bounded."""
+    """Every lock, claim, fencing counter, done marker and liveness key must expire;
+    counters and history are bounded."""
     space = KeySpace(prefix)
     scanned = 0
     stuck: list[str] = []
@@ -171,14 +183,17 @@ def _check_expiry(client: RedisClient, prefix: str) -> Check:
             scanned += 1
             if pttl != -1:
                 continue
-            if kind in ("lock", "queued", "fence", "slot"):
+            kind = space.kind(key)
+            if kind in STUCK_KINDS:
                 stuck.append(key)
             elif kind == "other":
                 foreign.append(key)
     if stuck:
         return Check("expiry", "FAIL", f"{len(stuck)} of {scanned} key(s) under '{prefix}:' never "
                                        f"expire: {examples(stuck)}. A lock without TTL blocks its "
-                                       "task for good: free it with `celery singleton release KEY`")
+                                       "task for good: free it with `celery singleton release KEY`; "
+                                       "a done marker (:done:) or liveness key (:live:) without TTL: "
+                                       "delete it")
     if foreign:
         return Check("expiry", "WARN", f"{len(foreign)} key(s) under '{prefix}:' that this library "
                                        f"does not write have no TTL: {examples(foreign)}")
@@ -187,41 +202,54 @@ def _check_expiry(client: RedisClient, prefix: str) -> Check:
     return Check("expiry", "OK", f"{scanned} key(s) under '{prefix}:'; every lock and claim expires")
 
 
-def version_check(version: str, role: str, mode: str = "standalone") -> Check:
-    """The ``version`` check of a server from its ``INFO`` fields.
+def version_check(version: str, role: str, mode: str = "standalone", name: str | None = None) -> Check:
+    """The ``version`` check of a server from its ``INFO`` fields (``name``: ``Valkey 8.1.8``).
 
     FAIL for a replica (locks must be written to the primary) and for Redis
-    older than :data:`MIN_REDIS`; WARN below :data:`TESTED_REDIS`.
+    older than :data:`MIN_REDIS` (``SET ... GET``); WARN below :data:`TESTED_REDIS`.
+    Valkey reports ``redis_version`` 7.2.x and is judged by it.
     """
+    shown = name or f"Redis {version}"
+    problem = version_problem(version, role, shown)
+    if problem:  # a worker refuses to start on it: a configuration error (78)
+        return Check("version", "FAIL", problem, exit_code=EX_CONFIG)
     numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    if role != "master":
-        return Check("version", "FAIL", f"Redis {version} is a {role}: locks must be written to the "
-                                        "primary (a replica's keys are not shared with the others)")
-    if numbers and numbers < MIN_REDIS:
-        return Check("version", "FAIL", f"Redis {version} is too old: the lock scripts need "
-                                        f"{MIN_REDIS[0]}.{MIN_REDIS[1]} or later (they write after "
-                                        "TIME, which needs effects replication)")
     if numbers and numbers < TESTED_REDIS:
-        return Check("version", "WARN", f"Redis {version} ({mode}, {role}) is older than the "
-                                        f"{TESTED_REDIS[0]}.{TESTED_REDIS[1]} this library is tested "
-                                        "with; beat cannot name the holder of a slot it lost "
-                                        "(SET NX GET needs 7.0)")
-    return Check("version", "OK", f"Redis {version} ({mode}, {role})")
+        return Check("version", "WARN", f"{shown} ({mode}, {role}) works; beat cannot name the holder "
+                                        "of a slot it lost (SET NX GET needs 7.0)")
+    return Check("version", "OK", f"{shown} ({mode}, {role})")
 
 
 def _check_version(client: redis.Redis) -> Check:
-    """Locks need a primary (a replica's writes stay local) running Redis 5.0 or later."""
+    """Locks need a primary (a replica's writes stay local) running Redis 6.2 or later."""
     try:
         server: dict[str, Any] = client.info("server")
         replication: dict[str, Any] = client.info("replication")
     except redis.ConnectionError:
         raise
-    except redis.RedisError as exc:  # INFO denied by an ACL, or renamed
-        return Check("version", "WARN", f"cannot read INFO ({exc}); check by hand that this is a "
-                                        f"primary running Redis {MIN_REDIS[0]}.{MIN_REDIS[1]} or "
-                                        "later (7.0 or later is tested)")
+    except redis.RedisError as exc:  # INFO denied by an ACL, or renamed: `access` tries SET ... GET
+        return Check("version", "WARN", f"cannot read INFO ({exc}); the access check runs SET ... GET "
+                                        f"(Redis {MIN_REDIS[0]}.{MIN_REDIS[1]} or later): check by hand "
+                                        "that this is a primary")
     return version_check(str(server.get("redis_version", "?")), str(replication.get("role", "?")),
-                         str(server.get("redis_mode", "standalone")))
+                         str(server.get("redis_mode", "standalone")), server_name(server))
+
+
+def _check_access(client: RedisClient, prefix: str) -> Check:
+    """The heartbeat's own command works: ``SET ... PX ... GET`` of a probe key under the prefix.
+
+    It fails on Redis before 6.2 (a syntax error) and for an ACL user that may
+    not write there: both stop a worker at start, so both are FAIL (exit 78).
+    """
+    try:
+        probe_set_get(client, prefix, "")
+    except LockRedisUnusable as exc:
+        return Check("access", "FAIL", exc.reason, exit_code=EX_CONFIG)
+    except redis.ConnectionError:
+        raise
+    except redis.RedisError as exc:
+        return Check("access", "FAIL", explain(exc), exit_code=None if is_outage(exc) else EX_CONFIG)
+    return Check("access", "OK", f"SET ... PX ... GET under '{prefix}:' works (liveness keys and locks)")
 
 
 def _on_each(servers: Sequence[tuple[str, redis.Redis]], check: Callable[[redis.Redis], Check]) -> Check:
@@ -235,23 +263,30 @@ def _on_each(servers: Sequence[tuple[str, redis.Redis]], check: Callable[[redis.
                  "; ".join(f"{name}: {result.detail}" for name, result in shown))
 
 
+def _unreachable(exc: BaseException) -> Check:
+    """The ``redis`` check of a server that failed: unreachable (69), or refusing the settings (78)."""
+    if is_outage(exc):
+        return Check("redis", "FAIL", explain(exc))
+    return Check("redis", "FAIL", explain(exc), exit_code=EX_CONFIG)
+
+
 def _redis_checks(client: RedisClient, prefix: str) -> Iterator[Check]:
     started = time.perf_counter()
     try:
         client.ping()
     except REDIS_ERRORS as exc:
-        yield Check("redis", "FAIL", f"unreachable: {type(exc).__name__}: {exc}")
+        yield _unreachable(exc)
         return
     yield Check("redis", "OK", f"reachable (PING {1000 * (time.perf_counter() - started):.1f} ms)")
 
     servers = primaries(client)
     yield _on_each(servers, _check_version)
+    yield _check_access(client, prefix)
     try:
-        # The library's own path: EVALSHA, loading the script on NOSCRIPT.
-        reply = LuaScript(_LUA_PROBE)(client, [], ['{"lua":"ok"}'])
-        lua_ok = isinstance(reply, (bytes, str)) and text(reply) == "ok"
-        yield Check("lua", "OK" if lua_ok else "FAIL",
-                    "scripts with cjson run" if lua_ok else f"the probe script returned {reply!r}")
+        probe_lua(client, "")
+        yield Check("lua", "OK", "scripts with cjson run")
+    except LockRedisUnusable as exc:
+        yield Check("lua", "FAIL", exc.reason)
     except redis.ConnectionError:
         raise
     except redis.RedisError as exc:
@@ -281,15 +316,21 @@ def _configuration(app: Celery, load: bool) -> tuple[Check, SingletonSettings | 
 
 def doctor(app: Celery, *, load: bool = True) -> DoctorReport:
     """Every ``doctor`` check of ``app``, in order: ``configuration``, ``redis``, ``version``,
-    ``lua``, ``eviction``, ``expiry``.
+    ``access``, ``lua``, ``eviction``, ``expiry``.
 
     ``configuration``: the ``singleton_*`` settings, and the app's task
     modules imported (``load``, as a worker does) to count its singleton
     tasks. ``redis``: reachable; the others run only then (they stop where
-    the server stops answering). ``version``: a primary, 5.0 or later (7.0
-    or later tested). ``lua``: a cjson script runs as the lock scripts do.
+    the server stops answering; a wrong password, an ACL refusal, a missing
+    database or a TLS failure is a FAIL with exit code 78, as it stops a
+    worker). ``version``: a primary, 6.2 or later (Valkey by its
+    ``redis_version``; 7.0 or later for every feature). ``access``: the
+    heartbeat's ``SET ... PX ... GET`` under the prefix works (a 10 s probe
+    key): it fails below 6.2 and for an ACL user that may not write there.
+    ``lua``: a cjson script runs as the lock scripts do.
     ``eviction``: ``noeviction``, else an evicted lock lets a duplicate run.
-    ``expiry``: no lock, claim or fence key under the prefix without TTL.
+    ``expiry``: no lock, claim, fence, done marker, liveness or slot key
+    under the prefix without TTL.
     With invalid settings, only ``configuration`` runs.
     """
     first, settings, tasks = _configuration(app, load)
@@ -299,5 +340,5 @@ def doctor(app: Celery, *, load: bool = True) -> DoctorReport:
     try:
         checks.extend(_redis_checks(get_redis(app), settings.key_prefix))
     except REDIS_ERRORS as exc:  # unreachable from the start (Cluster), or lost in the middle
-        checks.append(Check("redis", "FAIL", f"unreachable: {type(exc).__name__}: {exc}"))
+        checks.append(_unreachable(exc))
     return DoctorReport(tuple(checks), settings, tasks)

