@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from celery_singleton_beat.keys import task_stats_key
-from celery_singleton_beat.lock import acquire
+from celery_singleton_beat.lock import LockSpec, acquire
 
 from .common import Server, bench_cli, markdown_table, progress, wait_until
 
@@ -31,11 +31,10 @@ def snapshot(client: redis.Redis) -> dict[str, int]:
 
 
 def write_runs(client: redis.Redis, runs: int) -> None:
-    stats = task_stats_key(PREFIX, "bench.job")
+    spec = LockSpec(task="bench.job", ttl=LOCK_TTL, stats_key=task_stats_key(PREFIX, "bench.job"))
     pipe_every = 1000
     for i in range(runs):
-        lease = acquire(client, f"{PREFIX}:{{bench.job:{i:064x}}}", LOCK_TTL, task="bench.job",
-                        task_id=str(i), stats_key=stats).lease
+        lease = acquire(client, f"{PREFIX}:{{bench.job:{i:064x}}}", spec, str(i)).lease
         assert lease is not None
         lease.release()
         if i and i % (pipe_every * 20) == 0:

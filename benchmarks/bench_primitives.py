@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from celery_singleton_beat.lock import acquire
+from celery_singleton_beat.lock import LockSpec, acquire
 
 from .common import Server, bench_cli, markdown_table, progress, summary
 
@@ -49,10 +49,11 @@ def redis_py_lock_pairs(server: Server, pairs: int) -> float:
 
 def singleton_pairs(server: Server, pairs: int) -> float:
     client = server.client()
+    spec = LockSpec(task="t", ttl=60, stats_key="bench:{stats}:task:t")
     started = time.perf_counter()
     for i in range(pairs):
         key = f"bench:{{t:{i}}}"
-        lease = acquire(client, key, 60, task="t", task_id=str(i), stats_key="bench:{stats}:task:t").lease
+        lease = acquire(client, key, spec, str(i)).lease
         assert lease is not None
         lease.release()
     return pairs / (time.perf_counter() - started)
