@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import threading
 import time
@@ -306,13 +307,17 @@ def _closed_by_server(connection: Any) -> bool:
     if sock is None:
         return True
     try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"")
+        # select first: a socket with a timeout waits that long in recv, flags or not.
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False  # nothing to read: open
+        return bool(sock.recv(1, socket.MSG_PEEK) == b"")
     except (BlockingIOError, InterruptedError):
-        return False  # nothing to read: open
+        return False
+    except ValueError:  # an SSL socket refuses flags: leave it to the retry on error
+        return False
     except OSError:
         return True
-    except Exception:  # an SSL socket refuses flags: leave it to the retry on error
-        return False
 
 
 def _ignore(reply: Any, error: BaseException | None) -> None:

@@ -18,19 +18,18 @@ reconnected), :meth:`LockServer.check` runs one ``INFO`` on it, which tells
     lack the primary's last writes): for as long after the first client
     noticed.
 
-  - it started moments ago without an append-only file and its data holds no
-    record of an earlier server (``<prefix>:server``): it may have restarted
-    empty, or be new; either way for its first window of uptime.
-
   The first client to notice records the window in ``<prefix>:recovery``, so
   that every client sees it, processes started since included
   (``<prefix>:server`` names the server last seen serving the data).
   Inside the window new acquisitions wait (:meth:`LockServer.pause`) and
   holders put their locks back (:meth:`LockServer.may_put_back`): the keeper
   renews every lease at least every ``singleton_liveness_ttl / 3``, so every
-  live holder looks within the window. A server up for longer than the
-  window, seen for the first time by a process that finds no record of an
-  earlier one (a new deployment on an existing Redis), opens none.
+  live holder looks within the window.
+
+  A process that never used the server before it restarted (started during the
+  outage) learns of the restart only from the record, once a process that did
+  use it reconnected (its heartbeat or keeper, within ``liveness_ttl / 3``): in
+  that gap it does not wait. A new Redis, or a new deployment, opens no window.
 
 A connection can't outlive a restart or a failover, so a check per connection
 is a check after every one of them. A server that refuses ``INFO`` (an ACL
@@ -157,19 +156,15 @@ def parse_info(raw: Any) -> ServerInfo:
 
 # KEYS: <prefix>:server, <prefix>:recovery. ARGV: this server's run id, ms of a
 # window the client found (a restart behind an address it used), ms of the
-# window of a promoted replica (0 if not promoted), ms left of the window of a
-# server just started without an append-only file (0 if up for longer).
+# window of a promoted replica (0 if not promoted).
 # Records this server; opens the window (a promoted replica whose data names
-# another server; a server just started whose data has no record at all: it
-# may have lost everything; or what the client found); returns its remaining
-# ms (< 0: none).
+# another server, or what the client found); returns its remaining ms (< 0: none).
 _RECOVERY_CHECK = """
 local known = redis.call('GET', KEYS[1])
 local open = tonumber(ARGV[2])
 if known ~= ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[1])
   if known and tonumber(ARGV[3]) > open then open = tonumber(ARGV[3]) end
-  if not known and tonumber(ARGV[4]) > open then open = tonumber(ARGV[4]) end
 end
 if open > 0 and redis.call('PTTL', KEYS[2]) < open then
   redis.call('SET', KEYS[2], ARGV[1], 'PX', open)
@@ -266,14 +261,11 @@ class LockServer:
             reason = reason or "a replica promoted by a failover"
         if getattr(connection, "csb_cluster", False):
             return found, reason  # the record keys may live on another node: this process's view only
-        fresh = max(0.0, self.window - info.uptime) if not info.aof else 0.0
         connection.send_command("EVAL", _RECOVERY_CHECK, 2, server_key(self.prefix), recovery_key(self.prefix),
-                                info.run_id, round(found * 1000), round(self.window * 1000) if info.promoted else 0,
-                                round(fresh * 1000))
+                                info.run_id, round(found * 1000), round(self.window * 1000) if info.promoted else 0)
         left = int(connection.read_response())
         if left > 0:
-            return left / 1000, reason or ("started moments ago with no record of earlier data" if fresh
-                                           else "another client found the lock Redis restarted or failed over")
+            return left / 1000, reason or "another client found the lock Redis restarted or failed over"
         return 0.0, ""
 
     # ----------------------------------------------------------------- decisions
