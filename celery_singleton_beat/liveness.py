@@ -80,7 +80,9 @@ class Heartbeat:
     """
 
     def __init__(self, client: Any, prefix: str, ttl: float, node: str) -> None:
-        self.client = client
+        #: The Redis client, or a callable returning it at each use (a Cluster client
+        #: cannot be built while no node answers: a worker started during an outage).
+        self._client = client
         self.key = live_key(prefix, _boot_id)
         self.ttl_ms = max(1, int(ttl * 1000))
         self.interval = ttl / 3
@@ -89,6 +91,10 @@ class Heartbeat:
         self._stopped = False
         self._wake = native.Wakeup()
         self.beats = 0
+
+    @property
+    def client(self) -> Any:
+        return self._client() if callable(self._client) else self._client
 
     def beat(self, client: Any = None) -> bool:
         """Write the key once; False when an earlier write of it had lapsed.
@@ -126,13 +132,12 @@ class Heartbeat:
 
     def _run(self) -> None:
         wait = self.interval
-        client = native.thread_client(self.client)
         while True:
             self._wake.wait(wait)
             if self._stopped:
                 return
             try:
-                if not self.beat(client):
+                if not self.beat(native.thread_client(self.client)):
                     logger.error("liveness key %s had expired: this worker counted as dead for a "
                                  "while; other workers may have taken over its locks", self.key)
                 wait = self.interval

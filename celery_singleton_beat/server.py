@@ -90,6 +90,8 @@ class ServerInfo:
     aof: bool
     #: A replica promoted by a failover (``master_replid2`` set).
     promoted: bool
+    #: A Redis Cluster node (``cluster_enabled``): keys of the recovery record may live elsewhere.
+    cluster: bool = False
     #: False when ``INFO`` was refused: nothing is known, the portable commands are used.
     known: bool = True
 
@@ -151,6 +153,7 @@ def parse_info(raw: Any) -> ServerInfo:
         uptime=float(fields.get("uptime_in_seconds", "0") or 0),
         aof=fields.get("aof_enabled") == "1",
         promoted=fields.get("role", "master") == "master" and bool(replid2.strip("0")),
+        cluster=fields.get("cluster_enabled") == "1",
     )
 
 
@@ -259,7 +262,7 @@ class LockServer:
             reason = f"restarted {info.uptime:.0f}s ago without an append-only file"
         if info.promoted:
             reason = reason or "a replica promoted by a failover"
-        if getattr(connection, "csb_cluster", False):
+        if info.cluster:
             return found, reason  # the record keys may live on another node: this process's view only
         connection.send_command("EVAL", _RECOVERY_CHECK, 2, server_key(self.prefix), recovery_key(self.prefix),
                                 info.run_id, round(found * 1000), round(self.window * 1000) if info.promoted else 0)

@@ -219,8 +219,6 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
         server = _node_client(client, key)
         pool = server.connection_pool
         connection = pool.get_connection("_")
-        if server is not client:
-            connection.csb_cluster = True  # a Cluster node: see LockServer._recovery
         try:
             ensure_checked(connection, server_of(client))
             if before_write is not None:

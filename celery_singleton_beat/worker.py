@@ -254,7 +254,7 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
         self.settings = get_settings(app)  # raises ImproperlyConfigured
         check = StartupCheck(f"worker {node}", lambda: get_redis(app), self.settings)
         server = check.run("singleton tasks wait (retry) until it answers")  # exits 78 if unusable
-        self.heartbeat = Heartbeat(_AppClient(app), self.settings.key_prefix,
+        self.heartbeat = Heartbeat(lambda: get_redis(app), self.settings.key_prefix,
                                    self.settings.liveness_ttl, node).start()
         if server is None:
             logger.warning("%s: liveness key %s (ttl %.0fs) is written once the lock Redis answers",
@@ -274,20 +274,6 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
 
         if isinstance(worker.pool, prefork.TaskPool):
             hub.call_repeatedly(POOL_CHECK_INTERVAL, worker.pool.maintain_pool)
-
-
-class _AppClient:
-    """The app's lock client, looked up at each use.
-
-    A Redis Cluster client cannot be built while no node answers: the
-    heartbeat of a worker started during an outage gets this instead.
-    """
-
-    def __init__(self, app: Celery) -> None:
-        self._app = app
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_redis(self._app), name)
 
 
 def _check_until_up(check: StartupCheck) -> None:
