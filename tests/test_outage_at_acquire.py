@@ -127,6 +127,7 @@ def run_through_an_outage(
     env = {"CSB_OUTAGE_BROKER": base, "CSB_LOCK_REDIS": lock_server.url(2), "CSB_GATE": str(gate),
            "CSB_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT)}
     worker = start_worker(redis_server, APP, f"outage{next(_workers)}", pool=pool, concurrency=2, env=env)
+    worker.wait_for_line("concurrency:", f"2 ({'thread' if pool == 'threads' else pool}", timeout=5)
     # Published without a result backend (Celery's Redis backend would subscribe to the
     # result at once, on the server that goes down); read by polling once it is back.
     publisher = Celery("outage-publisher", broker=f"{base}/0")
