@@ -48,7 +48,7 @@ from .support.keeps_lock import (
     wait_started,
     worker,
 )
-from .support.proxy import HoldingProxy
+from .support.holding_proxy import HoldingProxy
 from .support.tasks import EventCapture
 
 

@@ -1,166 +1,210 @@
-"""A loopback TCP relay in front of a server, to reorder traffic between connections.
+"""A delaying TCP proxy on loopback: one server whose bytes arrive late, on purpose.
 
-TCP orders bytes within one connection, never across two: a command written on
-one connection can reach the server after a command written later on another.
-:class:`HoldingProxy` makes that happen on purpose. It relays bytes both ways;
-while *holding*, it keeps what clients send on a connection (in order) from the
-first chunk that names a given text on, instead of forwarding it;
-:meth:`HoldingProxy.let_go` then forwards the held bytes of the connections it
-is given first, each one only after the server answered the
-previous one, and the rest in the order they arrived. Nothing is dropped or
-altered; only the moment bytes reach the server changes, as with a slow network.
+:class:`DelayProxy` listens on a free loopback port and forwards every
+connection to an upstream port (a redis-server), both ways, each chunk of
+bytes ``delay`` seconds after the proxy read it; order within a connection is
+kept, as on a slow link (a TCP retransmit, a remote host). Only the clients
+pointed at the proxy see the delay: the same server stays reachable directly.
+
+:meth:`DelayProxy.hold` stops forwarding client-to-server bytes (they are read
+and kept, so the client's writes never block: ``held_bytes`` counts them) until
+:meth:`DelayProxy.resume`: a test can then tell "the client wrote X and went on"
+from "the client waited for X's reply" (or gave up waiting and closed the
+connection: ``clients_closed``), without reading clocks.
+
+The proxy runs an asyncio loop in a daemon thread of the test process; it is
+registered with the current owner (see :mod:`.owners`) and closed with it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
+import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
-__all__ = ["HoldingProxy"]
+from harness.redis_server import free_port
 
+from .owners import register
+from .paths import scratch_file
 
-@dataclass
-class _Link:
-    """One client connection and its own connection to the server."""
-
-    number: int
-    client: socket.socket
-    upstream: socket.socket
-    #: Bytes the client sent while the proxy held them: (time received, bytes).
-    held: list[tuple[float, bytes]] = field(default_factory=list)
-    #: Bytes the server sent back so far.
-    answered: int = 0
-    #: The client closed its side (passed on once its held bytes are forwarded).
-    closed: bool = False
+__all__ = ["DelayProxy"]
 
 
-class HoldingProxy:
-    """Relays ``127.0.0.1:<port>`` to ``127.0.0.1:<upstream_port>``; see the module docstring."""
+class DelayProxy:
+    """``127.0.0.1:port`` -> ``127.0.0.1:upstream_port``, every chunk ``delay`` seconds late."""
 
-    def __init__(self, upstream_port: int, name: str = "proxy") -> None:
-        self.name = name
+    def __init__(self, upstream_port: int, delay: float, name: str = "delay-proxy") -> None:
         self.upstream_port = upstream_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self._cond = threading.Condition()
-        self._links: list[_Link] = []
-        self._holding: bytes | None = None
-        self._closed = False
-        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
+        self.delay = delay
+        self.name = name
+        self.log: Path = scratch_file(name)
+        self.port = free_port()
+        #: Connections accepted so far; those whose client closed its end (counted when
+        #: the proxy reads the end, even while bytes before it are held).
+        self.connections = 0
+        self.clients_closed = 0
+        #: Client-to-server bytes read and kept by :meth:`hold`, not forwarded yet.
+        self.held_bytes = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._flowing: asyncio.Event | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<DelayProxy {self.port}->{self.upstream_port} delay={self.delay}s>"
 
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
-    def __enter__(self) -> HoldingProxy:
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ control
+
+    def start(self) -> DelayProxy:
+        """Listen on ``port`` (returns once it does); registered with the current owner first."""
+        register(self)
+        ready = threading.Event()
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            loop = self._loop = asyncio.new_event_loop()
+            try:
+                self._flowing = asyncio.Event()
+                self._flowing.set()
+                self._server = loop.run_until_complete(
+                    asyncio.start_server(self._accept, "127.0.0.1", self.port))
+            except BaseException as exc:  # reported by start()
+                failed.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=serve, name=self.name, daemon=True)
+        self._thread.start()
+        if not ready.wait(10) or failed:
+            raise AssertionError(f"{self} could not listen: {failed[0] if failed else 'timed out'}")
+        self._note(f"listening on {self.port}, forwarding to {self.upstream_port}, delay {self.delay}s")
         return self
 
-    def __exit__(self, *_: Any) -> None:
-        self.close()
+    def hold(self) -> None:
+        """Keep every client-to-server byte in the proxy from now on (read, not forwarded)."""
+        self._set_flowing(False)
+        self._note("holding client-to-server bytes")
 
-    # ----------------------------------------------------------------- control
+    def resume(self) -> None:
+        """Forward what was held (each chunk no earlier than its delay) and go on forwarding."""
+        self._set_flowing(True)
+        self._note("forwarding again")
 
-    def hold(self, naming: bytes = b"") -> None:
-        """From now on keep what clients send on a connection, from its first chunk that
-        contains ``naming`` on (every chunk when empty); the rest passes."""
-        with self._cond:
-            self._holding = naming
+    def _set_flowing(self, flowing: bool) -> None:
+        """Set or clear the flow in the proxy's loop; returns once it is done there."""
+        loop, event = self._loop, self._flowing
+        assert loop is not None and event is not None, "the proxy is not running"
 
-    def held_with(self, text: bytes) -> list[tuple[float, int]]:
-        """(time received, connection number) of each held chunk that contains ``text``."""
-        with self._cond:
-            return sorted((at, link.number) for link in self._links for at, data in link.held if text in data)
+        async def apply() -> None:
+            if flowing:
+                event.set()
+            else:
+                event.clear()
 
-    def let_go(self, first: list[int], timeout: float = 10.0) -> None:
-        """Forward what is held: connections ``first`` in that order, each once the server
-        answered the one before, then the others in arrival order; then relay freely."""
-        with self._cond:
-            for number in first:
-                link = self._links[number]
-                before = link.answered
-                self._flush(link)
-                if not self._cond.wait_for(lambda link=link, before=before: link.answered > before, timeout):
-                    raise AssertionError(f"{self.name}: no answer on connection {number} within {timeout}s")
-            for link in sorted((lk for lk in self._links if lk.held), key=lambda lk: lk.held[0][0]):
-                self._flush(link)
-            for link in self._links:
-                if link.closed:
-                    self._flush(link)
-            self._holding = None
+        asyncio.run_coroutine_threadsafe(apply(), loop).result(10)
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            links = list(self._links)
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        for link in links:
-            for sock in (link.client, link.upstream):
-                with contextlib.suppress(OSError):
-                    sock.close()
+        """Stop listening, drop every connection, end the thread."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(10)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            self._note("closed")
 
-    # ----------------------------------------------------------------- relay
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _flush(self, link: _Link) -> None:
-        for _, data in link.held:
-            with contextlib.suppress(OSError):
-                link.upstream.sendall(data)
-        link.held.clear()
-        if link.closed:
-            with contextlib.suppress(OSError):
-                link.upstream.shutdown(socket.SHUT_WR)
+    # ----------------------------------------------------------------- forwarding
 
-    def _accept(self) -> None:
-        while True:
+    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        try:
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError as exc:
+            self._note(f"connection {number}: upstream refused ({exc})")
+            client_writer.close()
+            return
+        self._note(f"connection {number} opened")
+        pipes = [asyncio.ensure_future(self._pipe(client_reader, server_writer, held=True)),
+                 asyncio.ensure_future(self._pipe(server_reader, client_writer, held=False))]
+        self._tasks.update(pipes)
+        try:
+            # One side closed (or failed): close both, as a proxy does.
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pipe in pipes:
+                pipe.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
+            self._tasks.difference_update(pipes)
+            for writer in (client_writer, server_writer):
+                writer.close()
+            self._note(f"connection {number} closed")
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, held: bool) -> None:
+        """Forward ``reader`` to ``writer``, each chunk ``delay`` after it was read, in order."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def read() -> None:
             try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            with self._cond:
-                link = _Link(len(self._links), client, upstream)
-                self._links.append(link)
-            threading.Thread(target=self._from_client, args=(link,), daemon=True,
-                             name=f"{self.name}-{link.number}-up").start()
-            threading.Thread(target=self._from_server, args=(link,), daemon=True,
-                             name=f"{self.name}-{link.number}-down").start()
+                while data := await reader.read(65536):
+                    queue.put_nowait((loop.time() + self.delay, data))
+            finally:
+                if held:
+                    self.clients_closed += 1
+                queue.put_nowait(None)
 
-    def _from_client(self, link: _Link) -> None:
-        while True:
-            try:
-                data = link.client.recv(65536)
-            except OSError:
-                data = b""
-            with self._cond:
-                if not data:
-                    link.closed = True
-                    if not link.held:
-                        self._flush(link)
-                    return
-                if link.held or (self._holding is not None and self._holding in data):
-                    link.held.append((time.time(), data))
-                else:
-                    with contextlib.suppress(OSError):
-                        link.upstream.sendall(data)
+        reading = asyncio.ensure_future(read())
+        try:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                if held and self._flowing is not None and not self._flowing.is_set():
+                    self.held_bytes += len(data)
+                    try:
+                        await self._flowing.wait()
+                    finally:
+                        self.held_bytes -= len(data)
+                writer.write(data)
+                await writer.drain()
+        finally:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
 
-    def _from_server(self, link: _Link) -> None:
-        while True:
-            try:
-                data = link.upstream.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                with contextlib.suppress(OSError):
-                    link.client.shutdown(socket.SHUT_WR)
-                return
-            with contextlib.suppress(OSError):
-                link.client.sendall(data)
-            with self._cond:
-                link.answered += len(data)
-                self._cond.notify_all()
+    # ------------------------------------------------------------------ reports
+
+    def _note(self, line: str) -> None:
+        with self._lock:
+            self._lines.append(f"{time.strftime('%H:%M:%S')} {line}")
+            with self.log.open("a") as out:
+                out.write(self._lines[-1] + "\n")
+
+    def tail(self, lines: int = 15) -> str:
+        with self._lock:
+            return "\n".join(self._lines[-lines:])

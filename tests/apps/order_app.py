@@ -1,0 +1,55 @@
+"""The Celery app of ``tests/test_release_order.py``: runs whose end causes more work on the same key.
+
+Configured from the environment: ``CSB_TEST_REDIS`` (broker db 0, results db 1,
+records db 3: always direct) and ``CSB_LOCK_REDIS`` (the locks: the tests give one
+worker a delaying proxy in front of the lock database and another the same
+database directly).
+
+``step`` records every run it makes in ``runs:<key>`` (``{"task_id", "note"}``);
+a run lasts while ``hold:<key>`` is set in the record database (at most 60 s),
+so a test decides when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from celery import Celery
+
+from celery_singleton_beat import SingletonTask
+
+from .records import record_client
+
+BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
+
+app = Celery("order_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
+app.conf.update(
+    singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BASE}/2"),
+    singleton_lock_ttl=30.0,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+    worker_hijack_root_logger=True,
+)
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"])
+def step(self: SingletonTask, key: str, note: str = "", fail: bool = False) -> str:
+    """One run on ``key``; raises ValueError after recording it when ``fail``."""
+    records = record_client(BASE)
+    records.set(f"running:{key}", self.request.id)
+    deadline = time.monotonic() + 60
+    while records.exists(f"hold:{key}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    records.rpush(f"runs:{key}", json.dumps({"task_id": self.request.id, "note": note}))
+    if fail:
+        raise ValueError(f"{key} fails")
+    return key
+
+
+@app.task
+def plain(note: str = "") -> str:
+    """A plain Celery task (no lock): a follower that adds no lock traffic of its own."""
+    return note
