@@ -1,8 +1,8 @@
-"""Beat slots through outages: the broker down at a beat's re-send, the lock Redis down at the worker.
+"""Beat slots through outages: the broker down at a beat's re-send, the claims Redis down at the worker.
 
 Real ``celery beat -S singleton`` processes and real workers; the broker (or
 the Redis of the slot claims) is a redis-server of the test's own, stopped and
-started again with its append-only file, so what was queued survives. The
+started again with its append-only file, so what it held survives. The
 ``CSB_PAUSE`` hook of ``tests/apps/beat_app.py`` blocks the beat that wins the
 slot before or after its publish, so the test kills exactly that beat.
 """
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kombu
 import pytest
 
-from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
+from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, soak, start_worker, wait_for
 from .support.beat import BEAT_APP, claims_of, pause, paused_beat, read_runs, slot_counts, start_beat_pair
 
 pytestmark = pytest.mark.slow
@@ -152,3 +153,197 @@ def test_a_slot_no_beat_could_publish_is_sent_once_the_broker_is_back(
     assert holder_pid(claims_of(redis_server, case.entry)[case.slot]) == case.survivor.pid
     wait_for(case.drained, timeout=60, message="the worker to drain the queue")
     ran_once_each(redis_server, case.entry, outage)
+
+
+# ----------------------------------------------------------------- point 4: the claims Redis down at the worker
+
+HOLDING = "holding the message until Redis answers (fail closed)"
+HELD_BEHIND = "waits for Redis behind"
+
+
+@dataclass
+class TwoCopies:
+    """Two copies of one slot in a queue no worker reads yet; the claims on ``lock``."""
+
+    broker_url: str
+    lock: RedisServer
+    entry: str
+    queue: str
+    slot: str
+    settings: dict[str, Any]
+
+    def start_worker(self, redis_server: RedisServer, name: str) -> CeleryProcess:
+        return start_worker(redis_server, BEAT_APP, name, pool="solo", concurrency=1,
+                            extra=["-Q", self.queue],
+                            env={"CSB_BEAT_SETTINGS": json.dumps(self.settings)})
+
+    def ready(self) -> int:
+        """Messages in the queue that no worker has taken (held ones are taken)."""
+        with kombu.Connection(self.broker_url, connect_timeout=10) as connection:
+            try:
+                _, count, _ = connection.default_channel.queue_declare(self.queue, passive=True)
+            except connection.channel_errors:  # no such queue (Redis: an empty list is none)
+                return 0
+            return int(count)
+
+    def runs(self, redis_server: RedisServer) -> int:
+        return slot_counts(read_runs(redis_server), self.entry).get(self.slot, 0)
+
+    def dropped(self) -> int:
+        stats = self.lock.client(0).hget(f"singleton:{{stats}}:beat:{self.entry}", "duplicates_dropped")
+        return int(stats or 0)
+
+    def ran_once(self, redis_server: RedisServer, worker: CeleryProcess) -> None:
+        """Redis is back: one copy runs, the other is dropped, nothing else runs."""
+        wait_for(lambda: self.runs(redis_server) >= 1 and self.dropped() >= 1, timeout=60,
+                 message="one copy to run and the other to be dropped")
+        worker.wait_for_line("Redis answers again", timeout=30)
+        wait_for(lambda: self.ready() == 0, timeout=30, message="the queue to be empty")
+        soak(2, check=lambda: self.runs(redis_server) == 1, what="no second run")
+        assert self.runs(redis_server) == 1 and self.dropped() == 1
+
+
+def hold_lines(worker: CeleryProcess) -> int:
+    """Slot messages the worker started to hold (a redelivery kept in their place is not one)."""
+    return worker.output().count(HOLDING) + worker.output().count(HELD_BEHIND)
+
+
+def two_copies(redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
+               tmp_path: Path, processes: list[CeleryProcess], broker_url: str,
+               **settings: Any) -> TwoCopies:
+    """Beat A publishes the first slot and is killed before marking it sent; beat B takes
+    the slot over and sends it again, then stops. The claims live on a redis-server of the
+    test's own (append-only file), so the test can stop it and start it again."""
+    lock = make_redis("--appendonly", "yes")
+    entry, queue = f"{names}slot", f"late-{names}"
+    settings = {"broker_url": broker_url, "singleton_redis_url": lock.url(0),
+                "singleton_beat_pending_lease": 1.0, "singleton_beat_catch_up": "none",
+                "beat_max_loop_interval": 1, **settings}
+    marker = f"pause:{names}"
+    beats = start_beat_pair(redis_server, tmp_path, {entry: {"every": PERIOD, "options": {"queue": queue}}},
+                            settings, pause(marker, 1, "after", entry), PERIOD)
+    processes.extend(beats)
+    victim = paused_beat(redis_server, beats, marker)
+    survivor = next(beat for beat in beats if beat is not victim)
+    [slot] = claims_of(lock, entry, db=0)
+    victim.kill_group()
+    case = TwoCopies(broker_url, lock, entry, queue, slot, settings)
+    survivor.wait_for_log("took over", timeout=60)
+    wait_for(lambda: case.ready() >= 2, timeout=30, message="both copies of the slot queued")
+    survivor.stop()
+    assert holder_pid(claims_of(lock, entry, db=0)[slot]) == survivor.pid
+    return case
+
+
+@pytest.mark.parametrize("broker_kind", ["redis", "redis-acks-late", "rabbitmq", "rabbitmq-acks-late"])
+def test_a_slot_message_the_worker_cannot_check_waits_for_redis(
+        redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
+        tmp_path: Path, processes: list[CeleryProcess], broker_kind: str,
+        request: pytest.FixtureRequest) -> None:
+    """Two copies of a re-sent slot reach a worker while the claims Redis is down. Fail
+    closed (the default): neither runs, neither is acknowledged or requeued (each is
+    received once: no redelivery loop), and the worker keeps them; when Redis answers,
+    one runs and the other is dropped.
+
+    Before the fix the worker ran both copies, unchecked ("could not check beat slot
+    ...; running it"), whatever ``singleton_fail_open`` said.
+    """
+    url = request.getfixturevalue("rabbitmq") if broker_kind.startswith("rabbitmq") else redis_server.url(0)
+    case = two_copies(redis_server, make_redis, names, tmp_path, processes, url,
+                      task_acks_late=broker_kind.endswith("acks-late"))
+    case.lock.stop()
+    worker = case.start_worker(redis_server, f"w-{names}")
+    processes.append(worker)
+    worker.wait_for_line("could not check beat slot", timeout=60)
+
+    def held() -> bool:
+        worker.check_running()
+        return case.runs(redis_server) == 0
+
+    soak(5, check=held, what="both copies held, none run")
+    assert case.ready() == 0, "both copies are with the worker, unacknowledged"
+    assert hold_lines(worker) == 2, worker.output()  # one delivery each: nothing went round
+    case.lock.start()  # the claim (B's, "sent") is back from the append-only file
+    case.ran_once(redis_server, worker)
+
+
+def test_a_slot_message_held_past_the_visibility_timeout_is_kept_once(
+        redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
+        tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """Redis broker with a short ``visibility_timeout``: kombu gives the held copies back to
+    the queue and the worker gets them again while it still holds them. It keeps one
+    delivery of each, and the slot still runs once when the claims Redis answers."""
+    transport = {"visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+    case = two_copies(redis_server, make_redis, names, tmp_path, processes, redis_server.url(0),
+                      broker_transport_options=transport)
+    case.lock.stop()
+    worker = case.start_worker(redis_server, f"w-{names}")
+    processes.append(worker)
+    worker.wait_for_line("could not check beat slot", timeout=60)
+
+    def held() -> bool:
+        worker.check_running()
+        return case.runs(redis_server) == 0
+
+    # Three visibility timeouts (and restore sweeps): each copy comes back two or three times.
+    soak(3 * (transport["visibility_timeout"] + transport["unacked_restore_interval"]), check=held,
+         what="the copies held, none run")
+    assert hold_lines(worker) == 2, "each delivered again in its own place, not held twice"
+    assert worker.output().count("delivered again while held") >= 2
+    case.lock.start()
+    case.ran_once(redis_server, worker)
+
+
+def test_with_fail_open_a_slot_message_the_worker_cannot_check_runs(
+        redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
+        tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """Fail open (``singleton_beat_fail_open``, which follows ``singleton_fail_open`` when
+    unset, as here: beats then send unclaimed slots too): with the claims Redis down, the
+    worker runs each copy unchecked, both of them here."""
+    case = two_copies(redis_server, make_redis, names, tmp_path, processes, redis_server.url(0),
+                      singleton_fail_open=True)
+    case.lock.stop()
+    worker = case.start_worker(redis_server, f"w-{names}")
+    processes.append(worker)
+    wait_for(lambda: case.runs(redis_server) == 2, timeout=60, message="both copies to run")
+    assert worker.output().count("running it (fail open)") == 2
+    assert hold_lines(worker) == 0
+
+
+@pytest.mark.parametrize(("broker_kind", "stop"), [("redis", "sigkill"), ("redis", "sigterm"),
+                                                  ("rabbitmq", "sigkill")])
+def test_a_held_slot_message_goes_back_to_the_broker_when_its_worker_goes(
+        redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
+        tmp_path: Path, processes: list[CeleryProcess], broker_kind: str, stop: str,
+        request: pytest.FixtureRequest) -> None:
+    """A worker holding the copies of a slot (claims Redis down) is SIGKILLed or stopped:
+    the broker delivers them to another worker, which holds them too and, once Redis
+    answers, runs the slot once. RabbitMQ gives them back when the connection closes;
+    kombu's Redis transport when the stopping worker gives them back (SIGTERM), else
+    once the visibility timeout passed (SIGKILL; 3 s here, 1 h by default)."""
+    if broker_kind == "rabbitmq":
+        url, extra = request.getfixturevalue("rabbitmq"), {}
+    elif stop == "sigkill":
+        url, extra = redis_server.url(0), {"broker_transport_options": {
+            "visibility_timeout": 3, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}}
+    else:
+        url, extra = redis_server.url(0), {}
+    case = two_copies(redis_server, make_redis, names, tmp_path, processes, url, **extra)
+    case.lock.stop()
+    first = case.start_worker(redis_server, f"w1-{names}")
+    processes.append(first)
+    wait_for(lambda: hold_lines(first) >= 2, timeout=60, message="the first worker to hold both copies")
+    if stop == "sigkill":
+        first.kill_group()
+    else:
+        first.stop()
+        assert "2 beat slot message(s) held for the slot check are left to the broker" in first.output()
+        wait_for(lambda: case.ready() == 2, timeout=30, message="both copies back in the queue")
+
+    second = case.start_worker(redis_server, f"w2-{names}")
+    processes.append(second)
+    wait_for(lambda: hold_lines(second) >= 2, timeout=60,
+             message="the second worker to be given both copies, and to hold them")
+    assert case.runs(redis_server) == 0
+    case.lock.start()
+    case.ran_once(redis_server, second)
