@@ -172,8 +172,8 @@ class TwoCopies:
     slot: str
     settings: dict[str, Any]
 
-    def start_worker(self, redis_server: RedisServer, name: str) -> CeleryProcess:
-        return start_worker(redis_server, BEAT_APP, name, pool="solo", concurrency=1,
+    def start_worker(self, redis_server: RedisServer, name: str, pool: str = "solo") -> CeleryProcess:
+        return start_worker(redis_server, BEAT_APP, name, pool=pool, concurrency=1,
                             extra=["-Q", self.queue],
                             env={"CSB_BEAT_SETTINGS": json.dumps(self.settings)})
 
@@ -235,15 +235,18 @@ def two_copies(redis_server: RedisServer, make_redis: Callable[..., RedisServer]
     return case
 
 
-@pytest.mark.parametrize("broker_kind", ["redis", "redis-acks-late", "rabbitmq", "rabbitmq-acks-late"])
+@pytest.mark.parametrize(("broker_kind", "pool"), [
+    ("redis", "solo"), ("redis-acks-late", "solo"), ("rabbitmq", "solo"), ("rabbitmq-acks-late", "solo"),
+    ("redis", "prefork"), ("redis", "threads"), ("redis", "gevent")])
 def test_a_slot_message_the_worker_cannot_check_waits_for_redis(
         redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
-        tmp_path: Path, processes: list[CeleryProcess], broker_kind: str,
+        tmp_path: Path, processes: list[CeleryProcess], broker_kind: str, pool: str,
         request: pytest.FixtureRequest) -> None:
     """Two copies of a re-sent slot reach a worker while the claims Redis is down. Fail
     closed (the default): neither runs, neither is acknowledged or requeued (each is
     received once: no redelivery loop), and the worker keeps them; when Redis answers,
-    one runs and the other is dropped.
+    one runs and the other is dropped. With the event loop (solo, prefork, threads) the
+    check is retried on the loop's timer; gevent has no event loop (a greenlet timer).
 
     Before the fix the worker ran both copies, unchecked ("could not check beat slot
     ...; running it"), whatever ``singleton_fail_open`` said.
@@ -252,7 +255,7 @@ def test_a_slot_message_the_worker_cannot_check_waits_for_redis(
     case = two_copies(redis_server, make_redis, names, tmp_path, processes, url,
                       task_acks_late=broker_kind.endswith("acks-late"))
     case.lock.stop()
-    worker = case.start_worker(redis_server, f"w-{names}")
+    worker = case.start_worker(redis_server, f"w-{names}", pool)
     processes.append(worker)
     worker.wait_for_line("could not check beat slot", timeout=60)
 
