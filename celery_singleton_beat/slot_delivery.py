@@ -210,16 +210,18 @@ class SlotGate:
     def _retry(self) -> None:
         """Check the held messages in order; on the first Redis error, back off again."""
         handled = 0
+        with self._lock:
+            self._timer = None  # this call
         while True:
             with self._lock:
-                self._timer = None
                 if self._closed or not self._held:
                     break
                 delivery = self._held[0]
                 try:
                     run = self._check(delivery.headers)
                 except redis.RedisError as exc:
-                    self._schedule()
+                    if self._timer is None:  # (a message that came meanwhile may have set one)
+                        self._schedule()
                     logger.info("beat slot checks: Redis still unavailable (%s); %d message(s) "
                                 "held, next check in %.0fs", exc, len(self._held), self._delay)
                     return
