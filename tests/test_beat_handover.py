@@ -44,3 +44,24 @@ def test_the_first_overdue_mark_goes_out_at_once() -> None:
     assert handover.marks_due(1.0)
     assert [c.name for c in handover.take_marks(1.0)] == ["entry-1"]
     assert not handover.marks_due(1.0)
+
+
+def test_slots_whose_publish_failed_wait_a_growing_back_off_and_go_when_a_publish_works() -> None:
+    """Each failed publish doubles the wait before this beat's hand-backs are tried again
+    (from one lease up to ``retry_max``); a publish that works makes them due at once,
+    and leaves the slots watched for other beats where they were."""
+    handover = Handover(2.0)
+    delays = []
+    for i in range(6):
+        handover.publish_failed([_claim(i)], 0.0)
+        delays.append(handover.retry_delay())
+    assert delays == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    other = _claim(99)
+    handover.watch(other, 0.0)  # another beat's pending claim: looked at after one lease
+    assert handover.due_watches(1.0, 100) == []
+    handover.published(1.0)
+    due = handover.due_watches(1.0, 100)
+    assert sorted(w.claim.name for w in due) == [f"entry-{i}" for i in range(6)]
+    assert all(w.retry for w in due)
+    assert handover.publish_failures == 0 and handover.retry_delay() == 2.0
+    assert [w.claim.name for w in handover.due_watches(2.0, 100)] == ["entry-99"]

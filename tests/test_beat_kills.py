@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +19,7 @@ from typing import Any
 import pytest
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
-from .support.beat import BEAT_APP, read_runs, slot_counts
-from .support.processes import child_env
+from .support.beat import pause, paused_beat, read_runs, runs_by_slot, slot_counts, start_beat_pair
 from .support.slots import parse_slot
 
 pytestmark = pytest.mark.slow
@@ -41,29 +39,6 @@ def names(redis_server: RedisServer) -> Iterator[str]:
     yield f"k{uuid.uuid4().hex[:6]}-"
 
 
-def pause(marker: str, at: int, when: str) -> dict[str, str]:
-    return {"CSB_PAUSE": json.dumps({"at": at, "when": when, "marker": marker})}
-
-
-def paused_beat(redis_server: RedisServer, beats: list[CeleryProcess], marker: str) -> CeleryProcess:
-    """The beat that blocked in the hook (waits for it)."""
-    records = redis_server.client(RECORD_DB)
-    wait_for(lambda: records.get(marker) is not None, timeout=60,
-             message="a beat to reach the pause point")
-    pid = int(records.get(marker))
-    return next(beat for beat in beats if beat.pid == pid)
-
-
-def runs_by_slot(redis_server: RedisServer, prefix: str) -> dict[str, dict[str, int]]:
-    """``{slot label: {entry: executions}}`` of the entries named ``prefix*``."""
-    table: dict[str, dict[str, int]] = {}
-    for run in read_runs(redis_server):
-        if run["entry"].startswith(prefix):
-            per_entry = table.setdefault(run["slot"], {})
-            per_entry[run["entry"]] = per_entry.get(run["entry"], 0) + 1
-    return table
-
-
 def wait_for_all(redis_server: RedisServer, prefix: str, slot: str, entries: list[str],
                  timeout: float = 60) -> None:
     wait_for(lambda: set(runs_by_slot(redis_server, prefix).get(slot, {})) >= set(entries),
@@ -78,29 +53,9 @@ def drain(redis_server: RedisServer, queue: str = QUEUE) -> None:
 
 def start_beats(redis_server: RedisServer, tmp_path: Path, schedule: dict[str, Any],
                 env: dict[str, str], processes: list[CeleryProcess]) -> list[CeleryProcess]:
-    """Two beats with the pause hook; both ticking before the burst's slot comes.
-
-    A beat skips the slots due before its scheduler started (catch-up none), so a
-    beat that comes up just after a slot never watches it: if the other beat won
-    that slot alone and then stops mid-burst, nobody takes its hand-backs over (a
-    test race, seen as a 60 s timeout). Both are started just after a slot
-    boundary, with most of a period to come up before the next slot.
-    """
-    wait_for(lambda: time.time() % PERIOD < 0.25, timeout=PERIOD + 5, interval=0.01,
-             message="a slot boundary")
-    beats = []
-    for name in ("a", "b"):
-        beat = CeleryProcess(
-            ["-A", BEAT_APP, "beat", "-S", "singleton", "-s", str(tmp_path / f"{name}-schedule"),
-             "-l", "info"],
-            child_env(redis_server, CSB_BEAT_SCHEDULE=json.dumps(schedule),
-                      CSB_BEAT_SETTINGS=json.dumps(SETTINGS), **env),
-            name=f"beat-{name}",
-        ).start()
-        processes.append(beat)
-        beats.append(beat)
-    for beat in beats:
-        beat.wait_for_log("singleton scheduler", timeout=60)
+    """Two beats with the pause hook; both ticking before the burst's slot comes."""
+    beats = start_beat_pair(redis_server, tmp_path, schedule, SETTINGS, env, PERIOD)
+    processes.extend(beats)
     return beats
 
 

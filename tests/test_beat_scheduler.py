@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shelve
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -490,6 +491,57 @@ def test_claim_is_given_back_when_publishing_fails(redis_db: redis.Redis,
     late = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND))
     late.tick()
     assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
+
+
+class FlakyBroker(RecordingScheduler):
+    """Publishes fail while ``broker_down`` is set; ``attempts`` counts every publish tried."""
+
+    broker_down = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.attempts = 0
+        super().__init__(*args, **kwargs)
+
+    def send_task(self, *args: Any, **kwargs: Any) -> Any:
+        self.attempts += 1
+        if self.broker_down:
+            raise ConnectionError("broker unreachable")
+        return super().send_task(*args, **kwargs)
+
+
+def test_a_beat_sends_the_slots_it_handed_back_once_the_broker_is_back(
+        redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """A lone beat whose publishes fail hands its slots back and keeps them: while the
+    broker is down one publish is tried per back-off round (not one per slot), and once
+    it answers every slot is sent, once."""
+    clock = ManualClock(START)
+    schedule = {name: {"task": f"t.{name}", "schedule": 60.0} for name in "abc"}
+    beat = FlakyBroker(app=scheduler_app(redis_server, clock, schedule,
+                                         singleton_beat_pending_lease=0.1))
+    beat.broker_down = True
+    while beat.tick() <= 0:  # the burst: each slot claimed, its publish refused
+        pass
+    claims = redis_server.client(LOCK_DB)
+    keys = claims.keys("singleton:{beat:*}:*")
+    assert len(keys) == 3 and beat.attempts == 3
+    assert {json.loads(value)["state"] for value in claims.mget(keys)} == {"released"}
+
+    retries = list(beat.handover._watched)
+    assert len(retries) == 3 and all(w.retry for w in retries)
+    wait_for(lambda: all(w.due <= time.monotonic() for w in retries), timeout=10,
+             message="every hand-back to be due again")
+    beat.tick()
+    assert beat.attempts == 4, "one publish tried in a round that found the broker down"
+    assert beat.handover.publish_failures == 4
+    assert {json.loads(value)["state"] for value in claims.mget(keys)} == {"released"}
+
+    beat.broker_down = False
+    wait_for(lambda: beat.tick() >= 0 and len(beat.sent) == 3, timeout=30,
+             message="the handed-back slots to be sent once the broker answers")
+    assert sent_slots(beat) == {"2024-05-01T12:00:00Z": 3}
+    assert sorted(s["task"] for s in beat.sent) == ["t.a", "t.b", "t.c"]
+    beat.close()  # marks them sent
+    assert {json.loads(value)["state"] for value in claims.mget(keys)} == {"sent"}
 
 
 def test_redis_without_set_nx_get_falls_back_to_plain_set_nx(redis_db: redis.Redis,

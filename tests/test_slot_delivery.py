@@ -10,7 +10,7 @@ import json
 
 import redis
 
-from celery_singleton_beat.beat.claims import PENDING, claim_value, receive_slot
+from celery_singleton_beat.beat.claims import PENDING, RELEASED, claim_value, receive_slot
 
 KEY = "singleton:{beat:e}:2024-05-01T12:00:00Z"
 STATS = "singleton:{stats}:beat:e"
@@ -41,3 +41,17 @@ def test_without_a_claim_the_first_delivery_wins(redis_db: redis.Redis) -> None:
     assert 0 < redis_db.pttl(KEY) <= 30_000
     run, holder = receive_slot(redis_db, KEY, "beat-b", "w2", 30_000, None)
     assert run is False and holder is not None and holder["instance"] == "beat-a"
+
+
+def test_a_copy_of_a_handed_back_slot_runs_whoever_sent_it(redis_db: redis.Redis) -> None:
+    """Beat a published and died; beat b took the slot over, could not publish and handed it
+    back (``released``, b's name). a's copy is the only one: it runs and pins the claim, and
+    a copy b sends later is dropped."""
+    redis_db.set(KEY, claim_value("beat-b", 0, RELEASED), px=60_000)
+    assert receive_slot(redis_db, KEY, "beat-a", "w1", 30_000, STATS) == (True, None)
+    claim = json.loads(redis_db.get(KEY))
+    assert (claim["instance"], claim["state"], claim["worker"]) == ("beat-a", "received", "w1")
+    assert 30_000 < redis_db.pttl(KEY) <= 60_000  # the claim keeps its lifetime
+    run, holder = receive_slot(redis_db, KEY, "beat-b", "w2", 30_000, STATS)
+    assert run is False and holder is not None and holder["instance"] == "beat-a"
+    assert redis_db.hget(STATS, "duplicates_dropped") == b"1"

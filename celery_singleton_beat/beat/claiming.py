@@ -8,7 +8,8 @@ Each method is one round trip to Redis (:class:`~.claims.ClaimStore`):
 * a claim of the slot being sent, with the slots of other due entries claimed
   ahead and the ``sent`` marks of earlier sends riding along;
 * marking published claims ``sent`` (when no claim round trip comes soon);
-* handing claims won but not sent back as ``released``;
+* handing claims won but not sent back as ``released`` (those whose publish
+  failed are sent again by this beat after a back-off if no other beat did);
 * taking over, and sending, slots whose claim stayed unsent past its pending lease
   (slots lost to such a claim, and slots a catch-up ``"none"`` start counted as done).
 """
@@ -180,6 +181,35 @@ class ClaimRounds:
             logger.warning("beat: could not hand back %d unsent claim(s) (the pending lease "
                            "ends them): %s", len(swaps), exc)
 
+    def _give_back_unpublished(self, claims: list[Claim], failed: bool = True) -> None:
+        """Hand back claims whose slot this beat could not publish (``failed``: a publish
+        failed; else it was not tried), and retry them after the back-off.
+
+        The others may send a ``released`` slot at once; if none did when the back-off
+        ends, this beat takes it back and sends it (:meth:`_take_over_due`). A claim
+        that could not be handed back (Redis down too) is retried as it stands.
+        """
+        mine = [claim for claim in claims if claim.won and claim.value is not None]
+        released = claim_value(self.instance_id, 0, RELEASED)
+        expected: list[bytes | None]
+        try:
+            outcomes = self.claims.swap([(claim.key, claim.value or "", released, 0) for claim in mine])
+        except redis.RedisError as exc:
+            logger.warning("beat: could not hand back %d unsent claim(s): %s", len(mine), exc)
+            expected = [(claim.value or "").encode() for claim in mine]
+        else:
+            # Not swapped: another beat took the slot over meanwhile (it sends it), or
+            # the claim expired; neither is this beat's to send any more.
+            expected = [released.encode() if swapped else None for swapped, _ in outcomes]
+        retry = [Claim(claim.name, claim.slot, claim.key, False, holder=self.instance_id,
+                       holder_value=value)
+                 for claim, value in zip(mine, expected, strict=True) if value is not None]
+        now = time.monotonic()
+        if failed:
+            self.handover.publish_failed(retry, now)
+        else:
+            self.handover.retry(retry, now)
+
     def _hand_back_prefetched(self) -> None:
         claims = [claim for claim, _ in self._prefetched.values()]
         self._prefetched.clear()
@@ -201,9 +231,14 @@ class ClaimRounds:
         except redis.RedisError as exc:
             self.breaker.failed(exc)
             for watch in watches:
-                self.handover.watch(watch.claim, now)
+                if watch.retry:
+                    self.handover.retry([watch.claim], now)
+                else:
+                    self.handover.watch(watch.claim, now)
             return
         taken: list[tuple[Claim, Any]] = []
+        refused = False  # a publish of this round failed: the broker is down
+        untried: list[Claim] = []
         for watch, (swapped, current) in zip(watches, outcomes, strict=True):
             claim = watch.claim
             if not swapped:
@@ -221,15 +256,25 @@ class ClaimRounds:
             if entry is None:
                 self._hand_back([taken_claim])
                 continue
-            logger.warning("beat: %s: slot %s took over from %s (claimed, not sent within "
-                           "%.1fs); sending", claim.name, claim.slot.label,
-                           claim.holder or "an unknown beat", self.handover.lease)
+            if refused:  # the others would fail too: they wait for the back-off
+                untried.append(taken_claim)
+                continue
+            if watch.retry:
+                logger.warning("beat: %s: slot %s was handed back after a failed publish; "
+                               "sending it again", claim.name, claim.slot.label)
+            else:
+                logger.warning("beat: %s: slot %s took over from %s (claimed, not sent within "
+                               "%.1fs); sending", claim.name, claim.slot.label,
+                               claim.holder or "an unknown beat", self.handover.lease)
             try:
                 self._send(entry, getattr(self, "producer", None), (taken_claim, now))
             except Exception as exc:  # handed back by _send; Celery's own tick logs likewise
                 logger.error("beat: %s: slot %s not sent after take-over: %s",
                              claim.name, claim.slot.label, exc)
+                refused = True
                 continue
             taken.append((taken_claim, entry))
+        if untried:
+            self._give_back_unpublished(untried, failed=False)
         if taken:
             self._record([], [], taken, at)

@@ -11,7 +11,10 @@ value ``{"instance": <beat>, "at": <epoch s>, "state": <state>}``:
     of ``singleton_beat_pending_lease``).
 ``released``
     the winner gave the slot back unsent (clean stop mid-burst, publish
-    failed): any other beat may take it over at once.
+    failed): any other beat may take it over at once, and a beat whose
+    publish failed looks at it again after a back-off to send it itself. A
+    worker runs a copy of a ``released`` slot from any instance (one that
+    published before the take-over and died) and pins the claim to it.
 ``received``
     a worker accepted a message of this slot from the claim's instance
     (:data:`RECEIVE_SCRIPT`); messages of the slot from any other instance are
@@ -127,6 +130,9 @@ SWAP_CHUNK = 500
 #: stats TTL ms. Returns {'run'} or {'drop', holder value}. A missing claim
 #: (expired, Redis restarted, beat failed open) is created in the message's
 #: name: the first delivery of a slot wins, later ones from others are dropped.
+#: A ``released`` claim says its beat did not publish: a copy from another beat
+#: (one that published and died before the take-over) is the one to run, and
+#: the claim is pinned to it.
 RECEIVE_SCRIPT = LuaScript("""
 local current = redis.call('GET', KEYS[1])
 if not current then
@@ -137,11 +143,14 @@ end
 local ok, claim = pcall(cjson.decode, current)
 if not ok or type(claim) ~= 'table' then return {'run'} end
 if claim['instance'] ~= ARGV[1] then
-  if KEYS[2] then
-    redis.call('HINCRBY', KEYS[2], 'duplicates_dropped', 1)
-    redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
+  if claim['state'] ~= 'released' then
+    if KEYS[2] then
+      redis.call('HINCRBY', KEYS[2], 'duplicates_dropped', 1)
+      redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
+    end
+    return {'drop', current}
   end
-  return {'drop', current}
+  claim['instance'] = ARGV[1]  -- pinned below, as the claim's own copy would be
 end
 if claim['state'] ~= 'received' then
   claim['state'] = 'received'

@@ -12,13 +12,18 @@ Two lists, both keyed by claim key:
   ``released``). Each is looked at again once the pending lease would have
   ended (at once for ``released``); the scheduler then takes over whatever is
   still unsent (see :mod:`.claims`). Slots a beat started with catch-up
-  ``"none"`` counts as done are looked at too (holder not known yet).
+  ``"none"`` counts as done are looked at too (holder not known yet). So are
+  this beat's own slots whose publish failed (broker down), handed back: after
+  a back-off that grows with consecutive failed publishes (one lease, doubling,
+  up to :attr:`Handover.retry_max`), and at once when a publish works again.
+  The others may take such a slot at once; if none did, this beat sends it.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .claims import RELEASED, Claim
@@ -33,13 +38,21 @@ class Watch:
     due: float
     order: int
     claim: Claim = field(compare=False)  # ``holder_value`` is the exact value seen
+    #: This beat's own slot, handed back after a failed publish: sent again by it.
+    retry: bool = field(default=False, compare=False)
 
 
 class Handover:
     """Claims waiting to be marked sent, and slots waiting to be taken over."""
 
+    #: Longest wait (seconds) before this beat tries again to send a slot whose
+    #: publish failed (the lease, if longer).
+    retry_max: float = 30.0
+
     def __init__(self, lease: float) -> None:
         self.lease = lease
+        #: Consecutive failed publishes (0 once one works again).
+        self.publish_failures = 0
         # Insertion order is claim order, so the first item is the oldest.
         self._unmarked: dict[str, tuple[Claim, float]] = {}
         self._watched: list[Watch] = []  # a heap on ``due``
@@ -72,6 +85,34 @@ class Handover:
         if claims:
             self._last_marks = now
         return claims
+
+    def published(self, now: float) -> None:
+        """A publish worked: the slots waiting for the broker to come back are due now."""
+        if not self.publish_failures:
+            return
+        self.publish_failures = 0
+        for watch in self._watched:
+            if watch.retry and watch.due > now:
+                watch.due = now
+        heapq.heapify(self._watched)
+
+    def publish_failed(self, claims: Iterable[Claim], now: float) -> None:
+        """A publish failed; ``claims`` (this beat's, handed back unsent) are retried
+        after the back-off (see the module docstring)."""
+        self.publish_failures += 1
+        self.retry(claims, now)
+
+    def retry(self, claims: Iterable[Claim], now: float) -> None:
+        """Look at ``claims`` (this beat's, unsent: ``holder_value`` as in Redis) again after
+        the current back-off, and send them if they are still unsent."""
+        due = now + self.retry_delay()
+        for claim in claims:
+            heapq.heappush(self._watched, Watch(due, next(self._order), claim, retry=True))
+
+    def retry_delay(self) -> float:
+        """Seconds until slots handed back now are tried again (a lease before any failure)."""
+        doublings = min(max(self.publish_failures - 1, 0), 16)
+        return float(min(self.lease * 2 ** doublings, max(self.lease, self.retry_max)))
 
     # ----------------------------------------------------------------- others' claims
 

@@ -5,11 +5,12 @@ Celery's scheduler calls ``reserve`` (the slot is chosen here), then
 due entries, :mod:`.claiming`) and only a slot this beat won is published, with
 the slot, instance and claim in its headers and a task id derived from the
 claim key (:func:`~.entries.slot_task_id`). A claim won but not published is
-handed back.
+handed back, and sent again by this beat after a back-off if no other beat did.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -135,14 +136,16 @@ class SlotSending(ClaimRounds, _SchedulerBase):
             result = super().apply_async(entry, producer=producer, advance=False, **kwargs)
         except Exception:
             # Not published (broker down, ...): hand the slot back so that the
-            # other beats (or one starting within the slot) can still send it.
+            # other beats (or one starting within the slot) can still send it,
+            # and send it again after a back-off if none did.
             if decided is not None:
-                self._hand_back([decided[0]])
+                self._give_back_unpublished([decided[0]])
             raise
         finally:
             entry.options = saved
         if decided is not None:
             self.handover.sent(*decided)
+        self.handover.published(time.monotonic())
         return result
 
     def _decide(self, entry: Any) -> tuple[Claim, float] | None:

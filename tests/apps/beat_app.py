@@ -5,12 +5,13 @@
 * ``CSB_BEAT_SCHEDULE``: JSON ``{name: {"every": seconds | "cron": "m h dom mon dow",
   "args": [...], "options": {...}}}``; every entry runs :func:`record`.
 * ``CSB_BEAT_SETTINGS``: JSON of extra ``app.conf`` settings.
-* ``CSB_PAUSE``: JSON ``{"at": n, "when": "before" | "after", "marker": key}``: a
-  test hook for killing a beat at a chosen moment. The first process of the
-  test to reach its ``n``-th publish (counted in this process) writes its pid to
-  ``marker`` (record db, ``SET NX``) and then blocks for good, ``before`` the
-  message is published (claimed, not sent) or ``after`` it (sent, not yet marked
-  sent). Signals still interrupt the block.
+* ``CSB_PAUSE``: JSON ``{"at": n, "when": "before" | "after", "marker": key,
+  "entry": name}``: a test hook for killing a beat at a chosen moment. The
+  first process of the test to reach its ``n``-th publish (counted in this
+  process; only of entry ``name`` when given) writes its pid to ``marker``
+  (record db, ``SET NX``) and then blocks for good, ``before`` the message is
+  published (claimed, not sent) or ``after`` it (sent, not yet marked sent).
+  Signals still interrupt the block.
 * ``CSB_CLOCK``: JSON ``{"offset": s, "speed": x, "anchor": real_epoch, "start": fake_epoch}``:
   this process's clock reads ``start + (real - anchor) * speed + offset``. It
   is the injectable clock for skew and fast-forward tests: Celery's beat reads
@@ -103,6 +104,14 @@ def record(self: Any, entry: str, *args: Any) -> None:
     }))
 
 
+def _publishes_entry(body: Any, entry: str) -> bool:
+    """Whether a published message body (protocol 2: ``(args, kwargs, embed)``) runs ``entry``."""
+    try:
+        return bool(body[0][0] == entry)
+    except (TypeError, IndexError, KeyError):
+        return False
+
+
 def _pause_hook() -> None:
     """Install the ``CSB_PAUSE`` hook (see the module docstring) in this process."""
     pause = json.loads(os.environ.get("CSB_PAUSE") or "{}")
@@ -111,7 +120,9 @@ def _pause_hook() -> None:
     counted = {"n": 0}
     records = redis.Redis.from_url(f"{BASE}/3")
 
-    def maybe_pause(**_: Any) -> None:
+    def maybe_pause(body: Any = None, **_: Any) -> None:
+        if pause.get("entry") is not None and not _publishes_entry(body, pause["entry"]):
+            return
         counted["n"] += 1
         if counted["n"] != int(pause["at"]) or not records.set(pause["marker"], os.getpid(), nx=True):
             return

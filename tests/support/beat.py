@@ -4,6 +4,7 @@ driven by a clock moved by hand (sends recorded instead of published)."""
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime, timedelta
@@ -18,14 +19,15 @@ from celery.utils import uuid
 from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin
 
 from .processes import CeleryProcess, child_env
-from .servers import RECORD_DB, RedisServer
+from .servers import LOCK_DB, RECORD_DB, RedisServer
 from .slots import expected_slots, parse_slot
 from .waiting import wait_for
 
 __all__ = [
     "BEAT_APP", "RUNS_KEY", "ClockApp", "ManualClock", "RecordingScheduler",
-    "RecordingSingletonScheduler", "SendRecorder", "assert_once_per_slot", "beat_app", "read_runs",
-    "run_ticks", "sent_slots", "slot_counts", "start_beat", "wait_for_slot",
+    "RecordingSingletonScheduler", "SendRecorder", "assert_once_per_slot", "beat_app", "claims_of",
+    "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots", "slot_counts",
+    "start_beat", "start_beat_pair", "wait_for_slot",
 ]
 
 BEAT_APP = "tests.apps.beat_app"
@@ -58,10 +60,76 @@ def start_beat(redis_server: RedisServer, workdir: Path, name: str, schedule: di
     return beat
 
 
+def start_beat_pair(redis_server: RedisServer, workdir: Path, schedule: dict[str, Any],
+                    settings: dict[str, Any], env: dict[str, str], period: float) -> list[CeleryProcess]:
+    """Two beats ``a`` and ``b`` (``env``: e.g. a :func:`pause` hook), both ticking before
+    the next slot of a ``period`` entry comes.
+
+    A beat skips the slots due before its scheduler started (catch-up none), so a
+    beat that comes up just after a slot never watches it: if the other beat won
+    that slot alone and then stops mid-burst, nobody takes its hand-backs over (a
+    test race, seen as a 60 s timeout). Both are started just after a slot
+    boundary, with most of a period to come up before the next slot.
+    """
+    wait_for(lambda: time.time() % period < 0.25, timeout=period + 5, interval=0.01,
+             message="a slot boundary")
+    beats = []
+    for name in ("a", "b"):
+        beats.append(CeleryProcess(
+            ["-A", BEAT_APP, "beat", "-S", "singleton", "-s", str(workdir / f"{name}-schedule"),
+             "-l", "info"],
+            child_env(redis_server, CSB_BEAT_SCHEDULE=json.dumps(schedule),
+                      CSB_BEAT_SETTINGS=json.dumps(settings), **env),
+            name=f"beat-{name}",
+        ).start())
+    for beat in beats:
+        beat.wait_for_log("singleton scheduler", timeout=60)
+    return beats
+
+
+def pause(marker: str, at: int, when: str, entry: str | None = None) -> dict[str, str]:
+    """The ``CSB_PAUSE`` environment of ``tests/apps/beat_app.py``: block the first beat
+    that reaches its ``at``-th publish (of ``entry`` only, if given), ``when`` = before/after."""
+    spec: dict[str, Any] = {"at": at, "when": when, "marker": marker}
+    if entry is not None:
+        spec["entry"] = entry
+    return {"CSB_PAUSE": json.dumps(spec)}
+
+
+def paused_beat(redis_server: RedisServer, beats: list[CeleryProcess], marker: str) -> CeleryProcess:
+    """The beat that blocked in the :func:`pause` hook (waits for it)."""
+    records = redis_server.client(RECORD_DB)
+    wait_for(lambda: records.get(marker) is not None, timeout=60,
+             message="a beat to reach the pause point")
+    pid = int(records.get(marker))
+    return next(beat for beat in beats if beat.pid == pid)
+
+
+def claims_of(redis_server: RedisServer, entry: str, db: int = LOCK_DB) -> dict[str, dict[str, Any]]:
+    """The slot claims of ``entry`` alive now: ``{slot label: claim value}``."""
+    client = redis_server.client(db)
+    claims = {}
+    for key in client.scan_iter(f"singleton:{{beat:{entry}}}:*"):
+        raw = client.get(key)
+        if raw is not None:
+            claims[key.decode().rsplit("}:", 1)[1]] = json.loads(raw)
+    return claims
+
+
 def read_runs(redis_server: RedisServer) -> list[dict[str, Any]]:
     """Every execution recorded by the worker so far, in order."""
     client = redis_server.client(RECORD_DB)
     return [json.loads(raw) for raw in client.lrange(RUNS_KEY, 0, -1)]
+
+
+def runs_by_slot(redis_server: RedisServer, prefix: str) -> dict[str, dict[str, int]]:
+    """``{slot label: {entry: executions}}`` of the entries named ``prefix*``."""
+    table: dict[str, dict[str, int]] = {}
+    for run in read_runs(redis_server):
+        if run["entry"].startswith(prefix):
+            per_entry = table.setdefault(run["slot"], {})
+            per_entry[run["entry"]] = per_entry.get(run["entry"], 0) + 1
+    return table
 
 
 def slot_counts(runs: Iterable[dict[str, Any]], entry: str | None = None) -> Counter[str]:
