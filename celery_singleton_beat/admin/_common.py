@@ -179,7 +179,8 @@ class KeySpace:
 
     * ``<p>:{<task>:<sha256>}`` a run lock or publish-time claim; ``:queued``
       the queue claim of ``until_executing``; ``:fence`` their fencing counters;
-    * ``<p>:{beat:<name>}:<slot>`` a beat slot claim;
+    * ``<p>:{beat:<name>}:<slot>`` a beat slot claim; ``<p>:{beat:<name>}:scheduled``
+      since when the entry is scheduled (what makes a slot missed);
     * ``<p>:{stats}:task:<task>`` / ``<p>:{stats}:beat:<entry>`` counters;
     * ``<p>:{beat}:history`` / ``<p>:{beat}:stats`` the beat's capped history
       and its counter totals.
@@ -195,7 +196,8 @@ class KeySpace:
             rf"(?P<fence>{re.escape(fence_key(''))})?\Z",
             re.S,
         )
-        self._slot = re.compile(rf"{p}:\{{beat:(?P<name>.+)\}}:(?P<slot>[^{{}}]+)\Z", re.S)
+        self._slot = re.compile(rf"{p}:\{{beat:(?P<name>.+)\}}:(?P<slot>[0-9][^{{}}]*)\Z", re.S)
+        self._record = re.compile(rf"{p}:\{{beat:.+\}}:scheduled\Z", re.S)
         self._fixed = {
             beat_history_key(prefix): "beat-history",
             beat_totals_key(prefix): "beat-stats",
@@ -218,8 +220,8 @@ class KeySpace:
         return match["name"], match["slot"]
 
     def kind(self, key: str) -> str:
-        """``lock``, ``queued``, ``fence``, ``slot``, ``task-stats``, ``beat-stats``,
-        ``beat-history`` or ``other``."""
+        """``lock``, ``queued``, ``fence``, ``slot``, ``beat-record``, ``task-stats``,
+        ``beat-stats``, ``beat-history`` or ``other``."""
         match = self._lock.match(key)
         if match is not None:
             return "fence" if match["fence"] else ("queued" if match["queued"] else "lock")
@@ -231,6 +233,8 @@ class KeySpace:
             return "beat-stats"
         if self._slot.match(key):
             return "slot"
+        if self._record.match(key):
+            return "beat-record"
         return "other"
 
     @property
