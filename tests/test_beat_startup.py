@@ -1,4 +1,4 @@
-"""What a real ``celery beat`` does when it starts: first deploy, restart after an outage.
+"""What a real ``celery beat`` does when it starts: first deploy, restart after an outage, banner.
 
 Real beat processes (``tests.apps.beat_app``, each on a clock that reads a chosen
 day and time), a real worker that records every execution, one real redis-server.
@@ -13,6 +13,7 @@ day and time), a real worker that records every execution, one real redis-server
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -134,3 +135,18 @@ def test_restart_after_an_outage_catches_up_scheduled_entries_only(
     assert [run["slot"] for run in runs.get(nightly, [])] == ["2026-11-25T13:00:00Z"], runs
     assert [run["slot"] for run in runs.get(hourly, [])] == ["2026-11-25T13:00:00Z"], runs
     assert added not in runs and lost not in runs, runs
+
+
+def test_banner_names_the_instance_that_runs(redis_server: RedisServer, names: str, tmp_path: Path,
+                                             processes: list[CeleryProcess]) -> None:
+    """The start-up banner's ``instance=`` is the id in the beat's log, claims and messages."""
+    control = f"{names}control"
+    beat = start_beat(redis_server, tmp_path, "banner", {control: {"every": 1}})
+    processes.append(beat)
+    wait_for_control(redis_server, control, count=1)
+    output = beat.output()
+    banner = re.search(r"\. singleton -> .* instance=(\S+)", output)
+    logged = re.search(r"beat: singleton scheduler (\S+): catch-up", output)
+    assert banner and logged, output[-3000:]
+    sent_by = {run["instance"] for run in runs_by_entry(redis_server)[control]}
+    assert banner[1] == logged[1] and sent_by == {logged[1]}, (banner[1], logged[1], sent_by)

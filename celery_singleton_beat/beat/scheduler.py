@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import time
+import weakref
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -47,6 +48,23 @@ from .sending import Reservation, SlotSending
 from .slots import SlotError, current_slot, interval_slot, to_utc
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
+
+#: Per app: the instance id a lazy scheduler (the one Celery builds only to print
+#: its start-up banner) showed, and in which process, for the scheduler that runs.
+_BANNER_IDS: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _instance_id(app: Any, lazy: bool) -> str:
+    """Host, pid and a random suffix; the running scheduler reuses the id its banner showed."""
+    pid = os.getpid()
+    shown = _BANNER_IDS.pop(app, None)
+    if shown is not None and shown[0] == pid and not lazy:
+        return shown[1]
+    instance = f"{socket.gethostname()}:{pid}:{secrets.token_hex(3)}"
+    if lazy:
+        _BANNER_IDS[app] = (pid, instance)
+    return instance
+
 
 class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
     """Claim each due entry's slot in Redis; send only the slots this beat won.
@@ -76,8 +94,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         # Fails beat start with ImproperlyConfigured on a bad singleton_* setting.
         self.singleton_settings: SingletonSettings = get_settings(app)
         settings = self.singleton_settings
-        #: Who this beat is in claims and logs: host, pid and a random suffix.
-        self.instance_id: str = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        #: Who this beat is in claims, logs and its start-up banner: host, pid and a random suffix.
+        self.instance_id: str = _instance_id(app, bool(kwargs.get("lazy", False)))
         self.claims = ClaimStore(
             lambda: get_redis(app), settings.key_prefix, self.instance_id,
             margin=timedelta(seconds=max(settings.beat_claim_margin, 3 * settings.beat_pending_lease)),
