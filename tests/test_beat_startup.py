@@ -94,12 +94,16 @@ def test_first_start_sends_no_slot_that_came_before_it(redis_server: RedisServer
     not sent, as with Celery's own scheduler (the control proves the beat was sending)."""
     cron, hourly, control = f"{names}cron-1252", f"{names}hourly", f"{names}control"
     schedule = {cron: {"cron": "52 12 * * *"}, hourly: {"every": 3600}, control: {"every": 1}}
-    processes.append(start_beat(redis_server, tmp_path, "first", schedule, scheduler=scheduler,
-                                clock=clock_at(12, 54, 0.5)))
+    beat = start_beat(redis_server, tmp_path, "first", schedule, scheduler=scheduler,
+                      clock=clock_at(12, 54, 0.5))
+    processes.append(beat)
     wait_for_control(redis_server, control)
 
     runs = runs_by_entry(redis_server)
     assert cron not in runs and hourly not in runs, runs
+    # Nor Celery's own celery.backend_cleanup (crontab 04:00): the beat sent the control only.
+    sent = [line for line in beat.output().splitlines() if "Sending due task" in line]
+    assert sent and all(control in line for line in sent), sent
     if scheduler == "singleton":
         # The entries are now recorded as scheduled since this start (see the next test).
         locks = redis_server.client(LOCK_DB)
