@@ -286,6 +286,24 @@ def test_running_beats_write_back_a_record_redis_lost(redis_db: redis.Redis,
     run_ticks([beat], clock, 1, 0.25)
     assert float(records.get(key)) == START.timestamp()
 
+def test_records_are_renewed_a_batch_per_tick(redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """2,500 entries: the hourly renewal writes at most 1,000 records per tick, so that a
+    large schedule does not hold a due slot up; three ticks renew them all."""
+    clock = ManualClock(START)
+    schedule = {f"e{i}": {"task": "t.e", "schedule": 3600.0, "args": [i]} for i in range(2500)}
+    beat = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule))
+    beat.tick()  # start-up: every record written at once
+    records = redis_server.client(LOCK_DB)
+    assert len(records.keys("singleton:{beat:e*}:scheduled")) == 2500
+    records.flushdb()
+    beat._records_due = 0.0  # an hour later
+    written = []
+    for _ in range(3):
+        beat.tick()
+        written.append(len(records.keys("singleton:{beat:e*}:scheduled")))
+    assert written == [1000, 2000, 2500]
+
+
 # ----------------------------------------------------------------- catch-up "none" and others' unsent claims
 
 class BrokerDown(RecordingScheduler):

@@ -116,6 +116,7 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         self._provisional: dict[str, Provisional] = {}
         self._unknown: dict[str, datetime] = {}
         self._records_due = time.monotonic() + REFRESH.total_seconds()
+        self._renewing: list[Any] = []
         self._new_entries: list[str] = []
         # Claims won ahead for other due entries, and when (monotonic) they were won.
         self._prefetched: dict[str, tuple[Claim, float]] = {}
