@@ -30,8 +30,8 @@ from typing import Any
 from celery import Celery
 from celery.beat import PersistentScheduler
 
-from celery_singleton_beat.beat import SingletonScheduler
-from celery_singleton_beat.client import reset_clients
+from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin, entry_record_key
+from celery_singleton_beat.client import get_redis, reset_clients
 from celery_singleton_beat.config import clear_settings_cache
 
 from .common import Server, bench_cli, markdown_table, progress, summary
@@ -70,11 +70,19 @@ def make_app(base_url: str, entries: int, opt_out: bool) -> Celery:
 
 def build(cls: type, app: Celery, workdir: str, name: str) -> Any:
     scheduler = cls(app=app, schedule_filename=str(Path(workdir) / name))
-    # Make every entry due now. (Claimed entries need no help: with the default
-    # catch-up rule a slot nobody claimed is due at start.)
+    # Make every entry due now. Claimed entries: their records say they were
+    # scheduled two hours ago (a deployment whose beats all come back), so with the
+    # default catch-up rule the slot nobody claimed is a missed slot, due at start.
+    # (A first start sends nothing that came before it.)
     long_ago = app.now() - timedelta(hours=2)
     for entry in scheduler.schedule.values():
         entry.last_run_at = long_ago
+    if isinstance(scheduler, SingletonSchedulerMixin):
+        pipe = get_redis(app).pipeline(transaction=False)
+        for entry in scheduler.schedule.values():
+            pipe.set(entry_record_key(scheduler.singleton_settings.key_prefix, entry.name),
+                     f"{long_ago.timestamp():.3f}", px=86_400_000)
+        pipe.execute()
     scheduler.producer  # connect to the broker before the clock starts  # noqa: B018
     return scheduler
 

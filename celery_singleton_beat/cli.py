@@ -4,6 +4,8 @@ Commands (each has ``--help``):
 
 * ``locks [--task NAME] [--json]``: the task locks held now, with their holder.
 * ``release KEY | --task NAME [--all] [--yes]``: force-release locks.
+* ``purge-claims [--task NAME] [--yes]``: delete publish-time claims (after
+  ``celery purge``), never a running lock.
 * ``slots [--entry NAME] [--last N] [--json]``: recent beat slot claims.
 * ``stats [--json]``: counters per task and per beat entry.
 * ``doctor [--json]``: check the configuration and the Redis server.
@@ -16,7 +18,8 @@ never ``KEYS``. Every command first imports the app's task modules, as
 
 Exit codes (every command, ``doctor`` included): 0 success (also "nothing
 held"; ``doctor`` with warnings only); 1 ``doctor`` found a problem, or
-``release`` refused, was declined or found a lock re-taken; 2 usage error;
+``release`` / ``purge-claims`` refused or was declined, or ``release`` found a
+lock re-taken; 2 usage error;
 69 Redis unreachable (a Redis Cluster whose nodes do not answer too);
 78 invalid ``singleton_*`` settings.
 """
@@ -288,6 +291,46 @@ def _warn_if_running(session: _Session, targets: Sequence[HeldLock], timeout: fl
         else:
             session.note(f"note: {node} answered and is not running {lock.holder.task_id}: "
                          "the lock is stale")
+
+
+@singleton.command(name="purge-claims", cls=CeleryCommand)
+@click.option("--task", "task_name", cls=CeleryOption, metavar="NAME", help_group="Purge Options",
+              help="Only the claims of this task (its registered name).")
+@click.option("-y", "--yes", cls=CeleryOption, is_flag=True, help_group="Purge Options",
+              help="Do not ask for confirmation (needed when not run from a terminal).")
+@click.pass_context
+def purge_claims(ctx: click.Context, task_name: str | None, yes: bool) -> None:
+    """Delete publish-time claims (until_executed, until_executing): run it after `celery purge`.
+
+    A purged message leaves its claim for singleton_queue_lock_ttl (an hour by
+    default): meanwhile a new publish of its key returns the purged message's
+    result and nothing runs. Only claims are deleted, never a running lock, and
+    each only if it still has the value shown (compare-and-delete): a claim whose
+    run started meanwhile is left alone. A claim of a message still queued loses
+    its publish-time deduplication only (its run still takes the run lock).
+    Deletions are counted as claims_purged in the task's counters.
+    """
+    session = _Session(ctx)
+    targets = session.run(lambda: admin.find_claims(session.app, task=task_name))
+    if not targets:
+        session.echo("No publish-time claim is held; nothing to purge." if task_name is None
+                     else f"No publish-time claim of task {task_name} is held; nothing to purge.")
+        return
+    session.echo(f"To purge ({len(targets)}):\n{_lock_list(targets)}")
+    if not yes and not sys.stdin.isatty():
+        raise CeleryCommandException(
+            "not purging: confirmation needed and this is not an interactive terminal (pass --yes)",
+            EX_FAILURE)
+    if not yes and not click.confirm(f"Delete {len(targets)} claim(s)?", default=False):
+        raise CeleryCommandException("not purged", EX_FAILURE)
+    purged = 0
+    for claim in targets:  # one by one, so that what was done is shown even if Redis fails
+        if session.run(functools.partial(admin.purge_claims, session.app, [claim])).released:
+            purged += 1
+        else:
+            session.note(f"left alone {claim.key}: it changed since it was read (its run "
+                         "started, or it expired and was claimed again)")
+    session.echo(f"purged {purged} claim(s)")
 
 
 @singleton.command(cls=CeleryCommand)

@@ -112,6 +112,10 @@ class SingletonSettings:
     #: Beat: after every beat was down, send the latest missed slot of each
     #: entry once (``"latest"``) or nothing (``"none"``).
     beat_catch_up: str = "latest"
+    #: Beat: seconds an entry's "scheduled since" record outlives the last beat
+    #: that had it: a beat started later than that after every beat was down
+    #: starts as on a first deploy (no slot before now is sent). Default 7 days.
+    beat_catch_up_window: float = 7 * 86400.0
     #: Beat: extra seconds a slot claim is kept beyond the entry's period.
     beat_claim_margin: float = 60.0
     #: Beat: seconds a won slot may stay claimed but unsent before the other
@@ -369,6 +373,9 @@ def validate_settings(app: Celery) -> SingletonSettings:
         ),
         beat_fail_open=beat_fail_open,
         beat_catch_up=catch_up,
+        beat_catch_up_window=_positive_number(
+            "beat_catch_up_window", given.get("beat_catch_up_window", SingletonSettings.beat_catch_up_window)
+        ),
         beat_claim_margin=_positive_number(
             "beat_claim_margin", given.get("beat_claim_margin", SingletonSettings.beat_claim_margin)
         ),

@@ -46,6 +46,7 @@ from .support.slots import UTC
 
 HOLD = "tests.apps.ops_app.hold"
 PUBLISH_ONCE = "tests.apps.ops_app.publish_once"
+PUBLISH_QUEUED = "tests.apps.ops_app.publish_queued"
 GONE = "w9@gone-host"
 
 
@@ -157,6 +158,36 @@ def test_force_release_variants(ops: ModuleType, locks: redis.Redis) -> None:
     locks.set(foreign, "junk", px=60_000)
     assert admin.force_release(ops.app, key=foreign).released[0].kind == "unknown"
     assert admin.read_counters(ops.app).tasks[HOLD]["force_released"] == 4
+
+
+def test_purge_claims_deletes_claims_only_and_only_as_read(ops: ModuleType, locks: redis.Redis) -> None:
+    """Publish-time claims of both modes are found and deleted; a running lock is refused,
+    and a claim that changed after it was read (its run took it over) is left alone."""
+    a = ops.publish_once.delay("a")       # no worker: the claims stay
+    b = ops.publish_once.delay("b")
+    queued = ops.publish_queued.delay("a")
+    run = hold_lock(ops, "r", "task-r")
+    found = admin.find_claims(ops.app)
+    assert sorted(claim.holder.task_id for claim in found) == sorted([a.id, b.id, queued.id])
+    assert sorted(claim.kind for claim in found) == ["claim", "claim", "queued"]
+    [only] = admin.find_claims(ops.app, task=PUBLISH_QUEUED)
+    assert only.holder.task_id == queued.id and only.key.endswith(":queued")
+
+    with pytest.raises(ValueError, match="running locks are never purged"):
+        admin.purge_claims(ops.app, admin.list_locks(ops.app, task=HOLD))
+    assert locks.get(run.key) == run.value.encode()
+
+    claim_b = next(claim for claim in found if claim.holder.task_id == b.id)
+    adopted = json.dumps({**json.loads(claim_b.value), "claim": False, "token": "its run"})
+    locks.set(claim_b.key, adopted, keepttl=True)  # b's run started and took its key over
+    result = admin.purge_claims(ops.app, found)
+    assert {claim.holder.task_id for claim in result.released} == {a.id, queued.id}
+    assert result.changed == (claim_b,)
+    assert locks.get(claim_b.key) == adopted.encode() and locks.get(run.key) == run.value.encode()
+    assert admin.find_claims(ops.app) == [] and admin.purge_claims(ops.app) == admin.ReleaseResult((), ())
+    assert admin.read_counters(ops.app).tasks[PUBLISH_ONCE]["claims_purged"] == 1
+    with pytest.raises(TypeError):
+        admin.purge_claims(ops.app, [], task=PUBLISH_ONCE)
 
 
 def test_check_holders_asks_the_workers(

@@ -119,7 +119,7 @@ def test_a_beat_killed_between_claim_and_publish_loses_no_slot(
     victim = paused_beat(redis_server, beats, marker)
     survivor = next(beat for beat in beats if beat is not victim)
     claims = redis_server.client(LOCK_DB)
-    claimed = [key for key in claims.scan_iter(f"singleton:{{beat:{entry}}}:*")]
+    claimed = [key for key in claims.scan_iter(f"singleton:{{beat:{entry}}}:[0-9]*")]
     assert len(claimed) == 1, claimed
     slot = claimed[0].decode().rsplit("}:", 1)[1]
     victim.kill_group()

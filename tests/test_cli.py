@@ -23,13 +23,14 @@ from celery_singleton_beat import counters
 from celery_singleton_beat.client import get_redis
 from celery_singleton_beat.lock import AcquireResult
 
-from .support import CeleryProcess, RedisServer, child_env, free_port, run_command, wait_for
+from .support import CeleryProcess, RedisServer, child_env, free_port, run_command, start_worker, wait_for
 from .support.beat import start_beat
 from .support.locking import take_lock
 
 APP = "tests.apps.ops_app"
 HOLD = "tests.apps.ops_app.hold"
 PUBLISH_ONCE = "tests.apps.ops_app.publish_once"
+PUBLISH_QUEUED = "tests.apps.ops_app.publish_queued"
 
 
 def cli(redis_server: RedisServer, *args: str, settings: dict[str, Any] | None = None
@@ -74,6 +75,7 @@ def test_every_command_works_on_an_empty_redis(ops: ModuleType, redis_server: Re
     assert json.loads(ok(cli(redis_server, "stats", "--json"))) == {
         "tasks": {}, "beat": {"entries": {}, "total": {}}}
     assert "nothing to release" in ok(cli(redis_server, "release", "--task", HOLD))
+    assert "nothing to purge" in ok(cli(redis_server, "purge-claims"))
     report = json.loads(ok(cli(redis_server, "doctor", "--json")))
     assert report["ok"] is True
     assert [(c["check"], c["status"]) for c in report["checks"]] == [
@@ -173,6 +175,62 @@ def test_release_in_a_terminal_asks_first_and_no_keeps_the_lock(
     accepted = cli_in_terminal(redis_server, "y", "release", lease.key, "--timeout", "0.2")
     assert accepted.returncode == 0, accepted.stderr
     assert not locks.exists(lease.key)
+
+
+def test_purge_claims_after_celery_purge_lets_publishes_run_again(
+    ops: ModuleType, redis_server: RedisServer, locks: redis.Redis, processes: list[CeleryProcess],
+) -> None:
+    """``celery purge -f`` drops the queued messages, not their publish-time claims: a new
+    publish returns the purged message's id and nothing runs. ``purge-claims`` deletes the
+    claims (both modes) and leaves running locks alone, one of which began as a claim."""
+    records = redis_server.client(3)
+    purged_once = ops.publish_once.delay("k")      # until_executed: claim on the lock key
+    purged_queued = ops.publish_queued.delay("k")  # until_executing: claim on <key>:queued
+    purge = run_command([sys.executable, "-m", "celery", "-A", APP, "purge", "-f"],
+                        env=child_env(redis_server), capture_output=True, text=True, timeout=120)
+    assert purge.returncode == 0 and "Purged 2 messages" in purge.stdout, purge.stdout + purge.stderr
+    claim_keys = [ops.publish_once.singleton_key(("k",), {}), ops.publish_queued.singleton_key(("k",), {}) + ":queued"]
+    assert all(locks.pttl(key) > 3_500_000 for key in claim_keys)  # an hour left
+
+    start_worker(redis_server, APP, "purger")
+    assert ops.publish_once.delay("k").id == purged_once.id      # deduplicated against nothing
+    assert ops.publish_queued.delay("k").id == purged_queued.id
+    running = ops.hold.delay("r")               # a run lock
+    claimed_run = ops.hold_claimed.delay("r2")  # a claim its run adopted: a run lock now
+    wait_for(lambda: records.exists("running:r", "running:r2") == 2, timeout=30, message="both holds running")
+    run_keys = [ops.hold.singleton_key(("r",), {}), ops.hold_claimed.singleton_key(("r2",), {})]
+    run_values = [locks.get(key) for key in run_keys]
+    assert all(json.loads(value)["claim"] is False for value in run_values)
+
+    refused = cli(redis_server, "purge-claims")
+    assert refused.returncode == 1 and "pass --yes" in refused.stderr
+    assert locks.exists(*claim_keys) == 2
+
+    out = ok(cli(redis_server, "purge-claims", "--yes"))
+    assert "To purge (2)" in out and purged_once.id in out and purged_queued.id in out
+    assert "purged 2 claim(s)" in out
+    assert locks.exists(*claim_keys) == 0
+    assert [locks.get(key) for key in run_keys] == run_values  # running locks untouched
+    counts = json.loads(ok(cli(redis_server, "stats", "--json")))["tasks"]
+    assert counts[PUBLISH_ONCE]["claims_purged"] == 1
+
+    fresh = ops.publish_once.delay("k")
+    fresh_queued = ops.publish_queued.delay("k")
+    assert fresh.id != purged_once.id and fresh_queued.id != purged_queued.id
+    assert fresh.get(timeout=60) == "k" and fresh_queued.get(timeout=60) == "k"
+    records.set("go:r", 1)
+    records.set("go:r2", 1)
+    assert running.get(timeout=60) == "r" and claimed_run.get(timeout=60) == "r2"
+    assert "No publish-time claim is held; nothing to purge" in ok(cli(redis_server, "purge-claims", "--yes"))
+
+
+def test_purge_claims_of_one_task(ops: ModuleType, redis_server: RedisServer, locks: redis.Redis) -> None:
+    once = ops.publish_once.delay("a")
+    queued = ops.publish_queued.delay("a")
+    out = ok(cli(redis_server, "purge-claims", "--task", PUBLISH_QUEUED, "--yes"))
+    assert queued.id in out and once.id not in out
+    assert locks.exists(ops.publish_once.singleton_key(("a",), {}))
+    assert not locks.exists(ops.publish_queued.singleton_key(("a",), {}) + ":queued")
 
 
 def test_slots_and_beat_counters_from_two_real_beats(

@@ -143,6 +143,7 @@ def test_celery_options_and_own_attributes_are_not_taken_for_typos(app: Celery) 
         ("singleton_key_prefix", "a{b}", "singleton_key_prefix must be a non-empty string"),
         ("singleton_redis_options", [1], "singleton_redis_options must be a dict"),
         ("singleton_beat_catch_up", "all", "singleton_beat_catch_up must be 'latest' or 'none'"),
+        ("singleton_beat_catch_up_window", 0, "singleton_beat_catch_up_window must be a number of seconds > 0"),
     ],
 )
 def test_bad_settings_are_named(app: Celery, setting: str, value: object, message: str) -> None:

@@ -44,7 +44,7 @@ from .support import (
     wait_for,
     wait_for_phase,
 )
-from .support.beat import assert_once_per_slot, read_runs, slot_counts
+from .support.beat import already_scheduled, assert_once_per_slot, read_runs, slot_counts
 from .support.dbbeat import (
     TASK,
     add_entry,
@@ -125,8 +125,10 @@ def test_a_database_change_in_a_burst_does_not_stall_the_burst(
 
     clear_schedule()
     names = ["hourly-a", "hourly-b", "hourly-c"]
+    # Rows beats ran before: with catch-up "latest", the current hour's slot is due at start.
+    already_scheduled(redis_server.client(LOCK_DB), {name: {} for name in names})
     for name in names:
-        add_entry(name, 1, "hours")  # catch-up "latest": the current hour's slot is due at start
+        add_entry(name, 1, "hours")
     scheduler = recording_scheduler(redis_server)
     scheduler.claim_batch_size = 1  # no slots claimed ahead: the change is read mid-burst
     try:
@@ -152,6 +154,8 @@ def test_no_database_io_between_claims_won_ahead_and_their_send(
 
     clear_schedule()
     names = ["burst-a", "burst-b", "burst-c"]
+    # Rows beats ran before (the current hour's slot is due at once when read).
+    already_scheduled(redis_server.client(LOCK_DB), {name: {} for name in [*names, "saved-mid-burst"]})
     for name in names:
         add_entry(name, 1, "hours")
     scheduler = recording_scheduler(redis_server)
@@ -180,6 +184,8 @@ def test_a_row_saved_while_the_beat_starts_is_picked_up(
     from django_celery_beat.models import PeriodicTask
 
     clear_schedule()
+    # Rows beats ran before: each is due as soon as it is read (which is what is checked).
+    already_scheduled(redis_server.client(LOCK_DB), {name: {} for name in ["before-start", "during-start"]})
     add_entry("before-start", 1, "hours")
 
     def save_another_row(sender: Any, instance: Any, **kwargs: Any) -> None:
@@ -209,6 +215,8 @@ def test_a_change_marked_by_a_clock_behind_is_picked_up(
     from django_celery_beat.models import PeriodicTask, PeriodicTasks
 
     clear_schedule()
+    # Rows beats ran before: each is due as soon as it is read (which is what is checked).
+    already_scheduled(redis_server.client(LOCK_DB), {name: {} for name in ["first", "saved-behind"]})
     add_entry("first", 1, "hours")
     scheduler = recording_scheduler(redis_server)
     try:
@@ -219,6 +227,27 @@ def test_a_change_marked_by_a_clock_behind_is_picked_up(
         wait_for(lambda scheduler=scheduler: scheduler.tick() > 0, timeout=10, message="the due entries sent")
         assert sorted(sent_names(scheduler)) == ["first", "saved-behind"]
         assert PeriodicTask.objects.count() == 2
+    finally:
+        scheduler.close()
+
+
+def test_a_new_row_has_missed_nothing(django_db: Path, redis_db: Any, redis_server: RedisServer) -> None:
+    """A row no beat had scheduled (added while the beat runs, or before a first start) is
+    a first sight: its current slot came before it and is not sent, as with plain
+    django-celery-beat; a row beats ran before gets its missed slot (catch-up "latest")."""
+    clear_schedule()
+    already_scheduled(redis_server.client(LOCK_DB), {"ran-before": {}})
+    add_entry("ran-before", 1, "hours")
+    add_entry("new-at-start", 1, "hours")
+    scheduler = recording_scheduler(redis_server)
+    try:
+        wait_for(lambda: scheduler.tick() > 0 and "new-at-start" in scheduler.schedule, timeout=10,
+                 message="the rows read and the due ones sent")
+        add_entry("new-later", 1, "hours")
+        wait_for(lambda: scheduler.tick() > 0 and "new-later" in scheduler.schedule, timeout=10,
+                 message="the new row read")
+        scheduler.tick()
+        assert sent_names(scheduler) == ["ran-before"]
     finally:
         scheduler.close()
 
@@ -302,6 +331,8 @@ def test_singleton_option_in_the_task_headers(django_db: Path, redis_db: Any,
     add_entry("claimed", 1, "hours")
     from_settings = {"from-settings": {"task": TASK, "schedule": 3600.0, "args": ["from-settings"],
                                        "options": {"singleton": {"key": "shared"}}}}
+    # Claimed rows beats ran before: the current hour's slot is due at start.
+    already_scheduled(redis_server.client(LOCK_DB), {"claimed": {}, **from_settings})
     first = recording_scheduler(redis_server, beat_schedule=from_settings)
     second = recording_scheduler(redis_server)
     try:
@@ -314,7 +345,7 @@ def test_singleton_option_in_the_task_headers(django_db: Path, redis_db: Any,
         row = PeriodicTask.objects.get(name="from-settings")
         assert json.loads(row.headers) == {"singleton": {"key": "shared"}}
         assert names.count("from-settings") == 1
-        assert redis_server.client(LOCK_DB).keys("singleton:{beat:shared}:*")
+        assert redis_server.client(LOCK_DB).keys("singleton:{beat:shared}:[0-9]*")
         for sent in first.sent + second.sent:
             headers = sent["options"]["headers"]
             assert "singleton" not in headers and "singleton" not in sent["options"]

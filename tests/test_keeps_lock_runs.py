@@ -37,6 +37,7 @@ import pytest
 import redis
 
 from .support import CeleryProcess, RedisServer, soak, wait_for
+from .support.holding_proxy import HoldingProxy
 from .support.keeps_lock import (
     assert_never_beside,
     decision,
@@ -48,7 +49,6 @@ from .support.keeps_lock import (
     wait_started,
     worker,
 )
-from .support.holding_proxy import HoldingProxy
 from .support.tasks import EventCapture
 
 

@@ -15,6 +15,8 @@ For a health endpoint, an admin page or a metrics exporter::
     result = admin.release(app, stuck)     # compare-and-delete of exactly those values
     result.changed                          # re-taken meanwhile: left alone
 
+    admin.purge_claims(app)                 # after `celery purge`: claims only, never a running lock
+
     admin.recent_slots(app, entry="hourly", last=10).claims
     admin.read_counters(app).tasks["proj.sync"]["skipped"]
 
@@ -55,6 +57,7 @@ from .checks import (
     singleton_tasks,
     version_check,
 )
+from .claims import find_claims, is_claim, purge_claims
 from .locks import (
     AmbiguousRelease,
     HeldLock,
@@ -107,11 +110,14 @@ __all__ = [
     "connect",
     "doctor",
     "doctor_exit_code",
+    "find_claims",
     "find_release_targets",
     "force_release",
     "glob_escape",
+    "is_claim",
     "list_locks",
     "load_tasks",
+    "purge_claims",
     "read_counters",
     "read_lock",
     "recent_slots",

@@ -181,14 +181,18 @@ class KeySpace:
     """What each key under one prefix is, by the library's key layout.
 
     * ``<p>:{<task>:<sha256>}`` a run lock or publish-time claim; ``:queued``
-      the queue claim of ``until_executing``; ``:fence`` their fencing counters;
+      the queue claim of ``until_executing``; ``:fence`` the per-key fencing counters
+      of releases before 0.3 (deleted by each acquire since);
       ``:done:<task id>`` the done marker of an ``acks_late`` run;
     * ``<p>:live:<boot>`` a worker's liveness key; ``<p>:probe:<random>`` the
       start-up check's probe (deleted at once);
-    * ``<p>:{beat:<name>}:<slot>`` a beat slot claim;
+    * ``<p>:{beat:<name>}:<slot>`` a beat slot claim; ``<p>:{beat:<name>}:scheduled``
+      since when the entry is scheduled (what makes a slot missed);
     * ``<p>:{stats}:task:<task>`` / ``<p>:{stats}:beat:<entry>`` counters;
     * ``<p>:{beat}:history`` / ``<p>:{beat}:stats`` the beat's capped history
-      and its counter totals.
+      and its counter totals;
+    * ``<p>:server`` the server last seen serving the data, ``<p>:recovery`` an
+      open recovery window (see :mod:`~celery_singleton_beat.server`).
 
     Keys are matched whole (a task named ``beats.x`` is not a beat key).
     """
@@ -203,7 +207,8 @@ class KeySpace:
         )
         self._live = live_key(prefix, "")
         self._probe = f"{prefix}:probe:"
-        self._slot = re.compile(rf"{p}:\{{beat:(?P<name>.+)\}}:(?P<slot>[^{{}}]+)\Z", re.S)
+        self._slot = re.compile(rf"{p}:\{{beat:(?P<name>.+)\}}:(?P<slot>[0-9][^{{}}]*)\Z", re.S)
+        self._record = re.compile(rf"{p}:\{{beat:.+\}}:scheduled\Z", re.S)
         self._fixed = {
             beat_history_key(prefix): "beat-history",
             beat_totals_key(prefix): "beat-stats",
@@ -228,8 +233,9 @@ class KeySpace:
         return match["name"], match["slot"]
 
     def kind(self, key: str) -> str:
-        """``lock``, ``queued``, ``fence``, ``done``, ``slot``, ``live``, ``probe``,
-        ``task-stats``, ``beat-stats``, ``beat-history`` or ``other``."""
+        """``lock``, ``queued``, ``fence``, ``done``, ``slot``, ``beat-record``, ``live``, ``probe``,
+        ``task-stats``, ``beat-stats``, ``beat-history``, ``server-record``, ``recovery-window``
+        or ``other``."""
         match = self._lock.match(key)
         if match is not None:
             if match["done"] is not None:
@@ -247,6 +253,8 @@ class KeySpace:
             return "beat-stats"
         if self._slot.match(key):
             return "slot"
+        if self._record.match(key):
+            return "beat-record"
         return "other"
 
     @property

@@ -5,6 +5,8 @@
 * :mod:`.claims`: claims in Redis (claim, pending -> sent, hand back, take over,
   receive, history, counters);
 * :mod:`.handover`: this beat's claims to mark and slots to take over;
+* :mod:`.records`: since when each entry is scheduled (what makes a slot missed);
+* :mod:`.anchoring`: the start-up rule (which slot an entry continues after);
 * :mod:`.breaker`: back-off while Redis is unreachable;
 * :mod:`.scheduler`: :class:`SingletonSchedulerMixin` wiring them into Celery's
   ``Scheduler`` hooks, and :class:`SingletonScheduler`.
@@ -28,6 +30,7 @@ from .entries import (
     slot_task_id,
     stats_key,
 )
+from .records import entry_record_key
 from .scheduler import SingletonScheduler, SingletonSchedulerMixin
 from .slots import (
     EARLY_TOLERANCE,
@@ -55,6 +58,7 @@ __all__ = [
     "SlotSpec",
     "crontab_slot",
     "current_slot",
+    "entry_record_key",
     "entry_spec",
     "format_slot",
     "history_key",

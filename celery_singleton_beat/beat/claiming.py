@@ -48,6 +48,7 @@ class ClaimRounds:
     _hints: dict[str, datetime]
     _reserved: dict[str, Any]
     _prefetched: dict[str, tuple[Claim, float]]
+    _provisional: dict[str, Any]
     schedule: Any  # Celery's Scheduler property (annotation only: no attribute here)
 
     def _now(self) -> datetime:
@@ -102,7 +103,8 @@ class ClaimRounds:
             stack.extend((2 * index + 2, 2 * index + 1))
             entry = heap[index][2]
             name = entry.name
-            if name == exclude or name in self._prefetched or name in self._reserved:
+            if (name == exclude or name in self._prefetched or name in self._reserved
+                    or name in self._provisional):  # decided when it is sent
                 continue
             handled = self._handled.get(name)
             if handled is None:

@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import time
+import weakref
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,15 +39,32 @@ from ..client import get_redis
 from ..config import SingletonSettings, get_settings, sanitize_redis_url
 from ..events import logger
 from ..startup import EX_CONFIG, LockRedisUnusable, StartupCheck
-from .anchoring import SlotAnchoring
+from .anchoring import Provisional, SlotAnchoring
 from .breaker import Breaker
 from .claims import Claim, ClaimStore
 from .entries import ENTRY_OPTION, SlotSpec, entry_spec
 from .handover import Handover
+from .records import REFRESH, EntryRecords
 from .sending import Reservation, SlotSending
 from .slots import SlotError, current_slot, interval_slot, to_utc
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
+
+#: Per app: the instance id a lazy scheduler (the one Celery builds only to print
+#: its start-up banner) showed, and in which process, for the scheduler that runs.
+_BANNER_IDS: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _instance_id(app: Any, lazy: bool) -> str:
+    """Host, pid and a random suffix; the running scheduler reuses the id its banner showed."""
+    pid = os.getpid()
+    shown = _BANNER_IDS.pop(app, None)
+    if shown is not None and shown[0] == pid and not lazy:
+        return shown[1]
+    instance = f"{socket.gethostname()}:{pid}:{secrets.token_hex(3)}"
+    if lazy:
+        _BANNER_IDS[app] = (pid, instance)
+    return instance
 
 
 class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
@@ -77,13 +95,15 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         # Fails beat start with ImproperlyConfigured on a bad singleton_* setting.
         self.singleton_settings: SingletonSettings = get_settings(app)
         settings = self.singleton_settings
-        #: Who this beat is in claims and logs: host, pid and a random suffix.
-        self.instance_id: str = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        #: Who this beat is in claims, logs and its start-up banner: host, pid and a random suffix.
+        self.instance_id: str = _instance_id(app, bool(kwargs.get("lazy", False)))
         self.claims = ClaimStore(
             lambda: get_redis(app), settings.key_prefix, self.instance_id,
             margin=timedelta(seconds=max(settings.beat_claim_margin, 3 * settings.beat_pending_lease)),
             wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout,
             stats=settings.stats, history_size=self.history_size)
+        self.records = EntryRecords(lambda: get_redis(app), settings.key_prefix,
+                                    settings.beat_catch_up_window)
         self.handover = Handover(settings.beat_pending_lease)
         self.breaker = Breaker(settings.beat_fails_open, self.redis_retry_min, self.redis_retry_max)
         # Per entry name: the latest slot this instance handled (sent, skipped or
@@ -92,6 +112,13 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         # Per entry name: the latest real slot instant chosen (a search hint).
         self._hints: dict[str, datetime] = {}
         self._reserved: dict[str, Reservation] = {}
+        # Start-up rule state (see anchoring.py): since when entries are scheduled.
+        self._since: dict[str, datetime] = {}
+        self._provisional: dict[str, Provisional] = {}
+        self._unknown: dict[str, datetime] = {}
+        self._records_due = time.monotonic() + REFRESH.total_seconds()
+        self._renewing: list[Any] = []
+        self._new_entries: list[str] = []
         # Claims won ahead for other due entries, and when (monotonic) they were won.
         self._prefetched: dict[str, tuple[Claim, float]] = {}
         self._sending: tuple[Claim, float] | None = None
@@ -184,9 +211,16 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             return SlotSpec(entry.name)
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
-        for entry in self.schedule.values():
-            if self._spec(entry) is not None:
-                self._normalize(entry)
+        entries = [entry for entry in self.schedule.values() if self._spec(entry) is not None]
+        self._sight(entry for entry in entries if entry.name not in self._handled)
+        for entry in entries:
+            self._normalize(entry)
+        if self._new_entries:
+            new, self._new_entries = self._new_entries, []
+            logger.info("beat: %d entr%s scheduled for the first time (%s%s): slots before now are "
+                        "not sent, as with Celery's own scheduler", len(new),
+                        "y" if len(new) == 1 else "ies", ", ".join(new[:5]),
+                        f", +{len(new) - 5} more" if len(new) > 5 else "")
         super().populate_heap(*args, **kwargs)
 
     def is_due(self, entry: Any) -> Any:
@@ -212,6 +246,9 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if self._server_check.pending:
             self._check_server_again()
+        if not self.breaker.is_open():
+            self.settle()
+            self._renew_records(time.monotonic())
         delay = super().tick(*args, **kwargs)
         if self._retry_names:
             delay = min(delay, self._reschedule_retries())

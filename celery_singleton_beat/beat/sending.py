@@ -54,6 +54,12 @@ class SlotSending(ClaimRounds, _SchedulerBase):
     # Set by SingletonSchedulerMixin.__init__.
     _sending: tuple[Claim, float] | None
     _retry_names: set[str]
+    _provisional: dict[str, Any]
+    _unknown: dict[str, datetime]
+    _since: dict[str, datetime]
+
+    def settle(self) -> None:
+        raise NotImplementedError  # SlotAnchoring
 
     def _spec(self, entry: Any) -> SlotSpec | None:
         raise NotImplementedError
@@ -148,6 +154,29 @@ class SlotSending(ClaimRounds, _SchedulerBase):
         self.handover.published(time.monotonic())
         return result
 
+    def _missed_or_unsure(self, name: str, slot: Slot) -> bool:
+        """For an entry anchored while Redis could not tell whether its latest slot was
+        missed (see :mod:`.anchoring`): whether ``slot`` may be sent. Not when it came
+        before the entry was scheduled, nor, failing open while Redis still cannot
+        tell, when it came before this beat saw the entry. (Failing closed, the claim
+        fails too and the slot waits for Redis, as any slot.)"""
+        self.settle()
+        since = self._since.get(name)
+        if since is not None:
+            if slot.at < since:
+                logger.info("beat: %s: slot %s came before the entry was scheduled (%s): not sent",
+                            name, slot.label, since.isoformat())
+                return False
+            return True
+        if self.singleton_settings.beat_fails_open:
+            self._provisional.pop(name, None)
+            seen = self._unknown.get(name)
+            if seen is not None and slot.at < seen:
+                logger.warning("beat: %s: slot %s not sent: Redis cannot tell whether it was "
+                               "missed (it came before this beat started)", name, slot.label)
+                return False
+        return True
+
     def _decide(self, entry: Any) -> tuple[Claim, float] | None:
         """Claim the entry's reserved slot; ``(claim, claimed at)`` if this beat sends, else None."""
         name = entry.name
@@ -170,6 +199,8 @@ class SlotSending(ClaimRounds, _SchedulerBase):
             return None
         if reserved.previous is not None and slot.at <= reserved.previous:
             logger.debug("beat: %s: slot %s already handled by this instance", name, slot.label)
+            return None
+        if name in self._provisional and not self._missed_or_unsure(name, slot):
             return None
 
         decided = self._prefetched.pop(name, None)

@@ -10,8 +10,9 @@ Definitions (per beat entry; the JSON summary adds them up over all entries):
   up: a beat sends and a worker executes) to the moment the beats are
   stopped, less the entry's last period (at most ``SETTLE_SECONDS``), whose
   slot may have been due but not yet sent when the beats stopped. The
-  warm-up before the first execution is left out, and so is the catch-up
-  slot the first beat sends at start-up (it is due before the window opens).
+  warm-up before the first execution is left out, and so is a catch-up slot a
+  beat sends at start-up on a namespace beats ran before (it is due before the
+  window opens; a first start sends none).
 * **slots**: the entry's slots inside the observed window.
 * **executions**: every recorded execution of the entry, catch-up included.
 * **duplicates**: executions beyond the first of any slot, window or not.

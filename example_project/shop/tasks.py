@@ -82,8 +82,8 @@ def build_sales_report(self: SingletonTask) -> dict[str, Any]:
 
     A report for a new slot is new work, so a run that finds the previous
     report still going waits for it (``on_conflict="retry"``) instead of being
-    skipped: the start-up catch-up report can still be running when the next
-    slot comes due.
+    skipped: a catch-up report sent after an outage can still be running when
+    the next slot comes due.
 
     The library renews the lease every third of ``lock_ttl`` while the body
     runs. Before the irreversible write the run checks that it still holds the

@@ -53,3 +53,21 @@ def hold(self: SingletonTask, key: str, note: str = "") -> str:
 def publish_once(self: SingletonTask, key: str) -> str:
     """Claimed at publish: a queued message holds its key (kind ``claim``)."""
     return key
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"], lock_mode="until_executing")
+def publish_queued(self: SingletonTask, key: str) -> str:
+    """Claimed at publish under ``<lock key>:queued`` until its run starts (kind ``queued``)."""
+    return key
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"], lock_mode="until_executed", lock_ttl=3.0)
+def hold_claimed(self: SingletonTask, key: str) -> str:
+    """Claimed at publish, then held by its run until the test sets ``go:<key>`` (at most 60 s):
+    a running lock that began as a claim."""
+    with redis.Redis.from_url(f"{BASE}/3") as r:
+        r.set(f"running:{key}", self.request.id)
+        deadline = time.monotonic() + 60
+        while not r.exists(f"go:{key}") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return key

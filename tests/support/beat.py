@@ -16,7 +16,7 @@ from celery.beat import Scheduler
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin
+from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin, entry_record_key, entry_spec
 
 from .processes import CeleryProcess, child_env
 from .servers import LOCK_DB, RECORD_DB, RedisServer
@@ -25,8 +25,8 @@ from .waiting import wait_for
 
 __all__ = [
     "BEAT_APP", "RUNS_KEY", "ClockApp", "ManualClock", "RecordingScheduler",
-    "RecordingSingletonScheduler", "SendRecorder", "assert_once_per_slot", "beat_app", "claims_of",
-    "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots", "slot_counts",
+    "RecordingSingletonScheduler", "SendRecorder", "already_scheduled", "assert_once_per_slot", "beat_app",
+    "claims_of", "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots", "slot_counts",
     "start_beat", "start_beat_pair", "wait_for_slot",
 ]
 
@@ -235,6 +235,21 @@ def run_ticks(schedulers: Iterable[Any], clock: ManualClock, seconds: float, ste
                 if scheduler.tick() > 0:
                     break
         clock.advance(step)
+
+
+def already_scheduled(client: Any, schedule: dict[str, Any], prefix: str = "singleton",
+                      since: datetime | None = None) -> None:
+    """Record the singleton entries of ``schedule`` as scheduled since ``since`` (default:
+    the epoch), as if beats had run them all along: a beat that starts then treats their
+    latest slot as missed (``singleton_beat_catch_up``), not as a first sight.
+    ``client``: the Redis of the slot claims."""
+    for name, options in schedule.items():
+        entry = type("Entry", (), {"name": name, "options": options.get("options"),
+                                   "args": options.get("args"), "kwargs": options.get("kwargs")})()
+        spec = entry_spec(entry)
+        if spec is not None:
+            at = since.timestamp() if since is not None else 0.0
+            client.set(entry_record_key(prefix, spec.name), f"{at:.3f}", px=86_400_000)
 
 
 def sent_slots(*schedulers: Any, task: str | None = None) -> Counter[str]:
