@@ -46,7 +46,7 @@ import redis
 from . import native
 from .events import logger
 from .server import server_of
-from .wire import BROKEN, RETRIED, Request, Written, _NoScript, ensure_checked, read_replies, write_request
+from .wire import BROKEN, RETRIED, Request, SocketLink, Written, _NoScript, ensure_checked, read_replies, write_request
 
 __all__ = ["Channel", "channel_for", "channel_or_none", "supports_channel"]
 
@@ -89,6 +89,8 @@ class Channel:
         #: Monotonic time the oldest unread reply was written (None: nothing pending).
         self.oldest: float | None = None
         self._connection: Any = None
+        #: The connection's socket, read without redis-py's layers once it is set up.
+        self._link: SocketLink | None = None
         #: The connection has carried a request (so the server may have closed it since).
         self._used = False
         #: Monotonic time of the last reply read (or of connecting).
@@ -110,20 +112,20 @@ class Channel:
             for attempt in (1, 2):
                 stale = self._used
                 try:
-                    connection = self._connect()
+                    link = self._connect()
                     if before_write is not None:
                         before_write()
-                    written = write_request(connection, request)
+                    written = write_request(link, request)
                     self._used = True
-                    failed = self._read_pending(connection)
+                    failed = self._read_pending(link)
                     try:
-                        result = read_replies(connection, written)
+                        result = read_replies(link, written)
                     except _NoScript:
                         failed.append(_Pending(written, _ignore))  # a placeholder: run below
                         result = None
                     if failed:  # SCRIPT FLUSH: earlier releases ran after this request, so redo both
-                        self._redo(connection, [entry for entry in failed if entry.on_reply is not _ignore])
-                        result = read_replies(connection, write_request(connection, request))
+                        self._redo(link, [entry for entry in failed if entry.on_reply is not _ignore])
+                        result = read_replies(link, write_request(link, request))
                     self._last_read = time.monotonic()
                     return result
                 except RETRIED:
@@ -168,8 +170,8 @@ class Channel:
             if not self._pending:
                 return
             try:
-                connection = self._connect()
-                self._redo(connection, self._read_pending(connection))
+                link = self._connect()
+                self._redo(link, self._read_pending(link))
                 self._last_read = time.monotonic()
             except RETRIED:
                 self._reset("flush", retry=True)
@@ -212,9 +214,12 @@ class Channel:
             self._used = False
             self._last_read = time.monotonic()
         ensure_checked(self._connection, server_of(self._client))
-        return self._connection
+        link = self._link
+        if link is None or link.sock is not self._connection._sock:
+            link = self._link = SocketLink(self._connection._sock)
+        return link
 
-    def _read_pending(self, connection: Any) -> list[_Pending]:
+    def _read_pending(self, link: SocketLink) -> list[_Pending]:
         """Read every pending reply, delivering each; return those that met ``NOSCRIPT``.
 
         Those are run again by :meth:`_redo` once every reply written before
@@ -226,7 +231,7 @@ class Channel:
         while self._pending:
             entry = self._pending[0]
             try:
-                result = read_replies(connection, entry.written)
+                result = read_replies(link, entry.written)
             except _NoScript:  # a SCRIPT FLUSH: load and run it again, in order
                 self._pending.popleft()
                 failed.append(entry)
@@ -242,11 +247,11 @@ class Channel:
             _deliver(entry.on_reply, result, None)
         return failed
 
-    def _redo(self, connection: Any, failed: list[_Pending]) -> None:
+    def _redo(self, link: SocketLink, failed: list[_Pending]) -> None:
         """Run requests that met ``NOSCRIPT`` again, in their order, and deliver their results."""
         for entry in failed:
             try:
-                result = read_replies(connection, write_request(connection, entry.written.request))
+                result = read_replies(link, write_request(link, entry.written.request))
             except redis.ResponseError as exc:
                 _deliver(entry.on_reply, None, exc)
                 continue
@@ -290,6 +295,7 @@ class Channel:
 
     def _drop(self) -> None:
         connection, self._connection = self._connection, None
+        self._link = None
         self._used = False
         if connection is not None:
             with contextlib.suppress(Exception):  # already broken

@@ -287,14 +287,16 @@ def _execute(client: RedisClient, key: str, build: Callable[[ServerInfo], Reques
 
 def _acknowledged(spec: LockSpec, key: str, value: str, taken: Callable[[Any], bool]) -> Callable[[Any, Any], Any]:
     """``after`` for :func:`_execute`: a taken lock must reach ``spec.wait_replicas`` replicas."""
-    def after(connection: Any, result: Any) -> Any:
+    def after(link: Any, result: Any) -> Any:
         if not taken(result):
             return result
-        connection.send_packed_command([pack(b"WAIT", spec.wait_replicas, _ms(spec.wait_timeout))],
-                                       check_health=False)
-        acknowledged = int(connection.read_response())
+        link.send(pack(b"WAIT", spec.wait_replicas, _ms(spec.wait_timeout)))
+        reply = link.read()
+        if isinstance(reply, Exception):
+            raise reply
+        acknowledged = int(reply)
         if acknowledged < spec.wait_replicas:
-            run_on(connection, release_request(PORTABLE, key, value))
+            run_on(link, release_request(PORTABLE, key, value))
             raise ReplicasNotAcknowledged(key, acknowledged, spec.wait_replicas, spec.wait_timeout)
         return result
 

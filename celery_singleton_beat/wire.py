@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from redis.exceptions import NoScriptError
 
-__all__ = ["LuaScript", "Request", "Written", "ensure_checked", "pack", "read_replies", "run_pooled", "write_request"]
+__all__ = ["Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked", "pack",
+           "read_replies", "reply_reader", "run_on", "run_pooled", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
 RETRIED = (redis.ConnectionError, OSError)
@@ -47,6 +48,7 @@ class LuaScript:
         self.sha = hashlib.sha1(self.source).hexdigest()
 
     def command(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
+        """The ``EVALSHA`` command of a call of this script."""
         return (b"EVALSHA", self.sha, len(keys), *keys, *args)
 
     def __call__(self, client: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
@@ -67,14 +69,21 @@ class Request:
 
     ``replies`` holds one entry per command, in order; a command's error
     reply is there as the exception (``finish`` decides), so a request never
-    leaves replies unread on its connection.
+    leaves replies unread on its connection. ``data``: the commands already
+    in RESP (the hot path builds them so), with ``count`` replies.
     """
 
-    __slots__ = ("commands", "finish", "scripts", "unsure_when_repeated")
+    __slots__ = ("count", "data", "finish", "scripts", "unsure_when_repeated")
 
-    def __init__(self, commands: list[tuple[Any, ...]], finish: Callable[[list[Any]], Any],
-                 scripts: Sequence[LuaScript] = (), *, unsure_when_repeated: bool = False) -> None:
-        self.commands = commands
+    def __init__(self, commands: list[tuple[Any, ...]] | None, finish: Callable[[list[Any]], Any],
+                 scripts: Sequence[LuaScript] = (), *, unsure_when_repeated: bool = False,
+                 data: bytes | None = None, count: int = 0) -> None:
+        if commands is not None:
+            data = b"".join([pack(*command) for command in commands])
+            count = len(commands)
+        assert data is not None
+        self.data = data
+        self.count = count
         self.finish = finish
         self.scripts = scripts
         #: A compare-and-delete sent again after a lost connection: "not ours" may mean
@@ -124,6 +133,37 @@ def _hiredis_packer() -> Callable[..., bytes] | None:
 pack: Callable[..., bytes] = _hiredis_packer() or _pack_python
 
 
+class Link(Protocol):
+    """One connection as the lock requests use it: write bytes, read one reply at a time."""
+
+    #: SHAs of the scripts loaded through this connection.
+    loaded: set[str]
+
+    def send(self, data: bytes) -> None: ...
+
+    def read(self) -> Any:
+        """The next reply; an error reply is returned as a ``ResponseError``, not raised."""
+
+
+class PoolLink:
+    """A redis-py connection (from a pool) as a :class:`Link`."""
+
+    __slots__ = ("connection", "loaded")
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.loaded = loaded_on(connection)
+
+    def send(self, data: bytes) -> None:
+        self.connection.send_packed_command([data], check_health=False)
+
+    def read(self) -> Any:
+        try:
+            return self.connection.read_response()
+        except redis.ResponseError as exc:
+            return exc
+
+
 def loaded_on(connection: Any) -> set[str]:
     """SHAs of the scripts loaded through ``connection`` since it (re)connected."""
     sock = getattr(connection, "_sock", None)
@@ -143,55 +183,179 @@ def ensure_checked(connection: Any, server: Any) -> None:
         connection.csb_checked = sock
 
 
-def write_request(connection: Any, request: Request, *, check_health: bool = False) -> Written:
+def write_request(link: Link, request: Request) -> Written:
     """Write ``request`` (its scripts loaded first where needed) in one ``sendall``."""
-    if getattr(connection, "_sock", None) is None:
-        connection.connect()
-    loaded = loaded_on(connection)
+    scripts = request.scripts
+    if not scripts:
+        link.send(request.data)
+        return Written(request, 0)
+    loaded = link.loaded
     parts = []
-    for script in request.scripts:
+    for script in scripts:
         if script.sha not in loaded:
             parts.append(pack(b"SCRIPT", b"LOAD", script.source))
             loaded.add(script.sha)
     loads = len(parts)
-    parts.extend(pack(*command) for command in request.commands)
-    connection.send_packed_command([b"".join(parts)], check_health=check_health)
+    parts.append(request.data)
+    link.send(b"".join(parts))
     return Written(request, loads)
+
+
+class _PyReader:
+    """A RESP2/RESP3 reply parser for when hiredis is not installed (``feed``/``gets`` as hiredis's).
+
+    Error replies become ``ResponseError`` objects; ``gets()`` returns
+    :data:`_INCOMPLETE` while a reply is not complete.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    def gets(self) -> Any:
+        try:
+            reply, end = self._parse(0)
+        except _Short:
+            return _INCOMPLETE
+        del self._buffer[:end]
+        return reply
+
+    def _line(self, at: int) -> tuple[bytes, int]:
+        end = self._buffer.find(b"\r\n", at)
+        if end < 0:
+            raise _Short
+        return bytes(self._buffer[at:end]), end + 2
+
+    def _parse(self, at: int) -> tuple[Any, int]:
+        line, at = self._line(at)
+        kind, rest = line[:1], line[1:]
+        if kind in (b"+", b"("):
+            return rest, at
+        if kind in (b"-", b"!"):
+            return redis.ResponseError(rest.decode("utf-8", "replace")), at
+        if kind == b":":
+            return int(rest), at
+        if kind == b",":
+            return float(rest), at
+        if kind == b"#":
+            return rest == b"t", at
+        if kind == b"_":
+            return None, at
+        if kind in (b"$", b"="):
+            size = int(rest)
+            if size < 0:
+                return None, at
+            if len(self._buffer) < at + size + 2:
+                raise _Short
+            value = bytes(self._buffer[at:at + size])
+            return (value[4:] if kind == b"=" else value), at + size + 2
+        if kind in (b"*", b"~", b">", b"%", b"|"):
+            count = int(rest)
+            if count < 0:
+                return None, at
+            items = []
+            for _ in range(count * 2 if kind in (b"%", b"|") else count):
+                item, at = self._parse(at)
+                items.append(item)
+            if kind in (b"%", b"|"):
+                return dict(zip(items[::2], items[1::2], strict=True)), at
+            return items, at
+        raise redis.InvalidResponse(f"unknown reply type {line[:20]!r}")
+
+
+class _Short(Exception):
+    """The buffer ends inside a reply."""
+
+
+#: What a reader's ``gets()`` returns while its reply is not complete.
+_INCOMPLETE: Any = False
+
+
+def reply_reader() -> Any:
+    """A reply parser with ``feed(bytes)`` and ``gets()``: hiredis's C one when installed."""
+    try:
+        import hiredis
+    except ImportError:
+        return _PyReader()
+    return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError)
+
+
+class SocketLink:
+    """A connected socket as a :class:`Link`, read with :func:`reply_reader` (no redis-py layers).
+
+    For the lock channel's own connection once redis-py made it (handshake,
+    ``AUTH``, ``SELECT``) and the server was looked at: nothing of redis-py's
+    reads it from then on. Socket errors become redis-py's (a timeout is
+    ``TimeoutError``, anything else ``ConnectionError``).
+    """
+
+    __slots__ = ("_reader", "loaded", "sock")
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.loaded: set[str] = set()
+        self._reader = reply_reader()
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except TimeoutError as exc:
+            raise redis.TimeoutError(f"Timeout writing to the lock Redis: {exc}") from exc
+        except OSError as exc:
+            raise redis.ConnectionError(f"Error writing to the lock Redis: {exc}") from exc
+
+    def read(self) -> Any:
+        reader = self._reader
+        reply = reader.gets()
+        while reply is _INCOMPLETE:
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError as exc:
+                raise redis.TimeoutError("Timeout reading from the lock Redis") from exc
+            except OSError as exc:
+                raise redis.ConnectionError(f"Error reading from the lock Redis: {exc}") from exc
+            if not data:
+                raise redis.ConnectionError("Connection closed by server.")
+            reader.feed(data)
+            reply = reader.gets()
+        return reply
 
 
 class _NoScript(Exception):
     """A reply of the request was ``NOSCRIPT`` (a ``SCRIPT FLUSH``): load and run it again."""
 
 
-def read_replies(connection: Any, written: Written) -> Any:
+def _missing_script(reply: Any) -> bool:
+    return isinstance(reply, NoScriptError) or (
+        isinstance(reply, redis.ResponseError) and str(reply).startswith("NOSCRIPT"))
+
+
+def read_replies(link: Link, written: Written) -> Any:
     """Read every reply of ``written`` and return ``finish(replies)``.
 
     Raises :class:`_NoScript` (after reading all of them) when a script was missing.
     """
+    read = link.read
     for _ in range(written.loads):
-        connection.read_response()
-    replies: list[Any] = []
-    missing = False
-    for _ in written.request.commands:
-        try:
-            replies.append(connection.read_response())
-        except NoScriptError as exc:
-            missing = True
-            replies.append(exc)
-        except redis.ResponseError as exc:
-            replies.append(exc)
-    if missing:
-        loaded_on(connection).clear()
+        loaded = read()
+        if isinstance(loaded, Exception):
+            raise loaded
+    request = written.request
+    replies = [read() for _ in range(request.count)]
+    if request.scripts and any(_missing_script(reply) for reply in replies):
+        link.loaded.clear()
         raise _NoScript
-    return written.request.finish(replies)
+    return request.finish(replies)
 
 
-def run_on(connection: Any, request: Request) -> Any:
+def run_on(link: Link, request: Request) -> Any:
     """Write ``request``, read its replies; once more after a ``SCRIPT FLUSH``."""
     try:
-        return read_replies(connection, write_request(connection, request))
+        return read_replies(link, write_request(link, request))
     except _NoScript:
-        return read_replies(connection, write_request(connection, request))
+        return read_replies(link, write_request(link, request))
 
 
 def _node_client(client: Any, key: str) -> Any:
@@ -223,9 +387,10 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             ensure_checked(connection, server_of(client))
             if before_write is not None:
                 before_write()
-            result = run_on(connection, request)
+            link = PoolLink(connection)
+            result = run_on(link, request)
             if after is not None:
-                result = after(connection, result)
+                result = after(link, result)
             return result
         except RETRIED:
             connection.disconnect()

@@ -13,8 +13,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 
+from celery_singleton_beat import channel as channel_module
 from celery_singleton_beat.channel import channel_for
 
 from .support import RedisServer, wait_for
@@ -88,20 +90,24 @@ def test_after_script_flush_a_pending_release_still_runs_before_the_next_acquire
     assert seen == [(True, None)]
 
 
+@pytest.mark.parametrize("idle_check", [0.0, 3600.0], ids=["peeked-first", "found-at-the-reply"])
 def test_a_connection_closed_by_a_restart_costs_neither_the_release_nor_the_next_acquire(
-        make_redis: Callable[..., RedisServer]) -> None:
-    """An AOF restart between a release's write and its reply: the release is written again
-    on a new connection and reported; the next acquire does not fail (no fail-closed retry)."""
+        make_redis: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch, idle_check: float) -> None:
+    """An AOF restart during a run: its release goes to a new connection and is reported; the
+    next acquire does not fail (no fail-closed retry). Either the idle connection is looked
+    at before the release is written to it, or the release written onto the dead connection
+    is found out when its reply is read and sent again."""
+    monkeypatch.setattr(channel_module, "IDLE_CHECK", idle_check)
     server = make_redis("--appendonly", "yes")
     client = server.client()
     lease = take(client, "id-1").lease
-    seen, handler = outcomes()
     server.kill()  # SIGKILL: the lock is in the append-only file
-    lease.release_soon(handler)  # written onto the dead connection
-    server.start()  # same port, same data: the lock is back
-    assert server.client().exists(KEY), "the release never ran: the lock came back with the file"
+    server.start()  # same port, same data: the lock is back, the channel's connection is dead
+    assert server.client().exists(KEY), "the lock came back with the file"
+    seen, handler = outcomes()
+    lease.release_soon(handler)
     result = take(client, "id-2")  # the stale connection is found out and replaced
-    assert result.acquired, "the release was sent again before this acquire"
+    assert result.acquired, "the release ran before this acquire"
     assert seen == [(True, None)], "its outcome reported"
     assert take(client, "id-3", key="t:{demo.task:other}").acquired
 

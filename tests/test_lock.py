@@ -15,6 +15,7 @@ from celery_singleton_beat.commands import legacy_fence_key
 from celery_singleton_beat.keeper import LeaseKeeper
 from celery_singleton_beat.lock import done_key, read_holder, release_for
 from celery_singleton_beat.run import SingletonRun
+from celery_singleton_beat.wire import SocketLink
 
 from .support import RedisServer, soak, wait_for
 from .support.locking import take_lock
@@ -246,8 +247,9 @@ def requests_of(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     connection (one request each; the lock's own connection included)."""
     sent: list[list[str]] = []
     send = redis.connection.AbstractConnection.send_packed_command
+    send_link = SocketLink.send
 
-    def recorded(self: Any, command: Any, *args: Any, **options: Any) -> Any:
+    def names_of(command: Any) -> list[str]:
         data = b"".join(c.encode() if isinstance(c, str) else bytes(c)
                         for c in ([command] if isinstance(command, (bytes, str)) else command))
         names, lines = [], data.split(b"\r\n")
@@ -256,10 +258,18 @@ def requests_of(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
             count = int(lines[i][1:])
             names.append(lines[i + 2].decode().upper())
             i += 1 + 2 * count
-        sent.append(names)
+        return names
+
+    def recorded(self: Any, command: Any, *args: Any, **options: Any) -> Any:
+        sent.append(names_of(command))
         return send(self, command, *args, **options)
 
+    def recorded_link(self: SocketLink, data: bytes) -> None:  # the lock channel's own connection
+        sent.append(names_of(data))
+        send_link(self, data)
+
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", recorded)
+    monkeypatch.setattr(SocketLink, "send", recorded_link)
     return sent
 
 

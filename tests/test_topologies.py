@@ -12,6 +12,7 @@ states: no duplicate task run or beat slot, and 3 of 3 leases kept.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -30,7 +31,7 @@ from celery.exceptions import ImproperlyConfigured
 from celery.result import AsyncResult
 from redis.cluster import RedisCluster
 
-from celery_singleton_beat import LockUnavailable, SingletonTask
+from celery_singleton_beat import LockUnavailable, SingletonTask, counters
 from celery_singleton_beat.client import (
     ReplicasNotAcknowledged,
     acl_rules,
@@ -266,10 +267,15 @@ def test_the_lease_works(topology: Topology) -> None:
 
 @pytest.mark.parametrize("kind", ["sentinel", "cluster"])
 def test_beat_starts_with_every_url_form(kind: str, request: pytest.FixtureRequest) -> None:
-    """Beat starts and shows where its claims go (passwords masked), whatever the URL form."""
+    """Beat starts and shows where its claims go (passwords masked), whatever the URL form.
+
+    The user exists (a beat refuses wrong credentials at start: tests/test_startup.py)."""
     topology: Topology = request.getfixturevalue(f"{kind}_topology")
     clear_settings_cache()
     reset_clients()
+    for server in topology.servers:  # data servers and sentinels alike
+        with contextlib.suppress(redis.ResponseError), server.client() as node:
+            node.execute_command("ACL", "SETUSER", "user", "on", ">secret", "~*", "&*", "+@all")
     url = topology.url.replace("://", "://user:secret@", 1)
     app = beat_app(ManualClock(START), {"e": {"task": "t.e", "schedule": 1.0}}, url)
     beat = RecordingScheduler(app=app)
@@ -443,9 +449,11 @@ def test_acl_user_needs_exactly_the_documented_commands() -> None:
         assert lease is not None and lease.renew()
         assert not take_lock(client, key, 5, task="topo.sync", task_id="t2").acquired
         assert lease.release()
-        take_lock(client, key, 5, task="topo.sync", task_id="t3", node="n@h", boot="old", live=True)
+        take_lock(client, key, 5, task="topo.sync", task_id="t3", node="n@h", boot="old", live=True,
+                  liveness_ttl=0.3)  # renewed every 0.1 s by a keeper that is gone
+        wait_for(lambda: admin.pttl(key) < 4700, timeout=10, message="the dead holder's renewals overdue")
         assert take_lock(client, key, 5, task="topo.sync", task_id="t4", boot="new",
-                       liveness_prefix="singleton").taken_over is not None
+                         liveness_prefix="singleton").taken_over is not None
         with pytest.raises(ReplicasNotAcknowledged):
             call_acknowledged(client, key, lambda conn: conn.set(key, "x", nx=True, px=1000),
                               replicas=1, timeout=0.05, undo=lambda conn, _: conn.delete(key))
@@ -455,6 +463,7 @@ def test_acl_user_needs_exactly_the_documented_commands() -> None:
         beats = [RecordingScheduler(app=beat_app(clock, schedule, topology.url)) for _ in range(2)]
         run_ticks(beats, clock, 2, 0.5)
         assert sent_slots(*beats) and set(sent_slots(*beats).values()) == {1}
+        counters.flush()  # the counts of this process, written in one batch
 
         # AUTH (or HELLO) opens every connection and is always allowed; the rest is the admin's.
         used = _commands_used(admin) - {"auth", "hello", "config|resetstat", "acl|setuser", "flushall", "script|flush"}
