@@ -203,20 +203,19 @@ class Channel:
 
     # ----------------------------------------------------------------- internals
 
-    def _connect(self) -> Any:
-        if self._connection is not None and self._used and not self._pending \
-                and time.monotonic() - self._last_read > IDLE_CHECK and _closed_by_server(self._connection):
+    def _connect(self) -> SocketLink:
+        link = self._link
+        if link is not None:
+            # A connection idle for a while may have been closed by the server meanwhile.
+            if self._pending or time.monotonic() - self._last_read <= IDLE_CHECK or not _closed_by_server(link.sock):
+                return link
             self._drop()  # a restart or a proxy closed it while it was idle: a new one
         if self._connection is None:
             self._connection = self._pool.make_connection()
-            self._used = False
-        if getattr(self._connection, "_sock", None) is None:
-            self._used = False
-            self._last_read = time.monotonic()
+        self._used = False
+        self._last_read = time.monotonic()
         ensure_checked(self._connection, server_of(self._client))
-        link = self._link
-        if link is None or link.sock is not self._connection._sock:
-            link = self._link = SocketLink(self._connection._sock)
+        link = self._link = SocketLink(self._connection._sock)
         return link
 
     def _read_pending(self, link: SocketLink) -> list[_Pending]:
@@ -307,11 +306,8 @@ def _deliver_all(entries: list[_Pending], error: BaseException) -> None:
         _deliver(entry.on_reply, None, error)
 
 
-def _closed_by_server(connection: Any) -> bool:
-    """One non-blocking peek: True if the server closed ``connection`` (EOF or an error)."""
-    sock = getattr(connection, "_sock", None)
-    if sock is None:
-        return True
+def _closed_by_server(sock: Any) -> bool:
+    """One non-blocking peek: True if the server closed the connection of ``sock`` (EOF or an error)."""
     try:
         # select first: a socket with a timeout waits that long in recv, flags or not.
         readable, _, _ = select.select([sock], [], [], 0)
@@ -417,6 +413,16 @@ def supports_channel(client: Any) -> TypeGuard[redis.Redis]:
 
 
 _local = threading.local()
+#: Bumped in a forked child: every thread-local cache of the parent is stale there.
+_generation = 0
+
+
+def _new_generation_in_child() -> None:
+    global _generation
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_new_generation_in_child)
 
 
 def channel_for(client: redis.Redis) -> Channel:
@@ -433,13 +439,13 @@ def channel_or_none(client: Any) -> Channel | None:
     One dictionary look-up per lock request: the verdict is cached with the channel.
     """
     channels: dict[int, tuple[weakref.ref[Any], Channel | None]] | None = getattr(_local, "channels", None)
-    if channels is not None and _local.pid == os.getpid():
+    if channels is not None and _local.generation == _generation:
         known = channels.get(id(client))
         if known is not None and known[0]() is client:
             return known[1]
     else:
         channels = _local.channels = {}
-        _local.pid = os.getpid()
+        _local.generation = _generation
     # A new client, an id reused, or a new process.
     channel = Channel(client) if supports_channel(client) else None
     channels[id(client)] = (weakref.ref(client), channel)

@@ -6,17 +6,17 @@ server has the command (see :class:`~.server.ServerInfo`):
 ==============  ==============================================  ==========================
 operation       Redis 7.0+ / Valkey                              fallback
 ==============  ==============================================  ==========================
-acquire         ``MULTI TIME; SET k v NX PX ttl GET; EXEC``       6.2: ``SET NX PX`` + ``GET``
+acquire         ``SET k v NX PX ttl GET`` + ``TIME`` (one write)   6.2: ``SET NX PX`` + ``GET``
 release         ``DELIFEQ k v`` / ``DELEX k IFEQ v``              :data:`.scripts.RELEASE`
 renew           ``SET k v IFEQ v PX ttl``                         :data:`.scripts.RENEW`
 ==============  ==============================================  ==========================
 
-The acquire also carries, in the same ``MULTI``, an ``EXISTS`` of the done
+The acquire also carries, in the same write, an ``EXISTS`` of the done
 marker (``acks_late`` tasks) and a ``DEL`` of the per-key fencing counter of
 releases before 0.3 (so that workers of both during an upgrade keep issuing
 growing tokens: an old worker's next token is then seeded from the clock).
 The fencing token is the server's clock in microseconds at the acquisition
-(``TIME`` in the same transaction): it grows with every acquisition of a key,
+(``TIME`` right behind the ``SET``): it grows with every acquisition of a key,
 across restarts and failovers, whatever counters a server lost.
 
 A done marker is a plain ``SET`` written behind the release in the same write.
@@ -63,50 +63,74 @@ def _refused(error: Exception) -> bool:
             or text.startswith("noperm") or "no permissions" in text)
 
 
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+_TIME = b"*1\r\n$4\r\nTIME\r\n"
+_SET = b"$3\r\nSET\r\n"
+_NX_PX = b"$2\r\nNX\r\n$2\r\nPX\r\n"
+
+
 def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
                     done_key: str | None) -> Request:
-    """Try to take ``key``: ``(token, previous value or None if taken, done marker exists)``."""
-    commands: list[tuple[Any, ...]] = [(b"MULTI",), (b"TIME",)]
+    """Try to take ``key``: ``(token, taken, previous value, done marker exists)``.
+
+    One write: ``SET key value NX PX ttl GET`` (6.2: ``SET NX PX`` then
+    ``GET``), ``TIME``, the done marker's ``EXISTS``, the legacy counter's
+    ``DEL``. No ``MULTI``: the token only has to come from the server's clock
+    after the ``SET`` took the key and before anything can free it again, and
+    ``TIME`` runs right behind the ``SET`` on this connection, before this
+    process has read the reply it needs to release the lock (a take-over or an
+    expiry comes seconds later). ``taken`` False with ``previous`` None: the
+    key was freed between the 6.2 ``SET`` and ``GET`` (try again).
+    """
+    k = key.encode()
     one_command = info.set_nx_get
+    parts = [b"*7\r\n" if one_command else b"*6\r\n", _SET, _bulk(k), _bulk(value.encode()), _NX_PX,
+             _bulk(b"%d" % ttl_ms)]
     if one_command:
-        commands.append((b"SET", key, value, b"NX", b"PX", ttl_ms, b"GET"))
+        parts.append(b"$3\r\nGET\r\n")
     else:
-        commands += [(b"SET", key, value, b"NX", b"PX", ttl_ms), (b"GET", key)]
+        parts += [b"*2\r\n$3\r\nGET\r\n", _bulk(k)]
+    parts.append(_TIME)
     if done_key is not None:
-        commands.append((b"EXISTS", done_key))
-    commands += [(b"DEL", legacy_fence_key(key)), (b"EXEC",)]
+        parts += [b"*2\r\n$6\r\nEXISTS\r\n", _bulk(done_key.encode())]
+    parts += [b"*2\r\n$3\r\nDEL\r\n", _bulk(k + b":fence")]
+    count = (4 if one_command else 5) - (done_key is None)
 
-    def finish(replies: list[Any]) -> tuple[int, Any, bool]:
+    def finish(replies: list[Any]) -> tuple[int, bool, Any, bool]:
         _raise_first(replies)
-        executed = replies[-1]
-        if executed is None:  # EXEC of a transaction WATCH aborted: never here
-            raise ResponseError("the acquire transaction was aborted")
-        _raise_first(executed)
-        token = time_token(*executed[0])
         if one_command:
-            previous = executed[1]
-            at = 2
+            previous = replies[0]
+            taken = previous is None
+            at = 1
         else:
-            previous = None if executed[1] is not None else executed[2]
-            at = 3
-        done = done_key is not None and bool(executed[at])
-        return token, previous, done
+            taken = replies[0] is not None
+            previous = None if taken else replies[1]
+            at = 2
+        token = time_token(*replies[at])
+        return token, taken, previous, done_key is not None and bool(replies[at + 1])
 
-    return Request(commands, finish)
+    return Request(None, finish, data=b"".join(parts), count=count)
 
 
 def release_request(info: ServerInfo, key: str, value: str, done_key: str | None = None,
                     done_ttl_ms: int | None = None) -> Request:
     """Delete ``key`` if its value is still ``value`` (True), and leave the done marker."""
     native = info.delifeq or info.delex
+    k, v = _bulk(key.encode()), _bulk(value.encode())
     if info.delifeq:
-        commands: list[tuple[Any, ...]] = [(b"DELIFEQ", key, value)]
+        parts = [b"*3\r\n$7\r\nDELIFEQ\r\n", k, v]
     elif info.delex:
-        commands = [(b"DELEX", key, b"IFEQ", value)]
+        parts = [b"*4\r\n$5\r\nDELEX\r\n", k, b"$4\r\nIFEQ\r\n", v]
     else:
-        commands = [RELEASE.command([key], [value])]
+        parts = [_RELEASE_HEAD, k, v]
+    count = 1
     if done_key is not None and done_ttl_ms:
-        commands.append((b"SET", done_key, b"1", b"PX", done_ttl_ms))
+        parts += [b"*5\r\n", _SET, _bulk(done_key.encode()), b"$1\r\n1\r\n$2\r\nPX\r\n",
+                  _bulk(b"%d" % done_ttl_ms)]
+        count = 2
 
     def finish(replies: list[Any]) -> bool:
         if native and isinstance(replies[0], ResponseError) and _refused(replies[0]):
@@ -114,7 +138,11 @@ def release_request(info: ServerInfo, key: str, value: str, done_key: str | None
         _raise_first(replies)
         return bool(replies[0])
 
-    return Request(commands, finish, scripts=() if native else (RELEASE,), unsure_when_repeated=True)
+    return Request(None, finish, scripts=() if native else (RELEASE,), unsure_when_repeated=True,
+                   data=b"".join(parts), count=count)
+
+
+_RELEASE_HEAD = b"*5\r\n$7\r\nEVALSHA\r\n" + _bulk(RELEASE.sha.encode()) + b"$1\r\n1\r\n"
 
 
 def renew_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Request:

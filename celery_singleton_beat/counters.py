@@ -43,6 +43,8 @@ class _Batch:
         self.clients: dict[int, Any] = {}
         self.wake = native.Wakeup()
         self.started = False
+        #: The writer was woken for the batch being counted (it writes within a second).
+        self.waiting = False
 
     def add(self, client: Any, key: str, field: str, amount: int) -> None:
         with self.lock:
@@ -52,6 +54,9 @@ class _Batch:
                 fields = self.counts[slot] = defaultdict(int)
                 self.clients[id(client)] = client
             fields[field] += amount
+            if self.waiting:  # the first count of a batch wakes the writer; the rest ride along
+                return
+            self.waiting = True
             start, self.started = not self.started, True
         if start:
             native.start_thread(self._run, "singleton-counters")
@@ -68,6 +73,7 @@ class _Batch:
         with self.lock:
             counts, self.counts = self.counts, {}
             clients, self.clients = self.clients, {}
+            self.waiting = False
         by_client: dict[int, list[tuple[str, dict[str, int]]]] = defaultdict(list)
         for (client_id, key), counted in counts.items():
             by_client[client_id].append((key, dict(counted)))
@@ -89,21 +95,25 @@ _batches: dict[int, _Batch] = {}
 _batches_lock = threading.Lock()
 
 
+_current: _Batch | None = None
+
+
 def _batch() -> _Batch:
-    pid = os.getpid()
-    batch = _batches.get(pid)
+    global _current
+    batch = _current
     if batch is None:
         with _batches_lock:
-            batch = _batches.get(pid)
+            batch = _current
             if batch is None:
-                _batches.clear()  # a forked child counts for itself
-                batch = _batches[pid] = _Batch()
+                batch = _current = _batches[os.getpid()] = _Batch()
     return batch
 
 
 def _after_fork_in_child() -> None:
-    global _batches_lock
+    global _batches_lock, _current
     _batches_lock = threading.Lock()
+    _current = None  # a forked child counts for itself
+    _batches.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

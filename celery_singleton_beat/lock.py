@@ -218,8 +218,8 @@ def _lock_value(spec: LockSpec, task_id: str | None, node: str | None) -> str:
 
     Built from a cached tail: encoding the whole record each run cost more than its round trip.
     """
-    return (f'{{"v":{VALUE_FORMAT},"token":"{_token()}","task_id":{_json_str(task_id)},'
-            f'"at":{time.time():.3f},{_value_tail(spec, node or _HOSTNAME, os.getpid())}')
+    return (f'{{"v":{VALUE_FORMAT},"token":"{_tokens()}","task_id":{_json_str(task_id)},'
+            f'"at":{time.time():.3f},{_value_tail(spec, node or _HOSTNAME, _tokens.pid)}')
 
 
 class _Tokens:
@@ -241,12 +241,13 @@ class _Tokens:
 _tokens = _Tokens()
 
 
-def _token() -> str:
-    """The next token of this process (a forked child draws its own random part)."""
+def _new_tokens_in_child() -> None:
+    """A forked child draws its own random part (and knows its own pid)."""
     global _tokens
-    if _tokens.pid != os.getpid():
-        _tokens = _Tokens()
-    return _tokens()
+    _tokens = _Tokens()
+
+
+os.register_at_fork(after_in_child=_new_tokens_in_child)
 
 
 def _json_str(text: str | None) -> str:
@@ -436,25 +437,30 @@ def _first_int(replies: list[Any]) -> int:
     return int(replies[0])
 
 
-@dataclass(frozen=True)
 class AcquireResult:
     """The outcome of :func:`acquire`.
 
     ``lease`` when taken; else ``holder`` (who holds it) or ``completed``
     (the done marker of this task id exists). ``taken_over`` names the dead
-    holder whose lock was taken over, if any. ``waited``: seconds the acquire
-    waited for a recovery window (:mod:`.server`).
+    holder whose lock was taken over, if any.
     """
 
-    lease: Lease | None
-    holder: Holder | None = None
-    completed: bool = False
-    taken_over: Holder | None = None
-    waited: float = 0.0
+    __slots__ = ("completed", "holder", "lease", "taken_over")
+
+    def __init__(self, lease: Lease | None, holder: Holder | None = None, completed: bool = False,
+                 taken_over: Holder | None = None) -> None:
+        self.lease = lease
+        self.holder = holder
+        self.completed = completed
+        self.taken_over = taken_over
 
     @property
     def acquired(self) -> bool:
         return self.lease is not None
+
+    def __repr__(self) -> str:
+        return (f"AcquireResult(lease={self.lease!r}, holder={self.holder!r}, completed={self.completed}, "
+                f"taken_over={self.taken_over!r})")
 
 
 def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, *,
@@ -468,25 +474,28 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
     server = server_of(client)
     value = _lock_value(spec, task_id, node)
     done = done_key(key, task_id) if spec.check_done else None
-    waited = [0.0]
-
-    def pause() -> None:
-        waited[0] += server.pause()
-
-    after = _acknowledged(spec, key, value, lambda r: r[1] is None) if spec.wait_replicas > 0 else None
-    started = time.monotonic()
-    token, previous, completed = _execute(
-        client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done),
-        before_write=pause, after=after)
-    taken = previous is None or _text(previous) == value  # its own value: the request ran twice
+    channel = channel_or_none(client) if spec.wait_replicas <= 0 else None
+    for _ in range(3):  # 6.2 only: the key freed between its SET NX and GET (ask again)
+        started = time.monotonic()
+        if channel is not None:  # the common path: this thread's own connection
+            token, taken, previous, completed = channel.call(
+                acquire_request(server.info or PORTABLE, key, value, spec.ttl_ms, done), server.pause)
+        else:
+            token, taken, previous, completed = _execute(
+                client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done),
+                before_write=server.pause,
+                after=_acknowledged(spec, key, value, lambda r: r[1]) if spec.wait_replicas > 0 else None)
+        taken = taken or _text(previous) == value  # its own value: the request ran twice
+        if taken or previous is not None:
+            break
     if completed:
         if taken:
             _execute(client, key, lambda info: release_request(info, key, value))
         counters.count(client, spec.stats_key, "completed_copies")
-        return AcquireResult(lease=None, completed=True)
+        return AcquireResult(None, completed=True)
     if taken:
         counters.count(client, spec.stats_key, spec.counters[0])
-        return AcquireResult(Lease(client, key, value, spec, token, task_id, started), waited=waited[0])
+        return AcquireResult(Lease(client, key, value, spec, token, task_id, started))
     holder = parse_holder(previous)
     assert holder is not None
     if adopt_claim_of and holder.claim and holder.task_id == adopt_claim_of:
@@ -494,14 +503,14 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
                          ADOPT, value)
         if lease is not None:
             counters.count(client, spec.stats_key, spec.counters[0])
-            return AcquireResult(lease, waited=waited[0])
+            return AcquireResult(lease)
     elif spec.liveness_prefix is not None and _looks_dead(client, spec.liveness_prefix, holder):
         result = _take_over(client, key, spec, task_id, value, holder)
         if result is not None:
             return result
     counters.count(client, spec.stats_key,
                    "redelivered" if task_id and holder.task_id == task_id and not holder.claim else spec.counters[1])
-    return AcquireResult(lease=None, holder=holder, waited=waited[0])
+    return AcquireResult(None, holder=holder)
 
 
 def _replace(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, command: tuple[Any, ...],

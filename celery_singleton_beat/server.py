@@ -275,13 +275,17 @@ class LockServer:
 
     def pause(self) -> float:
         """Wait until no recovery window is open (new acquisitions only); seconds waited."""
+        left = self.recovering_until - time.monotonic()
+        if left <= 0:
+            return 0.0
         waited = 0.0
-        while True:
-            left = self.recovering_until - time.monotonic()
-            if left <= 0:
-                return waited
+        while left > 0:
             time.sleep(left)
             waited += left
+            left = self.recovering_until - time.monotonic()
+        logger.info("a new lock waited %.1fs for the lock Redis's recovery window (%s)", waited,
+                    self.recovery_reason)
+        return waited
 
     def copy_of(self, client: Any) -> Any:
         """A new client of the same server and settings as ``client``, sharing this record.
