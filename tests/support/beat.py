@@ -109,7 +109,7 @@ def claims_of(redis_server: RedisServer, entry: str, db: int = LOCK_DB) -> dict[
     """The slot claims of ``entry`` alive now: ``{slot label: claim value}``."""
     client = redis_server.client(db)
     claims = {}
-    for key in client.scan_iter(f"singleton:{{beat:{entry}}}:*"):
+    for key in client.scan_iter(f"singleton:{{beat:{entry}}}:[0-9]*"):  # slots, not the :scheduled record
         raw = client.get(key)
         if raw is not None:
             claims[key.decode().rsplit("}:", 1)[1]] = json.loads(raw)
