@@ -354,8 +354,10 @@ def test_keys_table_lists_every_kind_of_key_the_library_writes() -> None:
     """docs/monitoring.md's key table (and so doctor's expiry check) covers done markers,
     liveness keys and the start-up probe, not only locks, claims and counters."""
     from celery_singleton_beat.admin import KeySpace
+    from celery_singleton_beat.commands import legacy_fence_key as fence_key
     from celery_singleton_beat.liveness import live_key
-    from celery_singleton_beat.lock import done_key, fence_key
+    from celery_singleton_beat.lock import done_key
+    from celery_singleton_beat.server import recovery_key, server_key
 
     lock = "singleton:{t.x:" + "0" * 64 + "}"
     samples = {
@@ -369,6 +371,9 @@ def test_keys_table_lists_every_kind_of_key_the_library_writes() -> None:
         "beat-history": ("singleton:{beat}:history", "`<prefix>:{beat}:history`"),
         "task-stats": ("singleton:{stats}:task:t.x", "`<prefix>:{stats}:task:<task>`"),
         "beat-stats": ("singleton:{stats}:beat:e", "`<prefix>:{stats}:beat:<entry>`"),
+        "beat-record": ("singleton:{beat:e}:scheduled", "`<prefix>:{beat:<name>}:scheduled`"),
+        "server-record": (server_key("singleton"), "`<prefix>:server`"),
+        "recovery-window": (recovery_key("singleton"), "`<prefix>:recovery`"),
     }
     space = KeySpace("singleton")
     assert {name: space.kind(key) for name, (key, _) in samples.items()} == {name: name for name in samples}
