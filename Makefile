@@ -63,9 +63,10 @@ test-matrix: $(VENV)/.nox-installed redis-server
 	rm -rf .nox/_results
 	$(BIN)/nox -f noxfile.py $(NOX_ARGS); status=$$?; $(BIN)/nox -f noxfile.py -s report; exit $$status
 
-# CI's floor check (.ci/run): one leg, the oldest declared celery/kombu/redis-py, in-process tests (~40 s).
+# CI's floor check (.ci/run): one leg, the oldest declared celery/kombu/redis-py, in-process tests (~40 s);
+# and the lock tests on Valkey 9.1 and Redis 6.2 (newest deps, ~1.5 min).
 test-matrix-smoke: $(VENV)/.nox-installed redis-server
-	$(BIN)/nox -f noxfile.py -s smoke
+	$(BIN)/nox -f noxfile.py -s smoke lock_servers
 
 # Benchmarks: each starts its own redis-server; the table goes to stdout and benchmarks/results.md.
 # The instructions benchmark needs valgrind (installed here where we can, as redis-server).

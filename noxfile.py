@@ -201,10 +201,12 @@ def _junit_counts(path: Path) -> dict[str, int]:
     return counts
 
 
-def run_leg(session: nox.Session, deps: str, server: str, binary: str, tests: list[str] = TESTS) -> None:
-    """Install the project with ``DEPS[deps]``, run ``tests`` against ``binary``, record the leg."""
+def run_leg(session: nox.Session, deps: str, server: str, binary: str, tests: list[str] = TESTS,
+            label: str = "") -> None:
+    """Install the project with ``DEPS[deps]``, run ``tests`` against ``binary``, record the leg
+    (``label`` tells apart several legs of one session)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    junit = RESULTS / f"{_slug(session.name)}.xml"
+    junit = RESULTS / f"{_slug(session.name + label)}.xml"
     junit.unlink(missing_ok=True)
     record: dict[str, object] = {"session": session.name, "python": session.python, "deps": deps,
                                  "server": server, "server_version": server_version(binary),
@@ -223,7 +225,7 @@ def run_leg(session: nox.Session, deps: str, server: str, binary: str, tests: li
     finally:
         record["tests_s"] = round(time.monotonic() - started)
         record.update(_junit_counts(junit))
-        (RESULTS / f"{_slug(session.name)}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (RESULTS / f"{_slug(session.name + label)}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 #: Prints the interpreter's version and those of :data:`RECORDED` as JSON.
@@ -264,6 +266,20 @@ def servers(session: nox.Session, server: str, deps: str) -> None:
 def smoke(session: nox.Session) -> None:
     """CI's check of the floor: the runner's Python, floor deps, in-process tests only."""
     run_leg(session, "floor", "redis (Debian)", debian_redis_server(), SMOKE_TESTS)
+
+
+#: The lock's own tests: what differs from one server to the next (native commands,
+#: the 6.2 spelling of the acquire, restart detection).
+LOCK_TESTS = ["tests/test_lock.py", "tests/test_liveness.py", "tests/test_channel.py"]
+#: Servers CI runs :data:`LOCK_TESTS` on besides Debian's: the newest and the oldest supported.
+LOCK_SERVERS = ("valkey-9.1", "redis-6.2")
+
+
+@nox.session(python=RUNNER)
+def lock_servers(session: nox.Session) -> None:
+    """CI's check of the lock on other servers: newest deps, one venv, :data:`LOCK_TESTS` per server."""
+    for server in LOCK_SERVERS:
+        run_leg(session, "newest", server, packaged_server(session, server), LOCK_TESTS, label=server)
 
 
 @nox.session(python=False)

@@ -15,6 +15,7 @@ from celery_singleton_beat.commands import legacy_fence_key
 from celery_singleton_beat.keeper import LeaseKeeper
 from celery_singleton_beat.lock import done_key, read_holder, release_for
 from celery_singleton_beat.run import SingletonRun
+from celery_singleton_beat.server import server_of
 from celery_singleton_beat.wire import SocketLink
 
 from .support import RedisServer, soak, wait_for
@@ -291,10 +292,16 @@ def test_each_operation_is_one_request_and_counters_are_written_in_batches(
         return result
 
     lease = one_request(lambda: take(redis_db, stats_key=stats).lease)
-    assert sent[0][:2] == ["SET", "TIME"] and "EVALSHA" not in sent[0], "no Lua in the acquire"
+    info = server_of(redis_db).info
+    assert info is not None
+    acquire_spelling = ["SET", "TIME"] if info.set_nx_get else ["SET", "GET", "TIME"]  # 6.2: no NX with GET
+    assert sent[0][:len(acquire_spelling)] == acquire_spelling and "EVALSHA" not in sent[0], "no Lua in the acquire"
     one_request(lambda: take(redis_db, "id-2", stats_key=stats, counters=("acquired", "refused")))
     one_request(lease.renew)
+    assert sent[0] == (["SET"] if info.set_ifeq else ["EVALSHA"]), f"renewal on {info.describe()}: {sent}"
     one_request(lease.release)
+    native = "DELIFEQ" if info.delifeq else "DELEX" if info.delex else "EVALSHA"
+    assert sent[0] == [native], f"release on {info.describe()}: {sent}"
     assert observer.hgetall(stats) == {}, "nothing counted per operation"
     sent.clear()
     counters.flush()
