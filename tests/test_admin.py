@@ -332,7 +332,7 @@ def test_doctor_expiry_check_knows_done_markers_and_liveness_keys(redis_db: redi
 
     expiry = admin.doctor(app, load=False).check("expiry")
     assert expiry is not None and (expiry.status, expiry.detail) == (
-        "OK", "3 key(s) under 'singleton:'; every lock and claim expires")  # + the fencing counter
+        "OK", "2 key(s) under 'singleton:'; every lock and claim expires")  # no fencing counter since 0.3
 
     client.persist(done)
     client.persist(heartbeat.key)

@@ -637,13 +637,14 @@ def test_a_beat_sends_the_slots_it_handed_back_once_the_broker_is_back(
     it answers every slot is sent, once."""
     clock = ManualClock(START)
     schedule = {name: {"task": f"t.{name}", "schedule": 60.0} for name in "abc"}
+    already_scheduled(redis_server.client(LOCK_DB), schedule)  # a running deployment: the slots are due
     beat = FlakyBroker(app=scheduler_app(redis_server, clock, schedule,
                                          singleton_beat_pending_lease=0.1))
     beat.broker_down = True
     while beat.tick() <= 0:  # the burst: each slot claimed, its publish refused
         pass
     claims = redis_server.client(LOCK_DB)
-    keys = claims.keys("singleton:{beat:*}:*")
+    keys = claims.keys("singleton:{beat:*}:[0-9]*")  # slot claims, not the entries' :scheduled records
     assert len(keys) == 3 and beat.attempts == 3
     assert {json.loads(value)["state"] for value in claims.mget(keys)} == {"released"}
 
