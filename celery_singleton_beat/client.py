@@ -266,8 +266,13 @@ def get_redis(app: Celery) -> RedisClient:
     return cached[1]
 
 
+#: Bumped when cached clients are dropped (:func:`reset_clients`, a fork): references kept elsewhere are stale.
+GENERATION = [0]
+
+
 def reset_clients() -> None:
     """Drop every cached client (tests, or after changing settings at run time)."""
+    GENERATION[0] += 1
     with _lock:
         pid = os.getpid()
         for owner, client in list(_clients.values()):
@@ -278,6 +283,7 @@ def reset_clients() -> None:
 
 def _after_fork_in_child() -> None:
     global _lock
+    GENERATION[0] += 1
     _lock = threading.Lock()  # the parent may have held it while forking
     _inherited.extend(client for _, client in _clients.values())
     _clients.clear()

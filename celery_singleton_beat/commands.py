@@ -67,9 +67,7 @@ def _bulk(data: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-_TIME = b"*1\r\n$4\r\nTIME\r\n"
 _SET = b"$3\r\nSET\r\n"
-_NX_PX = b"$2\r\nNX\r\n$2\r\nPX\r\n"
 
 
 def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
@@ -85,18 +83,16 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     expiry comes seconds later). ``taken`` False with ``previous`` None: the
     key was freed between the 6.2 ``SET`` and ``GET`` (try again).
     """
-    k = key.encode()
+    k, v = key.encode(), value.encode()
     one_command = info.set_nx_get
-    parts = [b"*7\r\n" if one_command else b"*6\r\n", _SET, _bulk(k), _bulk(value.encode()), _NX_PX,
-             _bulk(b"%d" % ttl_ms)]
     if one_command:
-        parts.append(b"$3\r\nGET\r\n")
+        data = _ACQUIRE % (len(k), k, len(v), v, len(str(ttl_ms)), ttl_ms)
     else:
-        parts += [b"*2\r\n$3\r\nGET\r\n", _bulk(k)]
-    parts.append(_TIME)
+        data = _ACQUIRE_62 % (len(k), k, len(v), v, len(str(ttl_ms)), ttl_ms, len(k), k)
     if done_key is not None:
-        parts += [b"*2\r\n$6\r\nEXISTS\r\n", _bulk(done_key.encode())]
-    parts += [b"*2\r\n$3\r\nDEL\r\n", _bulk(k + b":fence")]
+        d = done_key.encode()
+        data += b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(d), d)
+    data += b"*2\r\n$3\r\nDEL\r\n$%d\r\n%s:fence\r\n" % (len(k) + 6, k)
     count = (4 if one_command else 5) - (done_key is None)
 
     def finish(replies: list[Any]) -> tuple[int, bool, Any, bool]:
@@ -112,7 +108,15 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
         token = time_token(*replies[at])
         return token, taken, previous, done_key is not None and bool(replies[at + 1])
 
-    return Request(None, finish, data=b"".join(parts), count=count)
+    return Request(None, finish, data=data, count=count)
+
+
+#: ``SET key value NX PX ttl GET`` then ``TIME``, as RESP (``%`` fills key, value, ttl).
+_ACQUIRE = (b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%d\r\n"
+            b"$3\r\nGET\r\n*1\r\n$4\r\nTIME\r\n")
+#: Redis 6.2: ``SET key value NX PX ttl``, ``GET key``, ``TIME``.
+_ACQUIRE_62 = (b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%d\r\n"
+               b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n*1\r\n$4\r\nTIME\r\n")
 
 
 def release_request(info: ServerInfo, key: str, value: str, done_key: str | None = None,

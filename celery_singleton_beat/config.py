@@ -399,6 +399,10 @@ def _default_done_ttl(conf: Any) -> float:
         return SingletonSettings.done_ttl
 
 
+#: Bumped by :func:`clear_settings_cache`: what was derived from cached settings is stale.
+GENERATION = [0]
+
+
 def get_settings(app: Celery) -> SingletonSettings:
     """The validated settings of ``app``, computed once and cached."""
     settings = _CACHE.get(app)
@@ -409,6 +413,7 @@ def get_settings(app: Celery) -> SingletonSettings:
 
 def clear_settings_cache(app: Celery | None = None) -> None:
     """Forget cached settings (of one app, or all), e.g. after changing ``app.conf`` in tests."""
+    GENERATION[0] += 1
     if app is None:
         _CACHE.clear()
     else:

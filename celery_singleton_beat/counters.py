@@ -47,17 +47,21 @@ class _Batch:
         self.waiting = False
 
     def add(self, client: Any, key: str, field: str, amount: int) -> None:
-        with self.lock:
-            slot = (id(client), key)
+        slot = (id(client), key)
+        lock = self.lock
+        lock.acquire()
+        try:
             fields = self.counts.get(slot)
             if fields is None:
                 fields = self.counts[slot] = defaultdict(int)
-                self.clients[id(client)] = client
+                self.clients[slot[0]] = client
             fields[field] += amount
             if self.waiting:  # the first count of a batch wakes the writer; the rest ride along
                 return
             self.waiting = True
             start, self.started = not self.started, True
+        finally:
+            lock.release()
         if start:
             native.start_thread(self._run, "singleton-counters")
         self.wake.notify()
@@ -122,7 +126,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def count(client: Any, key: str | None, field: str, amount: int = 1) -> None:
     """Add ``amount`` to ``field`` of the counter hash ``key`` (nothing when ``key`` is None)."""
     if key and field:
-        _batch().add(client, key, field, amount)
+        (_current or _batch()).add(client, key, field, amount)
 
 
 def flush() -> None:

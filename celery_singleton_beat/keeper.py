@@ -43,6 +43,8 @@ LOG_EVERY = 5.0
 class KeptLease:
     """A lease under renewal; ``lost`` tells whether it still protects the run."""
 
+    __slots__ = ("active", "lease", "lost_reason", "next_complaint", "on_lost", "renewals")
+
     def __init__(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None) -> None:
         self.lease = lease
         self.on_lost = on_lost

@@ -144,8 +144,29 @@ def _normalize_mapping(value: Mapping[Any, Any], path: str) -> dict[str, Any]:
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def _c_encoder() -> Callable[[Any, int], Sequence[str]] | None:
+    """The C encoder ``_ENCODER`` would build for each call, built once (its set-up cost more
+    than encoding a task's arguments). No circular-reference markers: normalized data is a tree."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # a Python without the C accelerator
+        return None
+    try:
+        encode = make(None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",", True, False, True)
+        sample = {"b": [1, 2.5, None, True, {"z": "\u00e9", "a": "x\"y"}], "a": ""}
+        if "".join(encode(sample, 0)) != _ENCODER.encode(sample):
+            return None
+    except Exception:  # another Python's internals: the encoder's own path
+        return None
+    return encode  # type: ignore[no-any-return]
+
+
+_C_ENCODE = _c_encoder()
+
+
 def _dumps(normalized: Any) -> bytes:
     """The one byte encoding of normalized data: sorted keys, no spaces, UTF-8."""
+    if _C_ENCODE is not None:
+        return "".join(_C_ENCODE(normalized, 0)).encode("utf-8")
     return _ENCODER.encode(normalized).encode("utf-8")
 
 

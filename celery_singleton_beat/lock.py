@@ -188,6 +188,8 @@ class LockSpec:
     #: Seconds after a renewal's start for which the holder vouches for its lease:
     #: the earliest moment another worker could take it over (or the TTL).
     grace: float = field(init=False, repr=False)
+    #: The end of its lock values per (node, pid): the same for every run (see :func:`_lock_value`).
+    tails: dict[tuple[str, int], str] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ttl_ms", _ms(self.ttl))
@@ -195,14 +197,21 @@ class LockSpec:
         object.__setattr__(self, "renew_every", every)
         grace = min(self.ttl, 2 * every + TAKEOVER_WAIT) if self.live else self.ttl
         object.__setattr__(self, "grace", grace)
+        object.__setattr__(self, "tails", {})
 
 
 _HOSTNAME = socket.gethostname()
 
 
-@functools.lru_cache(maxsize=256)
 def _value_tail(spec: LockSpec, node: str, pid: int) -> str:
     """The fields of a lock value that are the same for every run of a task in a process."""
+    tail = spec.tails.get((node, pid))
+    if tail is None:
+        tail = spec.tails[(node, pid)] = _encode_tail(spec, node, pid)
+    return tail
+
+
+def _encode_tail(spec: LockSpec, node: str, pid: int) -> str:
     record: dict[str, Any] = {"task": spec.task, "node": node, "pid": pid, "boot": spec.boot,
                               "claim": spec.claim}
     if spec.live:

@@ -51,6 +51,8 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 from kombu.utils.functional import maybe_list
 
+from . import client as client_module
+from . import config
 from . import worker as worker_support
 from .client import get_redis
 from .config import SingletonSettings, get_settings
@@ -294,15 +296,26 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 settings, task_stats_key(settings.key_prefix, self.name) if settings.stats else None)
         return cached[1]
 
-    def _begin(self, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
+    def _run_context(self, eager: bool) -> tuple[SingletonSettings, Any, LockSpec]:
+        """Settings, lock client and spec of a run, kept on the task until a cache is reset
+        (settings cleared, clients dropped, a fork): three look-ups a run would repeat."""
+        generation = (config.GENERATION[0], client_module.GENERATION[0], eager, publishes_liveness())
+        cached = self.__dict__.get("_singleton_context")
+        if cached is not None and cached[0] == generation:
+            return cached[1]  # type: ignore[no-any-return]
         settings = get_settings(self.app)
+        context = (settings, get_redis(self.app), self._run_spec(settings, eager))
+        self._singleton_context = (generation, context)
+        return context
+
+    def _begin(self, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
+        settings, client, spec = self._run_context(bool(request.is_eager))
         key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
         attempt = 0
         while True:
             try:
-                result = acquire(get_redis(self.app), key, self._run_spec(settings, bool(request.is_eager)),
-                                 request.id, node=request.hostname, adopt_claim_of=adopt)
+                result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt)
                 break
             except redis.RedisError as exc:
                 unlocked = self._redis_unavailable(key, exc, fail_open=settings.fail_open, attempt=attempt)
@@ -310,7 +323,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                     return unlocked
                 attempt += 1
         if self.lock_mode == "until_executing":
-            self._release_queue_claim(get_redis(self.app), key)
+            self._release_queue_claim(client, key)
         if result.completed:
             logger.info("%s[%s] already completed; this delivery of the same message ends without "
                         "running", self.name, request.id)
@@ -364,7 +377,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         if kept is None:
             return
         get_keeper().forget(kept)
-        settings = get_settings(self.app)
+        settings = self._run_context(bool(request.is_eager))[0]
         # The same task id runs again after a retry or a requeue: no done marker then.
         again = isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue)
         done_ttl = settings.done_ttl if self.acks_late and not again and not request.is_eager else None
