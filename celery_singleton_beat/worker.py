@@ -68,6 +68,53 @@ def install(app: Celery) -> None:
 
     app.steps["worker"].add(SingletonWorkerStep)
     app.steps["consumer"].add(SlotDeliveryStep)
+    _guard_revoke()
+
+
+def _guard_revoke() -> None:
+    """Keep the ``revoke`` control command from writing a running original's state.
+
+    Since Celery 5.6 every worker that receives ``revoke(id)`` (without
+    ``terminate``) and does not run that task itself marks it ``REVOKED`` in
+    the result backend when its state reads ``PENDING`` -- which is the state
+    of a running task unless ``task_track_started`` is on. A worker that holds
+    another delivery of the message (an ``acks_late`` redelivery, a re-publish
+    with the same id) while the original runs under its lock elsewhere would so
+    overwrite the original's state until its real result replaces it. For such
+    ids this worker only flags the copy as revoked (it is discarded when it
+    comes up, storing nothing: :meth:`SingletonRequest._announce_revoked`).
+    A worker that knows nothing of the id does what Celery does.
+    """
+    from celery.worker import control
+    from celery.worker import state as worker_state
+    from kombu.utils.functional import maybe_list
+
+    original = control.Panel.data.get("revoke")
+    if original is None or getattr(original, "_singleton_guard", False):
+        return
+
+    def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kwargs: Any) -> Any:
+        ids = set(maybe_list(task_id) or [])
+        copies = set() if terminate else {i for i in ids if _copy_of_a_running_original(worker_state, i)}
+        if copies:
+            worker_state.revoked.update(copies)
+            logger.warning("revoke of %s: another delivery of the same message runs under its lock; the copy "
+                           "here is discarded, the original's state is left alone", ", ".join(sorted(copies)))
+            if not ids - copies:
+                return {"ok": f"tasks {copies} flagged as revoked"}
+            task_id = list(ids - copies)
+        return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+
+    revoke._singleton_guard = True  # type: ignore[attr-defined]
+    revoke.__doc__ = original.__doc__
+    control.Panel.data["revoke"] = revoke
+
+
+def _copy_of_a_running_original(worker_state: Any, task_id: str) -> bool:
+    """This worker holds a delivery of ``task_id`` that is not running, while a run of that id holds the lock."""
+    request = worker_state.requests.get(task_id)
+    return (isinstance(request, SingletonRequest) and request not in worker_state.active_requests
+            and _original_running(request) is not None)
 
 
 def compose_request(request_cls: Any) -> type[Request]:
