@@ -8,7 +8,8 @@ Configured from the environment, so each test starts workers with its own figure
   its own where a test restarts, stops or proxies it, so the broker is not what is tested;
 * ``CSB_LOCK_TTL`` (default 30 s), ``CSB_LIVENESS_TTL`` (default 2 s);
 * ``CSB_VISIBILITY``: the Redis transport's visibility timeout (default 3600 s);
-* ``CSB_SOCKET_TIMEOUT``: socket timeout of the lock client (default 1 s).
+* ``CSB_SOCKET_TIMEOUT``: socket timeout of the lock client (default 1 s);
+* ``CSB_TRACK_STARTED``: ``task_track_started`` (default off).
 
 Every task is ``acks_late`` (the exactly-once configuration). What the record
 database (db 3) holds, written by the workers:
@@ -67,6 +68,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_expires=600,
     worker_hijack_root_logger=True,
+    task_track_started=os.environ.get("CSB_TRACK_STARTED", "") == "1",
 )
 
 
