@@ -73,9 +73,10 @@ VALUE_FORMAT = 2
 
 #: Seconds a worker watches a lock whose holder looks dead (liveness key gone,
 #: renewals missed) before taking it over: a holder that is alive renews within
-#: it (its keeper retries every quarter second while Redis does not answer), so
-#: a lock that merely could not be renewed during an outage is never taken.
-TAKEOVER_WAIT = 1.5
+#: it (its keeper retries every quarter second while Redis does not answer: four
+#: tries), so a lock that merely could not be renewed during an outage is never
+#: taken. It is what a dead pod's lock costs on top of the liveness TTL.
+TAKEOVER_WAIT = 1.0
 #: Seconds between renewal attempts while Redis does not answer (at most).
 RETRY_EVERY = 0.25
 

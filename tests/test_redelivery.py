@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -100,9 +101,13 @@ def test_whole_worker_killed_mid_run_on_rabbitmq_the_redelivered_task_completes_
     wait_for(lambda: entries(records, "started:k"), timeout=30, message="the run started on pod-a")
     survivor = worker(redis_server, processes, "pod-b", delivery_env)
     first.kill_group()  # the pod dies: main process and pool child
+    killed = time.time()
     records.delete("inflight:k", "hold:k")  # the dead run never counts itself out
 
     assert_completed_once_on_survivor(redis_server, result, survivor)
+    restarted = entries(records, "started:k")[1]["start"]
+    print(f"\nRabbitMQ, whole worker SIGKILLed: the copy ran again {restarted - killed:.2f}s after the kill "
+          f"(singleton_liveness_ttl 2 s)")
 
 
 def assert_completed_once_on_survivor(redis_server: RedisServer, result: Any, survivor: CeleryProcess) -> None:
