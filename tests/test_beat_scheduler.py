@@ -8,6 +8,7 @@ can be attributed to its slot. Beats as real processes are in
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import shelve
@@ -242,12 +243,27 @@ def test_an_entry_added_later_has_missed_nothing(redis_db: redis.Redis, redis_se
     assert [(s["task"], s["slot"]) for s in again.sent] == [("t.h", "2024-05-01T12:00:00Z")]
 
 
+def _put_first(beat: Any, name: str) -> None:
+    """Put the heap event of entry ``name`` before the others (a hair earlier)."""
+    heap = beat._heap
+    earliest = min(event[0] for event in heap)
+    for index, event in enumerate(heap):
+        if event[2].name == name:
+            heap[index] = event._replace(time=earliest - 0.001)
+    heapq.heapify(heap)
+
+
+@pytest.mark.parametrize("first", ["old", "new"])
 def test_redis_down_at_start_decides_when_it_is_back(redis_db: redis.Redis, redis_server: RedisServer,
                                                      make_redis: Callable[..., RedisServer],
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+                                                     caplog: pytest.LogCaptureFixture, first: str) -> None:
     """A node restart: every beat and the claims Redis (with persistence) were down, and the
     beat comes up first. It cannot tell a missed slot from one before the entry, so it waits
-    for Redis: then the entry scheduled before gets its missed 12:00, the new one does not."""
+    for Redis: then the entry scheduled before gets its missed 12:00, the new one does not.
+
+    Both entries wait in the heap at the same time, in either order: "new", decided not due
+    after all, must not hold "old" back until 12:05 (as Celery before 5.7 left an entry
+    that is not due on top of its heap, celery/celery#7649)."""
     caplog.set_level(logging.INFO, logger="celery_singleton_beat")
     claims = make_redis("--appendonly", "yes")
     schedule = {"old": {"task": "t.old", "schedule": crontab(minute="*/5")},
@@ -263,8 +279,17 @@ def test_redis_down_at_start_decides_when_it_is_back(redis_db: redis.Redis, redi
 
     claims.start()
     assert claims.client(0).exists(entry_record_key("singleton", "old"))  # kept across the restart
-    wait_for(lambda: not beat.breaker.is_open(), timeout=10, interval=0.01,
-             message="the scheduler's (test-sized) Redis back-off to end")
+    wait_for(lambda: claims.client(0).info("persistence")["loading"] == 0, timeout=10,
+             message="the append-only file loaded")
+    _put_first(beat, first)
+
+    def ticked() -> bool:
+        # The beat holds the entry back for its Redis back-off (up to 30 s, on its clock):
+        # the clock moves as fast as real time here, so 60 s of this stays before 12:05.
+        run_ticks([beat], clock, 0.05, 0.05)
+        return bool(beat.sent)
+
+    wait_for(ticked, timeout=60, interval=0.05, message="the missed slot decided once Redis answers")
     run_ticks([beat], clock, 2, 0.25)
     assert [(s["task"], s["slot"]) for s in beat.sent] == [("t.old", "2024-05-01T12:00:00Z")]
     assert any("new: slot 2024-05-01T12:00:00Z came before the entry was scheduled" in r.getMessage()

@@ -98,7 +98,7 @@ def test_a_connection_closed_by_a_restart_costs_neither_the_release_nor_the_next
     at before the release is written to it, or the release written onto the dead connection
     is found out when its reply is read and sent again."""
     monkeypatch.setattr(channel_module, "IDLE_CHECK", idle_check)
-    server = make_redis("--appendonly", "yes")
+    server = make_redis("--appendonly", "yes")  # appendfsync always: see make_redis
     client = server.client()
     lease = take(client, "id-1").lease
     server.kill()  # SIGKILL: the lock is in the append-only file

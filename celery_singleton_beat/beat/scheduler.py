@@ -31,6 +31,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import redis
+import celery
 from celery import schedules
 from celery.beat import PersistentScheduler
 from celery.exceptions import ImproperlyConfigured
@@ -49,6 +50,9 @@ from .sending import Reservation, SlotSending
 from .slots import SlotError, current_slot, interval_slot, to_utc
 
 __all__ = ["SingletonScheduler", "SingletonSchedulerMixin"]
+
+#: Celery 5.7+ moves an entry that is not due after all down the heap (celery/celery#7649).
+CELERY_REHEAPS: bool = tuple(int(part) for part in celery.__version__.split(".")[:2]) >= (5, 7)
 
 #: Per app: the instance id a lazy scheduler (the one Celery builds only to print
 #: its start-up banner) showed, and in which process, for the scheduler that runs.
@@ -122,7 +126,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         # Claims won ahead for other due entries, and when (monotonic) they were won.
         self._prefetched: dict[str, tuple[Claim, float]] = {}
         self._sending: tuple[Claim, float] | None = None
-        self._retry_names: set[str] = set()
+        # Entries to move down the heap at the end of this tick: name -> seconds from now.
+        self._reheap: dict[str, float] = {}
         # True while consecutive ticks send due entries (a burst), see schedules_equal.
         self._in_burst = False
         self._burst_compared = False
@@ -229,10 +234,13 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         self._normalize(entry)
         state = super().is_due(entry)
         if not state[0]:
+            if not CELERY_REHEAPS:
+                self._hold_back_top(entry, state[1])
             return state
         if self.breaker.is_open() and not self.singleton_settings.beat_fails_open:
             self._report_blocked(entry)
-            self._retry_names.add(entry.name)  # to the end of the back-off in the heap (see tick)
+            # To the end of the back-off in the heap (see tick).
+            self._reheap[entry.name] = self.breaker.remaining()
             return schedules.schedstate(False, self.breaker.remaining())
         if isinstance(entry.schedule, schedules.schedule):
             # Celery would check again one period after *now*, drifting off the
@@ -250,8 +258,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             self.settle()
             self._renew_records(time.monotonic())
         delay = super().tick(*args, **kwargs)
-        if self._retry_names:
-            delay = min(delay, self._reschedule_retries())
+        if self._reheap:
+            delay = min(delay, self._move_down_heap())
         self._in_burst = delay <= 0
         if not self._in_burst:
             self._burst_compared = False
@@ -306,26 +314,37 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         if slot is not None:
             self.breaker.report_unsent(entry.name, slot, "Redis unavailable, waiting to try again")
 
-    def _reschedule_retries(self) -> float:
-        """Move the entries that wait for the Redis back-off to its end in the heap.
+    def _hold_back_top(self, entry: Any, wait: float) -> None:
+        """Move ``entry`` to its next check if it sits on top of the heap, past its time.
 
-        An entry whose claim failed comes back at the end of the back-off rather
-        than at its next instant. An entry ``is_due`` held back is moved there
-        too: Celery before 5.7 left it on top of the heap, where it kept every
-        entry behind it (opted-out ones included) from being sent until the
-        back-off ended (celery/celery#7649). Returns how long beat may sleep:
-        0 when another entry is due now.
+        Its heap time can be out of date: the start-up rule decided, once Redis
+        answered, that its missed slot was not missed after all. Celery 5.7
+        moves such an entry down the heap itself; before, it stayed on top and
+        held back every entry behind it until it came due (celery/celery#7649).
         """
-        names, self._retry_names = self._retry_names, set()
-        delay = self.breaker.remaining()
+        heap = getattr(self, "_heap", None)
+        if heap and heap[0][2] is entry and heap[0][0] <= self._now().timestamp():
+            self._reheap[entry.name] = max(float(wait), 0.0)
+
+    def _move_down_heap(self) -> float:
+        """Give the entries in ``_reheap`` their new time in the heap.
+
+        An entry whose claim failed, or that ``is_due`` held back for the Redis
+        back-off, comes back at the end of the back-off rather than at its next
+        instant; Celery before 5.7 would leave an entry held back on top of the
+        heap, where it kept every entry behind it (opted-out ones included) from
+        being sent. Returns how long beat may sleep: 0 when another entry is due now.
+        """
+        moves, self._reheap = self._reheap, {}
+        delay = min(moves.values())
         heap = getattr(self, "_heap", None)
         if isinstance(heap, list) and heap:
             now = self._now().timestamp()  # heap times follow the scheduler's clock
-            soon = now + delay
             changed = False
             for index, event in enumerate(heap):
-                if event[2].name in names and event[0] != soon and hasattr(event, "_replace"):
-                    heap[index] = event._replace(time=soon)
+                wait = moves.get(event[2].name)
+                if wait is not None and event[0] != now + wait and hasattr(event, "_replace"):
+                    heap[index] = event._replace(time=now + wait)
                     changed = True
             if changed:
                 heapq.heapify(heap)

@@ -53,7 +53,7 @@ class SlotSending(ClaimRounds, _SchedulerBase):
 
     # Set by SingletonSchedulerMixin.__init__.
     _sending: tuple[Claim, float] | None
-    _retry_names: set[str]
+    _reheap: dict[str, float]
     _provisional: dict[str, Any]
     _unknown: dict[str, datetime]
     _since: dict[str, datetime]
@@ -224,6 +224,6 @@ class SlotSending(ClaimRounds, _SchedulerBase):
             return decided
         # Fail closed: not sent; the slot stays due and is tried again after the back-off.
         self._handled[name] = slot_before(entry.schedule, slot)
-        self._retry_names.add(name)
+        self._reheap[name] = self.breaker.remaining()
         self.breaker.report_unsent(name, slot, claim.error)
         return None

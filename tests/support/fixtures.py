@@ -125,8 +125,13 @@ def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
 @pytest.fixture
 def make_redis() -> Callable[..., RedisServer]:
     """A factory of extra redis-servers for this test: ``make_redis(*args, start=True, **client_options)``
-    (``password=`` for a server started with ``--requirepass``)."""
+    (``password=`` for a server started with ``--requirepass``). An append-only file is
+    written with ``appendfsync always`` unless the test says otherwise."""
     def make(*redis_args: str, start: bool = True, **options: Any) -> RedisServer:
+        if "--appendonly" in redis_args and "--appendfsync" not in redis_args:
+            # Tests SIGKILL servers and expect every acknowledged write back with the file:
+            # with the default everysec, a server may hold a write back while an fsync runs.
+            redis_args += ("--appendfsync", "always")
         server = register(RedisServer(*redis_args, name="redis-extra", options=options))  # its directory goes too
         return server.start() if start else server
 
