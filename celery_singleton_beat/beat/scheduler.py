@@ -30,8 +30,8 @@ import weakref
 from datetime import datetime, timedelta
 from typing import Any
 
-import redis
 import celery
+import redis
 from celery import schedules
 from celery.beat import PersistentScheduler
 from celery.exceptions import ImproperlyConfigured
