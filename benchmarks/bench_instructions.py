@@ -9,6 +9,12 @@ executes (one of them at a time: the other runs at full speed). The count
 does not depend on the machine's load, so small changes show and variants
 compare exactly.
 
+On every server this machine has (:mod:`benchmarks.servers`: the default
+``redis-server`` and those shipped in packages; one not installed is reported
+as skipped), every variant: plain, ours (default mode), ours with
+``acks_late``, celery-singleton and celery-once; ratios are to plain on the
+same server.
+
 For each variant the same run as ``bench_peers`` (one solo worker drains
 no-op tasks with distinct arguments; broker, locks and results on one
 redis-server) is done twice, with ``--small`` and ``--large`` tasks; the
@@ -25,7 +31,8 @@ path) and waiting. So these ratios are the floor of the CPU ratios; ``bench_peer
 measures CPU time with the system calls in it. A variant whose package cannot be
 installed is skipped with a message. Needs ``valgrind`` (``apt-get install valgrind``).
 
-Usage: python -m benchmarks.bench_instructions [--small 200] [--large 1000] [--variants ...] [--venv DIR] [--json]
+Usage: python -m benchmarks.bench_instructions [--small 200] [--large 1000] [--variants ...]
+       [--servers all|NAME ...] [--venv DIR] [--json]
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ from typing import Any
 from harness.processes import ChildProcess
 from harness.redis_server import RedisServerProcess, find_redis_server
 
-from .bench_peers import APP, VARIANTS
+from .bench_peers import APP, DEFAULT_VARIANTS, VARIANTS
 from .common import ROOT, Server, bench_cli, bench_env, markdown_table, progress
 from .compare_dedup import PACKAGES, prepare_third_party, versions
+from .servers import select_servers
 
 #: Seconds a step may take under callgrind (it runs programs ~50x slower).
 TIMEOUT = 1800.0
@@ -72,7 +80,7 @@ def _pop(control: Any, name: str, worker: ChildProcess) -> bool:
     return False
 
 
-def one_run(variant: str, tasks: int, python: str, work: Path, counted: str) -> int:
+def one_run(variant: str, tasks: int, python: str, work: Path, counted: str, binary: str | None = None) -> int:
     """Instructions of the ``counted`` process (``worker`` or ``redis``) for one drain of ``tasks`` tasks.
 
     Only that process runs under callgrind: the other runs at full speed, so the
@@ -80,8 +88,9 @@ def one_run(variant: str, tasks: int, python: str, work: Path, counted: str) -> 
     (``serverCron``) grows with the drain's wall time, not with the tasks.
     """
     tag = work / f"{variant}-{tasks}-{counted}"
-    found = find_redis_server()
-    binary = found[0] if found else "redis-server"
+    if binary is None:
+        found = find_redis_server()
+        binary = found[0] if found else "redis-server"
     wrap = _valgrind(tag) if counted == "redis" else []
     measured = RedisServerProcess(
         "measured", wrap[0] if wrap else binary,
@@ -123,44 +132,65 @@ def one_run(variant: str, tasks: int, python: str, work: Path, counted: str) -> 
         ctl.stop()
 
 
-def run(small: int, large: int, variants: tuple[str, ...] = tuple(VARIANTS),
+def run(small: int, large: int, variants: tuple[str, ...] = DEFAULT_VARIANTS, servers: tuple[str, ...] = ("all",),
         singleton: str = "celery-singleton==0.3.1", once: str = "celery-once==3.0.1",
         venv: str = "") -> dict[str, Any]:
-    """Every variant at ``small`` and ``large`` tasks; instructions per task and ratios to plain."""
+    """Every variant on every server of ``servers`` (``all``: each of :mod:`benchmarks.servers`) at
+    ``small`` and ``large`` tasks; instructions per task and ratios to plain on the same server."""
     if shutil.which("valgrind") is None:
-        return {"skipped": "valgrind not found (apt-get install valgrind)", "variants": {}}
+        return {"skipped": "valgrind not found (apt-get install valgrind)", "servers": {}}
     if not 0 < small < large:
         raise ValueError("need 0 < small < large")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    found, skipped_servers = select_servers(servers)
     work = Path(tempfile.mkdtemp(prefix="csb-bench-instr-"))
     requirements = {"singleton": singleton, "once": once}
     needed = {VARIANTS[v][1] for v in variants} - {None}
-    report: dict[str, Any] = {"small": small, "large": large, "variants": {}}
+    report: dict[str, Any] = {"small": small, "large": large, "servers": {}}
     try:
         third_python, third, skipped = prepare_third_party(
             Path(venv) if venv else work / "venv", {p: requirements[p] for p in PACKAGES if p in needed})
         python = third_python or sys.executable
         report["environment"] = {**versions(python, ["celery", "kombu", "redis"]), **third}
+        for name, why in skipped_servers.items():
+            report["servers"][name] = {"skipped": why}
+        results: dict[str, dict[str, Any]] = {}
+        for name, server in found.items():
+            results[name] = {}
+            report["servers"][name] = {"label": server.label, "binary": server.binary, "variants": results[name]}
+        # Variant by variant across the servers: plain and ours everywhere first.
         for variant in variants:
             label, package = VARIANTS[variant]
-            if package in skipped:
-                report["variants"][variant] = {"label": label, "skipped": skipped[package]}
-                continue
-            data: dict[str, Any] = {"label": label}
-            for counted in ("worker", "redis"):
-                totals = []
-                for tasks in (small, large):
-                    progress(f"instructions: {variant} x {tasks}, {counted} under callgrind")
-                    totals.append(one_run(variant, tasks, python, work, counted))
-                data[f"{counted}_per_task"] = (totals[1] - totals[0]) / (large - small)
-            report["variants"][variant] = data
+            for name, server in found.items():
+                if package in skipped:
+                    results[name][variant] = {"label": label, "skipped": skipped[package]}
+                    continue
+                data: dict[str, Any] = {"label": label}
+                for counted in ("worker", "redis"):
+                    totals = []
+                    for tasks in (small, large):
+                        progress(f"instructions: {server.label}: {variant} x {tasks}, {counted} under callgrind")
+                        totals.append(one_run(variant, tasks, python, work, counted, server.binary))
+                    data[f"{counted}_per_task"] = (totals[1] - totals[0]) / (large - small)
+                results[name][variant] = data
+                progress(f"instructions: {server.label}: {variant}: worker {data['worker_per_task']:,.0f}/task, "
+                         f"redis {data['redis_per_task']:,.0f}/task")
+        for by_variant in results.values():
+            _ratios(by_variant)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    plain = report["variants"].get("plain", {})
-    for data in report["variants"].values():
+    return report
+
+
+def _ratios(results: dict[str, Any]) -> None:
+    """Each variant's counts over plain's on the same server (``worker_ratio``, ``redis_ratio``)."""
+    plain = results.get("plain", {})
+    for data in results.values():
         if "worker_per_task" in data and "worker_per_task" in plain:
             data["worker_ratio"] = data["worker_per_task"] / plain["worker_per_task"]
             data["redis_ratio"] = data["redis_per_task"] / plain["redis_per_task"]
-    return report
 
 
 def _ratio(data: dict[str, Any], key: str) -> str:
@@ -171,25 +201,32 @@ def table(report: dict[str, Any]) -> str:
     if "skipped" in report:
         return f"Skipped: {report['skipped']}."
     rows = []
-    for data in report["variants"].values():
-        if "skipped" in data:
-            rows.append([data["label"], f"skipped: {data['skipped'].split(': ', 1)[0]}", "", "", ""])
+    for name, server in report["servers"].items():
+        if "skipped" in server:
+            rows.append([name, f"skipped: {server['skipped']}", "", "", "", ""])
             continue
-        rows.append([data["label"], f"{data['worker_per_task'] / 1000:,.0f}k", _ratio(data, "worker_ratio"),
-                     f"{data['redis_per_task'] / 1000:,.1f}k", _ratio(data, "redis_ratio")])
+        for data in server["variants"].values():
+            if "skipped" in data:
+                rows.append([server["label"], data["label"], f"skipped: {data['skipped'].split(': ', 1)[0]}",
+                             "", "", ""])
+                continue
+            rows.append([server["label"], data["label"], f"{data['worker_per_task'] / 1000:,.0f}k",
+                         _ratio(data, "worker_ratio"), f"{data['redis_per_task'] / 1000:,.1f}k",
+                         _ratio(data, "redis_ratio")])
     return "\n".join([
         f"User-space instructions per task counted by callgrind (worker: all threads; Redis: the measured "
         f"server, publish and drain), from runs of {report['small']:,} and {report['large']:,} no-op tasks "
-        "(the difference, so start-up cancels out). Kernel time (system calls) is not in these counts.",
+        "(the difference, so start-up cancels out), on each server; ratios are to plain on the same server. "
+        "Kernel time (system calls) is not in these counts.",
         "",
-        markdown_table(["variant", "worker instructions/task", "vs plain", "Redis instructions/task", "vs plain"],
-                       rows),
+        markdown_table(["server", "variant", "worker instructions/task", "vs plain", "Redis instructions/task",
+                        "vs plain"], rows),
     ])
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_cli(__doc__, run, table, argv, small=200, large=1000, variants=tuple(VARIANTS),
-                     singleton="celery-singleton==0.3.1", once="celery-once==3.0.1", venv="")
+    return bench_cli(__doc__, run, table, argv, small=200, large=1000, variants=DEFAULT_VARIANTS,
+                     servers=("all",), singleton="celery-singleton==0.3.1", once="celery-once==3.0.1", venv="")
 
 
 if __name__ == "__main__":

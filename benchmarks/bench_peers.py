@@ -1,5 +1,11 @@
 """Peers: plain Task, SingletonTask, celery-singleton and celery-once, one solo worker, same run.
 
+On every server this machine has (:mod:`benchmarks.servers`: the default
+``redis-server`` and those shipped in packages), each a process of its own
+started for the run: every variant on the default server, ``--server-variants``
+(plain, ours and ours with ``acks_late`` by default) on the others, ratios to
+plain on the same server. A server that is not installed is reported as skipped.
+
 For each variant, N no-op tasks with distinct arguments are queued, then one
 solo worker drains them. Broker (db 0), the locks of every library (db 1) and
 the result backend (db 2) share one private redis-server on loopback: the
@@ -40,7 +46,8 @@ the same celery, kombu and redis-py for every variant); every variant then runs
 with that interpreter. A package that cannot be installed has its variant
 skipped with a message.
 
-Usage: python -m benchmarks.bench_peers [--tasks 2000] [--rounds 3] [--variants ...] [--venv DIR] [--json]
+Usage: python -m benchmarks.bench_peers [--tasks 2000] [--rounds 3] [--variants ...] [--servers all|NAME ...]
+       [--server-variants ...] [--venv DIR] [--json]
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from harness.processes import ChildProcess
 
 from .common import ROOT, Server, bench_cli, bench_env, markdown_table, progress, summary
 from .compare_dedup import PACKAGES, prepare_third_party, versions
+from .servers import DEFAULT, select_servers
 
 APP = "benchmarks.compare_apps.peers_app"
 #: name -> (label, third-party package option of compare_dedup, or None)
@@ -68,7 +76,13 @@ VARIANTS: dict[str, tuple[str, str | None]] = {
     "ours": ("SingletonTask (ours, default mode)", None),
     "celery_singleton": ("celery-singleton Singleton", "singleton"),
     "celery_once": ("celery-once QueueOnce", "once"),
+    "ours_acks_late": ("SingletonTask (ours), acks_late", None),
+    "plain_acks_late": ("plain Celery Task, acks_late", None),
 }
+#: What runs on the default server unless told otherwise (``plain_acks_late`` only when asked).
+DEFAULT_VARIANTS = ("plain", "ours", "ours_acks_late", "celery_singleton", "celery_once")
+#: What runs on the other servers: the library's own cost on each server, ratio to plain there.
+SERVER_VARIANTS = ("plain", "ours", "ours_acks_late")
 #: Commands the benchmark itself runs on the measured server inside a drain
 #: window: the first INFO (counted once it has run) and the two ECHO markers.
 OWN_COMMANDS = 3
@@ -196,22 +210,30 @@ def one_round(variant: str, tasks: int, python: str, measured: Server, ctl: Serv
     return measures
 
 
-def run(tasks: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS),
+def run(tasks: int, rounds: int, variants: tuple[str, ...] = DEFAULT_VARIANTS,
+        servers: tuple[str, ...] = ("all",), server_variants: tuple[str, ...] = SERVER_VARIANTS,
         singleton: str = "celery-singleton==0.3.1", once: str = "celery-once==3.0.1",
         venv: str = "") -> dict[str, Any]:
-    """Every variant ``rounds`` times (interleaved), then once under MONITOR; the report."""
-    unknown = [v for v in variants if v not in VARIANTS]
+    """``variants`` on the default server and ``server_variants`` on each other one of ``servers``,
+    ``rounds`` times (interleaved), then once each under MONITOR; the report.
+
+    ``servers``: names of :mod:`benchmarks.servers` (``all``: every one; those
+    not installed are reported as skipped).
+    """
+    unknown = [v for v in (*variants, *server_variants) if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    found, skipped_servers = select_servers(servers)
+    plan = {name: [v for v in variants if name == DEFAULT or v in server_variants] for name in found}
     work = Path(tempfile.mkdtemp(prefix="csb-bench-peers-"))
     venv_dir = Path(venv) if venv else work / "venv"
     requirements = {"singleton": singleton, "once": once}
-    needed = {VARIANTS[v][1] for v in variants} - {None}
-    measured: Server | None = None
+    needed = {VARIANTS[v][1] for vs in plan.values() for v in vs} - {None}
+    measured: dict[str, Server] = {}
     ctl: Server | None = None
-    samples: dict[str, list[dict[str, Any]]] = {}
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    accounting: dict[str, dict[str, dict[str, Any]]] = {}
     load_at_start = _loadavg()
-    accounting: dict[str, dict[str, Any]] = {}
     try:
         third_python, third, skipped = prepare_third_party(
             venv_dir, {p: requirements[p] for p in PACKAGES if p in needed})
@@ -219,27 +241,39 @@ def run(tasks: int, rounds: int, variants: tuple[str, ...] = tuple(VARIANTS),
         stack = versions(python, ["celery", "kombu", "redis"])
         if stack != versions(sys.executable, ["celery", "kombu", "redis"]):
             raise RuntimeError(f"the throw-away virtualenv sees {stack}, not this project's versions")
-        runnable = [v for v in variants if VARIANTS[v][1] not in skipped]
-        samples = {v: [] for v in runnable}
-        measured, ctl = Server(), Server()
+        runnable = {name: [v for v in vs if VARIANTS[v][1] not in skipped] for name, vs in plan.items()}
+        samples = {name: {v: [] for v in vs} for name, vs in runnable.items()}
+        ctl = Server()
+        for name, server in found.items():
+            measured[name] = Server(server.binary)
         log = work / "process.log"
         for r in range(rounds):
-            order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
+            for name, order in runnable.items():
+                order = order[r % len(order):] + order[:r % len(order)] if order else []
+                for variant in order:
+                    progress(f"round {r + 1}/{rounds}: {found[name].label}: {variant} x {tasks}")
+                    samples[name][variant].append(one_round(variant, tasks, python, measured[name], ctl, log))
+        for name, order in runnable.items():
+            accounting[name] = {}
             for variant in order:
-                progress(f"round {r + 1}/{rounds}: {variant} x {tasks}")
-                samples[variant].append(one_round(variant, tasks, python, measured, ctl, log))
-        for variant in runnable:
-            progress(f"MONITOR round: {variant} x {tasks}")
-            accounting[variant] = one_round(variant, tasks, python, measured, ctl, log, monitored=True)
-        redis_version = measured.client().info("server")["redis_version"]
+                progress(f"MONITOR round: {found[name].label}: {variant} x {tasks}")
+                accounting[name][variant] = one_round(variant, tasks, python, measured[name], ctl, log,
+                                                      monitored=True)
     finally:
-        for server in (measured, ctl):
-            if server is not None:
-                server.stop()
+        for server_process in (*measured.values(), ctl):
+            if server_process is not None:
+                server_process.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return report_of(tasks, rounds, variants, samples, accounting, skipped,
-                     {"interpreter": python, **stack, **third, "redis_server": redis_version,
-                      "loadavg_1min_at_start": load_at_start, "loadavg_1min_at_end": _loadavg()})
+    report: dict[str, Any] = {
+        "tasks": tasks, "rounds": rounds, "servers": {},
+        "environment": {"interpreter": python, **stack, **third, "loadavg_1min_at_start": load_at_start,
+                        "loadavg_1min_at_end": _loadavg()}}
+    for name, why in skipped_servers.items():
+        report["servers"][name] = {"skipped": why}
+    for name, server in found.items():
+        report["servers"][name] = {"label": server.label, "binary": server.binary,
+                                   **report_of(tuple(plan[name]), samples[name], accounting[name], skipped)}
+    return report
 
 
 def _loadavg() -> str:
@@ -250,11 +284,10 @@ def _loadavg() -> str:
         return "unknown"
 
 
-def report_of(tasks: int, rounds: int, variants: tuple[str, ...], samples: dict[str, list[dict[str, Any]]],
-              accounting: dict[str, dict[str, Any]], skipped: dict[str, str],
-              environment: dict[str, str]) -> dict[str, Any]:
-    """Medians (min-max) per variant, ratios to plain, the MONITOR round's split."""
-    report: dict[str, Any] = {"tasks": tasks, "rounds": rounds, "environment": environment, "variants": {}}
+def report_of(variants: tuple[str, ...], samples: dict[str, list[dict[str, Any]]],
+              accounting: dict[str, dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any]:
+    """One server's part of the report: medians (min-max) per variant, ratios to plain, the MONITOR round."""
+    report: dict[str, Any] = {"variants": {}}
     for variant in variants:
         label, package = VARIANTS[variant]
         if variant not in samples:
@@ -283,31 +316,43 @@ def _with_ratio(data: dict[str, Any], measure: str) -> str:
     return f"{data[measure]['median']:.0f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
 
+def _range(summary_: dict[str, float]) -> str:
+    return f"{summary_['median']:.0f} ({summary_['min']:.0f}-{summary_['max']:.0f})"
+
+
 def table(report: dict[str, Any]) -> str:
-    """The report as a markdown table, with what each column means and the versions."""
+    """The report as a markdown table (one row per server and variant), what each column means, the versions."""
     rows = []
-    for data in report["variants"].values():
-        if "skipped" in data:
-            why = data["skipped"].split(": ", 1)[0]  # the pip error is in the JSON report and on stderr
-            rows.append([data["label"], f"skipped: {why}", "", "", "", "", "", "", ""])
+    blank = [""] * 8
+    for name, server in report["servers"].items():
+        if "skipped" in server:
+            rows.append([name, f"skipped: {server['skipped']}", *blank])
             continue
-        rate = data["tasks_per_s"]
-        ratio = f"{data['ratio_to_plain']:.2f}" if "ratio_to_plain" in data else "-"
-        rows.append([data["label"], f"{rate['median']:.0f} ({rate['min']:.0f}-{rate['max']:.0f})", ratio,
-                     _with_ratio(data, "worker_cpu_us_per_task"), _with_ratio(data, "redis_cpu_us_per_task"),
-                     f"{data['commands_per_task']['median']:.2f}",
-                     f"{data['monitor_round']['requests_per_task']:.2f}",
-                     f"{data['reads_per_task']['median']:.2f}",
-                     f"{data['publish_commands_per_task']['median']:.2f}"])
-    headers = ["variant", "tasks/s median (min-max)", "ratio to plain", "worker CPU us/task (vs plain)",
-               "Redis CPU us/task (vs plain)",
+        for data in server["variants"].values():
+            if "skipped" in data:
+                why = data["skipped"].split(": ", 1)[0]  # the pip error is in the JSON report and on stderr
+                rows.append([server["label"], data["label"], f"skipped: {why}", *blank[1:]])
+                continue
+            ratio = f"{data['ratio_to_plain']:.2f}" if "ratio_to_plain" in data else "-"
+            rows.append([server["label"], data["label"], _range(data["tasks_per_s"]), ratio,
+                         _with_ratio(data, "worker_cpu_us_per_task"),
+                         f"{_range(data['redis_cpu_us_per_task'])}"
+                         + (f" ({data['redis_cpu_us_per_task_ratio_to_plain']:.2f}x)"
+                            if "redis_cpu_us_per_task_ratio_to_plain" in data else ""),
+                         f"{data['commands_per_task']['median']:.2f}",
+                         f"{data['monitor_round']['requests_per_task']:.2f}",
+                         f"{data['reads_per_task']['median']:.2f}",
+                         f"{data['publish_commands_per_task']['median']:.2f}"])
+    headers = ["server", "variant", "tasks/s median (min-max)", "ratio to plain", "worker CPU us/task (vs plain)",
+               "Redis CPU us/task median (min-max) (vs plain)",
                "commands/task (incl. inside Lua)", "requests/task (top-level)", "server reads/task",
                "publish: commands/task"]
     env = report["environment"]
     return "\n".join([
         f"{report['tasks']:,} no-op tasks with distinct arguments, solo worker, broker + result backend + "
-        f"locks on one loopback redis-server, {report['rounds']} interleaved rounds (medians); every "
-        "column but the last over the drain only.",
+        f"locks on one loopback server, {report['rounds']} interleaved rounds (medians); every "
+        "column but the last over the drain only. Each server is a separate process of its own, "
+        "measured in the same run; ratios are to plain on the same server.",
         "",
         markdown_table(headers, rows),
         "",
@@ -323,8 +368,9 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_cli(__doc__, run, table, argv, tasks=2000, rounds=3, variants=tuple(VARIANTS),
-                     singleton="celery-singleton==0.3.1", once="celery-once==3.0.1", venv="")
+    return bench_cli(__doc__, run, table, argv, tasks=2000, rounds=3, variants=DEFAULT_VARIANTS,
+                     servers=("all",), server_variants=SERVER_VARIANTS, singleton="celery-singleton==0.3.1",
+                     once="celery-once==3.0.1", venv="")
 
 
 if __name__ == "__main__":

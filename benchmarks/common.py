@@ -37,13 +37,17 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 class Server:
-    """A private redis-server for one benchmark run (checked to be ours)."""
+    """A private redis-server for one benchmark run (checked to be ours).
 
-    def __init__(self) -> None:
+    ``binary``: the server to start (see :mod:`benchmarks.servers`); by default
+    ``$REDIS_SERVER``, else ``redis-server`` on ``PATH``.
+    """
+
+    def __init__(self, binary: str | None = None) -> None:
         found = find_redis_server()
         self.dir = tempfile.mkdtemp(prefix="csb-bench-")
         self._process = RedisServerProcess(
-            "redis", found[0] if found else "redis-server",
+            "redis", binary or (found[0] if found else "redis-server"),
             lambda port: ["--port", str(port), "--bind", "127.0.0.1", "--save", "",
                           "--appendonly", "no", "--dir", self.dir],
             workdir=Path(self.dir),

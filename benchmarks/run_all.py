@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import progress
+from .targets import summary_table
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,10 +28,15 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "task": ("bench_task", "Task overhead: plain Task vs SingletonTask, one solo worker",
              {"tasks": 2000, "rounds": 3}, {"tasks": 30, "rounds": 1}),
+    # Both on every server of benchmarks/servers.py (those not installed: skipped); quick: the
+    # default server only (tests/test_benchmarks.py runs two servers side by side on its own).
     "peers": ("bench_peers", "Peers: plain Task, SingletonTask, celery-singleton, celery-once, one solo worker",
-              {"tasks": 2000, "rounds": 3}, {"tasks": 30, "rounds": 1}),
+              {"tasks": 2000, "rounds": 3},
+              {"tasks": 30, "rounds": 1, "servers": ("default",),
+               "variants": ("plain", "ours", "ours_acks_late", "celery_singleton", "celery_once")}),
     "instructions": ("bench_instructions", "Instructions per task (callgrind): plain Task, SingletonTask and the peers",
-                     {"small": 200, "large": 1000}, {"small": 2, "large": 4, "variants": ("ours",)}),
+                     {"small": 200, "large": 1000},
+                     {"small": 2, "large": 4, "variants": ("ours",), "servers": ("default",)}),
     "contention": ("bench_contention", "Contention: 8 pool processes, 1,000 submissions over 10 keys",
                    {"submissions": 1000, "keys": 10, "rounds": 3}, {"submissions": 20, "keys": 4, "rounds": 1}),
     "beat": ("bench_beat", "Beat dispatch: entries due at once, PersistentScheduler vs SingletonScheduler",
@@ -61,13 +67,14 @@ def machine() -> str:
             f"Python {platform.python_version()}, redis-py with {parser}, redis-server on loopback")
 
 
-def run_one(name: str, quick: bool) -> tuple[str, float]:
+def run_one(name: str, quick: bool) -> tuple[str, float, dict[str, Any]]:
+    """One benchmark: its section of the report, the seconds it took, its report."""
     module_name, title, sizes, quick_sizes = BENCHMARKS[name]
     module = importlib.import_module(f"benchmarks.{module_name}")
     run: Callable[..., dict[str, Any]] = module.run
     started = time.monotonic()
     report = run(**(quick_sizes if quick else sizes))
-    return f"### {title}\n\n{module.table(report)}\n", time.monotonic() - started
+    return f"### {title}\n\n{module.table(report)}\n", time.monotonic() - started, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,16 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or list(BENCHMARKS)
     sections = [f"## Benchmark results\n\nMachine: {machine()}.\n"]
     failed = []
+    reports: dict[str, dict[str, Any]] = {}
     for name in names:
         progress(f"== {name}")
         try:
-            section, seconds = run_one(name, args.quick)
+            section, seconds, reports[name] = run_one(name, args.quick)
         except Exception as exc:  # report it, keep the other benchmarks' results
             failed.append(name)
             progress(f"!! {name} failed: {exc!r}")
             sections.append(f"### {BENCHMARKS[name][1]}\n\nFAILED: {exc!r}\n")
             continue
         sections.append(section + f"\n_{name}: {seconds:.0f} s_\n")
+    if "instructions" in reports or "peers" in reports:
+        sections.insert(1, "### Targets (issue 23): the lock's cost per server, ratio to plain\n\n"
+                        + summary_table(reports.get("instructions"), reports.get("peers")) + "\n")
     text = "\n".join(sections)
     print(text)
     if not args.quick or args.output != HERE / "results.md":
