@@ -18,7 +18,17 @@ from typing import Any
 
 import pytest
 
-from .support import LOCK_DB, RECORD_DB, CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
+from .support import (
+    LOCK_DB,
+    RECORD_DB,
+    CeleryProcess,
+    Owner,
+    RedisServer,
+    owning,
+    queue_drained,
+    start_worker,
+    wait_for,
+)
 from .support.beat import pause, paused_beat, read_runs, runs_by_slot, slot_counts, start_beat_pair
 from .support.slots import parse_slot
 
@@ -47,7 +57,7 @@ def wait_for_all(redis_server: RedisServer, prefix: str, slot: str, entries: lis
 
 def drain(redis_server: RedisServer, queue: str = QUEUE) -> None:
     broker = redis_server.client(0)
-    wait_for(lambda: broker.llen(queue) == 0 and broker.hlen("unacked") == 0,
+    wait_for(lambda: queue_drained(broker, queue),
              timeout=60, message="the worker to drain the queue")
 
 

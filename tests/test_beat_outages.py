@@ -19,7 +19,7 @@ from typing import Any
 import kombu
 import pytest
 
-from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, soak, start_worker, wait_for
+from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
 from .support.beat import BEAT_APP, claims_of, pause, paused_beat, read_runs, slot_counts, start_beat_pair
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ class FailedTakeOver:
 
     def drained(self) -> bool:
         client = self.broker.client(0)
-        return client.llen(self.queue) == 0 and client.hlen("unacked") == 0
+        return queue_drained(client, self.queue)
 
 
 def failed_take_over(redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,

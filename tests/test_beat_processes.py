@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -21,15 +20,21 @@ from .support import (
     LOCK_DB,
     RECORD_DB,
     CeleryProcess,
-    Owner,
     RedisServer,
-    owning,
+    queue_drained,
     soak,
-    start_worker,
     wait_for,
     wait_for_phase,
 )
-from .support.beat import RUNS_KEY, assert_once_per_slot, read_runs, start_beat, wait_for_slot
+from .support.beat import (
+    RUNS_KEY,
+    assert_once_per_slot,
+    fresh_beat_state,
+    module_beat_worker,
+    read_runs,
+    start_beat,
+    wait_for_slot,
+)
 from .support.slots import UTC, parse_slot, slot_floor
 
 pytestmark = pytest.mark.slow
@@ -39,21 +44,14 @@ QUEUE = "beat-tests"
 
 @pytest.fixture(scope="module")
 def beat_worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
-    """One worker for the module: solo pool, one message at a time (easy to drain)."""
-    with owning(Owner("beat worker")) as owner:
-        process = start_worker(redis_server, "tests.apps.beat_app", f"beatworker-{uuid.uuid4().hex[:6]}",
-                               pool="solo", concurrency=1, extra=["--prefetch-multiplier", "1"])
-    yield process
-    owner.close()
+    """One worker for the module (see ``module_beat_worker``)."""
+    yield from module_beat_worker(redis_server, "beatworker")
 
 
 @pytest.fixture
-def clean(redis_server: RedisServer, beat_worker: CeleryProcess) -> Iterator[str]:
-    """Fresh claims and run records for a test; yields a unique entry-name prefix."""
-    beat_worker.check_running()
-    redis_server.client(LOCK_DB).flushdb()
-    redis_server.client(RECORD_DB).flushdb()
-    yield f"t{uuid.uuid4().hex[:6]}-"
+def clean(redis_server: RedisServer, beat_worker: CeleryProcess) -> str:
+    """Fresh claims and run records for a test; a unique entry-name prefix."""
+    return fresh_beat_state(redis_server, beat_worker, "t")
 
 
 def all_running(processes: list[CeleryProcess]) -> Callable[[], bool]:
@@ -69,7 +67,7 @@ def all_running(processes: list[CeleryProcess]) -> Callable[[], bool]:
 def drain(redis_server: RedisServer) -> None:
     """Wait until the worker has executed every message sent so far."""
     broker = redis_server.client(0)
-    wait_for(lambda: broker.llen(QUEUE) == 0 and broker.hlen("unacked") == 0,
+    wait_for(lambda: queue_drained(broker, QUEUE),
              timeout=60, message="the worker to drain the queue")
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -25,8 +24,8 @@ import pytest
 
 from celery_singleton_beat.beat import entry_record_key
 
-from .support import LOCK_DB, RECORD_DB, CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
-from .support.beat import read_runs, start_beat
+from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, queue_drained, wait_for
+from .support.beat import fresh_beat_state, module_beat_worker, read_runs, start_beat
 from .support.slots import UTC
 
 pytestmark = pytest.mark.slow
@@ -38,21 +37,14 @@ DAY = (2026, 11, 25)
 
 @pytest.fixture(scope="module")
 def startup_worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
-    """One worker for the module: solo pool, one message at a time, in queue order."""
-    with owning(Owner("startup worker")) as owner:
-        process = start_worker(redis_server, "tests.apps.beat_app", f"startup-{uuid.uuid4().hex[:6]}",
-                               pool="solo", concurrency=1, extra=["--prefetch-multiplier", "1"])
-    yield process
-    owner.close()
+    """One worker for the module (see ``module_beat_worker``)."""
+    yield from module_beat_worker(redis_server, "startup")
 
 
 @pytest.fixture
-def names(redis_server: RedisServer, startup_worker: CeleryProcess) -> Iterator[str]:
-    """Fresh claims, records and runs; yields a unique entry-name prefix."""
-    startup_worker.check_running()
-    redis_server.client(LOCK_DB).flushdb()
-    redis_server.client(RECORD_DB).flushdb()
-    yield f"s{uuid.uuid4().hex[:6]}-"
+def names(redis_server: RedisServer, startup_worker: CeleryProcess) -> str:
+    """Fresh claims, records and runs; a unique entry-name prefix."""
+    return fresh_beat_state(redis_server, startup_worker, "s")
 
 
 def clock_at(hour: int, minute: int, second: float = 0.0) -> dict[str, float]:
@@ -70,7 +62,7 @@ def runs_by_entry(redis_server: RedisServer) -> dict[str, list[dict[str, Any]]]:
 
 def drain(redis_server: RedisServer) -> None:
     broker = redis_server.client(0)
-    wait_for(lambda: broker.llen(QUEUE) == 0 and broker.hlen("unacked") == 0,
+    wait_for(lambda: queue_drained(broker, QUEUE),
              timeout=60, message="the worker to drain the queue")
 
 

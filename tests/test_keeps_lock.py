@@ -38,6 +38,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -71,6 +72,43 @@ def app_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
 LIVENESS_TTL = 2.0
 
 
+def a_holds_k(redis_server: RedisServer, records: redis.Redis, env: dict[str, str]) -> tuple[Any, ...]:
+    """Workers A and B (``lock_ttl`` 30 s, liveness TTL :data:`LIVENESS_TTL`), and ``k`` held
+    running on A: returns the app, A, B, the original's result and its start record."""
+    env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL))
+    app = load_app(redis_server, **env)
+    a = worker(redis_server, "a", env)
+    b = worker(redis_server, "b", env)
+    records.set("hold:k", "1")
+    original = app.hold.apply_async(("k",), queue="a")
+    return app, a, b, original, wait_started(records, "k", original)
+
+
+def send_to_b_while_a_stopped(app: Any, records: redis.Redis, locks: redis.Redis, live: str,
+                              original: Any) -> Any:
+    """Send ``k`` to B while A's main process is stopped and its liveness key ``live`` is
+    gone; return that submission once B decided it, having checked that the key stayed
+    absent (only A's stopped main process writes it) and the original still ran."""
+    second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
+    wait_called(records, "k", second)
+    assert not locks.exists(live), "A's liveness key was still absent after B decided"
+    assert ended_run(records, "k", original.id) is None, "the original still ran when B decided"
+    return second
+
+
+def end_alone(records: redis.Redis, original: Any, seconds: list[Any], b: Any = None) -> None:
+    """Let the held run of ``k`` end and check the outcome: the original completed on A,
+    every later submission of ``k`` settled, none ran beside it, and B (if given) never
+    took A's lock over."""
+    records.delete("hold:k")
+    assert original.get(timeout=30).startswith("a@"), "the original completed"
+    wait_for(lambda: all(t.ready() for t in seconds), timeout=30, message="the later submissions settled")
+    assert_never_beside(records, "k", original.id)
+    if b is not None:
+        assert not any("took over" in line for line in b.output().splitlines()), \
+            f"B took A's live lock over:\n{b.tail(20)}"
+
+
 # ===================================================================== case 1: liveness key gone, holder alive
 
 
@@ -84,13 +122,7 @@ def test_deleted_liveness_key_of_a_live_holder_is_no_take_over(
 
     Today B "took over ... whose worker is gone" at once and both bodies ran together.
     """
-    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL))
-    app = load_app(redis_server, **app_env)
-    a = worker(redis_server, "a", app_env)
-    b = worker(redis_server, "b", app_env)
-    records.set("hold:k", "1")
-    original = app.hold.apply_async(("k",), queue="a")
-    wait_started(records, "k", original)
+    app, a, b, original, _ = a_holds_k(redis_server, records, app_env)
 
     with KeyWatch(locks, live_key_of(a), delete=True) as gone:
         # The key is deleted again each time A's heartbeat writes it: a decision of B that
@@ -109,12 +141,7 @@ def test_deleted_liveness_key_of_a_live_holder_is_no_take_over(
         wait_for(decided_while_gone, timeout=30, message="B deciding while A's liveness key was gone")
     assert ended_run(records, "k", original.id) is None, "the original still ran when B decided"
 
-    records.delete("hold:k")
-    assert original.get(timeout=30).startswith("a@"), "the original completed"
-    wait_for(lambda: all(t.ready() for t in tries), timeout=30, message="the second submissions settled")
-    assert_never_beside(records, "k", original.id)
-    assert not any("took over" in line for line in b.output().splitlines()), \
-        f"B took A's live lock over:\n{b.tail(20)}"
+    end_alone(records, original, tries, b)
 
 
 @pytest.mark.slow
@@ -127,32 +154,18 @@ def test_stalled_main_process_is_no_take_over(
 
     Today B took over once the liveness key lapsed.
     """
-    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL))
-    app = load_app(redis_server, **app_env)
-    a = worker(redis_server, "a", app_env)
-    b = worker(redis_server, "b", app_env)
+    app, a, b, original, run = a_holds_k(redis_server, records, app_env)
     live = live_key_of(a)
-    records.set("hold:k", "1")
-    original = app.hold.apply_async(("k",), queue="a")
-    run = wait_started(records, "k", original)
     assert run["pid"] != a.pid, "the run is in a pool child, not in the main process"
 
     a.signal(signal.SIGSTOP)
     try:
         wait_for(lambda: not locks.exists(live), timeout=LIVENESS_TTL * 5, message="A's liveness key lapsed")
-        second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
-        wait_called(records, "k", second)
-        # Only A's main process writes the key, and it is still stopped: absent throughout.
-        assert not locks.exists(live), "A's liveness key was still absent after B decided"
-        assert ended_run(records, "k", original.id) is None, "the original still ran when B decided"
+        second = send_to_b_while_a_stopped(app, records, locks, live, original)
     finally:
         a.signal(signal.SIGCONT)
 
-    records.delete("hold:k")
-    assert original.get(timeout=30).startswith("a@"), "the original completed"
-    wait_for(lambda: second.ready(), timeout=30, message="the second submission settled")
-    assert_never_beside(records, "k", original.id)
-    assert "took over" not in b.output(), f"B took A's live lock over:\n{b.tail(20)}"
+    end_alone(records, original, [second], b)
 
 
 @pytest.mark.slow
@@ -174,14 +187,9 @@ def test_outage_longer_than_liveness_is_no_take_over(
     """
     lock_redis = make_redis("--appendonly", "yes")
     lock_client = lock_redis.client()
-    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=lock_redis.url())
-    app = load_app(redis_server, **app_env)
-    a = worker(redis_server, "a", app_env)
-    b = worker(redis_server, "b", app_env)
+    app_env["CSB_LOCK_REDIS"] = lock_redis.url()
+    app, a, b, original, _ = a_holds_k(redis_server, records, app_env)
     live = live_key_of(a)
-    records.set("hold:k", "1")
-    original = app.hold.apply_async(("k",), queue="a")
-    wait_started(records, "k", original)
     [lock] = lock_keys(lock_client)
     before = run_id(lock_client)
 
@@ -193,19 +201,11 @@ def test_outage_longer_than_liveness_is_no_take_over(
         assert run_id(lock_client) != before, "the lock Redis restarted"
         assert lock_client.exists(lock), "the lock survived the restart (AOF)"
         assert not lock_client.exists(live), "A's liveness key did not (it expired during the outage)"
-        second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
-        wait_called(records, "k", second)
-        # Only A's main process writes the key, and it is still stopped: absent throughout.
-        assert not lock_client.exists(live), "A's liveness key was still absent after B decided"
-        assert ended_run(records, "k", original.id) is None, "the original still ran when B decided"
+        second = send_to_b_while_a_stopped(app, records, lock_client, live, original)
     finally:
         a.signal(signal.SIGCONT)
 
-    records.delete("hold:k")
-    assert original.get(timeout=30).startswith("a@"), "the original completed"
-    wait_for(lambda: second.ready(), timeout=30, message="the second submission settled")
-    assert_never_beside(records, "k", original.id)
-    assert "took over" not in b.output(), f"B took A's live lock over:\n{b.tail(20)}"
+    end_alone(records, original, [second], b)
 
 
 # ===================================================================== case 2: restart without persistence
@@ -243,10 +243,7 @@ def test_restart_without_persistence_never_runs_the_key_twice(
     received, decided = decision(records, "k", second.id)
     assert ended_run(records, "k", original.id) is None, "the original still ran when B decided"
 
-    records.delete("hold:k")
-    assert original.get(timeout=30).startswith("a@"), "the original completed"
-    wait_for(lambda: second.ready(), timeout=30, message="the second submission settled")
-    assert_never_beside(records, "k", original.id)
+    end_alone(records, original, [second])
     print(f"\nrestart without persistence: B received k {received - restarted:.2f}s after the restart, "
           f"decided in {decided - received:.2f}s: {'skipped' if skipped(second) else second.state}")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,8 @@ from celery.utils import uuid
 
 from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin, entry_record_key, entry_spec
 
-from .processes import CeleryProcess, child_env
+from .owners import Owner, owning
+from .processes import CeleryProcess, child_env, start_worker
 from .servers import LOCK_DB, RECORD_DB, RedisServer
 from .slots import expected_slots, parse_slot
 from .waiting import wait_for
@@ -256,3 +257,22 @@ def sent_slots(*schedulers: Any, task: str | None = None) -> Counter[str]:
     """How many times each slot was sent, over ``schedulers`` (only ``task``'s if given)."""
     return Counter(sent["slot"] for scheduler in schedulers for sent in scheduler.sent
                    if task is None or sent["task"] == task)
+
+
+def module_beat_worker(redis_server: RedisServer, label: str) -> Iterator[CeleryProcess]:
+    """Body of a module-scoped fixture: one worker of ``tests.apps.beat_app`` for the module
+    (solo pool, one message at a time, in queue order: easy to drain)."""
+    with owning(Owner(f"{label} worker")) as owner:
+        process = start_worker(redis_server, "tests.apps.beat_app", f"{label}-{uuid()[:6]}",
+                               pool="solo", concurrency=1, extra=["--prefetch-multiplier", "1"])
+    yield process
+    owner.close()
+
+
+def fresh_beat_state(redis_server: RedisServer, worker: CeleryProcess, prefix: str) -> str:
+    """Wipe claims and run records for a test (its module worker still running); return a
+    unique entry-name prefix starting with ``prefix``."""
+    worker.check_running()
+    redis_server.client(LOCK_DB).flushdb()
+    redis_server.client(RECORD_DB).flushdb()
+    return f"{prefix}{uuid()[:6]}-"

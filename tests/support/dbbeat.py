@@ -16,7 +16,7 @@ from typing import Any
 
 from .beat import SendRecorder, beat_app, read_runs, slot_counts
 from .processes import CeleryProcess, child_env
-from .servers import LOCK_DB, RedisServer
+from .servers import LOCK_DB, RedisServer, queue_drained
 from .slots import UTC, expected_slots, parse_slot
 from .waiting import wait_for
 
@@ -105,7 +105,7 @@ def stop_and_drain(redis_server: RedisServer, beats: list[CeleryProcess]) -> flo
     for beat in beats:
         beat.stop()
     broker = redis_server.client(0)
-    wait_for(lambda: broker.llen(QUEUE) == 0 and broker.hlen("unacked") == 0,
+    wait_for(lambda: queue_drained(broker, QUEUE),
              timeout=60, message="the worker to drain the queue")
     return stopped
 

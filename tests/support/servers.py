@@ -7,6 +7,7 @@ claims in 2, run records in 3 (see ``tests/apps``). RabbitMQ is only a broker.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -208,3 +209,20 @@ class RabbitMQServer(RabbitMQServerProcess):
         register(self)
         super().start(timeout)
         return self
+
+
+def queue_drained(broker: redis.Redis, queue: str) -> bool:
+    """True when the Redis broker holds no message of ``queue``: none waiting, and none
+    delivered and not yet acknowledged (kombu's ``unacked`` hash, whose values are
+    ``[message, exchange, routing key]``). Unacknowledged messages of other queues (a
+    worker another test SIGKILLed on the same server) do not count."""
+    if broker.llen(queue):
+        return False
+    for raw in broker.hvals("unacked"):
+        try:
+            routing_key = json.loads(raw)[2]
+        except (ValueError, IndexError, TypeError):
+            return False  # not kombu's format: count it
+        if routing_key == queue:
+            return False
+    return True
