@@ -340,6 +340,11 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         heap = getattr(self, "_heap", None)
         if isinstance(heap, list) and heap:
             now = self._now().timestamp()  # heap times follow the scheduler's clock
+            top = heap[0]
+            if len(moves) == 1 and top[2].name in moves and hasattr(top, "_replace"):
+                # The usual case (the entry on top held back): no scan of the whole heap.
+                heapq.heapreplace(heap, top._replace(time=now + moves[top[2].name]))
+                return 0.0 if heap[0][0] <= now else delay
             changed = False
             for index, event in enumerate(heap):
                 wait = moves.get(event[2].name)
