@@ -92,7 +92,7 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     if done_key is not None:
         d = done_key.encode()
         data += b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(d), d)
-    data += b"*2\r\n$3\r\nDEL\r\n$%d\r\n%s:fence\r\n" % (len(k) + 6, k)
+    data += b"*2\r\n$3\r\nDEL\r\n" + _bulk(legacy_fence_key(key).encode())
     count = (4 if one_command else 5) - (done_key is None)
 
     def finish(replies: list[Any]) -> tuple[int, bool, Any, bool]:

@@ -239,9 +239,9 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             return state
         if self.breaker.is_open() and not self.singleton_settings.beat_fails_open:
             self._report_blocked(entry)
-            # To the end of the back-off in the heap (see tick).
-            self._reheap[entry.name] = self.breaker.remaining()
-            return schedules.schedstate(False, self.breaker.remaining())
+            wait = self.breaker.remaining()
+            self._reheap[entry.name] = wait  # to the end of the back-off in the heap (see tick)
+            return schedules.schedstate(False, wait)
         if isinstance(entry.schedule, schedules.schedule):
             # Celery would check again one period after *now*, drifting off the
             # aligned instants; check again at the next aligned instant instead.
