@@ -54,7 +54,7 @@ __all__ = ["Channel", "channel_for", "channel_or_none", "supports_channel"]
 ReplyHandler = Callable[[Any, BaseException | None], None]
 
 #: Seconds after which a pending reply is read even if no next request comes.
-FLUSH_AFTER = 0.1
+FLUSH_AFTER = 0.5
 #: A connection idle for this long is checked (one non-blocking peek, a system call)
 #: before it is written to: a release written onto a connection the server closed
 #: (a restart during the run) would only be found out, and sent again, when its

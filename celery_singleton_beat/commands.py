@@ -37,9 +37,12 @@ __all__ = ["acquire_request", "legacy_fence_key", "put_back_request", "release_r
            "time_token"]
 
 
+_LEGACY_FENCE_SUFFIX = b":fence"
+
+
 def legacy_fence_key(key: str) -> str:
     """The per-key fencing counter that releases before 0.3 kept beside each lock."""
-    return f"{key}:fence"
+    return f"{key}{_LEGACY_FENCE_SUFFIX.decode()}"
 
 
 def time_token(seconds: Any, microseconds: Any) -> int:
@@ -51,6 +54,16 @@ def _raise_first(replies: list[Any]) -> None:
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
+
+
+def _first_of_two(replies: list[Any]) -> bool:
+    """A release's outcome (the done marker's ``SET`` behind it must have run too)."""
+    first, second = replies
+    if isinstance(first, Exception):
+        raise first
+    if isinstance(second, Exception):
+        raise second
+    return bool(first)
 
 
 class NativeRefused(ResponseError):
@@ -65,9 +78,6 @@ def _refused(error: Exception) -> bool:
 
 def _bulk(data: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-_SET = b"$3\r\nSET\r\n"
 
 
 def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
@@ -85,14 +95,15 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     """
     k, v = key.encode(), value.encode()
     one_command = info.set_nx_get
+    ttl = b"%d" % ttl_ms
     if one_command:
-        data = _ACQUIRE % (len(k), k, len(v), v, len(str(ttl_ms)), ttl_ms)
+        data = _ACQUIRE % (len(k), k, len(v), v, len(ttl), ttl)
     else:
-        data = _ACQUIRE_62 % (len(k), k, len(v), v, len(str(ttl_ms)), ttl_ms, len(k), k)
+        data = _ACQUIRE_62 % (len(k), k, len(v), v, len(ttl), ttl, len(k), k)
     if done_key is not None:
         d = done_key.encode()
         data += b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(d), d)
-    data += b"*2\r\n$3\r\nDEL\r\n" + _bulk(legacy_fence_key(key).encode())
+    data += _DEL_LEGACY_FENCE % (len(k) + len(_LEGACY_FENCE_SUFFIX), k)
     count = (4 if one_command else 5) - (done_key is None)
 
     def finish(replies: list[Any]) -> tuple[int, bool, Any, bool]:
@@ -112,41 +123,53 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
 
 
 #: ``SET key value NX PX ttl GET`` then ``TIME``, as RESP (``%`` fills key, value, ttl).
-_ACQUIRE = (b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%d\r\n"
+_ACQUIRE = (b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n"
             b"$3\r\nGET\r\n*1\r\n$4\r\nTIME\r\n")
+#: The ``DEL`` of a lock's fencing counter of releases before 0.3 (``%`` fills the key).
+_DEL_LEGACY_FENCE = b"*2\r\n$3\r\nDEL\r\n$%d\r\n%s" + _LEGACY_FENCE_SUFFIX + b"\r\n"
 #: Redis 6.2: ``SET key value NX PX ttl``, ``GET key``, ``TIME``.
-_ACQUIRE_62 = (b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%d\r\n"
+_ACQUIRE_62 = (b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n"
                b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n*1\r\n$4\r\nTIME\r\n")
 
 
 def release_request(info: ServerInfo, key: str, value: str, done_key: str | None = None,
                     done_ttl_ms: int | None = None) -> Request:
     """Delete ``key`` if its value is still ``value`` (True), and leave the done marker."""
-    native = info.delifeq or info.delex
-    k, v = _bulk(key.encode()), _bulk(value.encode())
-    if info.delifeq:
-        parts = [b"*3\r\n$7\r\nDELIFEQ\r\n", k, v]
-    elif info.delex:
-        parts = [b"*4\r\n$5\r\nDELEX\r\n", k, b"$4\r\nIFEQ\r\n", v]
-    else:
-        parts = [_RELEASE_HEAD, k, v]
+    k, v = key.encode(), value.encode()
+    kind = info.release_kind
+    data = _RELEASES[kind] % (len(k), k, len(v), v)
     count = 1
     if done_key is not None and done_ttl_ms:
-        parts += [b"*5\r\n", _SET, _bulk(done_key.encode()), b"$1\r\n1\r\n$2\r\nPX\r\n",
-                  _bulk(b"%d" % done_ttl_ms)]
+        d, ttl = done_key.encode(), b"%d" % done_ttl_ms
+        data += _DONE_MARKER % (len(d), d, len(ttl), ttl)
         count = 2
-
-    def finish(replies: list[Any]) -> bool:
-        if native and isinstance(replies[0], ResponseError) and _refused(replies[0]):
-            raise NativeRefused(str(replies[0]))
-        _raise_first(replies)
-        return bool(replies[0])
-
-    return Request(None, finish, scripts=() if native else (RELEASE,), unsure_when_repeated=True,
-                   data=b"".join(parts), count=count)
+    if kind == "lua":
+        return Request(None, _released if count == 1 else _first_of_two, scripts=(RELEASE,),
+                       unsure_when_repeated=True, data=data, count=count)
+    return Request(None, _native_released, unsure_when_repeated=True, data=data, count=count)
 
 
-_RELEASE_HEAD = b"*5\r\n$7\r\nEVALSHA\r\n" + _bulk(RELEASE.sha.encode()) + b"$1\r\n1\r\n"
+def _released(replies: list[Any]) -> bool:
+    reply = replies[0]
+    if isinstance(reply, Exception):
+        raise reply
+    return bool(reply)
+
+
+def _native_released(replies: list[Any]) -> bool:
+    if isinstance(replies[0], ResponseError) and _refused(replies[0]):
+        raise NativeRefused(str(replies[0]))
+    return _released(replies) if len(replies) == 1 else _first_of_two(replies)
+
+
+#: The release per :attr:`.ServerInfo.release_kind`, as RESP (``%`` fills key and value).
+_RELEASES = {
+    "delifeq": b"*3\r\n$7\r\nDELIFEQ\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n",
+    "delex": b"*4\r\n$5\r\nDELEX\r\n$%d\r\n%s\r\n$4\r\nIFEQ\r\n$%d\r\n%s\r\n",
+    "lua": b"*5\r\n$7\r\nEVALSHA\r\n" + _bulk(RELEASE.sha.encode()) + b"$1\r\n1\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n",
+}
+#: The done marker: ``SET marker 1 PX ttl`` (``%`` fills the marker and its ttl).
+_DONE_MARKER = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$1\r\n1\r\n$2\r\nPX\r\n$%d\r\n%s\r\n"
 
 
 def renew_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Request:

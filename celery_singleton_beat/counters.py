@@ -46,22 +46,13 @@ class _Batch:
         #: The writer was woken for the batch being counted (it writes within a second).
         self.waiting = False
 
-    def add(self, client: Any, key: str, field: str, amount: int) -> None:
-        slot = (id(client), key)
-        lock = self.lock
-        lock.acquire()
-        try:
-            fields = self.counts.get(slot)
-            if fields is None:
-                fields = self.counts[slot] = defaultdict(int)
-                self.clients[slot[0]] = client
-            fields[field] += amount
-            if self.waiting:  # the first count of a batch wakes the writer; the rest ride along
+    def wake_writer(self) -> None:
+        """The first count of a batch: start the writer (once) and have it write within a second."""
+        with self.lock:
+            if self.waiting:
                 return
             self.waiting = True
             start, self.started = not self.started, True
-        finally:
-            lock.release()
         if start:
             native.start_thread(self._run, "singleton-counters")
         self.wake.notify()
@@ -125,8 +116,23 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def count(client: Any, key: str | None, field: str, amount: int = 1) -> None:
     """Add ``amount`` to ``field`` of the counter hash ``key`` (nothing when ``key`` is None)."""
-    if key and field:
-        (_current or _batch()).add(client, key, field, amount)
+    if not (key and field):
+        return
+    batch = _current or _batch()
+    slot = (id(client), key)
+    lock = batch.lock
+    lock.acquire()  # every run counts twice: no context manager, no other call on this path
+    try:
+        fields = batch.counts.get(slot)
+        if fields is None:
+            fields = batch.counts[slot] = defaultdict(int)
+            batch.clients[slot[0]] = client
+        fields[field] += amount
+        waiting = batch.waiting
+    finally:
+        lock.release()
+    if not waiting:  # the first count of a batch wakes the writer; the rest ride along
+        batch.wake_writer()
 
 
 def flush() -> None:

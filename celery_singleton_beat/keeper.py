@@ -192,18 +192,27 @@ class LeaseKeeper:
             return time.monotonic() + lease.renew_every
 
 
-_keeper: tuple[int, LeaseKeeper] | None = None
+_keeper: LeaseKeeper | None = None
 _keeper_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's keeper thread does not exist in a forked child; a lock
+    # copied while another thread held it would stay held there.
+    global _keeper, _keeper_lock
+    _keeper, _keeper_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def get_keeper() -> LeaseKeeper:
     """The keeper of this process (a forked child gets its own)."""
     global _keeper
-    pid = os.getpid()
-    known = _keeper
-    if known is not None and known[0] == pid:  # every run asks: no lock on this path
-        return known[1]
+    keeper = _keeper
+    if keeper is not None:  # every run asks: no lock, no system call on this path
+        return keeper
     with _keeper_lock:
-        if _keeper is None or _keeper[0] != pid:
-            _keeper = (pid, LeaseKeeper())
-        return _keeper[1]
+        if _keeper is None:
+            _keeper = LeaseKeeper()
+        return _keeper

@@ -18,9 +18,12 @@ class SingletonRun:
     that lost its lease cannot overwrite the work of its successor.
     """
 
-    def __init__(self, key: str, kept: KeptLease | None) -> None:
+    def __init__(self, key: str, kept: KeptLease | None, done_ttl: float | None = None) -> None:
         self.key = key
         self._kept = kept
+        #: Seconds the done marker of this run's task id is kept after it ends
+        #: (``acks_late`` runs on a worker; None: no marker).
+        self._done_ttl = done_ttl
 
     @property
     def held(self) -> bool:

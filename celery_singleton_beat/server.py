@@ -39,6 +39,7 @@ without it) is used with the portable commands only, and no window is opened:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -95,10 +96,15 @@ class ServerInfo:
     #: False when ``INFO`` was refused: nothing is known, the portable commands are used.
     known: bool = True
 
-    @property
+    @functools.cached_property
     def set_nx_get(self) -> bool:
         """``SET key value NX PX ms GET`` in one command (Redis 7.0+; 6.2 refuses NX with GET)."""
         return self.redis_version >= (7, 0, 0)
+
+    @functools.cached_property
+    def release_kind(self) -> str:
+        """How a release is spelled here: ``"delifeq"``, ``"delex"`` or ``"lua"`` (asked per run)."""
+        return "delifeq" if self.delifeq else "delex" if self.delex else "lua"
 
     @property
     def set_ifeq(self) -> bool:

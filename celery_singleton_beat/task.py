@@ -40,6 +40,7 @@ run decides, with a ready outcome.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from datetime import datetime
@@ -338,8 +339,9 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
             self._conflict(key, result)
         assert result.lease is not None
         kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback(request))
-        logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
-        return SingletonRun(key, kept)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
+        return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
 
     def _lease_lost_callback(self, request: Context) -> Callable[[KeptLease, str], None]:
         """Report a lost lease once, the moment it is noticed (keeper or release)."""
@@ -377,17 +379,18 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         if kept is None:
             return
         get_keeper().forget(kept)
-        settings = self._run_context(bool(request.is_eager))[0]
-        # The same task id runs again after a retry or a requeue: no done marker then.
-        again = isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue)
-        done_ttl = settings.done_ttl if self.acks_late and not again and not request.is_eager else None
+        done_ttl = run._done_ttl  # type: ignore[union-attr]  # kept is not None: neither is run
         claim_ttl = None
-        if isinstance(exc, Retry) and self.lock_mode == "until_executed":
-            # The retry waits in the queue under the lock, turned into its claim.
-            when = exc.when  # the retry's countdown in seconds, or its eta
-            claim_ttl = settings.queue_lock_ttl + delay_of(
-                {"eta": when} if isinstance(when, datetime) else {"countdown": when})
-        if claim_ttl is None and not isinstance(exc, SystemExit):
+        if exc is not None:
+            # The same task id runs again after a retry or a requeue: no done marker then.
+            if isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue):
+                done_ttl = None
+            if isinstance(exc, Retry) and self.lock_mode == "until_executed":
+                # The retry waits in the queue under the lock, turned into its claim.
+                when = exc.when  # the retry's countdown in seconds, or its eta
+                claim_ttl = self._run_context(bool(request.is_eager))[0].queue_lock_ttl + delay_of(
+                    {"eta": when} if isinstance(when, datetime) else {"countdown": when})
+        if claim_ttl is None and (exc is None or not isinstance(exc, SystemExit)):
             # The usual ending: write the release now and read its reply with the
             # next acquire (one blocking round trip per run instead of two) --
             # unless others follow this run (a chain's next step, callbacks, a
