@@ -10,6 +10,29 @@ Public API::
     from celery_singleton_beat import SingletonTask, SingletonScheduler
 
 ``SingletonScheduler`` is also the beat scheduler alias ``-S singleton``.
+
+The modules, in the order a task's run meets them (``beat/`` and ``admin/`` are
+packages of their own: the beat side, and what the CLI reads and changes)::
+
+    publish        apply_async: publish-time claims (lock_mode until_executed / until_executing)
+    worker         the worker: liveness, and locks of pool children that died
+    slot_delivery  a beat slot's message is accepted once, whichever beat sent it
+    task           SingletonTask.__call__: the run between its acquire and its release
+      keys           the call's lock key (arguments bound and encoded canonically)
+      config         the singleton_* settings;  client / redis_url: the lock Redis client
+      lock           acquire, renew, release and take over one lock (the lease)
+        commands       each operation spelled for the server at hand (native or Lua)
+        scripts        the Lua of the fallbacks and the rare paths
+        server         what the server is, its restarts and failovers (recovery windows)
+        channel        this thread's connection: one blocking round trip per run
+        wire           requests written in one go, replies read in order
+      keeper         renews running leases from a real OS thread (native: gevent/eventlet)
+      liveness       which worker incarnations are alive (take-over evidence)
+      conflicts      the key is held, or Redis cannot be asked: skip, raise, retry, wait
+      run            task.singleton_run: held, fence, ensure_held()
+      counters, events, exceptions: what is counted, shown to Flower and logged, raised
+    startup        the lock Redis checked when a worker or beat starts
+    cli, testing, contrib.django: operations, pytest helpers, django-celery-beat
 """
 
 from __future__ import annotations
