@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import redis
 
 from celery_singleton_beat import counters
 from celery_singleton_beat.commands import legacy_fence_key
-from celery_singleton_beat.keeper import LeaseKeeper
+from celery_singleton_beat.keeper import LeaseKeeper, get_keeper
 from celery_singleton_beat.lock import done_key, read_holder, release_for
 from celery_singleton_beat.run import SingletonRun
 from celery_singleton_beat.server import server_of
@@ -157,6 +158,31 @@ def test_keeper_keeps_a_lease_alive_for_five_times_its_ttl(redis_db: redis.Redis
     # A soak: five TTLs must pass; the lease is checked held all along.
     assert soak(2.5, check=still_held, what="the kept lease") >= 20
     assert kept.renewals >= 4
+
+
+def test_a_forked_child_renews_with_a_keeper_of_its_own(redis_db: redis.Redis) -> None:
+    """A prefork child inherits the parent's keeper object but not its thread: the
+    child's runs must get a keeper whose thread runs there (else nothing renews them)."""
+    parent = get_keeper()
+    lease = take(redis_db, "id-0").lease
+    parent.forget(parent.keep(lease))  # the parent's keeper thread is started
+    assert lease.release()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        ok = False
+        try:
+            keeper = get_keeper()
+            kept = keeper.keep(take(redis_db, "id-1", ttl=0.3).lease)
+            deadline = time.monotonic() + 10
+            while kept.renewals < 2 and not kept.lost and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ok = keeper is not parent and kept.renewals >= 2 and not kept.lost
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1", "the child's lease was renewed by a keeper of the child's"
 
 
 def test_keeper_does_not_hold_on_to_forgotten_leases(redis_db: redis.Redis) -> None:
