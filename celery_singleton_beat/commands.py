@@ -33,8 +33,8 @@ from .scripts import RELEASE, RENEW
 from .server import ServerInfo
 from .wire import Request
 
-__all__ = ["acquire_request", "legacy_fence_key", "put_back_request", "release_request", "renew_request",
-           "time_token"]
+__all__ = ["acquire_request", "legacy_fence_key", "put_back_request", "raise_errors", "release_request",
+           "renew_request", "time_token"]
 
 
 _LEGACY_FENCE_SUFFIX = b":fence"
@@ -50,7 +50,8 @@ def time_token(seconds: Any, microseconds: Any) -> int:
     return int(seconds) * 1_000_000 + int(microseconds)
 
 
-def _raise_first(replies: list[Any]) -> None:
+def raise_errors(replies: list[Any]) -> None:
+    """Raise the first error reply among ``replies`` (a request's ``finish`` when only success matters)."""
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
@@ -107,7 +108,7 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     count = (4 if one_command else 5) - (done_key is None)
 
     def finish(replies: list[Any]) -> tuple[int, bool, Any, bool]:
-        _raise_first(replies)
+        raise_errors(replies)
         if one_command:
             previous = replies[0]
             taken = previous is None
@@ -178,13 +179,13 @@ def renew_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Reques
         def native_finish(replies: list[Any]) -> int | None:
             if isinstance(replies[0], ResponseError) and _refused(replies[0]):
                 raise NativeRefused(str(replies[0]))
-            _raise_first(replies)
+            raise_errors(replies)
             return 1 if replies[0] is not None else None  # None: gone or another's (rare: ask)
 
         return Request([(b"SET", key, value, b"IFEQ", value, b"PX", ttl_ms)], native_finish)
 
     def finish(replies: list[Any]) -> int | None:
-        _raise_first(replies)
+        raise_errors(replies)
         return int(replies[0])
 
     return Request([RENEW.command([key], [value, ttl_ms])], finish, scripts=(RENEW,))
@@ -193,7 +194,7 @@ def renew_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Reques
 def put_back_request(key: str, value: str, ttl_ms: int) -> Request:
     """Write ``value`` back into a lock the server lost (True if it was still free)."""
     def finish(replies: list[Any]) -> bool:
-        _raise_first(replies)
+        raise_errors(replies)
         return replies[0] is not None
 
     return Request([(b"SET", key, value, b"NX", b"PX", ttl_ms)], finish)
@@ -202,9 +203,9 @@ def put_back_request(key: str, value: str, ttl_ms: int) -> Request:
 def look_request(key: str) -> Request:
     """The lock's value, its remaining ms and the server's clock in ms, at one instant."""
     def finish(replies: list[Any]) -> tuple[Any, int, int]:
-        _raise_first(replies)
+        raise_errors(replies)
         executed = replies[-1]
-        _raise_first(executed)
+        raise_errors(executed)
         seconds, micros = executed[0]
         return executed[1], int(executed[2]), int(seconds) * 1000 + int(micros) // 1000
 

@@ -2,7 +2,7 @@
 
 A run never pays a request for its counters: each outcome adds one to a
 dictionary of this process, and a daemon thread writes what accumulated, one
-pipeline of ``HINCRBY`` per counter hash, at most :data:`FLUSH_EVERY` seconds
+write of ``HINCRBY`` and ``PEXPIRE`` for every counter hash, at most :data:`FLUSH_EVERY` seconds
 after the first count (and at interpreter exit). The hashes expire
 :data:`~.scripts.STATS_TTL_MS` after their last write.
 
@@ -21,8 +21,11 @@ from typing import Any
 import redis
 
 from . import native
+from .channel import channel_or_none
+from .commands import raise_errors
 from .events import logger
 from .scripts import STATS_TTL_MS
+from .wire import Request, run_pooled
 
 __all__ = ["FLUSH_EVERY", "count", "flush"]
 
@@ -73,13 +76,21 @@ class _Batch:
         for (client_id, key), counted in counts.items():
             by_client[client_id].append((key, dict(counted)))
         for client_id, hashes in by_client.items():
+            commands: list[tuple[Any, ...]] = []
+            for key, fields in hashes:
+                commands += [(b"HINCRBY", key, field, amount) for field, amount in fields.items()]
+                commands.append((b"PEXPIRE", key, STATS_TTL_MS))
             try:
-                pipe = native.thread_client(clients[client_id]).pipeline(transaction=False)
-                for key, fields in hashes:
-                    for field, amount in fields.items():
-                        pipe.hincrby(key, field, amount)
-                    pipe.pexpire(key, STATS_TTL_MS)
-                pipe.execute()
+                # One write through the lock commands' own wire layer: on the writer
+                # thread's channel where the client has one (a redis-py pipeline on a
+                # pooled connection cost ~290k instructions per batch, this ~60k), else
+                # pooled. Every hash shares the ``{stats}`` hash tag: one Cluster node.
+                client = native.thread_client(clients[client_id])
+                channel, request = channel_or_none(client), Request(commands, raise_errors)
+                if channel is not None:
+                    channel.call(request)
+                else:
+                    run_pooled(client, hashes[0][0], request)
             except (redis.RedisError, OSError) as exc:  # counters are best effort
                 logger.debug("could not write %d counter hash(es): %s", len(hashes), exc)
             except Exception as exc:  # never let the thread die
