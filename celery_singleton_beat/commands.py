@@ -57,16 +57,6 @@ def raise_errors(replies: list[Any]) -> None:
             raise reply
 
 
-def _first_of_two(replies: list[Any]) -> bool:
-    """A release's outcome (the done marker's ``SET`` behind it must have run too)."""
-    first, second = replies
-    if isinstance(first, Exception):
-        raise first
-    if isinstance(second, Exception):
-        raise second
-    return bool(first)
-
-
 class NativeRefused(ResponseError):
     """A native lock command the server was thought to have was refused (use the fallback)."""
 
@@ -145,22 +135,21 @@ def release_request(info: ServerInfo, key: str, value: str, done_key: str | None
         data += _DONE_MARKER % (len(d), d, len(ttl), ttl)
         count = 2
     if kind == "lua":
-        return Request(None, _released if count == 1 else _first_of_two, scripts=(RELEASE,),
+        return Request(None, _released, scripts=(RELEASE,),
                        unsure_when_repeated=True, data=data, count=count)
     return Request(None, _native_released, unsure_when_repeated=True, data=data, count=count)
 
 
 def _released(replies: list[Any]) -> bool:
-    reply = replies[0]
-    if isinstance(reply, Exception):
-        raise reply
-    return bool(reply)
+    """A release's outcome (the done marker's ``SET`` behind it, if any, must have run too)."""
+    raise_errors(replies)
+    return bool(replies[0])
 
 
 def _native_released(replies: list[Any]) -> bool:
     if isinstance(replies[0], ResponseError) and _refused(replies[0]):
         raise NativeRefused(str(replies[0]))
-    return _released(replies) if len(replies) == 1 else _first_of_two(replies)
+    return _released(replies)
 
 
 #: The release per :attr:`.ServerInfo.release_kind`, as RESP (``%`` fills key and value).
