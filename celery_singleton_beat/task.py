@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import celery
 import redis
 from celery.app.task import Context
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 from kombu.utils.functional import maybe_list
 
@@ -74,6 +75,11 @@ def _has_followers(request: Context) -> bool:
     """Whether work is published when this run ends: callbacks/errbacks, a chain's next
     step, a chord's body (counted by its parts)."""
     return bool(request.callbacks or request.errbacks or request.chain or request.chord)
+
+
+def _stores_results(task: celery.Task) -> bool:
+    """The task's app has a result backend (results of runs that do not ignore them are stored)."""
+    return not isinstance(task.backend, DisabledBackend)
 
 LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
@@ -297,20 +303,21 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 settings, task_stats_key(settings.key_prefix, self.name) if settings.stats else None)
         return cached[1]
 
-    def _run_context(self, eager: bool) -> tuple[SingletonSettings, Any, LockSpec]:
-        """Settings, lock client and spec of a run, kept on the task until a cache is reset
-        (settings cleared, clients dropped, a fork): three look-ups a run would repeat."""
+    def _run_context(self, eager: bool) -> tuple[SingletonSettings, Any, LockSpec, bool]:
+        """Settings, lock client, spec of a run and whether the app stores results, kept on
+        the task until a cache is reset (settings cleared, clients dropped, a fork): four
+        look-ups a run would repeat."""
         generation = (config.GENERATION[0], client_module.GENERATION[0], eager, publishes_liveness())
         cached = self.__dict__.get("_singleton_context")
         if cached is not None and cached[0] == generation:
             return cached[1]  # type: ignore[no-any-return]
         settings = get_settings(self.app)
-        context = (settings, get_redis(self.app), self._run_spec(settings, eager))
+        context = (settings, get_redis(self.app), self._run_spec(settings, eager), _stores_results(self))
         self._singleton_context = (generation, context)
         return context
 
     def _begin(self, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
-        settings, client, spec = self._run_context(bool(request.is_eager))
+        settings, client, spec, _ = self._run_context(bool(request.is_eager))
         key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
         attempt = 0
@@ -374,6 +381,26 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
 
         return confirmed
 
+    def _end_is_seen(self, request: Context, exc: BaseException | None) -> bool:
+        """Whether someone can see this run's end once ``__call__`` returns.
+
+        Its stored result (unless the task ignores results; errors still stored
+        with ``store_errors_even_if_ignored``), its ``task-succeeded`` /
+        ``task-failed`` event (a worker started with ``-E``), work published
+        when it ends (a chain's next step, callbacks, a chord's body), the
+        caller of an eager run. A caller who saw it and submits the same key
+        again must never be skipped as a duplicate of this ended run.
+        """
+        if request.is_eager or _has_followers(request):
+            return True
+        if self.send_events and worker_support.sends_task_events():
+            return True
+        stored = self._run_context(False)[3]  # the app has a result backend (not eager here)
+        if self.ignore_result or request.ignore_result:
+            return stored and exc is not None and bool(self.store_errors_even_if_ignored) and \
+                not isinstance(exc, (Ignore, Reject, Retry))
+        return stored
+
     def _end(self, request: Context, run: SingletonRun | None, exc: BaseException | None) -> None:
         kept = run._kept if run is not None else None
         if kept is None:
@@ -391,14 +418,15 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 claim_ttl = self._run_context(bool(request.is_eager))[0].queue_lock_ttl + delay_of(
                     {"eta": when} if isinstance(when, datetime) else {"countdown": when})
         if claim_ttl is None and (exc is None or not isinstance(exc, SystemExit)):
-            # The usual ending: write the release now and read its reply with the
-            # next acquire (one blocking round trip per run instead of two) --
-            # unless others follow this run (a chain's next step, callbacks, a
-            # chord): they are published once this returns and may take the same
-            # key, so the release must have run by then (one round trip more).
+            # The usual ending: write the release now. Its reply is read at once when
+            # this run's end can be seen once this returns (its result stored, its
+            # task-succeeded/failed event, a chain's next step, callbacks, a chord):
+            # whoever sees it may submit the key again at once, and the release must
+            # have run by then. Otherwise it is read with the next acquire (one
+            # blocking round trip per run instead of two).
             try:
                 if kept.lease.release_soon(self._release_reported(request, kept), done_ttl=done_ttl,
-                                           wait=_has_followers(request)):
+                                           wait=self._end_is_seen(request, exc)):
                     return
             except redis.RedisError as error:
                 logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",

@@ -45,7 +45,8 @@ from .liveness import Heartbeat, boot_id
 from .lock import Holder, read_holder, release_for
 from .startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 
-__all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install"]
+__all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install",
+           "sends_task_events"]
 
 #: Endings after which the pool child cannot have released its lock.
 _CHILD_GONE = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
@@ -53,6 +54,17 @@ _CHILD_GONE = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, Keybo
 _EXIT_WAIT = 30.0
 #: Seconds between two looks for exited prefork pool children (Celery's own: 5 s).
 POOL_CHECK_INTERVAL = 0.25
+
+
+#: This process belongs to a worker that sends task events (``-E``,
+#: ``worker_send_task_events``): a run's end is seen through its
+#: ``task-succeeded``/``task-failed`` event. Set before the pool forks.
+_task_events = False
+
+
+def sends_task_events() -> bool:
+    """True in a worker (pool children included) that sends task events."""
+    return _task_events
 
 
 def install(app: Celery) -> None:
@@ -297,6 +309,8 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
+        global _task_events
+        _task_events = bool(getattr(worker, "task_events", False))
         app, node = worker.app, worker.hostname
         self.settings = get_settings(app)  # raises ImproperlyConfigured
         check = StartupCheck(f"worker {node}", lambda: get_redis(app), self.settings)
