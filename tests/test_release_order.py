@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -33,9 +34,10 @@ from typing import Any
 
 import pytest
 import redis
-from celery import chain, chord
+from celery import Celery, chain, chord
 from celery.result import AsyncResult
 
+from celery_singleton_beat import SingletonTask
 from celery_singleton_beat.lock import read_holder
 
 from .support import LOCK_DB, CeleryProcess, RedisServer, soak, start_worker, wait_for
@@ -257,3 +259,32 @@ def test_a_result_its_caller_has_seen_means_the_key_is_free(
             skipped.append((i, second.state))
     assert skipped == [], f"{len(skipped)} of {ROUNDS} second runs were not run: {skipped[:5]}"
     assert len(notes(records, "k")) == 2 * ROUNDS
+
+
+def test_an_eager_run_returns_only_after_its_release_ran(redis_db: redis.Redis, redis_server: RedisServer,
+                                                         locks: redis.Redis) -> None:
+    """``apply()`` (or ``task_always_eager``) in the caller's process: the caller holds the
+    result the moment it returns, so the release must have run by then. With the lock
+    traffic held in the proxy, ``apply()`` does not return; once let through, it does,
+    and the key is free."""
+    proxy = DelayProxy(redis_server.port, 0.0, name="eager-lock-proxy").start()
+    app = Celery("eager-order", broker="memory://", set_as_current=False)
+    app.conf.update(singleton_redis_url=proxy.url(LOCK_DB))
+    held = threading.Event()
+
+    @app.task(base=SingletonTask, shared=False, name="eager.step")
+    def step(key: str) -> str:
+        proxy.hold()  # the run holds its lock: hold what it writes from now on
+        held.set()
+        return key
+
+    returned: list[Any] = []
+    caller = threading.Thread(target=lambda: returned.append(step.apply(("k",)).get()), daemon=True)
+    caller.start()
+    assert held.wait(30), "the eager run started"
+    key = step.singleton_key(("k",), {})
+    soak(1.0, check=lambda: not returned and locks.exists(key) == 1, what="the release held in the proxy")
+    proxy.resume()
+    caller.join(30)
+    assert returned == ["k"]
+    assert not locks.exists(key), "the release ran before apply() returned"
