@@ -259,12 +259,17 @@ def get_redis(app: Celery) -> RedisClient:
         if cached is None or cached[0] != pid:
             settings = get_settings(app)
             assert settings.redis_url is not None
-            client = redis_from_url(settings.redis_url, **settings.redis_options)
-            # What this process learns of the server, per connection (see .server).
-            url, options = settings.redis_url, settings.redis_options
-            client.csb_server = LockServer(  # type: ignore[union-attr]
-                settings.key_prefix, settings.liveness_ttl, memory_for(url),
-                factory=lambda: redis_from_url(url, **options))
+            # What this process learns of the server, per connection (see .server): every
+            # connection of the client (locks, claims, liveness, counters) is looked at as it
+            # connects, so a restart or a failover is noticed by whichever use comes first.
+            url = settings.redis_url
+            server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
+                                factory=lambda: redis_from_url(url, **options))
+            options = dict(settings.redis_options)
+            if parse_redis_url(url).topology != CLUSTER:  # Cluster: each node is looked at on first use
+                options["redis_connect_func"] = server.on_connect
+            client = redis_from_url(url, **options)
+            client.csb_server = server  # type: ignore[union-attr]
             _clients[app] = cached = (pid, client)
     return cached[1]
 

@@ -34,14 +34,17 @@ class FollowingSentinelPool(SentinelConnectionPool):
         self._next_ask = 0.0
         self._primary: tuple[Any, Any] | None = None
 
+    def follow(self) -> None:
+        """Ask the sentinels for the primary now; drop the idle connections if it moved."""
+        self._next_ask = time.monotonic() + FOLLOW_EVERY
+        # Drops the idle connections when the primary moved (redis-py's pool does);
+        # when no sentinel answers, the connection's own use tells.
+        with contextlib.suppress(redis.RedisError):
+            self._primary = tuple(self.get_master_address())  # type: ignore[no-untyped-call]
+
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        now = time.monotonic()
-        if now >= self._next_ask:
-            self._next_ask = now + FOLLOW_EVERY
-            # Drops the idle connections when the primary moved (redis-py's pool does);
-            # when no sentinel answers, the connection's own use tells.
-            with contextlib.suppress(redis.RedisError):
-                self._primary = tuple(self.get_master_address())  # type: ignore[no-untyped-call]
+        if time.monotonic() >= self._next_ask:
+            self.follow()
         connection = super().get_connection(*args, **kwargs)
         primary = self._primary
         if primary is not None and connection.host is not None and (connection.host, connection.port) != primary:

@@ -50,8 +50,8 @@ from redis.exceptions import ResponseError
 
 from .events import logger
 
-__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "UnsupportedServer", "on_data_lost", "parse_info",
-           "server_of", "version_text"]
+__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "on_data_lost",
+           "parse_info", "server_of", "version_text"]
 
 #: The oldest server the library runs on: ``SET ... GET`` (the liveness heartbeat)
 #: arrived in Redis 6.2.
@@ -194,9 +194,21 @@ def on_data_lost(listener: Callable[[], None]) -> None:
     _data_lost_listeners.append(listener)
 
 
-#: Per lock Redis URL: the run id last seen behind each address, in this process
-#: (inherited by forked children, so that a pool child knows what its parent saw).
-_memories: dict[str, dict[tuple[Any, ...], str]] = {}
+class ServerMemory:
+    """What this process saw of the servers behind one lock Redis URL, shared by every
+    client of it (inherited by forked children, so that a pool child knows what its
+    parent saw)."""
+
+    def __init__(self) -> None:
+        #: The run id last seen behind each address, and (``_SERVING``) serving the data.
+        self.seen: dict[tuple[Any, ...], str] = {}
+        #: Grows each time the data is found on a server that may lack earlier writes
+        #: (see :attr:`LockServer.epoch`).
+        self.epoch = 0
+
+
+#: Per lock Redis URL (see :class:`ServerMemory`).
+_memories: dict[str, ServerMemory] = {}
 
 
 def server_key(prefix: str) -> str:
@@ -209,9 +221,9 @@ def recovery_key(prefix: str) -> str:
     return f"{prefix}:recovery"
 
 
-def memory_for(url: str) -> dict[tuple[Any, ...], str]:
+def memory_for(url: str) -> ServerMemory:
     """The process-wide memory of the servers seen behind ``url``."""
-    return _memories.setdefault(url, {})
+    return _memories.setdefault(url, ServerMemory())
 
 
 def _address(connection: Any) -> tuple[Any, ...]:
@@ -226,13 +238,14 @@ class LockServer:
     """
 
     def __init__(self, prefix: str, liveness_ttl: float,
-                 memory: dict[tuple[Any, ...], str] | None = None,
+                 memory: ServerMemory | None = None,
                  factory: Callable[[], Any] | None = None) -> None:
         self.prefix = prefix
         #: Builds another client of the same server and settings (see :meth:`copy_of`).
         self._factory = factory
-        #: The run id last seen behind each address (see :func:`memory_for`).
-        self._seen = {} if memory is None else memory
+        #: What this process saw behind the same URL (see :func:`memory_for`).
+        self._memory = ServerMemory() if memory is None else memory
+        self._seen = self._memory.seen
         #: Seconds a restart or failover keeps new acquisitions waiting.
         self.window = liveness_ttl / 3 + WINDOW_SLACK
         #: What the last connection learnt (``None`` before the first one).
@@ -240,14 +253,25 @@ class LockServer:
         #: Monotonic time until which new acquisitions wait (holders put their locks back).
         self.recovering_until = 0.0
         self.recovery_reason = ""
-        #: Grows each time this process finds its data served by a server that may lack
-        #: writes it made before (restarted without an append-only file, a promoted
-        #: replica): a lease last confirmed under an earlier epoch whose lock is gone may
-        #: put it back (:meth:`.lock.Lease.may_put_back`), whenever its keeper gets there.
-        self.epoch = 0
         self._lock = threading.Lock()
 
+    @property
+    def epoch(self) -> int:
+        """Grows each time this process finds its data served by a server that may lack
+        writes it made before (restarted without an append-only file, a promoted
+        replica): a lease last confirmed under an earlier epoch whose lock is gone may
+        put it back (:meth:`.lock.Lease.may_put_back`), whenever its keeper gets there,
+        and a beat writes back its claims (:mod:`.beat.recovery`)."""
+        return self._memory.epoch
+
     # ----------------------------------------------------------------- connections
+
+    def on_connect(self, connection: Any) -> None:
+        """redis-py's ``redis_connect_func`` for the library's clients: set the new
+        connection up as usual, then :meth:`check` it (once per socket)."""
+        connection.on_connect()
+        self.check(connection)
+        connection.csb_checked = connection._sock
 
     def check(self, connection: Any) -> ServerInfo:
         """Learn what the server behind ``connection`` is; open a recovery window if it lost locks."""
@@ -266,7 +290,7 @@ class LockServer:
         with self._lock:
             self.info = info
             if lost:
-                self.epoch += 1
+                self._memory.epoch += 1
             if remaining > 0:
                 until = time.monotonic() + remaining
                 if until > self.recovering_until:
