@@ -101,7 +101,8 @@ class Holder:
     pid: int | None
     boot: str | None
     acquired_at: float | None
-    #: The fencing token, in values written before 0.3 (since then it is not stored).
+    #: The fencing token, in values written by 0.2 (0.3 does not store it: a run's
+    #: token is its acquisition's reply, ``task.singleton_run.fence``).
     fence: int | None
     claim: bool
     token: str | None
@@ -109,7 +110,7 @@ class Holder:
     live: bool = False
     #: The lock's value exactly as stored (for compare-and-delete).
     raw: str | None = None
-    #: The lease in seconds and how often its keeper renews it (values since 0.3).
+    #: The lease in seconds and how often its keeper renews it (None in values of 0.2).
     ttl: float | None = None
     every: float | None = None
 
