@@ -1,8 +1,8 @@
 """celery-singleton-beat: singleton Celery tasks and active-active beat, on Redis.
 
 ``SingletonTask`` runs at most one call at a time per task and arguments (a Redis
-lease; a run cut short runs again, so it is not exactly once: see README,
-"Guarantees and their limits"). ``SingletonScheduler`` lets several ``celery beat``
+lease; a run cut short runs again, so it is not exactly once: see
+docs/guarantees.md). ``SingletonScheduler`` lets several ``celery beat``
 instances run the schedule, each slot sent once.
 
 Public API::
@@ -63,4 +63,5 @@ __all__ = [
     "install",
 ]
 
-__version__ = "0.2.0"
+#: The package version (pyproject.toml reads it from here; CHANGELOG.md names it).
+__version__ = "0.3.0"

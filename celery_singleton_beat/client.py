@@ -91,7 +91,7 @@ T = TypeVar("T")
 #: Commands called inside the Lua scripts are listed too: Redis checks them
 #: against the caller's ACL.
 ACL_COMMANDS: dict[str, tuple[str, ...]] = {
-    # acquire (MULTI: TIME, SET NX PX GET, EXISTS, DEL), renew / release and their
+    # acquire (SET NX PX GET, TIME, EXISTS, DEL; MULTI/EXEC only in a take-over's look), renew / release and their
     # scripts, the per-connection look at the server (INFO, EVAL of the recovery
     # check), counters in batches (singleton_stats). Native DELIFEQ / DELEX / SET IFEQ
     # are used where granted (a NOPERM falls back to the scripts).

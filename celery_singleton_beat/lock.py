@@ -6,10 +6,11 @@ A lock is one Redis string key whose value records who holds it::
      "node":"<worker>","pid":123,"boot":"<worker incarnation>","claim":false,"live":true,
      "ttl":60000,"every":3333}
 
-* **acquire** is one request with no Lua (:func:`.commands.acquire_request`):
-  ``MULTI``, ``TIME``, ``SET NX PX GET``, ``EXEC``. The fencing token is the
-  server's clock in microseconds at that instant: it grows with every
-  acquisition of a key, across restarts and failovers.
+* **acquire** is one write with no Lua and no ``MULTI``
+  (:func:`.commands.acquire_request`): ``SET NX PX GET`` (on 6.2: ``SET NX PX``
+  then ``GET``), then ``TIME``. The fencing token is the server's clock in
+  microseconds right behind the ``SET``: it grows with every acquisition of a
+  key, across restarts and failovers.
 * **renew** and **release** compare the whole value (natively where the server
   can, else in Lua): only the attempt that wrote it can extend or delete it, so
   a run whose lease expired and was taken by another never cuts the new
@@ -103,7 +104,8 @@ class Holder:
     pid: int | None
     boot: str | None
     acquired_at: float | None
-    #: The fencing token, in values written before 0.3 (since then it is not stored).
+    #: The fencing token, in values written by 0.2 (0.3 does not store it: a run's
+    #: token is its acquisition's reply, ``task.singleton_run.fence``).
     fence: int | None
     claim: bool
     token: str | None
@@ -111,7 +113,7 @@ class Holder:
     live: bool = False
     #: The lock's value exactly as stored (for compare-and-delete).
     raw: str | None = None
-    #: The lease in seconds and how often its keeper renews it (values since 0.3).
+    #: The lease in seconds and how often its keeper renews it (None in values of 0.2).
     ttl: float | None = None
     every: float | None = None
 

@@ -1,7 +1,7 @@
 """The Lua scripts of the lease: where a server lacks a native command, and the rare paths.
 
-The common path uses no Lua (see :mod:`.commands`): an acquire is one
-``MULTI`` block, a release is ``DELIFEQ`` / ``DELEX ... IFEQ`` and a renewal
+The common path uses no Lua (see :mod:`.commands`): an acquire is one write
+(``SET NX PX GET`` and ``TIME``, no ``MULTI``), a release is ``DELIFEQ`` / ``DELEX ... IFEQ`` and a renewal
 ``SET ... IFEQ`` where the server has them. The scripts below stand in for
 those on older servers (:data:`RELEASE`, :data:`RENEW`) and do what no single
 command does, each in one round trip, comparing before it writes, so that a

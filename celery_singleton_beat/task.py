@@ -5,16 +5,18 @@ Lifecycle of a run (``lock_mode="while_executing"``, the default)::
     worker receives message -> __call__ -> acquire lease (1 round trip)
         held by another run -> on_conflict: skip (REVOKED: TaskSkipped) | raise | retry
                                (:mod:`.conflicts`)
-        taken                -> body runs; the keeper renews every lock_ttl/3
+        taken                -> body runs; the keeper renews it (every
+                                min(lock_ttl, singleton_liveness_ttl)/3 on a worker)
     body ends in any way (return, exception, retry, Ignore, Reject)
-        -> release (1 round trip, only if the lease is still ours)
+        -> release (written at once, compare-and-delete: only if the lease is still ours)
 
 The lock is taken in ``__call__``, which Celery's tracer calls for every run
 (worker and eager), so a ``finally`` there sees every ending a process
 survives. Endings it cannot see (the pool child killed, a hard time limit, a
 revoke with terminate) are handled by the worker's main process through
 :class:`~celery_singleton_beat.worker.SingletonRequest`, and a node that died
-altogether is cleaned up by its next start or by the lease's TTL.
+altogether has its locks taken over by the next run that wants them, once
+its liveness key is gone and the locks missed their renewals (:mod:`.liveness`).
 
 Another delivery of the same message (same task id: ``acks_late`` redelivery
 after a visibility timeout or a lost connection) is the same work, not a
