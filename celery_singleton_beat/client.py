@@ -9,8 +9,9 @@ server each thread that takes locks also keeps a dedicated connection of its own
 * one server (``redis://``, ``rediss://``, ``unix://``): :class:`redis.Redis`;
 * Sentinel (``sentinel://h1:26379;sentinel://h2:26379`` + ``master_name``): the
   :class:`redis.Redis` that :meth:`redis.sentinel.Sentinel.master_for` returns,
-  which asks the sentinels for the primary on every new connection and drops
-  connections to a primary that was demoted;
+  with a pool that asks the sentinels for the primary on every new connection and
+  at least every half second of use, and drops connections to a former primary
+  (:mod:`.sentinel`);
 * Cluster (``redis+cluster://h1:7000,h2:7001``): :class:`SingletonRedisCluster`, a
   :class:`redis.cluster.RedisCluster` (it routes each command to the node serving
   its key's hash slot) that reports an unreachable cluster as
@@ -56,6 +57,7 @@ from .config import (
     get_settings,
     parse_redis_url,
 )
+from .sentinel import FollowingSentinelPool
 from .server import LockServer, memory_for
 
 __all__ = [
@@ -223,7 +225,8 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
             sentinel_kwargs={**sentinel_defaults, **(extra.get("sentinel_kwargs") or {})},
             **connection,
         )
-        master: redis.Redis = sentinel.master_for(master_name, redis_class=redis.Redis)
+        master: redis.Redis = sentinel.master_for(master_name, redis_class=redis.Redis,
+                                                  connection_pool_class=FollowingSentinelPool)
         return master
 
     if target.topology == CLUSTER:
@@ -256,12 +259,17 @@ def get_redis(app: Celery) -> RedisClient:
         if cached is None or cached[0] != pid:
             settings = get_settings(app)
             assert settings.redis_url is not None
-            client = redis_from_url(settings.redis_url, **settings.redis_options)
-            # What this process learns of the server, per connection (see .server).
-            url, options = settings.redis_url, settings.redis_options
-            client.csb_server = LockServer(  # type: ignore[union-attr]
-                settings.key_prefix, settings.liveness_ttl, memory_for(url),
-                factory=lambda: redis_from_url(url, **options))
+            # What this process learns of the server, per connection (see .server): every
+            # connection of the client (locks, claims, liveness, counters) is looked at as it
+            # connects, so a restart or a failover is noticed by whichever use comes first.
+            url = settings.redis_url
+            server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
+                                factory=lambda: redis_from_url(url, **options))
+            options = dict(settings.redis_options)
+            if parse_redis_url(url).topology != CLUSTER:  # Cluster: each node is looked at on first use
+                options["redis_connect_func"] = server.on_connect
+            client = redis_from_url(url, **options)
+            client.csb_server = server  # type: ignore[union-attr]
             _clients[app] = cached = (pid, client)
     return cached[1]
 

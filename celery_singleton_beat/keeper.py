@@ -23,11 +23,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
-from . import native
-from .lock import RETRY_EVERY, Lease
+from . import native, server
+from .lock import RETRY_EVERY, Lease, Renewal
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper"]
 
@@ -160,12 +161,36 @@ class LeaseKeeper:
                     if kept.active:
                         self._schedule(kept, next_time)
 
-    @staticmethod
-    def _renew(kept: KeptLease) -> float | None:
+    def renew_all_soon(self) -> None:
+        """Renew every kept lease now: the process found its data on a server that may lack
+        its locks (a restart, a promoted replica), and each must be put back before the
+        recovery window closes (see :mod:`.server`)."""
+        with self._mutex:
+            now = time.monotonic()
+            self._queue = [(now, seq, kept) for _, seq, kept in self._queue if kept.active]
+            heapq.heapify(self._queue)
+        self._wake.notify()
+
+    def _renewed(self, kept: KeptLease, client: Any) -> bool:
+        """One renewal of ``kept``, putting its lock back where the server lost it.
+
+        The put-back happens under the keeper's mutex, and only while the run still
+        keeps the lease: a run that ends (:meth:`forget`, then its release) either
+        waits for it or is seen ended, so a renewal on its way when the run released
+        never writes the lock back.
+        """
+        lease = kept.lease
+        outcome = lease.renew_once(client)
+        if outcome is Renewal.GONE and lease.may_put_back(client):
+            with self._mutex:
+                return kept.active and lease.put_back(client)
+        return outcome is Renewal.RENEWED
+
+    def _renew(self, kept: KeptLease) -> float | None:
         """Renew once; the monotonic time of the next attempt, or None when done."""
         lease = kept.lease
         try:
-            if lease.renew(native.thread_client(lease.client)):
+            if self._renewed(kept, native.thread_client(lease.client)):
                 kept.renewals += 1
                 if kept.next_complaint:
                     kept.next_complaint = 0.0
@@ -204,6 +229,15 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _renew_all_soon() -> None:
+    keeper = _keeper
+    if keeper is not None:
+        keeper.renew_all_soon()
+
+
+server.on_data_lost(_renew_all_soon)
 
 
 def get_keeper() -> LeaseKeeper:

@@ -26,6 +26,7 @@ when it was last renewed.
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import json
@@ -62,6 +63,7 @@ __all__ = [
     "Holder",
     "Lease",
     "LockSpec",
+    "Renewal",
     "acquire",
     "done_key",
     "parse_holder",
@@ -323,7 +325,7 @@ class Lease:
     """A lock held by this process: renew it, release it, read its fencing token."""
 
     def __init__(self, client: RedisClient, key: str, value: str, spec: LockSpec, fence: int,
-                 task_id: str | None, started: float) -> None:
+                 task_id: str | None, started: float, epoch: int) -> None:
         self.client = client
         self.key = key
         self.value = value
@@ -332,15 +334,18 @@ class Lease:
         self.fence = fence
         #: The task id in ``value`` (its done marker is released with the lock).
         self.task_id = task_id
-        self._confirmed(started)
+        self._confirmed(started, epoch)
 
-    def _confirmed(self, started: float) -> None:
-        """The lock was ours (taken or renewed) at ``started`` (monotonic, before the request)."""
+    def _confirmed(self, started: float, epoch: int) -> None:
+        """The lock was ours (taken or renewed) at ``started`` (monotonic, before the request),
+        under the server's ``epoch`` (read before the request too)."""
         #: Monotonic time until which the lock exists in Redis, if Redis keeps it.
         self.valid_until = started + self.spec.ttl
         #: Monotonic time until which no other worker can have taken the lock:
         #: ``ensure_held()`` passes only before it.
         self.vouched_until = started + self.spec.grace
+        #: :attr:`.server.LockServer.epoch` when the lock was last known to be ours.
+        self.epoch = epoch
 
     @functools.cached_property
     def holder(self) -> Holder | None:
@@ -352,33 +357,66 @@ class Lease:
         return self.spec.renew_every
 
     def renew(self, client: RedisClient | None = None) -> bool:
-        """Extend the lease by ``ttl``; False if the lock is no longer ours.
+        """Extend the lease by ``ttl`` (putting it back where :meth:`may_put_back`); False
+        if the lock is no longer ours.
 
-        A lock the server lost while a recovery window is open (a restart, a
-        failover: see :mod:`.server`) is put back. Raises ``redis.RedisError``
-        when Redis cannot be asked; the caller decides (the keeper keeps trying
-        until the lease would have expired). ``client``: another client of the
-        same server to send it through (the keeper's own, in greenlet pools).
+        The keeper uses :meth:`renew_once` and :meth:`put_back` itself (it must not put
+        back the lock of a run that ended meanwhile). Raises ``redis.RedisError`` when
+        Redis cannot be asked.
+        """
+        outcome = self.renew_once(client)
+        if outcome is Renewal.GONE and self.may_put_back(client):
+            return self.put_back(client)
+        return outcome is Renewal.RENEWED
+
+    def renew_once(self, client: RedisClient | None = None) -> Renewal:
+        """Extend the lease by ``ttl`` if the lock is still ours (compare-and-set).
+
+        Raises ``redis.RedisError`` when Redis cannot be asked; the caller decides
+        (the keeper keeps trying until the lease would have expired). ``client``:
+        another client of the same server to send it through (the keeper's own, in
+        greenlet pools).
         """
         started = time.monotonic()
         spec = self.spec
         via = client or self.client
+        epoch = server_of(via).epoch
         outcome = _execute(via, self.key, lambda info: renew_request(info, self.key, self.value, spec.ttl_ms),
                            pooled=True)
         if outcome is None:  # native SET IFEQ does not say why: ask
             current, _, _ = _execute(via, self.key, lambda info: look_request(self.key), pooled=True)
             outcome = 0 if current is not None else -1
-        if outcome == -1 and server_of(via).may_put_back() and _execute(
-                via, self.key, lambda info: put_back_request(self.key, self.value, spec.ttl_ms), pooled=True):
-            logger.warning("put lock %s back after the lock Redis lost it (%s)", self.key,
-                           server_of(via).recovery_reason)
-            counters.count(self.client, spec.stats_key, "put_back")
-            outcome = 1
         if outcome == 1:
-            self._confirmed(started)
+            self._confirmed(started, epoch)
             counters.count(self.client, spec.stats_key, "renewed")
-            return True
-        return False
+            return Renewal.RENEWED
+        return Renewal.HELD_BY_ANOTHER if outcome == 0 else Renewal.GONE
+
+    def may_put_back(self, client: RedisClient | None = None) -> bool:
+        """The lock is gone, and that may be the server's doing, not a holder's: since this
+        lease was last confirmed, the process found the data on a server that may lack
+        it (restarted without an append-only file, a promoted replica), and the lease
+        has not ended on this process's clock."""
+        return server_of(client or self.client).epoch > self.epoch and time.monotonic() < self.valid_until
+
+    def put_back(self, client: RedisClient | None = None) -> bool:
+        """Write the lock back into a server that lost it (``SET NX``); True if it was still free.
+
+        Only for a lease that is still kept, when :meth:`may_put_back` says so.
+        """
+        started = time.monotonic()
+        via = client or self.client
+        server = server_of(via)
+        epoch = server.epoch
+        if not _execute(via, self.key, lambda info: put_back_request(self.key, self.value, self.spec.ttl_ms),
+                        pooled=True):
+            return False
+        self._confirmed(started, epoch)
+        logger.warning("put lock %s back after the lock Redis lost it (%s)", self.key,
+                       server.recovery_reason or "restarted or failed over")
+        counters.count(self.client, self.spec.stats_key, "put_back")
+        counters.count(self.client, self.spec.stats_key, "renewed")
+        return True
 
     def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None) -> bool:
         """Give the lock up if it is still ours; True if it was (else counted as lost).
@@ -449,6 +487,16 @@ def _first_int(replies: list[Any]) -> int:
     return int(replies[0])
 
 
+class Renewal(enum.Enum):
+    """What one renewal found."""
+
+    RENEWED = "renewed"
+    #: Another value holds the key (taken over, or another run's lock).
+    HELD_BY_ANOTHER = "held by another"
+    #: The key is gone (released, expired, deleted, or lost by the server).
+    GONE = "gone"
+
+
 class AcquireResult:
     """The outcome of :func:`acquire`.
 
@@ -489,6 +537,7 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
     channel = channel_or_none(client) if spec.wait_replicas <= 0 else None
     for _ in range(3):  # 6.2 only: the key freed between its SET NX and GET (ask again)
         started = time.monotonic()
+        epoch = server.epoch
         if channel is not None:  # the common path: this thread's own connection
             token, taken, previous, completed = channel.call(
                 acquire_request(server.info or PORTABLE, key, value, spec.ttl_ms, done), server.pause)
@@ -507,7 +556,7 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
         return AcquireResult(None, completed=True)
     if taken:
         counters.count(client, spec.stats_key, spec.counters[0])
-        return AcquireResult(Lease(client, key, value, spec, token, task_id, started))
+        return AcquireResult(Lease(client, key, value, spec, token, task_id, started, epoch))
     holder = parse_holder(previous)
     assert holder is not None
     if adopt_claim_of and holder.claim and holder.task_id == adopt_claim_of:
@@ -536,9 +585,10 @@ def _replace(client: RedisClient, key: str, spec: LockSpec, task_id: str | None,
 
     after = _acknowledged(spec, key, value, lambda r: r[1] is None) if spec.wait_replicas > 0 else None
     started = time.monotonic()
+    epoch = server_of(client).epoch
     token, current = _execute(client, key, lambda info: script_request(command, script, finish), after=after)
     if current is None and token:
-        return Lease(client, key, value, spec, token, task_id, started)
+        return Lease(client, key, value, spec, token, task_id, started, epoch)
     return None
 
 

@@ -50,8 +50,8 @@ from redis.exceptions import ResponseError
 
 from .events import logger
 
-__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "UnsupportedServer", "parse_info", "server_of",
-           "version_text"]
+__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "on_data_lost",
+           "parse_info", "server_of", "version_text"]
 
 #: The oldest server the library runs on: ``SET ... GET`` (the liveness heartbeat)
 #: arrived in Redis 6.2.
@@ -181,9 +181,34 @@ end
 return redis.call('PTTL', KEYS[2])
 """
 
-#: Per lock Redis URL: the run id last seen behind each address, in this process
-#: (inherited by forked children, so that a pool child knows what its parent saw).
-_memories: dict[str, dict[tuple[Any, ...], str]] = {}
+#: The memory's entry for the run id of the server last seen serving the data (any address).
+_SERVING: tuple[Any, ...] = ("serving",)
+
+#: Called (without arguments) when a process finds its data on a server that may lack its
+#: earlier writes: the lease keeper renews every lease at once (see :mod:`.keeper`).
+_data_lost_listeners: list[Callable[[], None]] = []
+
+
+def on_data_lost(listener: Callable[[], None]) -> None:
+    """Call ``listener`` each time :attr:`LockServer.epoch` grows, in any server of this process."""
+    _data_lost_listeners.append(listener)
+
+
+class ServerMemory:
+    """What this process saw of the servers behind one lock Redis URL, shared by every
+    client of it (inherited by forked children, so that a pool child knows what its
+    parent saw)."""
+
+    def __init__(self) -> None:
+        #: The run id last seen behind each address, and (``_SERVING``) serving the data.
+        self.seen: dict[tuple[Any, ...], str] = {}
+        #: Grows each time the data is found on a server that may lack earlier writes
+        #: (see :attr:`LockServer.epoch`).
+        self.epoch = 0
+
+
+#: Per lock Redis URL (see :class:`ServerMemory`).
+_memories: dict[str, ServerMemory] = {}
 
 
 def server_key(prefix: str) -> str:
@@ -196,9 +221,9 @@ def recovery_key(prefix: str) -> str:
     return f"{prefix}:recovery"
 
 
-def memory_for(url: str) -> dict[tuple[Any, ...], str]:
+def memory_for(url: str) -> ServerMemory:
     """The process-wide memory of the servers seen behind ``url``."""
-    return _memories.setdefault(url, {})
+    return _memories.setdefault(url, ServerMemory())
 
 
 def _address(connection: Any) -> tuple[Any, ...]:
@@ -213,13 +238,14 @@ class LockServer:
     """
 
     def __init__(self, prefix: str, liveness_ttl: float,
-                 memory: dict[tuple[Any, ...], str] | None = None,
+                 memory: ServerMemory | None = None,
                  factory: Callable[[], Any] | None = None) -> None:
         self.prefix = prefix
         #: Builds another client of the same server and settings (see :meth:`copy_of`).
         self._factory = factory
-        #: The run id last seen behind each address (see :func:`memory_for`).
-        self._seen = {} if memory is None else memory
+        #: What this process saw behind the same URL (see :func:`memory_for`).
+        self._memory = ServerMemory() if memory is None else memory
+        self._seen = self._memory.seen
         #: Seconds a restart or failover keeps new acquisitions waiting.
         self.window = liveness_ttl / 3 + WINDOW_SLACK
         #: What the last connection learnt (``None`` before the first one).
@@ -229,7 +255,23 @@ class LockServer:
         self.recovery_reason = ""
         self._lock = threading.Lock()
 
+    @property
+    def epoch(self) -> int:
+        """Grows each time this process finds its data served by a server that may lack
+        writes it made before (restarted without an append-only file, a promoted
+        replica): a lease last confirmed under an earlier epoch whose lock is gone may
+        put it back (:meth:`.lock.Lease.may_put_back`), whenever its keeper gets there,
+        and a beat writes back its claims (:mod:`.beat.recovery`)."""
+        return self._memory.epoch
+
     # ----------------------------------------------------------------- connections
+
+    def on_connect(self, connection: Any) -> None:
+        """redis-py's ``redis_connect_func`` for the library's clients: set the new
+        connection up as usual, then :meth:`check` it (once per socket)."""
+        connection.on_connect()
+        self.check(connection)
+        connection.csb_checked = connection._sock
 
     def check(self, connection: Any) -> ServerInfo:
         """Learn what the server behind ``connection`` is; open a recovery window if it lost locks."""
@@ -244,9 +286,11 @@ class LockServer:
             raise UnsupportedServer(
                 f"the lock Redis is {info.describe()}; celery-singleton-beat needs Redis "
                 f"{version_text(FLOOR)} or later (or Valkey)")
-        remaining, reason = (self._recovery(connection, info) if info.known else (0.0, ""))
+        remaining, reason, lost = (self._recovery(connection, info) if info.known else (0.0, "", False))
         with self._lock:
             self.info = info
+            if lost:
+                self._memory.epoch += 1
             if remaining > 0:
                 until = time.monotonic() + remaining
                 if until > self.recovering_until:
@@ -254,28 +298,37 @@ class LockServer:
                         logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put theirs "
                                        "back", info.describe(), reason, remaining)
                     self.recovering_until, self.recovery_reason = until, reason
+        if lost:
+            for listener in _data_lost_listeners:
+                listener()
         return info
 
-    def _recovery(self, connection: Any, info: ServerInfo) -> tuple[float, str]:
-        """Seconds of recovery window left for this server, and why (0 when none)."""
+    def _recovery(self, connection: Any, info: ServerInfo) -> tuple[float, str, bool]:
+        """Seconds of recovery window left for this server, why (0 when none), and whether
+        this process now finds its data on a server that may lack its earlier writes."""
         address = _address(connection)
         previous = self._seen.get(address)
         self._seen[address] = info.run_id
         found = 0.0
         reason = ""
+        lost = False
         if previous is not None and previous != info.run_id and not info.aof:
             found = max(0.0, self.window - info.uptime)
             reason = f"restarted {info.uptime:.0f}s ago without an append-only file"
+            lost = True
+        if info.cluster:
+            return found, reason, lost  # the record keys may live on another node: this process's view only
+        serving = self._seen.get(_SERVING)
+        self._seen[_SERVING] = info.run_id
         if info.promoted:
             reason = reason or "a replica promoted by a failover"
-        if info.cluster:
-            return found, reason  # the record keys may live on another node: this process's view only
+            lost = lost or (serving is not None and serving != info.run_id)
         connection.send_command("EVAL", _RECOVERY_CHECK, 2, server_key(self.prefix), recovery_key(self.prefix),
                                 info.run_id, round(found * 1000), round(self.window * 1000) if info.promoted else 0)
         left = int(connection.read_response())
         if left > 0:
-            return left / 1000, reason or "another client found the lock Redis restarted or failed over"
-        return 0.0, ""
+            return left / 1000, reason or "another client found the lock Redis restarted or failed over", lost
+        return 0.0, "", lost
 
     # ----------------------------------------------------------------- decisions
 
@@ -315,10 +368,6 @@ class LockServer:
         with self._lock:
             self.info = UNKNOWN if self.info is None else replace(
                 self.info, flavour="redis", version=min(self.info.redis_version, (8, 0, 0)))
-
-    def may_put_back(self) -> bool:
-        """True while a recovery window is open: a holder whose lock vanished puts it back."""
-        return time.monotonic() < self.recovering_until
 
 
 #: What requests are built for before a connection told what the server is: the

@@ -172,7 +172,8 @@ def explain(exc: BaseException) -> str:
     if _is_tls_failure(exc):
         return (f"the TLS handshake failed ({name}); check the rediss:// URL and its ssl_* options "
                 "(certificate authority, host name, a TLS port)")
-    if isinstance(exc, redis.exceptions.NoPermissionError) or message.startswith("NOPERM"):
+    if (isinstance(exc, redis.exceptions.NoPermissionError) or message.startswith("NOPERM")
+            or "user executing the script can't run this command" in message):  # a command inside a script
         return (f"the ACL user may not do what the library needs ({name}); give it the rules of "
                 "celery_singleton_beat.client.acl_rules() (docs/deployment.md)")
     if isinstance(exc, redis.ResponseError) and re.search(r"invalid DB index|DB index is out of range", message):

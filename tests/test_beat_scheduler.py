@@ -524,10 +524,18 @@ def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims
     claims_server.start()  # same port; every old claim is gone
     wait_for(lambda: not beat.breaker.is_open(), timeout=10, interval=0.01,
              message="the scheduler's (test-sized) Redis back-off to end")
-    run_ticks([beat], clock, 3, 0.25)
+    # Back without its data: the beat writes back its claims, and claims nothing new
+    # during the recovery window (other beats may be writing back theirs).
+    run_ticks([beat], clock, 1, 0.25)  # 12:00:07
+    assert len(sent_slots(beat, task="t.tick")) == 3
+    assert any("waits: the lock Redis's recovery window" in r.getMessage() for r in caplog.records)
+    assert claims_server.client(0).exists("singleton:{beat:tick}:2024-05-01T12:00:03Z"), "written back"
+    window = beat.claims.window_left()
+    wait_for(lambda: beat.claims.window_left() == 0, timeout=10, interval=0.05, message="the recovery window")
+    run_ticks([beat], clock, window + 3, 0.25)  # the entry waited that long (this clock is manual)
     counts = sent_slots(beat, task="t.tick")
     assert all(n == 1 for n in counts.values())
-    assert {"2024-05-01T12:00:08Z", "2024-05-01T12:00:09Z"} <= set(counts)
+    assert {"2024-05-01T12:00:12Z", "2024-05-01T12:00:13Z"} <= set(counts)
     assert any("is back" in r.getMessage() for r in caplog.records)
 
 

@@ -4,6 +4,7 @@ driven by a clock moved by hand (sends recorded instead of published)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -21,7 +22,7 @@ from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMix
 from .owners import Owner, owning
 from .processes import CeleryProcess, child_env, start_worker
 from .servers import LOCK_DB, RECORD_DB, RedisServer
-from .slots import expected_slots, parse_slot
+from .slots import UTC, expected_slots, parse_slot
 from .waiting import wait_for
 
 __all__ = [
@@ -198,7 +199,7 @@ class SendRecorder:
 
     def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         self.sent.append({"task": name, "args": args, "kwargs": kwargs, "options": options,
-                          "slot": options.get("headers", {}).get("singleton_beat_slot")})
+                          "slot": options.get("headers", {}).get("singleton_beat_slot"), "at": time.time()})
         # As Celery's send_task: Celery before 5.4 reads the result's id after each send.
         return AsyncResult(options.get("task_id") or uuid(), app=self.app)
 
@@ -276,3 +277,21 @@ def fresh_beat_state(redis_server: RedisServer, worker: CeleryProcess, prefix: s
     redis_server.client(LOCK_DB).flushdb()
     redis_server.client(RECORD_DB).flushdb()
     return f"{prefix}{uuid()[:6]}-"
+
+
+class RealClock:
+    """A beat's clock in real time (tests where real processes run beside the beat)."""
+
+    def now(self) -> datetime:
+        return datetime.now(UTC)
+
+
+def beat_loop(beat: Any, stop: threading.Event, errors: list[str]) -> None:
+    """Tick ``beat`` until ``stop`` is set (at most every 50 ms); its errors go to ``errors``."""
+    while not stop.is_set():
+        try:
+            delay = beat.tick()
+        except Exception as exc:
+            errors.append(repr(exc))
+            delay = 0.05
+        stop.wait(min(max(delay, 0.0), 0.05))
