@@ -65,6 +65,11 @@ WINDOW_SLACK = 1.5
 class UnsupportedServer(ResponseError):
     """The lock Redis is older than :data:`FLOOR` (a configuration error, not an outage)."""
 
+    def __init__(self, message: str, info: ServerInfo | None = None) -> None:
+        super().__init__(message)
+        #: What the server said of itself.
+        self.info = info
+
 
 def version_text(version: tuple[int, int, int]) -> str:
     return ".".join(map(str, version))
@@ -285,7 +290,7 @@ class LockServer:
         if not info.supported:
             raise UnsupportedServer(
                 f"the lock Redis is {info.describe()}; celery-singleton-beat needs Redis "
-                f"{version_text(FLOOR)} or later (or Valkey)")
+                f"{version_text(FLOOR)} or later (or Valkey)", info)
         remaining, reason, lost = (self._recovery(connection, info) if info.known else (0.0, "", False))
         with self._lock:
             self.info = info

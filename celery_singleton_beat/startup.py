@@ -41,6 +41,7 @@ from .events import logger
 from .exceptions import SingletonError
 from .redis_url import sanitize_redis_url
 from .scripts import LuaScript
+from .server import UnsupportedServer, version_text
 
 __all__ = [
     "EX_CONFIG",
@@ -169,6 +170,8 @@ def explain(exc: BaseException) -> str:
             return f"a password was given, but the server has none ({name}); remove it from the URL"
         return (f"authentication failed: wrong password or user name, or the user is disabled ({name}); "
                 "check the credentials in singleton_redis_url")
+    if isinstance(exc, UnsupportedServer) and exc.info is not None:
+        return version_problem(version_text(exc.info.redis_version), "master", exc.info.describe()) or name
     if _is_tls_failure(exc):
         return (f"the TLS handshake failed ({name}); check the rediss:// URL and its ssl_* options "
                 "(certificate authority, host name, a TLS port)")
@@ -231,8 +234,8 @@ def _server_info(server: redis.Redis, url: str) -> str:
     try:
         info: dict[str, Any] = server.info("server")
         role = str(server.info("replication").get("role", "?"))
-    except (redis.ConnectionError, redis.TimeoutError):
-        raise
+    except (redis.ConnectionError, redis.TimeoutError, UnsupportedServer):
+        raise  # UnsupportedServer: the connection's own look at the server (see .server)
     except redis.RedisError:  # INFO refused by an ACL: the SET ... GET probe decides instead
         return "Redis (version not readable: INFO refused)"
     name = server_name(info)
