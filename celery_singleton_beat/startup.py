@@ -139,9 +139,16 @@ def _is_tls_failure(exc: BaseException) -> bool:
     return any(isinstance(cause, ssl.SSLError) for cause in _causes(exc)) or "[SSL" in str(exc)
 
 
+#: Error replies of a server that works but cannot serve this request now.
+_BUSY_REPLIES = ("BUSY ", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM ")
+
+
 def is_outage(exc: BaseException) -> bool:
     """True for a failure that retrying may cure (the server down, slow, loading or failing over).
 
+    An error reply of a server that works but cannot answer now (``BUSY``: another
+    client's script; ``OOM``: full; ``MASTERDOWN``/``TRYAGAIN``/``CLUSTERDOWN``: a
+    failover or resharding) is an outage too.
     False for a configuration error: authentication (``AuthenticationError``,
     ``AuthenticationWrongNumberOfArgsError``), an ACL refusal (``NOPERM``), a
     missing database, a failed TLS handshake, a replica, a command the server
@@ -151,6 +158,8 @@ def is_outage(exc: BaseException) -> bool:
         return False  # both are ConnectionErrors to redis-py
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return True  # refused, reset, timed out, LOADING, no Sentinel or Cluster node answering
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith(_BUSY_REPLIES):
+        return True  # another client's script, a full server, a failover under way: it passes
     if isinstance(exc, RedisClusterException):
         from .client import _is_outage  # the Cluster client's own rule
 
