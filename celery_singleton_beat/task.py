@@ -42,8 +42,10 @@ run decides, with a ready outcome.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
+import types
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, ClassVar
@@ -147,6 +149,11 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         super().on_bound(app)
         if cls.__dict__.get("name") is None and cls is SingletonTask:
             return
+        unique_on = inspect.getattr_static(cls, "unique_on", None)
+        if isinstance(unique_on, types.FunctionType):
+            # ``@app.task(unique_on=f)`` or ``unique_on = f`` in a class body: a function
+            # class attribute would be bound as a method (called with the task first).
+            cls.unique_on = staticmethod(unique_on)
         cls._check_options()
         # A task's own Request class keeps working, with ours mixed in front.
         cls.Request = worker_support.compose_request(cls.Request)  # type: ignore[assignment]  # a class now
