@@ -13,14 +13,35 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 
-from .support import LOCK_DB, RedisServer, importorskip, wait_for
-from .support.beat import already_scheduled
-from .support.redbeat import OURS, api_app, create_entry, meta_of, recording_scheduler, set_every
+from .support import LOCK_DB, CeleryProcess, Owner, RedisServer, importorskip, owning, soak, wait_for, wait_for_phase
+from .support.beat import (
+    already_scheduled,
+    assert_once_per_slot,
+    fresh_beat_state,
+    module_beat_worker,
+    read_runs,
+)
+from .support.dbbeat import all_running, assert_follows_edit, assert_no_errors, assert_took_part, stop_and_drain
+from .support.redbeat import (
+    OURS,
+    PLAIN,
+    api_app,
+    as_epoch,
+    create_entry,
+    figures,
+    meta_of,
+    recording_scheduler,
+    set_every,
+    start_redbeat_beats,
+)
 from .support.slots import UTC, parse_slot, slot_floor
 
 importorskip("redbeat")
@@ -28,6 +49,14 @@ importorskip("redbeat")
 
 def sent_names(scheduler: Any) -> list[str]:
     return [sent["args"][0] for sent in scheduler.sent]
+
+
+def runs_of_entry(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [run for run in runs if run["entry"] == name]
+
+
+def runs_of(redis_server: RedisServer, name: str) -> list[dict[str, Any]]:
+    return runs_of_entry(read_runs(redis_server), name)
 
 
 def test_base_install_does_not_import_redbeat() -> None:
@@ -161,3 +190,123 @@ def test_an_entry_the_beat_cannot_schedule_is_logged_and_skipped(
         assert f"RedBeat entry {OURS}bad not scheduled" in caplog.text
     finally:
         scheduler.close()
+
+
+# ----------------------------------------------------------------- real beats, side by side
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """What the beats of the scenario did (see :func:`side_by_side`)."""
+
+    ours: list[CeleryProcess]
+    plain: list[CeleryProcess]
+    names: dict[str, str]  # role -> entry name
+    edited: float
+    settled: float
+    killed_at: float
+    stopped: float
+    runs: list[dict[str, Any]]
+    last_meta: dict[str, Any]
+    our_victim: CeleryProcess
+    plain_victim: CeleryProcess
+
+
+@pytest.fixture(scope="module")
+def redbeat_worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
+    yield from module_beat_worker(redis_server, "redbeat")
+
+
+@pytest.fixture(scope="module")
+def side_by_side(redis_server: RedisServer, redbeat_worker: CeleryProcess) -> Iterator[SideBySide]:
+    """Three of our beats and three of RedBeat's own on one Redis, each kind on its own
+    RedBeat prefix; the same entries created through RedBeat's API while they run (1 s and
+    2 s), the 2 s one set to 1 s; then the beat that sent the latest slot (ours) and the lock
+    holder (RedBeat's) SIGKILLed at the same moment, half-way between two slots. Ends once
+    RedBeat's own beats sent again and ours ran 5 s more; the beats are stopped and the
+    queue drained."""
+    prefix = fresh_beat_state(redis_server, redbeat_worker, "rb")
+    names = {f"{kind}-{role}": f"{prefix}{kind}-{role}" for kind in ("ours", "plain") for role in ("1s", "edited")}
+    apis = {"ours": api_app(redis_server, OURS), "plain": api_app(redis_server, PLAIN)}
+    owner = Owner("redbeat beats")
+    try:
+        with owning(owner):
+            ours = start_redbeat_beats(redis_server, ["a", "b", "c"])
+            plain = start_redbeat_beats(redis_server, ["a", "b", "c"], plain=True)
+            everyone = ours + plain
+            for kind, api in apis.items():
+                create_entry(api, names[f"{kind}-1s"], 1)
+                create_entry(api, names[f"{kind}-edited"], 2)
+            wait_for(lambda: all(len(runs_of(redis_server, names[f"{kind}-1s"])) >= 3 for kind in apis),
+                     timeout=30, message="three runs of each 1 s entry")
+            wait_for_phase(2.0, 0.4, 0.6)  # between the slots of both grids
+            for kind, api in apis.items():
+                set_every(api, names[f"{kind}-edited"], 1)
+            edited = time.time()
+            wait_for(lambda: all(f"beat: {names['ours-edited']}: schedule changed" in beat.output() for beat in ours),
+                     timeout=30, message="every beat of ours to see the edit")
+            settled = time.time()
+            wait_for(lambda: len([run for run in runs_of(redis_server, names["ours-edited"])
+                                  if run["at"] > settled]) >= 2, timeout=30, message="runs on the new grid")
+            winner = runs_of(redis_server, names["ours-1s"])[-1]["instance"]
+            our_victim = next(beat for beat in ours if f":{beat.pid}:" in winner)
+            plain_victim = next(beat for beat in plain if "beat: Acquired lock" in beat.output())
+            wait_for_phase(1.0, 0.45, 0.55)  # half-way between two slots: no send in flight
+            our_victim.kill_group()
+            plain_victim.kill_group()
+            killed_at = time.time()
+            survivors = [beat for beat in everyone if beat not in (our_victim, plain_victim)]
+            wait_for(lambda: all_running(survivors)() and any(
+                (run["sent_at"] or 0) > killed_at for run in runs_of(redis_server, names["plain-1s"])),
+                timeout=60, message="RedBeat's own beats to send again after the kill")
+            soak(killed_at + 5 - time.time(), check=all_running(survivors), what="beats after the kill")
+            stopped = stop_and_drain(redis_server, everyone)
+            last_meta = meta_of(apis["ours"], names["ours-1s"])
+    except BaseException:
+        owner.close()
+        raise
+    yield SideBySide(ours, plain, names, edited, settled, killed_at, stopped, read_runs(redis_server),
+                     last_meta, our_victim, plain_victim)
+    owner.close()
+
+
+def _sent(runs: list[dict[str, Any]], name: str, by_slot: bool) -> list[float]:
+    return [as_epoch(run["slot"]) if by_slot else run["sent_at"] for run in runs if run["entry"] == name]
+
+
+def test_three_beats_on_redbeat_send_each_slot_once_and_lose_none_to_a_kill(side_by_side: SideBySide) -> None:
+    """Ours: one run per slot and no gap for the entry created while the beats ran, across
+    the SIGKILL; the entry edited through RedBeat's API follows the edit on every beat (old
+    grid before, every slot of the new grid after); every beat took part (no lock); RedBeat's
+    ``last_run_at`` is the latest slot."""
+    run = side_by_side
+    one_second, edited = run.names["ours-1s"], run.names["ours-edited"]
+    slots = assert_once_per_slot(run.runs, one_second, timedelta(seconds=1), slot_floor(run.stopped - 1, 1))
+    assert slots[0].timestamp() < run.killed_at < slots[-1].timestamp() - 4
+    assert_follows_edit(run.runs, edited, 2, 1, run.edited, run.settled, slot_floor(run.stopped - 1.5, 1))
+    after = {r["instance"] for r in runs_of_entry(run.runs, one_second) if as_epoch(r["slot"]) > run.killed_at}
+    assert after and not any(f":{run.our_victim.pid}:" in instance for instance in after)
+    survivors = [beat for beat in run.ours if beat is not run.our_victim]
+    assert_took_part(survivors, one_second, minimum=8)
+    assert_no_errors(run.ours)
+    ours = figures(_sent(run.runs, one_second, by_slot=True), 1.0)
+    assert (ours.per_slot, ours.missed) == (1.0, 0)
+    assert run.last_meta["last_run_at"] == slots[-1]
+
+
+def test_redbeats_own_lock_hand_over_loses_slots_measured_beside_ours(
+        side_by_side: SideBySide, capsys: pytest.CaptureFixture[str]) -> None:
+    """RedBeat's own ``RedBeatScheduler`` in the same run: the lock holder SIGKILLed, nothing is
+    sent until its lock expires (5 x ``beat_max_loop_interval``) and a standby takes it:
+    slots lost. Both kinds measured on the 1 s entry and printed side by side."""
+    run = side_by_side
+    ours = figures(_sent(run.runs, run.names["ours-1s"], by_slot=True), 1.0)
+    plain = figures(_sent(run.runs, run.names["plain-1s"], by_slot=False), 1.0)
+    with capsys.disabled():
+        print(f"\n{'1 s entry, 3 beats, one SIGKILLed':<34} {'sends':>5} {'slots':>5} {'per slot':>8} "
+              f"{'missed':>6} {'gap (s)':>8}")
+        print(ours.row("SingletonRedBeatScheduler"))
+        print(plain.row("RedBeatScheduler (lock, 5 s)"))
+    assert plain.missed >= 1, plain
+    assert plain.longest_gap > 2, plain
+    assert (ours.per_slot, ours.missed) == (1.0, 0)

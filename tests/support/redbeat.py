@@ -24,7 +24,7 @@ from .servers import LOCK_DB, RedisServer
 
 __all__ = [
     "OURS", "PLAIN", "REDBEAT_APP", "SCHEDULER", "TASK", "Figures", "api_app", "create_entry",
-    "figures", "meta_of", "recording_scheduler", "set_every", "start_redbeat_beat",
+    "figures", "meta_of", "recording_scheduler", "set_every", "start_redbeat_beats",
 ]
 
 SCHEDULER = "celery_singleton_beat.contrib.redbeat:SingletonRedBeatScheduler"
@@ -86,16 +86,18 @@ def recording_scheduler(redis_server: RedisServer, **conf: Any) -> Any:
     return Recording(app=app)
 
 
-def start_redbeat_beat(redis_server: RedisServer, name: str, *, plain: bool = False) -> CeleryProcess:
-    """A real ``celery beat`` on RedBeat's keys: ours, or RedBeat's own ``RedBeatScheduler``
-    (``plain``, under its own prefix). Waits until it ticks (RedBeat's own: until it
-    started; its standbys wait for the lock)."""
+def start_redbeat_beats(redis_server: RedisServer, names: list[str], *, plain: bool = False) -> list[CeleryProcess]:
+    """Real ``celery beat`` processes on RedBeat's keys, started together: ours, or RedBeat's
+    own ``RedBeatScheduler`` (``plain``, under its own prefix). Returns once each ticks
+    (RedBeat's own: once each started; its standbys then wait for the lock)."""
     settings = {"redbeat_key_prefix": PLAIN if plain else OURS}
     env = child_env(redis_server, CSB_BEAT_SETTINGS=json.dumps(settings))
-    beat = CeleryProcess(["-A", REDBEAT_APP, "beat", "-S", PLAIN_SCHEDULER if plain else SCHEDULER,
-                          "-l", "info"], env, name=f"{'plain' if plain else 'our'}-redbeat-{name}").start()
-    beat.wait_for_log("beat: Starting..." if plain else "beat: singleton scheduler", timeout=60)
-    return beat
+    beats = [CeleryProcess(["-A", REDBEAT_APP, "beat", "-S", PLAIN_SCHEDULER if plain else SCHEDULER,
+                            "-l", "info"], env, name=f"{'plain' if plain else 'our'}-redbeat-{name}").start()
+             for name in names]
+    for beat in beats:
+        beat.wait_for_log("beat: Starting..." if plain else "beat: singleton scheduler", timeout=60)
+    return beats
 
 
 @dataclass(frozen=True)
