@@ -79,7 +79,7 @@ def recording_scheduler(redis_server: RedisServer, **conf: Any) -> Any:
     from celery_singleton_beat.contrib.redbeat import SingletonRedBeatScheduler
 
     class Recording(SendRecorder, SingletonRedBeatScheduler):
-        pass
+        schedule_read_interval = 0.0  # every tick reads (the tests tick faster than once a second)
 
     url = redis_server.url(LOCK_DB)
     app = beat_app(None, {}, url, redbeat_redis_url=url, redbeat_key_prefix=OURS, **conf)
