@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from .support.beat import (
     read_runs,
 )
 from .support.dbbeat import all_running, assert_follows_edit, assert_no_errors, assert_took_part, stop_and_drain
+from .support.extras import assert_needs_extra
 from .support.redbeat import (
     OURS,
     PLAIN,
@@ -61,24 +60,7 @@ def runs_of(redis_server: RedisServer, name: str) -> list[dict[str, Any]]:
 
 def test_base_install_does_not_import_redbeat() -> None:
     """The package imports without RedBeat; the contrib module names the extra."""
-    code = (
-        "import sys, importlib.abc\n"
-        "class Block(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name.split('.')[0] == 'redbeat':\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "import celery_singleton_beat, celery_singleton_beat.cli, celery_singleton_beat.contrib\n"
-        "try:\n"
-        "    import celery_singleton_beat.contrib.redbeat\n"
-        "except ImportError as exc:\n"
-        "    print('HINT', exc)\n"
-        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == 'redbeat'))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert "LOADED []" in done.stdout
-    assert "pip install 'celery-singleton-beat[redbeat]'" in done.stdout
+    assert_needs_extra("redbeat", ("redbeat",), "redbeat")
 
 
 def test_what_redbeats_api_does_reaches_the_beat_at_its_next_tick(redis_db: Any, redis_server: RedisServer) -> None:
