@@ -119,8 +119,9 @@ class _Definitions:
         self.entries: dict[str, Any] = {}
         self.failing = False
 
-    def read(self) -> bool:
-        """Read every definition; True if the scheduled entries changed. Raises ``redis.RedisError``."""
+    def read(self, log: bool = True) -> bool:
+        """Read every definition; True if the scheduled entries changed (logged unless not ``log``).
+        Raises ``redis.RedisError``."""
         app = self.scheduler.app
         client = _client(app)
         keys = [_text(key) for key in client.zrange(app.redbeat_conf.schedule_key, 0, -1)]
@@ -141,19 +142,19 @@ class _Definitions:
             entry = self._decode(key, raw)
             scheduled = entry is not None and bool(entry.enabled)
             read_last[key] = (raw, entry.name if scheduled else None)
-            was = last is not None and last[1] is not None
+            previous = last[1] if last is not None else None  # its name if it was scheduled
             if scheduled:
                 entries[entry.name] = entry
-                changes["changed" if was else "new or enabled"].append(entry.name)
-            elif last is not None and last[1] is not None:
-                changes["disabled"].append(last[1])
+                changes["changed" if previous is not None else "new or enabled"].append(entry.name)
+            elif previous is not None:
+                changes["disabled"].append(previous)
         changes["deleted"] = [name for key, (_, name) in self.read_last.items()
                               if name is not None and key not in found]
         self.read_last = read_last
         if not any(changes.values()):
             return False
         self.entries = entries
-        for what, names in changes.items():
+        for what, names in changes.items() if log else ():
             if names:
                 logger.info("beat: RedBeat entries %s: %s%s", what, ", ".join(sorted(names)[:10]),
                             f" (+{len(names) - 10} more)" if len(names) > 10 else "")
@@ -249,7 +250,7 @@ class SingletonRedBeatScheduler(ScheduleFollower, SingletonSchedulerMixin, _RedB
     @property
     def schedule(self) -> dict[str, Any]:
         if not self._loaded:
-            self._definitions.read()  # at start: RedBeat's Redis must answer, as with RedBeat
+            self._definitions.read(log=False)  # at start: RedBeat's Redis must answer, as with RedBeat
             self._loaded = True
             self._next_read = time.monotonic() + self.schedule_read_interval
             logger.info("beat: %d RedBeat entr%s in %s (prefix %r); no RedBeat lock: every beat sends",
