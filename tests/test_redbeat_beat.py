@@ -36,6 +36,7 @@ from .support.redbeat import (
     as_epoch,
     create_entry,
     figures,
+    logged_at,
     meta_of,
     recording_scheduler,
     set_every,
@@ -192,6 +193,7 @@ class SideBySide:
     last_meta: dict[str, Any]
     our_victim: CeleryProcess
     plain_victim: CeleryProcess
+    seen_after: list[float]  # per beat of ours: seconds from the edit to its log line
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +230,8 @@ def side_by_side(redis_server: RedisServer, redbeat_worker: CeleryProcess) -> It
             wait_for(lambda: all(f"beat: {names['ours-edited']}: schedule changed" in beat.output() for beat in ours),
                      timeout=30, message="every beat of ours to see the edit")
             settled = time.time()
+            seen_after = [logged_at(beat, f"beat: {names['ours-edited']}: schedule changed") - edited
+                          for beat in ours]
             wait_for(lambda: len([run for run in runs_of(redis_server, names["ours-edited"])
                                   if run["at"] > settled]) >= 2, timeout=30, message="runs on the new grid")
             winner = runs_of(redis_server, names["ours-1s"])[-1]["instance"]
@@ -248,7 +252,7 @@ def side_by_side(redis_server: RedisServer, redbeat_worker: CeleryProcess) -> It
         owner.close()
         raise
     yield SideBySide(ours, plain, names, edited, settled, killed_at, stopped, read_runs(redis_server),
-                     last_meta, our_victim, plain_victim)
+                     last_meta, our_victim, plain_victim, seen_after)
     owner.close()
 
 
@@ -289,6 +293,8 @@ def test_redbeats_own_lock_hand_over_loses_slots_measured_beside_ours(
               f"{'missed':>6} {'gap (s)':>8}")
         print(ours.row("SingletonRedBeatScheduler"))
         print(plain.row("RedBeatScheduler (lock, 5 s)"))
+        print("edit seen by our beats after " + ", ".join(f"{s:.2f} s" for s in sorted(run.seen_after))
+              + " (beat_max_loop_interval 1 s)")
     assert plain.missed >= 1, plain
     assert plain.longest_gap > 2, plain
     assert (ours.per_slot, ours.missed) == (1.0, 0)

@@ -24,7 +24,7 @@ from .servers import LOCK_DB, RedisServer
 
 __all__ = [
     "OURS", "PLAIN", "REDBEAT_APP", "SCHEDULER", "TASK", "Figures", "api_app", "create_entry",
-    "figures", "meta_of", "recording_scheduler", "set_every", "start_redbeat_beats",
+    "figures", "logged_at", "meta_of", "recording_scheduler", "set_every", "start_redbeat_beats",
 ]
 
 SCHEDULER = "celery_singleton_beat.contrib.redbeat:SingletonRedBeatScheduler"
@@ -130,6 +130,13 @@ def figures(times: list[float], period: float) -> Figures:
     ordered = sorted(times)
     gap = max((b - a for a, b in itertools.pairwise(ordered)), default=0.0)
     return Figures(len(times), last - first + 1, len(cells), gap)
+
+
+def logged_at(process: CeleryProcess, text: str) -> float:
+    """Epoch time of the first line of ``process``'s log containing ``text`` (Celery logs
+    ``[YYYY-mm-dd HH:MM:SS,mmm: ...`` in local time)."""
+    line = next(line for line in process.output().splitlines() if text in line)
+    return datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def as_epoch(label: str) -> float:
