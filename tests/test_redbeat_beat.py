@@ -66,13 +66,17 @@ def test_base_install_does_not_import_redbeat() -> None:
 
 def test_what_redbeats_api_does_reaches_the_beat_at_its_next_tick(redis_db: Any, redis_server: RedisServer) -> None:
     """Created, edited, disabled, enabled and deleted through RedBeat's API: each is in the
-    beat's schedule after its next tick. A new entry sends nothing before its next slot
-    (RedBeat's own scheduler would send it at once)."""
+    beat's schedule after its next tick. Neither an entry there at the first start nor one
+    created later sends anything before its next slot."""
     from redbeat import RedBeatSchedulerEntry
 
     api = api_app(redis_server)
+    create_entry(api, "before-start", 3600)
     scheduler = recording_scheduler(redis_server)
     try:
+        scheduler.tick()
+        assert list(scheduler.schedule) == ["before-start"]
+        RedBeatSchedulerEntry(name="before-start", app=api).delete()
         scheduler.tick()
         assert scheduler.schedule == {}
         create_entry(api, "hourly", 3600)
