@@ -43,6 +43,7 @@ from .support.beat import (
     assert_once_per_slot,
     beat_app,
     fresh_beat_state,
+    logged_sends,
     module_beat_worker,
     read_runs,
 )
@@ -183,7 +184,8 @@ def test_three_workers_with_embedded_singleton_beats_send_each_slot_once_and_sur
         redis_server: RedisServer, slot_worker: CeleryProcess, processes: list[CeleryProcess],
         tmp_path: Path) -> None:
     """Three ``celery worker -B --scheduler singleton`` (the app's ``beat_scheduler`` is
-    Celery's own: the option picks the scheduler), a 1 s entry: one run per slot, every
+    Celery's own: the option picks the scheduler), a 1 s entry: one send (in the beats'
+    logs) and one run per slot, every
     worker's beat decides slots; the worker whose beat sent the latest slot is SIGKILLed
     half-way between two slots (with its beat): the others send every slot after it.
 
@@ -208,7 +210,11 @@ def test_three_workers_with_embedded_singleton_beats_send_each_slot_once_and_sur
     stopped = stop_and_drain(redis_server, workers)
 
     runs = [run for run in read_runs(redis_server) if run["entry"] == entry]
-    slots = assert_once_per_slot(runs, entry, timedelta(seconds=1), slot_floor(stopped - 1, 1))
+    until = slot_floor(stopped - 1, 1)  # sent a second before the first stop
+    slots = assert_once_per_slot(runs, entry, timedelta(seconds=1), until)
+    sends = {slot: n for slot, n in logged_sends(workers, entry).items() if parse_slot(slot) <= until}
+    assert set(sends) == {run["slot"] for run in runs if parse_slot(run["slot"]) <= until}
+    assert set(sends.values()) == {1}, {slot: n for slot, n in sends.items() if n != 1}
     assert slots[0].timestamp() < killed_at < slots[-1].timestamp() - 4
     after = {run["instance"] for run in runs if parse_slot(run["slot"]).timestamp() > killed_at}
     assert after and winner not in after

@@ -24,6 +24,7 @@ from .support.beat import (
     already_scheduled,
     assert_once_per_slot,
     fresh_beat_state,
+    logged_sends,
     module_beat_worker,
     read_runs,
 )
@@ -210,9 +211,9 @@ def side_by_side(redis_server: RedisServer, redbeat_worker: CeleryProcess) -> It
     """Three of our beats and three of RedBeat's own on one Redis, each kind on its own
     RedBeat prefix; the same entries created through RedBeat's API while they run (1 s and
     2 s), the 2 s one set to 1 s; then the beat that sent the latest slot (ours) and the lock
-    holder (RedBeat's) SIGKILLed at the same moment, half-way between two slots. Ends once
-    RedBeat's own beats sent again and ours ran 5 s more; the beats are stopped and the
-    queue drained."""
+    holder (RedBeat's) SIGKILLed at the same moment, half-way between two slots. Ends 5 s
+    after the kill, and at least 2 s after RedBeat's own beats sent again; the beats are
+    stopped and the queue drained."""
     prefix = fresh_beat_state(redis_server, redbeat_worker, "rb")
     names = {f"{kind}-{role}": f"{prefix}{kind}-{role}" for kind in ("ours", "plain") for role in ("1s", "edited")}
     apis = {"ours": api_app(redis_server, OURS), "plain": api_app(redis_server, PLAIN)}
@@ -249,7 +250,9 @@ def side_by_side(redis_server: RedisServer, redbeat_worker: CeleryProcess) -> It
             wait_for(lambda: all_running(survivors)() and any(
                 (run["sent_at"] or 0) > killed_at for run in runs_of(redis_server, names["plain-1s"])),
                 timeout=60, message="RedBeat's own beats to send again after the kill")
-            soak(killed_at + 5 - time.time(), check=all_running(survivors), what="beats after the kill")
+            # Ours: 5 s after the kill; RedBeat's: two more sends after its hand-over.
+            soak(max(killed_at + 5, time.time() + 2) - time.time(), check=all_running(survivors),
+                 what="beats after the kill")
             stopped = stop_and_drain(redis_server, everyone)
             last_meta = meta_of(apis["ours"], names["ours-1s"])
     except BaseException:
@@ -260,8 +263,17 @@ def side_by_side(redis_server: RedisServer, redbeat_worker: CeleryProcess) -> It
     owner.close()
 
 
-def _sent(runs: list[dict[str, Any]], name: str, by_slot: bool) -> list[float]:
-    return [as_epoch(run["slot"]) if by_slot else run["sent_at"] for run in runs if run["entry"] == name]
+def _our_sends(run: SideBySide) -> list[float]:
+    """The slots of our 1 s entry, once per send the beats logged, up to a second before they
+    were stopped."""
+    slots = [as_epoch(slot) for slot in logged_sends(run.ours, run.names["ours-1s"]).elements()]
+    return [at for at in slots if at <= run.stopped - 1]
+
+
+def _plain_sends(run: SideBySide) -> list[float]:
+    """When RedBeat's own beats sent the 1 s entry (its messages carry no slot), up to a
+    second before they were stopped."""
+    return [r["sent_at"] for r in runs_of_entry(run.runs, run.names["plain-1s"]) if r["sent_at"] <= run.stopped - 1]
 
 
 def test_three_beats_on_redbeat_send_each_slot_once_and_lose_none_to_a_kill(side_by_side: SideBySide) -> None:
@@ -279,8 +291,10 @@ def test_three_beats_on_redbeat_send_each_slot_once_and_lose_none_to_a_kill(side
     survivors = [beat for beat in run.ours if beat is not run.our_victim]
     assert_took_part(survivors, one_second, minimum=8)
     assert_no_errors(run.ours)
-    ours = figures(_sent(run.runs, one_second, by_slot=True), 1.0)
+    ours = figures(_our_sends(run), 1.0)
     assert (ours.per_slot, ours.missed) == (1.0, 0)
+    assert {as_epoch(r["slot"]) for r in runs_of_entry(run.runs, one_second)
+            if as_epoch(r["slot"]) <= run.stopped - 1} == set(_our_sends(run))
     assert run.last_meta["last_run_at"] == slots[-1]
 
 
@@ -290,8 +304,8 @@ def test_redbeats_own_lock_hand_over_loses_slots_measured_beside_ours(
     sent until its lock expires (5 x ``beat_max_loop_interval``) and a standby takes it:
     slots lost. Both kinds measured on the 1 s entry and printed side by side."""
     run = side_by_side
-    ours = figures(_sent(run.runs, run.names["ours-1s"], by_slot=True), 1.0)
-    plain = figures(_sent(run.runs, run.names["plain-1s"], by_slot=False), 1.0)
+    ours = figures(_our_sends(run), 1.0)
+    plain = figures(_plain_sends(run), 1.0)
     with capsys.disabled():
         print(f"\n{'1 s entry, 3 beats, one SIGKILLed':<34} {'sends':>5} {'slots':>5} {'per slot':>8} "
               f"{'missed':>6} {'gap (s)':>8}")
