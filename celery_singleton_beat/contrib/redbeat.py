@@ -48,7 +48,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 import redis
 from celery.beat import ScheduleEntry, Scheduler
-from redis.cluster import RedisCluster
 
 from celery_singleton_beat import SingletonSchedulerMixin
 from celery_singleton_beat.beat.claims import Claim, _evalsha_pipelined
@@ -324,13 +323,8 @@ class SingletonRedBeatScheduler(ScheduleFollower, SingletonSchedulerMixin, _RedB
             written = _evalsha_pipelined(client, WRITE_META, [
                 ([key], [f"{pending[key][0]:.6f}", pending[key][1], META_SLOT_FIELD]) for key in keys])
             scores = {key: pending[key][2] for key, done in zip(keys, written, strict=True) if done}
-            if scores:
-                schedule_key = self.app.redbeat_conf.schedule_key
-                if isinstance(client, RedisCluster):
-                    for key, score in scores.items():
-                        client.zadd(schedule_key, {key: score}, xx=True)
-                else:
-                    client.zadd(schedule_key, scores, xx=True)
+            if scores:  # members only: an entry deleted meanwhile is not added back
+                client.zadd(self.app.redbeat_conf.schedule_key, scores, xx=True)
         except redis.RedisError as exc:
             (logger.debug if self._meta_failing else logger.warning)(
                 "beat: could not write RedBeat's last_run_at of %d entr%s: %s",
