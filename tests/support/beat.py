@@ -4,6 +4,7 @@ driven by a clock moved by hand (sends recorded instead of published)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -28,8 +29,8 @@ from .waiting import wait_for
 __all__ = [
     "BEAT_APP", "RUNS_KEY", "ClockApp", "ManualClock", "RecordingScheduler",
     "RecordingSingletonScheduler", "SendRecorder", "already_scheduled", "assert_once_per_slot", "beat_app",
-    "claims_of", "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots", "slot_counts",
-    "start_beat", "start_beat_pair", "wait_for_slot",
+    "claims_of", "logged_sends", "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots",
+    "slot_counts", "start_beat", "start_beat_pair", "wait_for_slot",
 ]
 
 BEAT_APP = "tests.apps.beat_app"
@@ -137,6 +138,14 @@ def runs_by_slot(redis_server: RedisServer, prefix: str) -> dict[str, dict[str, 
 def slot_counts(runs: Iterable[dict[str, Any]], entry: str | None = None) -> Counter[str]:
     """How many executions each slot got."""
     return Counter(run["slot"] for run in runs if entry is None or run["entry"] == entry)
+
+
+def logged_sends(processes: Iterable[CeleryProcess], entry: str) -> Counter[str]:
+    """How many times the beats' logs say each slot of ``entry`` was sent (won and sent, taken
+    over, or sent again after a failed publish), over every process, killed ones included."""
+    pattern = re.compile(rf"beat: {re.escape(entry)}: slot (\S+) (won by|took over|was handed back)")
+    return Counter(match.group(1) for process in processes
+                   for match in pattern.finditer(process.output()))
 
 
 def wait_for_slot(redis_server: RedisServer, at: datetime, timeout: float = 30.0) -> None:
