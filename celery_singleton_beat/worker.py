@@ -20,6 +20,11 @@
   check, every 5 s, and the dead run's lock (and the replacement child) waits
   that long. :class:`SingletonWorkerStep` runs that check every
   :data:`POOL_CHECK_INTERVAL` seconds instead.
+* A prefork child ends with ``os._exit`` (recycled by
+  ``worker_max_tasks_per_child`` / ``worker_max_memory_per_child``, or at a
+  shutdown): ``atexit`` never runs there. When it ends, the replies of its
+  releases still unread are read and its counters written
+  (:func:`~.counters.flush_at_exit`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
+from . import counters
 from .client import get_redis
 from .config import get_settings
 from .events import logger
@@ -65,6 +71,17 @@ _task_events = False
 def sends_task_events() -> bool:
     """True in a worker (pool children included) that sends task events."""
     return _task_events
+
+
+def _flush_at_child_exit(**_: Any) -> None:
+    """A prefork child ends (``os._exit``, no ``atexit``): read its unread replies, write its counts."""
+    try:
+        counters.flush_at_exit()
+    except Exception as exc:  # the child ends whatever happens here
+        logger.warning("could not write this pool process's counters before it ended: %s", exc)
+
+
+signals.worker_process_shutdown.connect(_flush_at_child_exit, weak=False)
 
 
 def install(app: Celery) -> None:
