@@ -10,6 +10,7 @@ may start any outage in between (:class:`Outage`, or several).
 from __future__ import annotations
 
 import itertools
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,14 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from .owners import register
+from .paths import scratch_file
 from .processes import CeleryProcess, start_worker
 from .servers import RedisServer
 from .waiting import wait_for
 
-__all__ = ["APP", "DROPPED", "NOT_STARTED", "Held", "Outage", "dropped", "hold_at_the_gate", "open_the_gate",
-           "wait_for_output"]
+__all__ = ["APP", "DROPPED", "NOT_STARTED", "Held", "Outage", "Unanswered", "dropped", "hold_at_the_gate",
+           "open_the_gate", "wait_for_output"]
 
 APP = "tests.apps.outage_app"
 #: What Celery logs when a run's message is dropped for good.
@@ -66,6 +69,48 @@ class Outage:
                 admin.config_set("maxmemory", 0)
 
 
+class Unanswered:
+    """A loopback port where nothing answers: a connect to it times out (a host that is down
+    or cut off, not one that refuses). It listens but never accepts, and its one-slot
+    backlog is filled first, so the kernel drops every further SYN. Closed by its owner."""
+
+    name = "unanswered"
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.fillers: list[socket.socket] = []
+        self.log = scratch_file(self.name)  # nothing is written there: a failure report shows it empty
+
+    def start(self) -> Unanswered:
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(0)
+        for _ in range(2):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", self.port))
+            self.fillers.append(filler)
+        register(self)
+        return self
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.getsockname()[1])
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    @property
+    def running(self) -> bool:
+        return self.listener.fileno() != -1
+
+    def tail(self, lines: int = 15) -> str:
+        return ""
+
+    def close(self) -> None:
+        for sock in (*self.fillers, self.listener):
+            sock.close()
+
+
 def dropped(worker: CeleryProcess) -> bool:
     return DROPPED in worker.output()
 
@@ -83,7 +128,7 @@ class Held:
 
     worker: CeleryProcess
     result: AsyncResult
-    lock_server: RedisServer
+    lock_server: RedisServer | Unanswered
     broker: RedisServer
     pool: str
     env: dict[str, str]
@@ -98,16 +143,16 @@ class Held:
         """Whether a worker of this run logged ``text``."""
         return any(text in worker.output() for worker in self.workers)
 
-    def standby(self, redis_server: RedisServer) -> CeleryProcess:
-        """Start one more worker of the same app, pool and servers (for a message given back,
-        or one whose first worker exited)."""
-        worker = start_worker(redis_server, APP, f"standby{next(_workers)}", pool=self.pool, env=self.env)
+    def standby(self, redis_server: RedisServer, pool: str | None = None) -> CeleryProcess:
+        """Start one more worker of the same app and servers, on the same pool unless told
+        (for a message given back, or one whose first worker exited)."""
+        worker = start_worker(redis_server, APP, f"standby{next(_workers)}", pool=pool or self.pool, env=self.env)
         self.standbys.append(worker)
         return worker
 
 
 def hold_at_the_gate(
-    task: str, pool: str, *, redis_server: RedisServer, lock_server: RedisServer, broker: RedisServer,
+    task: str, pool: str, *, redis_server: RedisServer, lock_server: RedisServer | Unanswered, broker: RedisServer,
     client_apps: list[Celery], gate: Path, options: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
 ) -> Held:
