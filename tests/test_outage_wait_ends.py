@@ -201,16 +201,22 @@ def test_a_warm_shutdown_ends_the_wait_for_redis(
 ) -> None:
     """The lock Redis is the broker and is out; the worker is told to stop warm (SIGTERM to
     its main process, or ``celery control shutdown``: no signal in the worker). The waiting
-    run notices: the worker exits while Redis is still out. An ``acks_late`` run's message
-    is given back and runs once Redis is back; a run acknowledged at its start ends
-    without running."""
+    run notices, in the middle of its back-off: the worker exits while Redis is still out.
+    An ``acks_late`` run's message is given back and runs once Redis is back; a run
+    acknowledged at its start ends without running.
+
+    The run was retried ten times already and the back-off may reach an hour: its pause
+    between two attempts lasts 512 to 1024 s, which the stop must not wait out.
+    """
     server = lock_server_and_broker(make_redis)
     held = hold_at_the_gate(task, pool, redis_server=redis_server, lock_server=server, broker=server,
-                            client_apps=client_apps, gate=tmp_path)
+                            client_apps=client_apps, gate=tmp_path, options={"retries": 10},
+                            env={"CSB_BACKOFF_MAX": "3600"})
     outage = Outage(kind, server)
     outage.begin()
     open_the_gate(held)
 
+    held.worker.wait_for_line(f"[{held.result.id}] could not be published again either")
     if stop == "sigterm":
         held.worker.terminate()
     else:
