@@ -211,7 +211,10 @@ class Channel:
                 return link
             self._drop()  # a restart or a proxy closed it while it was idle: a new one
         if self._connection is None:
-            self._connection = self._pool.make_connection()
+            # Not pool.make_connection(): it counts each connection it makes against
+            # max_connections for good (a ConnectionPool) or keeps it in a list (a
+            # BlockingConnectionPool), and never learns that this one was dropped.
+            self._connection = self._pool.connection_class(**self._pool.connection_kwargs)
         self._used = False
         self._last_read = time.monotonic()
         ensure_checked(self._connection, server_of(self._client))
