@@ -224,11 +224,11 @@ class OutageWait:
             logger.warning("%s[%s] gives its message back to the broker (%s): Redis unavailable for %s; "
                            "it is delivered again (once the broker's visibility timeout passes if the "
                            "broker cannot take it back now)", task.name, request.id, why, self.key)
-            raise Reject(self.error, requeue=True)
+            raise Reject(self.error, requeue=True) from None  # the reason is in the line above
         logger.error("%s[%s] ends without running (LockUnavailable): %s, Redis unavailable for %s; its message "
                      "was acknowledged when the run started (the task is not acks_late) and cannot be given "
                      "back: publish it again", task.name, request.id, why, self.key)
-        raise self.error
+        raise self.error from None
 
 
 def _pause(seconds: float) -> bool:
