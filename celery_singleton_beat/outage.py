@@ -162,14 +162,14 @@ class OutageWait:
     """One run's wait for its lock Redis; made at its first failed acquire."""
 
     def __init__(self, task: ConflictOutcomes, key: str, started: float, client: Any) -> None:
+        """``started``: monotonic time the run's first acquire began."""
         self.task, self.key = task, key
         self.request = task.request
         #: The time limit the pool ends this run at, in seconds from its start (None: none).
         self.limit = time_limit_of(task, self.request)
-        accepted = accepted_at(self.request)
-        if accepted is not None:  # the pool's clock started then (before the task-started event)
-            started = min(started, accepted)
-        self.ends_at = None if self.limit is None else started + self.limit
+        accepted = accepted_at(self.request)  # the pool's clock started then, where it is known
+        origin = started if accepted is None else min(started, accepted)
+        self.ends_at = None if self.limit is None else origin + self.limit
         #: Seconds one attempt (acquire, then publish) may take.
         self.attempt_takes = _request_bound(client)
         self.attempt_started = started
