@@ -48,7 +48,7 @@ from .events import logger
 from .server import server_of
 from .wire import BROKEN, RETRIED, Request, SocketLink, Written, _NoScript, ensure_checked, read_replies, write_request
 
-__all__ = ["Channel", "channel_for", "channel_or_none", "supports_channel"]
+__all__ = ["Channel", "channel_for", "channel_or_none", "read_all_replies", "supports_channel"]
 
 #: Called with the result of a request sent without waiting (or the error it got).
 ReplyHandler = Callable[[Any, BaseException | None], None]
@@ -211,7 +211,10 @@ class Channel:
                 return link
             self._drop()  # a restart or a proxy closed it while it was idle: a new one
         if self._connection is None:
-            self._connection = self._pool.make_connection()
+            # Not pool.make_connection(): it counts each connection it makes against
+            # max_connections for good (a ConnectionPool) or keeps it in a list (a
+            # BlockingConnectionPool), and never learns that this one was dropped.
+            self._connection = self._pool.connection_class(**self._pool.connection_kwargs)
         self._used = False
         self._last_read = time.monotonic()
         ensure_checked(self._connection, server_of(self._client))
@@ -399,6 +402,21 @@ def _flusher() -> _Flusher:
                 _flusher_of.clear()
                 flusher = _flusher_of[pid] = _Flusher()
     return flusher
+
+
+def read_all_replies() -> None:
+    """Read the pending replies of every channel of this process now: it is about to end
+    (a prefork child ends with ``os._exit``, where the flusher thread would never run)."""
+    flusher = _flusher_of.get(os.getpid())
+    if flusher is None:
+        return
+    with flusher._cond:
+        channels = [channel for channel in (ref() for ref in flusher._channels) if channel is not None]
+    for channel in channels:
+        try:
+            channel.flush()
+        except Exception as exc:  # reported to the handlers; read the others
+            logger.debug("reading lock replies at exit failed: %s", exc)
 
 
 def supports_channel(client: Any) -> TypeGuard[redis.Redis]:

@@ -3,8 +3,14 @@
 A run never pays a request for its counters: each outcome adds one to a
 dictionary of this process, and a daemon thread writes what accumulated, one
 write of ``HINCRBY`` and ``PEXPIRE`` for every counter hash, at most :data:`FLUSH_EVERY` seconds
-after the first count (and at interpreter exit). The hashes expire
-:data:`~.scripts.STATS_TTL_MS` after their last write.
+after the first count. The hashes expire :data:`~.scripts.STATS_TTL_MS` after
+their last write.
+
+When the process ends (interpreter exit; a prefork pool child, which ends with
+``os._exit``, at Celery's ``worker_process_shutdown``: see :mod:`.worker`),
+:func:`flush_at_exit` first reads the replies of releases still unread (a
+release is counted when its reply says whether the lock was still ours), then
+writes what is left, after any write already under way.
 
 What a process counted and had not written yet is lost with it when it is
 SIGKILLed: at most one batch, the counts of its last second.
@@ -21,13 +27,13 @@ from typing import Any
 import redis
 
 from . import native
-from .channel import channel_or_none
+from .channel import channel_or_none, read_all_replies
 from .commands import raise_errors
 from .events import logger
 from .scripts import STATS_TTL_MS
 from .wire import Request
 
-__all__ = ["FLUSH_EVERY", "count", "flush"]
+__all__ = ["FLUSH_EVERY", "count", "flush", "flush_at_exit"]
 
 #: Seconds after a first count that the batch is written.
 FLUSH_EVERY = 1.0
@@ -42,6 +48,8 @@ class _Batch:
 
     def __init__(self) -> None:
         self.lock = native.allocate_lock()
+        #: Held while a batch is written: a flush at the process's end waits for one under way.
+        self.writing = native.allocate_lock()
         self.counts: dict[tuple[int, str], defaultdict[str, int]] = {}
         self.clients: dict[int, Any] = {}
         self.wake = native.Wakeup()
@@ -68,6 +76,10 @@ class _Batch:
             self.flush()
 
     def flush(self) -> None:
+        with self.writing:
+            self._write()
+
+    def _write(self) -> None:
         with self.lock:
             counts, self.counts = self.counts, {}
             clients, self.clients = self.clients, {}
@@ -150,10 +162,17 @@ def count(client: Any, key: str | None, field: str, amount: int = 1) -> None:
 
 
 def flush() -> None:
-    """Write this process's pending counts now (tests, tools, interpreter exit)."""
+    """Write this process's pending counts now (tests, tools); after a write under way."""
     batch = _batches.get(os.getpid())
     if batch is not None:
         batch.flush()
 
 
-atexit.register(flush)
+def flush_at_exit() -> None:
+    """This process ends: read every release reply still unread (each is counted), then
+    write the counts. At interpreter exit, and in a prefork child as it ends."""
+    read_all_replies()
+    flush()
+
+
+atexit.register(flush_at_exit)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import time
 import types
 from collections.abc import Callable
 from datetime import datetime
@@ -69,6 +70,7 @@ from .keeper import KeptLease, get_keeper
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .liveness import boot_id, publishes_liveness
 from .lock import AcquireResult, LockSpec, acquire
+from .outage import wait_for_redis
 from .publish import PublishClaims, delay_of
 from .run import SingletonRun
 
@@ -329,16 +331,15 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         settings, client, spec, _ = self._run_context(bool(request.is_eager))
         key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
-        attempt = 0
-        while True:
-            try:
-                result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt)
-                break
-            except redis.RedisError as exc:
-                unlocked = self._redis_unavailable(key, exc, fail_open=settings.fail_open, attempt=attempt)
-                if unlocked is not None:
-                    return unlocked
-                attempt += 1
+        started = time.monotonic()
+        try:
+            result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt)
+        except redis.RedisError as exc:
+            if settings.fail_open:
+                return self._run_unlocked(key, exc)
+            result = wait_for_redis(
+                self, key, exc, lambda: acquire(client, key, spec, request.id, node=request.hostname,
+                                                adopt_claim_of=adopt), started=started, client=client)
         if self.lock_mode == "until_executing":
             self._release_queue_claim(client, key)
         if result.completed:

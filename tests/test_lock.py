@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +20,9 @@ from celery_singleton_beat.run import SingletonRun
 from celery_singleton_beat.server import server_of
 from celery_singleton_beat.wire import SocketLink
 
-from .support import RedisServer, soak, wait_for
+from .support import LOCK_DB, RedisServer, soak, wait_for
 from .support.locking import take_lock
+from .support.proxy import DelayProxy
 
 KEY = "t:{demo.task:abc}"
 
@@ -335,3 +337,25 @@ def test_each_operation_is_one_request_and_counters_are_written_in_batches(
     assert {k.decode(): int(v) for k, v in observer.hgetall(stats).items()} == {
         "acquired": 1, "refused": 1, "renewed": 1, "released": 1}
     assert observer.pttl(stats) > 0, "counters expire when no longer updated"
+
+
+def test_a_flush_at_exit_waits_for_the_batch_being_written(redis_server: RedisServer, redis_db: redis.Redis) -> None:
+    """A process about to end (:func:`counters.flush_at_exit`) must not return while the
+    writer thread's batch is still on its way: the process would end with it. The
+    writer's write is held at a proxy; the flush at exit waits until it has landed."""
+    stats = "t:{stats}:task:demo.exit"
+    proxy = DelayProxy(redis_server.port, 0.0, name="counters-proxy").start()
+    client = redis.Redis.from_url(proxy.url(LOCK_DB))
+    observer = redis_server.client(LOCK_DB)
+    proxy.hold()
+    try:
+        counters.count(client, stats, "acquired")  # the writer writes it within FLUSH_EVERY
+        wait_for(lambda: proxy.held_bytes > 0, timeout=10, message="the writer's batch written, held at the proxy")
+        landed: list[dict[bytes, bytes]] = []
+        at_exit = threading.Thread(target=lambda: (counters.flush_at_exit(), landed.append(observer.hgetall(stats))))
+        at_exit.start()
+        soak(0.5, check=at_exit.is_alive, what="the flush at exit, waiting for the batch under way")
+    finally:
+        proxy.resume()
+    at_exit.join(timeout=30)
+    assert landed == [{b"acquired": b"1"}], "once the flush at exit returned, the batch had landed"
