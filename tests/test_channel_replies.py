@@ -20,8 +20,10 @@ import pytest
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
+from celery_singleton_beat.commands import raise_errors
 from celery_singleton_beat.lock import AcquireResult, read_holder
 from celery_singleton_beat.scripts import RELEASE
+from celery_singleton_beat.wire import Request, run_pooled
 
 from .support import RedisServer, wait_for
 from .support.interrupts import RaiseInto, blocked_on, main_waits_for_a_reply_in, queued_behind, when
@@ -189,6 +191,7 @@ def test_a_pooled_request_whose_script_load_is_refused_reads_its_own_reply_befor
     held_by_another(server)
     lease = take(client, "id-1").lease
     assert lease is not None
+    assert run_pooled(client, KEY, Request([(b"PING",)], raise_errors)) is None  # a pool connection, checked
     admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
     try:
         # The server goes on once the renewal waits for its script's reply, or once another

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from redis.cluster import RedisCluster
 
-from celery_singleton_beat.client import redis_from_url
+from celery_singleton_beat.client import acl_rules, redis_from_url
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.keeper import KeptLease, get_keeper
 from celery_singleton_beat.lock import AcquireResult, done_key
@@ -26,15 +26,18 @@ from celery_singleton_beat.lock import AcquireResult, done_key
 from .support import Owner, owning, wait_for
 from .support.locking import take_lock
 from .support.resharding import SlotMove
-from .support.topologies import Topology, start_cluster
+from .support.topologies import ACL_PASSWORD, ACL_USER, Topology, set_acl_user, start_cluster
 
 _tags = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Topology]:
+    """The Cluster, with the documented ACL user (``acl_rules(cluster=True)``) on every node."""
     with owning(Owner("module cluster")) as owner:
         topology = start_cluster()
+    for node in topology.primaries():
+        set_acl_user(node, acl_rules(cluster=True))
     yield topology
     topology.stop()
     owner.close()
@@ -42,8 +45,9 @@ def cluster() -> Iterator[Topology]:
 
 @pytest.fixture
 def client(cluster: Topology) -> Iterator[Any]:
+    """The library's client of the Cluster, as the limited user."""
     clear_settings_cache()
-    lock_client = redis_from_url(cluster.url)
+    lock_client = redis_from_url(cluster.url.replace("://", f"://{ACL_USER}:{ACL_PASSWORD}@"))
     yield lock_client
     lock_client.close()
 
@@ -57,9 +61,8 @@ def take(client: Any, key: str, task_id: str, ttl: float = 30, **spec: Any) -> A
     return take_lock(client, key, ttl, task="demo.task", task_id=task_id, node="w1@host", boot="b1", **spec)
 
 
-def value_on(node: Any, key: str) -> str | None:
-    raw = node.get(key)
-    return None if raw is None else json.loads(raw)["task_id"]
+def task_id_in(raw: bytes | None) -> str | None:
+    return None if raw is None else str(json.loads(raw)["task_id"])
 
 
 def kept_renewing(kept: KeptLease, at_least: int) -> bool:
@@ -72,7 +75,7 @@ def test_a_lease_keeps_renewing_and_new_locks_follow_ask_while_their_slot_migrat
     admin = cluster.admin
     assert isinstance(admin, RedisCluster)
     t = tag()
-    kept_key, stays, free, done_owner = (f"lock:{{{t}}}", f"stays:{{{t}}}", f"free:{{{t}}}", f"done:{{{t}}}")
+    kept_key, stays, free, done_owner = (f"singleton:{n}:{{{t}}}" for n in ("kept", "stays", "free", "done"))
     lease = take(client, kept_key, "kept", ttl=3).lease  # renewed every second by the keeper
     assert lease is not None
     assert take(client, stays, "stays").acquired
@@ -89,23 +92,24 @@ def test_a_lease_keeps_renewing_and_new_locks_follow_ask_while_their_slot_migrat
         at = kept.renewals
         wait_for(lambda: kept_renewing(kept, at + 3), timeout=20,
                  message="three renewals of the lease whose key migrated")
-        assert 0 < move.target.pttl(kept_key) <= 3000 and not move.source.exists(kept_key)
+        assert 0 < move.on_target("PTTL", kept_key) <= 3000 and kept_key not in move.keys_on(move.source)
 
         # New acquisitions of the slot: a free key is created on the target, a key the source
         # still has is answered there, a key that moved is answered by the target.
         new = take(client, free, "new")
-        assert new.acquired and value_on(move.target, free) == "new" and not move.source.exists(free)
+        assert new.acquired and task_id_in(move.on_target("GET", free)) == "new"
+        assert free not in move.keys_on(move.source)
         for key, holder in ((stays, "stays"), (kept_key, "kept")):
             contender = take(client, key, "contender")
             assert not contender.acquired and contender.holder is not None and contender.holder.task_id == holder
         # The lock on the source, its done marker on the target: each command answered where its key is.
         copy = take(client, done_owner, "finished", check_done=True)
-        assert copy.completed and value_on(move.source, done_owner) == "finished"
+        assert copy.completed and task_id_in(move.source.get(done_owner)) == "finished"
 
         move.finish()  # the slot is the target's: the source answers MOVED
         at = kept.renewals
         wait_for(lambda: kept_renewing(kept, at + 2), timeout=20, message="renewals after the slot moved")
-        assert value_on(move.target, kept_key) == "kept" and value_on(move.target, stays) == "stays"
+        assert task_id_in(move.target.get(kept_key)) == "kept" and task_id_in(move.target.get(stays)) == "stays"
         assert not take(client, stays, "contender").acquired
         assert new.lease is not None and new.lease.release()
     finally:

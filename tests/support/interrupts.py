@@ -112,14 +112,11 @@ def queued_behind(admin: Any, command: str) -> bool:
                for client in admin.client_list())
 
 
-#: Functions a thread is in while it waits for a Redis reply (redis-py's and the library's readers).
-_READING = frozenset({"_read_from_socket", "read_response", "_receive", "recv", "can_read"})
-
-
 def main_waits_for_a_reply_in(function: str) -> bool:
-    """True while the main thread waits on a socket for a reply, inside ``function``."""
+    """True while the main thread waits on a socket for a reply, inside ``function``: its
+    innermost frame is a reader's (redis-py's parsers, the library's link)."""
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    if frame is None or frame.f_code.co_name not in _READING:
+    if frame is None or not any(word in frame.f_code.co_name for word in ("read", "recv", "_receive")):
         return False
     while frame is not None:
         if frame.f_code.co_name == function:

@@ -42,6 +42,13 @@ class SlotMove:
         self.source.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.target_id)
         return self
 
+    def on_target(self, *command: Any) -> Any:
+        """A command run on the target for keys of the slot (behind ``ASKING``: it is importing)."""
+        pipe = self.target.pipeline(transaction=False)
+        pipe.execute_command("ASKING")
+        pipe.execute_command(*command)
+        return pipe.execute()[1]
+
     def keys_on(self, node: redis.Redis) -> list[str]:
         """The keys of the slot a node holds (at most 1000)."""
         return [k.decode() for k in node.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 1000)]
