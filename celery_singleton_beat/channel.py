@@ -152,7 +152,10 @@ class Channel:
                         if again or replies is None:  # a SCRIPT FLUSH: earlier sends ran after this one: redo both
                             self._write_unsent(link)
                             self._read_pending(link, last=True)
-                            replies = read_own(link, write_request(link, request))
+                            if replies is None or not request.unsure_when_repeated:
+                                # (a compare-and-delete that ran keeps its outcome: run again, it
+                                # would find nothing; nothing it does depends on the sends before)
+                                replies = read_own(link, write_request(link, request))
                         self._last_read = time.monotonic()
                         result = request.finish(replies)
                         if repeated and not result and request.unsure_when_repeated:
@@ -263,12 +266,19 @@ class Channel:
                 return link
             self._lost(None, resend=True)
         if self._connection is None:
-            self._connection = self._pool.make_connection()
+            # One connection object for the channel's life, reconnected after each drop. Made
+            # from the pool's settings but not by the pool: the pool's make_connection() counts
+            # against max_connections (100 by default in redis-py 8) and never counts down.
+            pool = self._pool
+            self._connection = pool.connection_class(**pool.connection_kwargs)
         self._used = False
         self._last_read = time.monotonic()
         ensure_checked(self._connection, server_of(self._client))
         link = self._link = SocketLink(self._connection._sock)
         if self._pending:  # written on a connection dropped before their replies were read
+            for entry in self._pending:
+                if entry.written is not None:  # (an interruption cut _lost short: same outcome)
+                    entry.written, entry.resent = None, True
             self._write_unsent(link)
             logger.info("lock connection replaced; %d request(s) whose reply was not read sent again",
                         len(self._pending))
@@ -357,12 +367,12 @@ class Channel:
         self.oldest = (self.oldest or time.monotonic()) if kept else None
 
     def _drop(self) -> None:
-        connection, self._connection = self._connection, None
+        """Close the connection (its object stays, to connect again)."""
         self._link = None
         self._used = False
-        if connection is not None:
+        if self._connection is not None:
             with contextlib.suppress(Exception):  # already broken
-                connection.disconnect()
+                self._connection.disconnect()
 
 
 def _unusable(link: SocketLink) -> bool:
