@@ -12,20 +12,25 @@ that other, never acquired.
 
 from __future__ import annotations
 
+import select
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from celery_singleton_beat.commands import raise_errors
+from celery_singleton_beat import channel as channel_module
+from celery_singleton_beat.channel import channel_for
+from celery_singleton_beat.commands import raise_errors, release_request
 from celery_singleton_beat.lock import AcquireResult, read_holder
 from celery_singleton_beat.scripts import RELEASE
+from celery_singleton_beat.server import PORTABLE
 from celery_singleton_beat.wire import Request, run_pooled
 
 from .support import RedisServer, wait_for
+from .support.fault_proxy import FaultProxy, Rates
 from .support.interrupts import RaiseInto, blocked_on, main_waits_for_a_reply_in, queued_behind, when
 from .support.locking import take_lock
 
@@ -205,3 +210,90 @@ def test_a_pooled_request_whose_script_load_is_refused_reads_its_own_reply_befor
     finally:
         unpause(admin)
     assert holder is not None and holder.task_id == "theirs"
+
+
+# -------------------------------------------------------------------- through a proxy
+
+
+NO_FAULTS = Rates(refuse=0, delay=0, close_before=0, close_after=0, cut=0, silence=0)
+
+
+@pytest.fixture
+def proxy(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[FaultProxy]:
+    """A :class:`FaultProxy` in front of the session's server, faults only when forced."""
+    with FaultProxy(redis_server.port, NO_FAULTS, seed=0) as fault_proxy:
+        yield fault_proxy
+
+
+@pytest.mark.parametrize("path", ["channel", "pool"])
+def test_a_release_whose_reply_is_lost_after_it_ran_reports_unknown_not_lost(
+        proxy: FaultProxy, redis_server: RedisServer, path: str) -> None:
+    """The connection closes once Redis ran the release: sent again on a new connection, it
+    finds nothing to delete. Whether the first ran is unknown: reported None, never False
+    (which would be a false "lost its lock")."""
+    client = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=10)
+    lease = take(client, "id-1").lease
+    assert lease is not None
+    proxy.force(b"EVALSHA", "close_after")
+    if path == "channel":
+        released = lease.release()
+    else:
+        released = run_pooled(client, KEY, release_request(PORTABLE, KEY, lease.value))
+    assert proxy.faults["close_after"] == 1
+    assert released is None, "a release sent again reported the lock not ours"
+    assert not redis_server.client().exists(KEY)
+
+
+def test_bytes_no_request_asked_for_break_an_idle_connection(
+        proxy: FaultProxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes on an idle lock connection (here: what reads as a free key's acquire reply, from a
+    broken middlebox) are nobody's: the connection is replaced before the next request."""
+    monkeypatch.setattr(channel_module, "IDLE_CHECK", 0.0)  # look at it before every use
+    client = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=10)
+    held_by_another(redis_server)
+    assert take(client, "warm", key="t:{demo.task:warm}").acquired
+    channel = channel_for(client)
+    assert channel.pending == 0  # idle: nothing written is unread
+    assert proxy.inject(b"$-1\r\n*2\r\n$1\r\n1\r\n$1\r\n2\r\n:0\r\n") >= 1  # SET ... GET: nil, TIME, DEL: 0
+    sock = channel._link.sock if channel._link is not None else None
+    assert sock is not None
+    wait_for(lambda: select.select([sock], [], [], 0)[0], timeout=5, message="the bytes on the idle connection")
+    assert_told_the_truth(client)
+
+
+def test_channels_reconnect_as_often_as_they_must_without_using_up_the_pool(
+        redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """Every drop costs a new connection: one made by the pool (``make_connection``) counts
+    against ``max_connections`` (100 by default in redis-py 8) for good. A channel's
+    connection is its own, reconnected each time; threads' channels take nothing from the pool."""
+    client = redis.Redis(connection_pool=redis.ConnectionPool(
+        host="127.0.0.1", port=redis_server.port, socket_timeout=10, max_connections=2))
+    admin = redis_server.client()
+    for n in range(6):
+        assert take(client, f"id-{n}", key=f"t:{{demo.task:{n}}}").acquired
+        admin.client_kill_filter(_type="normal", skipme=True)  # as a restart or a proxy would
+    acquired: list[bool] = []
+    threads = [threading.Thread(target=lambda i=i: acquired.append(
+        take(client, f"thread-{i}", key=f"t:{{demo.task:thread-{i}}}").acquired)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert acquired == [True] * 4
+    lease = take(client, "pooled").lease
+    assert lease is not None and lease.renew_once().value == "renewed", "the pool still has its connections"
+
+
+def test_a_put_back_sent_again_after_a_lost_reply_finds_its_own_value_and_says_so(
+        proxy: FaultProxy, redis_server: RedisServer) -> None:
+    """A put-back whose connection closes once Redis ran it is sent again on a new one: it
+    finds its own value there, which is success (a "not put back" would drop a kept lease)."""
+    client = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=10)
+    lease = take(client, "id-1").lease
+    assert lease is not None
+    redis_server.client().delete(KEY)  # the server lost it
+    proxy.force(b"SET", "close_after")
+    assert lease.put_back() is True
+    assert proxy.faults["close_after"] == 1
+    holder = read_holder(redis_server.client(), KEY)
+    assert holder is not None and holder.task_id == "id-1"
