@@ -408,7 +408,7 @@ class Lease:
         via = client or self.client
         server = server_of(via)
         epoch = server.epoch
-        if not _execute(via, self.key, lambda info: put_back_request(self.key, self.value, self.spec.ttl_ms),
+        if not _execute(via, self.key, lambda info: put_back_request(info, self.key, self.value, self.spec.ttl_ms),
                         pooled=True):
             return False
         self._confirmed(started, epoch)
