@@ -79,12 +79,12 @@ IDLE_CHECK = 0.02
 class _Pending:
     """A request written without waiting, and who wants its result."""
 
-    __slots__ = ("on_reply", "request", "resent", "written")
+    __slots__ = ("on_reply", "resent", "written")
 
     def __init__(self, written: Written, on_reply: ReplyHandler) -> None:
-        self.request = written.request
-        #: Its replies on the channel's connection; None: to be written (again) on the next one.
-        self.written: Written | None = written
+        #: The request, and how it was written on the channel's connection (replaced when
+        #: it is written again).
+        self.written = written
         self.on_reply = on_reply
         #: It was on a connection dropped before its reply was read: written once more
         #: (it may have run twice), and never a third time.
@@ -118,6 +118,9 @@ class Channel:
         #: Monotonic time of the last reply read (or of connecting).
         self._last_read = 0.0
         self._pending: deque[_Pending] = deque()
+        #: The pending sends are to be written (again) before anything else: their
+        #: connection was dropped, or they met ``NOSCRIPT``. Always all of them at once.
+        self._unsent = False
         #: True while the flusher thread watches this channel (set and cleared by it).
         self.watched = False
 
@@ -132,39 +135,31 @@ class Channel:
         """
         with self._lock:
             try:
-                sent = False
                 for attempt in (1, 2):
                     stale = self._used
-                    repeated = sent  # written on a connection that failed: it may have run
+                    written = None
                     try:
                         link = self._connect()
                         if before_write is not None:
                             before_write()
-                        sent = True
                         written = write_request(link, request)
                         self._used = True
-                        again = self._read_pending(link) if self._pending else False
-                        replies: list[Any] | None = None
+                        again = self._read_pending(link) if self._pending else None
                         try:
                             replies = read_own(link, written)
-                        except _NoScript:
-                            again = True
-                        if again or replies is None:  # a SCRIPT FLUSH: earlier sends ran after this one: redo both
-                            self._write_unsent(link)
-                            self._read_pending(link, last=True)
-                            if replies is None or not request.unsure_when_repeated:
-                                # (a compare-and-delete that ran keeps its outcome: run again, it
-                                # would find nothing; nothing it does depends on the sends before)
-                                replies = read_own(link, write_request(link, request))
+                        except _NoScript:  # a SCRIPT FLUSH: every send that met it, then this again
+                            replies = self._redo(link, request, None)
+                        else:
+                            if again:  # sends that met it ran after this one: both again, in order
+                                replies = self._redo(link, request, replies)
                         self._last_read = time.monotonic()
-                        result = request.finish(replies)
-                        if repeated and not result and request.unsure_when_repeated:
-                            return None  # its first attempt may have run: unknown, not "not ours"
-                        return result
+                        return request.finish(replies)
                     except RETRIED as exc:
                         self._lost(exc, resend=True)
                         if attempt == 2 or not stale:
                             raise
+                        if written is not None and request.unsure_when_repeated:
+                            request = _repeated(request)
                     except BROKEN as exc:
                         self._lost(exc, resend=False)
                         raise
@@ -276,23 +271,23 @@ class Channel:
         ensure_checked(self._connection, server_of(self._client))
         link = self._link = SocketLink(self._connection._sock)
         if self._pending:  # written on a connection dropped before their replies were read
-            for entry in self._pending:
-                if entry.written is not None:  # (an interruption cut _lost short: same outcome)
-                    entry.written, entry.resent = None, True
+            if not self._unsent:  # an interruption cut _lost short: the same outcome
+                for entry in self._pending:
+                    entry.resent = True
             self._write_unsent(link)
             logger.info("lock connection replaced; %d request(s) whose reply was not read sent again",
                         len(self._pending))
         return link
 
     def _write_unsent(self, link: SocketLink) -> None:
-        """Write every pending request not written on ``link`` yet, in order."""
+        """Write every pending request again on ``link``, in order (see :attr:`_unsent`)."""
         for entry in self._pending:
-            if entry.written is None:
-                entry.written = write_request(link, entry.request)
+            entry.written = write_request(link, entry.written.request)
+        self._unsent = False
         self._used = True
 
-    def _read_pending(self, link: SocketLink, *, last: bool = False) -> bool:
-        """Read every pending reply, delivering each; True if some met ``NOSCRIPT``.
+    def _read_pending(self, link: SocketLink, *, last: bool = False) -> list[_Pending]:
+        """Read every pending reply, delivering each; those that met ``NOSCRIPT`` (returned).
 
         Those stay pending, to be written again (:meth:`_write_unsent`) once
         every reply written before has been read (written now, they would run
@@ -304,17 +299,13 @@ class Channel:
         again: list[_Pending] = []
         while pending:
             entry = pending[0]
-            written = entry.written
-            if written is None:
-                break
             try:
-                replies = read_own(link, written)
+                replies = read_own(link, entry.written)
             except _NoScript as exc:  # a SCRIPT FLUSH: load and run it again, in order
                 pending.popleft()
                 if last:
                     _deliver(entry.on_reply, None, exc)
                 else:
-                    entry.written = None
                     again.append(entry)
                 continue
             except redis.ResponseError as exc:  # its SCRIPT LOAD refused; every reply was read
@@ -324,17 +315,28 @@ class Channel:
             # Popped only once read: an exception before leaves it to be sent again.
             pending.popleft()
             try:
-                result = entry.request.finish(replies)
+                result = entry.written.request.finish(replies)
             except Exception as exc:  # an error reply: the request's outcome
                 _deliver(entry.on_reply, None, exc)
                 continue
-            if entry.resent and not result and entry.request.unsure_when_repeated:
+            if entry.resent and not result and entry.written.request.unsure_when_repeated:
                 result = None  # its first attempt may have run: unknown, not "not ours"
             _deliver(entry.on_reply, result, None)
         if again:
-            pending.extendleft(reversed(again))
+            pending.extend(again)  # every other reply was read: they are all that is pending
+            self._unsent = True
             self.oldest = time.monotonic()
-        return bool(again)
+        return again
+
+    def _redo(self, link: SocketLink, request: Request, replies: list[Any] | None) -> list[Any]:
+        """After a ``SCRIPT FLUSH``: run the sends that met ``NOSCRIPT`` again, then ``request``
+        (its replies: None if it met ``NOSCRIPT`` too) unless it ran and is a compare-and-delete
+        (run again, it would find nothing; nothing it does depends on the sends before)."""
+        self._write_unsent(link)
+        self._read_pending(link, last=True)
+        if replies is None or not request.unsure_when_repeated:
+            replies = read_own(link, write_request(link, request))
+        return replies
 
     def _drop_if_unread(self) -> None:
         """After an exception: drop the connection if a reply on it is still unread
@@ -359,11 +361,11 @@ class Channel:
         for entry in self._pending:
             if resend and not entry.resent:
                 entry.resent = True
-                entry.written = None
                 kept.append(entry)
             else:
                 _deliver(entry.on_reply, None, failure)
         self._pending = kept
+        self._unsent = bool(kept)
         self.oldest = (self.oldest or time.monotonic()) if kept else None
 
     def _drop(self) -> None:
@@ -403,6 +405,16 @@ def _unusable(link: SocketLink) -> bool:
         return False  # readable, yet no data (TLS bookkeeping): open
     except (OSError, ValueError):
         return True
+
+
+def _repeated(request: Request) -> Request:
+    """``request`` to be sent again after its connection failed: a falsy outcome of a
+    compare-and-delete is then unknown (None), its first attempt may have run."""
+    def finish(replies: list[Any]) -> Any:
+        return request.finish(replies) or None
+
+    return Request(None, finish, request.scripts, unsure_when_repeated=True, data=request.data,
+                   count=request.count)
 
 
 def _deliver(on_reply: ReplyHandler, reply: Any, error: BaseException | None) -> None:
