@@ -593,19 +593,27 @@ class _AskFollower:
     def __call__(self, request: Request, replies: list[Any]) -> list[Any]:
         ask = next(reply for reply in replies if isinstance(reply, AskError))
         commands = split_commands(request.data, request.count)
-        chosen = asked_units(commands, replies)
+        # Each unit behind ASKING (it lets the next command, or MULTI block, use the importing
+        # slot), but a keyless command, which needs none.
+        units = [(start, end, not (end - start == 1 and command_name(commands[start]) in _KEYLESS))
+                 for start, end in asked_units(commands, replies)]
         link = self._target(ask)
-        data = b"".join(_ASKING + b"".join(commands[start:end]) for start, end in chosen)
-        count = sum(1 + end - start for start, end in chosen)
-        scripts = request.scripts if any(command_name(commands[start]) == b"EVALSHA" for start, _ in chosen) else ()
+        data = b"".join((_ASKING if asking else b"") + b"".join(commands[start:end]) for start, end, asking in units)
+        count = sum(asking + end - start for start, end, asking in units)
+        scripts = request.scripts if any(command_name(commands[start]) == b"EVALSHA" for start, _, _ in units) else ()
         answered: list[Any] = run_on(link, Request(None, list, scripts, data=data, count=count))
         replies = list(replies)
         at = 0
-        for start, end in chosen:
-            asking, own = answered[at], answered[at + 1:at + 1 + end - start]
-            at += 1 + end - start
-            replies[start:end] = [asking] * (end - start) if isinstance(asking, Exception) else own
-        if chosen[0][0] == 0:
+        for start, end, asking in units:
+            if asking:
+                refused, at = answered[at], at + 1
+                if isinstance(refused, Exception):  # ASKING refused (an ACL without it): that is the error
+                    replies[start:end] = [refused] * (end - start)
+                    at += end - start
+                    continue
+            replies[start:end] = answered[at:at + end - start]
+            at += end - start
+        if units[0][0] == 0:
             self.link = link
         return replies
 

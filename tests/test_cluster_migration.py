@@ -25,7 +25,7 @@ from celery_singleton_beat.lock import AcquireResult, done_key
 
 from .support import Owner, owning, wait_for
 from .support.locking import take_lock
-from .support.resharding import SlotMove
+from .support.resharding import SlotMove, monitored
 from .support.topologies import ACL_PASSWORD, ACL_USER, Topology, set_acl_user, start_cluster
 
 _tags = itertools.count()
@@ -96,8 +96,12 @@ def test_a_lease_keeps_renewing_and_new_locks_follow_ask_while_their_slot_migrat
 
         # New acquisitions of the slot: a free key is created on the target, a key the source
         # still has is answered there, a key that moved is answered by the target.
-        new = take(client, free, "new")
+        with monitored(move.target) as on_target:
+            new = take(client, free, "new")
         assert new.acquired and task_id_in(move.on_target("GET", free)) == "new"
+        # Its fencing token is the target's clock read right behind the SET there (TIME sent along).
+        sets = [i for i, c in enumerate(on_target) if c["command"].startswith(f"SET {free} ")]
+        assert len(sets) == 1 and on_target[sets[0] + 1]["command"] == "TIME", on_target
         assert free not in move.keys_on(move.source)
         for key, holder in ((stays, "stays"), (kept_key, "kept")):
             contender = take(client, key, "contender")

@@ -15,12 +15,39 @@ act between the steps:
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
 
-__all__ = ["SlotMove"]
+__all__ = ["SlotMove", "monitored"]
+
+
+@contextmanager
+def monitored(node: redis.Redis) -> Iterator[list[dict[str, Any]]]:
+    """Every command ``node`` executes while inside (``MONITOR``), in its order."""
+    seen: list[dict[str, Any]] = []
+    ready = threading.Event()
+    end = "monitored: end"
+
+    def watch() -> None:
+        with node.monitor() as monitor:
+            ready.set()
+            while (command := monitor.next_command())["command"] != f"ECHO {end}":
+                seen.append(command)
+
+    watcher = threading.Thread(target=watch, daemon=True, name="monitor")
+    watcher.start()
+    assert ready.wait(10), "MONITOR did not start"
+    node.ping()  # MONITOR answers before it listens: one command of ours, seen or not, before
+    try:
+        yield seen
+    finally:
+        node.echo(end)
+        watcher.join(10)
 
 
 class SlotMove:
