@@ -63,6 +63,21 @@ def unpause(admin: redis.Redis) -> None:
 # -------------------------------------------------------------------- exceptions while waiting
 
 
+def raise_while_paused(admin: redis.Redis, command: str, error: type[BaseException], call: Callable[[], Any]) -> None:
+    """``call()`` on a server paused for writes; ``error`` is raised into this thread once the
+    server holds ``command`` back (the thread waits for its reply), then the server goes on."""
+    admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        with RaiseInto() as interrupt:
+            interrupt.arm(error)
+            with when(lambda: blocked_on(admin, command), interrupt.fire, otherwise=lambda: unpause(admin)), \
+                    pytest.raises(error):
+                call()
+    finally:
+        unpause(admin)
+
+
+
 @pytest.mark.parametrize("error", [SoftTimeLimitExceeded, SystemExit, KeyboardInterrupt])
 def test_an_exception_raised_while_an_acquire_waits_leaves_no_reply_to_the_next_request(
         make_redis: Callable[..., RedisServer], error: type[BaseException]) -> None:
@@ -73,15 +88,7 @@ def test_an_exception_raised_while_an_acquire_waits_leaves_no_reply_to_the_next_
     client, admin = server.client(), server.client()
     held_by_another(server)
     assert take(client, "warm", key="t:{demo.task:warm}").acquired  # the channel is up
-    admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
-    try:
-        with RaiseInto() as interrupt:
-            interrupt.arm(error)
-            with when(lambda: blocked_on(admin, "set"), interrupt.fire, otherwise=lambda: unpause(admin)), \
-                    pytest.raises(error):
-                take(client, "interrupted")
-    finally:
-        unpause(admin)
+    raise_while_paused(admin, "set", error, lambda: take(client, "interrupted"))
     assert_told_the_truth(client)
     assert take(client, "after", key="t:{demo.task:free}").acquired
 
@@ -95,15 +102,7 @@ def test_an_exception_raised_while_a_pooled_request_waits_leaves_no_reply_in_the
     held_by_another(server)
     lease = take(client, "id-1").lease
     assert lease is not None and lease.renew_once().value == "renewed"  # a pooled connection, scripts loaded
-    admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
-    try:
-        with RaiseInto() as interrupt:
-            interrupt.arm(SoftTimeLimitExceeded)
-            with when(lambda: blocked_on(admin, "evalsha"), interrupt.fire, otherwise=lambda: unpause(admin)), \
-                    pytest.raises(SoftTimeLimitExceeded):
-                lease.renew_once()
-    finally:
-        unpause(admin)
+    raise_while_paused(admin, "evalsha", SoftTimeLimitExceeded, lease.renew_once)
     holder = read_holder(client, HELD)
     assert holder is not None and holder.task_id == "theirs"
     assert lease.renew_once().value == "renewed"

@@ -229,6 +229,15 @@ class _Fuzz:
             del self.leased[n]
         return [a for a in self.leased.values() if a.state in states]
 
+    def pick(self, *states: str) -> tuple[Attempt, Lease, str] | None:
+        """An attempt in one of ``states`` whose lease this test still has, the lease, the state."""
+        candidates = self.leases(*states)
+        if not candidates:
+            return None
+        attempt = self.rng.choice(candidates)
+        assert attempt.lease is not None
+        return attempt, attempt.lease, attempt.state
+
     # ----------------------------------------------------------------- operations
     # Each returns (call, judge): ``call`` is the library's call, the only code an interruption
     # is raised into; ``judge(result)`` checks its result against Redis. What must change in
@@ -271,13 +280,10 @@ class _Fuzz:
         return lambda: acquire(self.client, key, self.spec, f"a{n}", node="fuzz@host"), judge
 
     def release(self, n: int, how: str) -> Operation | None:
-        candidates = self.leases("held", "releasing", "lost", "maybe")
-        if not candidates:
+        picked = self.pick("held", "releasing", "lost", "maybe")
+        if picked is None:
             return None
-        attempt = self.rng.choice(candidates)
-        before = attempt.state
-        lease = attempt.lease
-        assert lease is not None and attempt.value is not None
+        attempt, lease, before = picked
         attempt.lease = None  # released once
         if before in ("held", "releasing"):
             attempt.state = "releasing"  # may run or not, from now on
@@ -328,13 +334,10 @@ class _Fuzz:
             self.judge_release(attempt, before, released, f"a{attempt.n}'s release read later")
 
     def renew(self, n: int) -> Operation | None:
-        candidates = self.leases("held", "lost", "releasing", "maybe")
-        if not candidates:
+        picked = self.pick("held", "lost", "releasing", "maybe")
+        if picked is None:
             return None
-        attempt = self.rng.choice(candidates)
-        lease = attempt.lease
-        before = attempt.state
-        assert lease is not None
+        attempt, lease, before = picked
 
         def judge(outcome: Any) -> None:
             self.report.outcomes[f"renew {outcome.value}"] += 1
@@ -353,10 +356,10 @@ class _Fuzz:
         return lambda: lease.renew_once(), judge
 
     def lose(self, n: int) -> Operation | None:
-        candidates = self.leases("held")
-        if not candidates:
+        picked = self.pick("held")
+        if picked is None:
             return None
-        attempt = self.rng.choice(candidates)
+        attempt, lease, _ = picked
 
         def lost(deleted: Any) -> None:  # behind the library's back: as a server that lost the lock
             if deleted != 1:
@@ -364,15 +367,13 @@ class _Fuzz:
             attempt.state = "lost"
             self.report.outcomes["lost by the server"] += 1
 
-        return lambda: self.delete_if(keys=[attempt.key], args=[attempt.value]), lost
+        return lambda: self.delete_if(keys=[lease.key], args=[lease.value]), lost
 
     def put_back(self, n: int) -> Operation | None:
-        candidates = self.leases("lost")
-        if not candidates:
+        picked = self.pick("lost")
+        if picked is None:
             return None
-        attempt = self.rng.choice(candidates)
-        lease = attempt.lease
-        assert lease is not None
+        attempt, lease, _ = picked
         attempt.state = "maybe"  # until its reply says
 
         def judge(put: Any) -> None:
