@@ -206,16 +206,16 @@ def loaded_on(connection: Any) -> set[str]:
 
 def ensure_checked(connection: Any, server: Any) -> None:
     """Connect if needed, and let ``server`` (a :class:`~.server.LockServer`) look at a new connection once."""
-    if getattr(connection, "_sock", None) is None:
-        connection.connect()
-    sock = connection._sock
-    if server is not None and getattr(connection, "csb_checked", None) is not sock:
-        try:
+    try:
+        if getattr(connection, "_sock", None) is None:
+            connection.connect()  # the handshake, and the check where it is redis_connect_func
+        sock = connection._sock
+        if server is not None and getattr(connection, "csb_checked", None) is not sock:
             server.check(connection)
-        except BaseException:
-            connection.disconnect()  # the check's own replies may be unread: never used half-checked
-            raise
-        connection.csb_checked = sock
+            connection.csb_checked = sock
+    except BaseException:
+        connection.disconnect()  # the handshake's or the check's replies may be unread: never used half-set-up
+        raise
 
 
 def write_request(link: Link, request: Request) -> Written:
