@@ -33,7 +33,7 @@ read them as its own.
 On Redis Cluster, :func:`run_pooled` follows ``-MOVED`` (the layout is read
 again, the request sent to the new owner) and ``-ASK`` (a slot migrating: each
 command the source answered with ``ASK`` is sent to the target behind
-``ASKING``; what the source served stays served).
+``ASKING``; what the source served stays served: see :mod:`.redirects`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ from typing import Any, Protocol
 import redis
 from redis.exceptions import AskError, NoScriptError
 
-__all__ = ["Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "asked_units", "command_name",
-           "ensure_checked", "pack", "read_own", "read_replies", "reply_reader", "run_on", "run_pooled",
-           "split_commands", "write_request"]
+__all__ = ["Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked", "give_back",
+           "pack", "read_own", "read_replies", "reply_reader", "run_on", "run_pooled", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
 RETRIED = (redis.ConnectionError, OSError)
@@ -455,7 +454,7 @@ def _node_client(client: Any, key: str) -> Any:
     return client
 
 
-def _give_back(pool: Any, connection: Any, link: PoolLink) -> None:
+def give_back(pool: Any, connection: Any, link: PoolLink) -> None:
     """Return a borrowed connection to its pool, dropped first if replies on it are unread."""
     if link.outstanding:
         connection.disconnect()
@@ -477,6 +476,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     docstring).
     """
     from .client import cluster_moved, is_cluster
+    from .redirects import AskFollower
     from .server import server_of
 
     cluster = is_cluster(client)
@@ -486,7 +486,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
         pool = server.connection_pool
         connection = pool.get_connection("_")
         link = PoolLink(connection)
-        follow = _AskFollower(client) if cluster else None
+        follow = AskFollower(client) if cluster else None
         try:
             ensure_checked(connection, server_of(client))
             if before_write is not None:
@@ -509,131 +509,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             if attempt == 2 or not cluster_moved(client, exc):
                 raise
         finally:
-            _give_back(pool, connection, link)
+            give_back(pool, connection, link)
             if follow is not None:
                 follow.close()
     raise AssertionError("unreachable")
-
-
-# -------------------------------------------------------------------- Cluster: -ASK
-
-#: ``ASKING``: the next command (or ``MULTI`` block) may use a slot the node is importing.
-_ASKING = pack(b"ASKING")
-#: Commands without a key: sent again with the redirected command they follow (``TIME``
-#: right behind a ``SET``: the fencing token is the clock of the node that ran the ``SET``).
-_KEYLESS = frozenset({b"TIME"})
-
-
-def split_commands(data: bytes, count: int) -> list[bytes]:
-    """The ``count`` commands of ``data`` (RESP arrays of bulk strings), each as its bytes."""
-    commands = []
-    at = 0
-    for _ in range(count):
-        start = at
-        end = data.index(b"\r\n", at)
-        parts = int(data[at + 1:end])
-        at = end + 2
-        for _ in range(parts):
-            end = data.index(b"\r\n", at)
-            at = end + 2 + int(data[at + 1:end]) + 2
-        commands.append(data[start:at])
-    return commands
-
-
-def command_name(command: bytes) -> bytes:
-    """The name of one RESP command, upper case."""
-    first = command.index(b"\r\n") + 2
-    end = command.index(b"\r\n", first)
-    return command[end + 2:end + 2 + int(command[first + 1:end])].upper()
-
-
-def _units(commands: list[bytes]) -> list[tuple[int, int]]:
-    """``[start, end)`` of each unit of a request: a ``MULTI`` ... ``EXEC`` block, or one command."""
-    units = []
-    at = 0
-    while at < len(commands):
-        end = at + 1
-        if command_name(commands[at]) == b"MULTI":
-            while end < len(commands) and command_name(commands[end - 1]) != b"EXEC":
-                end += 1
-        units.append((at, end))
-        at = end
-    return units
-
-
-def asked_units(commands: list[bytes], replies: list[Any]) -> list[tuple[int, int]]:
-    """The units to send to the target of a migration: those answered ``-ASK`` (in a
-    ``MULTI`` block, any of its commands), and a keyless command right behind one."""
-    chosen = []
-    follows = False
-    for start, end in _units(commands):
-        asked = any(isinstance(reply, AskError) for reply in replies[start:end])
-        follows = asked or (follows and end - start == 1 and command_name(commands[start]) in _KEYLESS)
-        if follows:
-            chosen.append((start, end))
-    return chosen
-
-
-class _AskFollower:
-    """Sends the commands of a request that a migrating slot's source answered ``-ASK`` to
-    the target, each unit behind ``ASKING``, and puts the target's replies in their place.
-
-    The commands the source served are not sent again: it still holds their keys,
-    and running them on the target too would, e.g., create there a lock the source
-    holds for another. One connection of the target's pool is borrowed, given back
-    by :meth:`close`.
-    """
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self._borrowed: tuple[Any, Any, PoolLink] | None = None
-        #: The target's link when the request's first command ran there (for ``after``).
-        self.link: PoolLink | None = None
-
-    def __call__(self, request: Request, replies: list[Any]) -> list[Any]:
-        ask = next(reply for reply in replies if isinstance(reply, AskError))
-        commands = split_commands(request.data, request.count)
-        # Each unit behind ASKING (it lets the next command, or MULTI block, use the importing
-        # slot), but a keyless command, which needs none.
-        units = [(start, end, not (end - start == 1 and command_name(commands[start]) in _KEYLESS))
-                 for start, end in asked_units(commands, replies)]
-        link = self._target(ask)
-        data = b"".join((_ASKING if asking else b"") + b"".join(commands[start:end]) for start, end, asking in units)
-        count = sum(asking + end - start for start, end, asking in units)
-        scripts = request.scripts if any(command_name(commands[start]) == b"EVALSHA" for start, _, _ in units) else ()
-        answered: list[Any] = run_on(link, Request(None, list, scripts, data=data, count=count))
-        replies = list(replies)
-        at = 0
-        for start, end, asking in units:
-            if asking:
-                refused, at = answered[at], at + 1
-                if isinstance(refused, Exception):  # ASKING refused (an ACL without it): that is the error
-                    replies[start:end] = [refused] * (end - start)
-                    at += end - start
-                    continue
-            replies[start:end] = answered[at:at + end - start]
-            at += end - start
-        if units[0][0] == 0:
-            self.link = link
-        return replies
-
-    def _target(self, ask: AskError) -> PoolLink:
-        from .server import server_of
-
-        node = self._client.get_node(host=ask.host, port=ask.port)
-        if node is None:  # a node this client has not seen yet: read the layout
-            self._client.nodes_manager.initialize()
-            node = self._client.get_node(host=ask.host, port=ask.port)
-            if node is None:
-                raise ask
-        pool = self._client.get_redis_connection(node).connection_pool
-        connection = pool.get_connection("_")
-        link = PoolLink(connection)
-        self._borrowed = (pool, connection, link)
-        ensure_checked(connection, server_of(self._client))
-        return link
-
-    def close(self) -> None:
-        borrowed, self._borrowed = self._borrowed, None
-        if borrowed is not None:
-            _give_back(*borrowed)
