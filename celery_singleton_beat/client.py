@@ -108,8 +108,9 @@ ACL_COMMANDS: dict[str, tuple[str, ...]] = {
     "startup": ("info",),
     # singleton_wait_replicas > 0
     "wait": ("wait",),
-    # Redis Cluster clients discover the slots (and the command table) on start
-    "cluster": ("cluster|slots", "command"),
+    # Redis Cluster clients discover the slots (and the command table) on start, and follow
+    # a migrating slot to its target (ASKING)
+    "cluster": ("cluster|slots", "command", "asking"),
     # a database other than 0 in the URL
     "select": ("select",),
 }

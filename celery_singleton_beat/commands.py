@@ -180,13 +180,29 @@ def renew_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Reques
     return Request([RENEW.command([key], [value, ttl_ms])], finish, scripts=(RENEW,))
 
 
-def put_back_request(key: str, value: str, ttl_ms: int) -> Request:
-    """Write ``value`` back into a lock the server lost (True if it was still free)."""
-    def finish(replies: list[Any]) -> bool:
-        raise_errors(replies)
-        return replies[0] is not None
+def put_back_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Request:
+    """Write ``value`` back into a lock the server lost: True if it is there now.
 
-    return Request([(b"SET", key, value, b"NX", b"PX", ttl_ms)], finish)
+    ``SET key value NX PX ttl GET`` (6.2: ``SET NX PX`` then ``GET``): a key found
+    holding ``value`` itself is success too (this request sent again after its reply
+    was lost), a key holding another value is not.
+    """
+    if info.set_nx_get:
+        def finish(replies: list[Any]) -> bool:
+            raise_errors(replies)
+            return replies[0] is None or _text(replies[0]) == value
+
+        return Request([(b"SET", key, value, b"NX", b"PX", ttl_ms, b"GET")], finish)
+
+    def finish_62(replies: list[Any]) -> bool:
+        raise_errors(replies)
+        return replies[0] is not None or _text(replies[1]) == value
+
+    return Request([(b"SET", key, value, b"NX", b"PX", ttl_ms), (b"GET", key)], finish_62)
+
+
+def _text(reply: Any) -> str | None:
+    return reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply
 
 
 def look_request(key: str) -> Request:

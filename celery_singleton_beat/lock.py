@@ -408,7 +408,7 @@ class Lease:
         via = client or self.client
         server = server_of(via)
         epoch = server.epoch
-        if not _execute(via, self.key, lambda info: put_back_request(self.key, self.value, self.spec.ttl_ms),
+        if not _execute(via, self.key, lambda info: put_back_request(info, self.key, self.value, self.spec.ttl_ms),
                         pooled=True):
             return False
         self._confirmed(started, epoch)
@@ -418,8 +418,9 @@ class Lease:
         counters.count(self.client, self.spec.stats_key, "renewed")
         return True
 
-    def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None) -> bool:
-        """Give the lock up if it is still ours; True if it was (else counted as lost).
+    def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None) -> bool | None:
+        """Give the lock up if it is still ours; True if it was (else counted as lost), None
+        if unknown (sent again after a lost reply, it found nothing: the first may have run).
 
         ``done_ttl``: also leave this task id's done marker for that long.
         ``claim_ttl``: instead of deleting the lock, turn it into a publish-time
@@ -435,7 +436,7 @@ class Lease:
                 CLAIM_ON_RETRY.command([self.key], [self.value, replacement, _ms(claim_ttl)]), CLAIM_ON_RETRY,
                 _first_int)))
         else:
-            released = bool(_execute(self.client, self.key, lambda info: self._release_request(info, done_ttl)))
+            released = _execute(self.client, self.key, lambda info: self._release_request(info, done_ttl))
         self.count_release(released)
         return released
 
@@ -464,7 +465,7 @@ class Lease:
             if isinstance(error, NativeRefused):  # once per process at most: portable, at once
                 server.downgrade()
                 reply, error = run_pooled(self.client, self.key, self._release_request(PORTABLE, done_ttl)), None
-            released = None if error is not None else bool(reply)
+            released = None if error is not None or reply is None else bool(reply)
             self.count_release(released)
             on_result(released, error)
 

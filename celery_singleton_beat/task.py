@@ -455,5 +455,5 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
             # The pool child is being terminated (hard time limit, revoke+terminate).
             logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
                         self.name, request.id, kept.lease.key)
-        elif not released:  # reported once, by the callback, unless the keeper already did
+        elif released is False:  # reported once, by the callback, unless the keeper already did
             kept.mark_lost("the lock was gone when the run ended")

@@ -293,9 +293,9 @@ def requests_of(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         sent.append(names_of(command))
         return send(self, command, *args, **options)
 
-    def recorded_link(self: SocketLink, data: bytes) -> None:  # the lock channel's own connection
+    def recorded_link(self: SocketLink, data: bytes, replies: int = 1) -> None:  # the lock channel's own connection
         sent.append(names_of(data))
-        send_link(self, data)
+        send_link(self, data, replies)
 
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", recorded)
     monkeypatch.setattr(SocketLink, "send", recorded_link)
