@@ -1,0 +1,243 @@
+"""Recovery windows are anchored where clients are: at the first client that reaches the
+new server, never at the server's start.
+
+After the lock Redis lost data (a restart without an append-only file, from an RDB
+snapshot, a promoted replica, a missing ``<prefix>:server`` record), no key that may be
+held is given to anyone else until every live holder had its chance to put its lock
+back. What each test protects:
+
+* ``test_a_missing_server_record_costs_one_window_once``: a Redis without the record
+  (new, or emptied) opens one window, at the first client; another process sees that
+  same window, and once it closed nobody opens another; an AOF restart opens none.
+* ``test_a_check_cut_before_its_record_is_written_is_noticed_again``: a client that
+  noticed the new server but failed before the record was written notices it again on
+  its next connection (its process remembers the new server only once the record is
+  written): its holders put their locks back.
+* ``test_the_window_opens_when_clients_first_reach_the_new_server``: real workers. A runs
+  ``k`` and reaches the restarted server only once the window is open; the contender
+  decides first, after a restart whose snapshot took longer than the window to load,
+  after an empty server that was reachable only once it had been up longer than the
+  window, or as a worker started after the restart (it never talked to the old
+  server). The contender must not run ``k`` beside A.
+
+In-process tests build the library's per-connection check (:class:`LockServer`) on a
+plain client, one :class:`ServerMemory` per simulated process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_singleton_beat.server import WINDOW_SLACK, LockServer, ServerMemory, recovery_key, server_key
+
+from .support import RedisServer, wait_for
+from .support.keeps_lock import (
+    assert_never_beside,
+    call_of,
+    ended_run,
+    knobs,
+    load_app,
+    run_id,
+    started_run,
+    wait_started,
+    worker,
+)
+from .support.proxy import DelayProxy
+from .support.tasks import skipped
+
+PREFIX = "singleton"
+LIVENESS_TTL = 2.0
+#: The recovery window with :data:`LIVENESS_TTL` (see :class:`LockServer`).
+WINDOW = LIVENESS_TTL / 3 + WINDOW_SLACK
+
+
+def process_client(server: RedisServer, memory: ServerMemory | None = None,
+                   **options: Any) -> tuple[redis.Redis, LockServer]:
+    """A client whose every connection the library checks, as one process's would be
+    (``memory``: what that process saw; a fresh one: a process that never used the server)."""
+    lock_server = LockServer(PREFIX, LIVENESS_TTL, memory or ServerMemory())
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                         retry=Retry(NoBackoff(), 0), redis_connect_func=lock_server.on_connect,
+                         **options)
+    client.csb_server = lock_server  # type: ignore[attr-defined]
+    return client, lock_server
+
+
+def fresh_connection(client: redis.Redis) -> None:
+    """Make ``client`` connect again (and so be checked again)."""
+    client.connection_pool.disconnect()
+    client.ping()
+
+
+# ===================================================================== in-process
+
+
+def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[..., RedisServer]) -> None:
+    """A new Redis has no ``<prefix>:server`` record: the first client opens one window,
+    says why, and a process that comes later sees the same window (not a new one); once
+    it closed, no client opens another; an AOF restart opens none."""
+    lock_redis = make_redis("--appendonly", "yes")
+    direct = lock_redis.client()
+    first, first_server = process_client(lock_redis)
+    first.ping()
+    opened_ms = direct.pttl(recovery_key(PREFIX))
+    assert 0 < opened_ms <= WINDOW * 1000, "a Redis without the server record opens a window at its first client"
+    assert direct.get(server_key(PREFIX)) == run_id(direct).encode(), "the record names the server"
+    window = first_server.recovery()
+    assert window.open and "new or emptied" in window.reason, window
+
+    later, later_server = process_client(lock_redis)
+    later.ping()
+    seen = later_server.recovery()
+    assert seen.open and seen.reason == window.reason, "a later process sees the same window"
+    assert direct.pttl(recovery_key(PREFIX)) <= opened_ms, "the later process did not extend it"
+    assert later_server.epoch == 0, "a process that had seen no data lost none"
+
+    wait_for(lambda: not direct.exists(recovery_key(PREFIX)), timeout=WINDOW + 10, message="the window closed")
+    third, third_server = process_client(lock_redis)
+    third.ping()
+    fresh_connection(first)
+    assert not third_server.recovery().open and not first_server.recovery().open, "one window, once"
+
+    before = run_id(direct)
+    lock_redis.stop()  # SIGTERM: the append-only file has every write
+    lock_redis.start()
+    assert run_id(direct) != before, "the lock Redis restarted"
+    fresh_connection(first)
+    assert not direct.exists(recovery_key(PREFIX)) and not first_server.recovery().open, \
+        "an append-only-file restart opens no window"
+    assert first_server.epoch == 0, "nor does it make holders put their locks back"
+    assert direct.get(server_key(PREFIX)) == run_id(direct).encode(), "the record names the new run"
+
+
+def test_a_check_cut_before_its_record_is_written_is_noticed_again(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """A process used the server; it restarted empty. The process's first connection to the
+    new server learns its run id (``INFO``) and is cut before the record is written (the
+    write is paused: ``CLIENT PAUSE WRITE``, the client times out). Its next connection
+    must still find its data lost (the epoch grows: its holders put their locks back) and
+    the window open."""
+    lock_redis = make_redis()
+    direct = lock_redis.client()
+    client, lock_server = process_client(lock_redis)
+    client.ping()
+    epoch = lock_server.epoch
+
+    before = run_id(direct)
+    lock_redis.restart()  # SIGKILL, started again on its port: empty
+    assert run_id(direct) != before, "the lock Redis restarted"
+    direct.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        with pytest.raises(redis.TimeoutError):
+            fresh_connection(client)
+        assert direct.get(server_key(PREFIX)) is None, "the check was cut before the record was written"
+    finally:
+        direct.execute_command("CLIENT", "UNPAUSE")
+
+    fresh_connection(client)
+    assert lock_server.epoch > epoch, "the process found its data lost on its next connection"
+    window = lock_server.recovery()
+    assert window.open, "and the window open"
+
+
+# ===================================================================== real workers
+
+
+@pytest.fixture
+def app_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
+    """The workers' environment, filled in by the test (see ``support.keeps_lock.knobs``)."""
+    yield from knobs()
+
+
+def uptime(client: redis.Redis) -> int:
+    return int(client.info("server")["uptime_in_seconds"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["slow-snapshot-load", "reachable-late", "new-worker"])
+def test_the_window_opens_when_clients_first_reach_the_new_server(
+    how: str, redis_server: RedisServer, make_redis: Callable[..., RedisServer], records: redis.Redis,
+    app_env: dict[str, str],
+) -> None:
+    """A runs ``k`` (``lock_ttl`` 30 s) and reaches the lock Redis through a proxy that
+    holds its requests from just before the restart until a recovery window is open (or
+    the contender decided): the contender is the first client of the new server.
+
+    * ``slow-snapshot-load``: restarted from an RDB snapshot (which has the server record,
+      not A's lock) that takes longer than the window to load; B reaches it once loaded;
+    * ``reachable-late``: restarted empty, reachable (B's proxy) only once it has been up
+      longer than the window (a readiness probe, a slow Service);
+    * ``new-worker``: restarted empty; C, a worker started after the restart, never
+      talked to the old server.
+
+    Before, each opened no window (the first two measured it from the server's start, the
+    third saw no earlier server) and the contender ran ``k`` beside A.
+    """
+    slow_load = how == "slow-snapshot-load"
+    lock_redis = make_redis(*(("--key-load-delay", "500", "--loading-process-events-interval-bytes", "1024")
+                              if slow_load else ()))
+    direct = lock_redis.client()
+    a_link = DelayProxy(lock_redis.port, 0.0, name="a-lock-link").start()
+    b_link = DelayProxy(lock_redis.port, 0.0, name="b-lock-link").start()
+    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL))
+    app = load_app(redis_server, **app_env, CSB_LOCK_REDIS=lock_redis.url())
+    worker(redis_server, "a", {**app_env, "CSB_LOCK_REDIS": a_link.url()})
+    if how != "new-worker":
+        worker(redis_server, "b", {**app_env, "CSB_LOCK_REDIS": b_link.url()})
+    wait_for(lambda: direct.get(server_key(PREFIX)), timeout=30, message="the workers used the lock Redis")
+    if slow_load:
+        pipe = direct.pipeline(transaction=False)
+        for i in range(8000):  # loaded at 0.5 ms a key: about 4 s
+            pipe.set(f"filler:{i}", "x")
+        pipe.execute()
+        direct.save()  # the snapshot: the server record, without A's lock
+    records.set("hold:k", "1")
+    original = app.hold.apply_async(("k",), queue="a")
+    wait_started(records, "k", original)
+    before = run_id(direct)
+
+    a_link.hold()
+    b_link.hold()
+    lock_redis.restart()  # SIGKILL, started again on its port (loading the snapshot, if any)
+    if slow_load:
+        wait_for(lambda: direct.info("persistence")["loading"] == 0, timeout=60, message="the snapshot loaded")
+        assert direct.get(server_key(PREFIX)) == before.encode(), "the snapshot had the server record"
+    else:
+        wait_for(lambda: uptime(direct) > WINDOW, timeout=30, message="the server up longer than the window")
+    up = uptime(direct)
+    assert run_id(direct) != before and up > WINDOW, \
+        f"the lock Redis restarted, and was first reachable {up}s after its start (window {WINDOW:.2f}s)"
+
+    if how == "new-worker":
+        worker(redis_server, "c", {**app_env, "CSB_LOCK_REDIS": lock_redis.url()})
+        contender = "c"
+    else:
+        b_link.resume()
+        contender = "b"
+    second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue=contender)
+    wait_for(lambda: direct.exists(recovery_key(PREFIX)) or call_of(records, "k", second.id),
+             timeout=60, message="a recovery window, or the contender's decision")
+    opened = bool(direct.exists(recovery_key(PREFIX)))
+    a_link.resume()  # A reaches the new server: within the window, if one is open
+    resumed = time.time()
+
+    wait_for(lambda: call_of(records, "k", second.id), timeout=60, message="the contender decided")
+    assert ended_run(records, "k", original.id) is None, "the original still ran when the contender decided"
+    run = started_run(records, "k", second.id)
+    assert run is None or skipped(second), (
+        f"{how}: the contender ran k beside A's live run, {run['start'] - resumed:+.2f}s after A could reach "
+        f"the server, first reachable {up}s after its start ({'a' if opened else 'no'} window open)")
+    records.delete("hold:k")
+    assert original.get(timeout=30).startswith("a@"), "the original completed"
+    wait_for(lambda: second.ready(), timeout=30, message="the contender's copy settled")
+    assert_never_beside(records, "k", original.id)
+    print(f"\n{how}: first reachable {up}s after the server's start (window {WINDOW:.2f}s); "
+          f"window open: {opened}; contender {'skipped' if skipped(second) else second.state}")
