@@ -1,5 +1,5 @@
 """What the lock Redis is, learnt once per connection: its version, its native
-commands, and whether it just lost locks (a restart or a failover).
+commands, and whether it may have lost locks that live runs hold (a recovery window).
 
 Before a lock request first uses a connection (and again after it
 reconnected), :meth:`LockServer.check` runs one ``INFO`` on it, which tells
@@ -8,28 +8,57 @@ reconnected), :meth:`LockServer.check` runs one ``INFO`` on it, which tells
   natively: ``SET ... NX ... GET`` (7.0+), ``SET ... IFEQ`` (Valkey 8.1+, Redis
   8.4+), ``DELIFEQ`` (Valkey 9.0+), ``DELEX ... IFEQ`` (Redis 8.4+); Lua stands in
   where they are missing (see :mod:`.commands`);
-* whether the server may have **lost locks that live runs still hold**:
+* which **server** this is (its run id, new at every start), whether it keeps
+  every acknowledged write across a restart (an append-only file), and whether
+  it is a replica promoted by a failover (``master_replid2`` set: it may lack the
+  old primary's last writes).
 
-  - it restarted without an append-only file (no persistence, or an RDB
-    snapshot older than the locks), as a process that had used it before
-    finds out on its next connection (a new run id behind the same address):
-    until the server has been up for :attr:`LockServer.window` seconds;
-  - it is a replica promoted by a failover (its replication id changed: it may
-    lack the primary's last writes): for as long after the first client
-    noticed.
+Then one small script, on the same connection, holds that server against
+``<prefix>:server``, the record of the server last seen serving the data (on
+Redis Cluster, one record per shard, kept on that shard: see :func:`records_of`),
+and writes this server in. What the record says decides, by :func:`opening`:
 
-  The first client to notice records the window in ``<prefix>:recovery``, so
-  that every client sees it, processes started since included
-  (``<prefix>:server`` names the server last seen serving the data).
-  Inside the window new acquisitions wait (:meth:`LockServer.pause`) and
-  holders put their locks back (:meth:`LockServer.may_put_back`): the keeper
-  renews every lease at least every ``singleton_liveness_ttl / 3``, so every
-  live holder looks within the window.
+==========================================  ===========================================
+the record                                  the check
+==========================================  ===========================================
+names this server                           nothing new (reads a window another client
+                                            opened, if one is still open)
+is missing (a new Redis, or emptied data)   opens a window
+names another server, this one promoted     opens a window (a failover)
+names another server, no append-only file   opens a window (a restart that lost data)
+names another server, append-only file      opens none (every write was kept)
+==========================================  ===========================================
 
-  A process that never used the server before it restarted (started during the
-  outage) learns of the restart only from the record, once a process that did
-  use it reconnected (its heartbeat or keeper, within ``liveness_ttl / 3``): in
-  that gap it does not wait. A new Redis, or a new deployment, opens no window.
+A window is the TTL of ``<prefix>:recovery`` (its value says why), written in the
+same script as the record: so it is anchored at the **first client that notices**
+the new server, whenever that happens (after a snapshot that took long to load,
+once a server becomes reachable), and every client, processes started since
+included, finds it there on its own connections. Inside it new acquisitions and
+new slot claims wait (:meth:`LockServer.pause`), and live holders put their locks
+back: the keeper renews every lease at least every ``singleton_liveness_ttl / 3``,
+so every holder gets there within the window.
+
+States of one record (the data of one server, or of one Cluster shard)::
+
+               a check: record missing, or naming another server
+               that is promoted or has no append-only file
+    SERVED  ----------------------------------------------->  OPEN (until, why)
+      ^  |                                                        |
+      |  +-- a check: another server, append-only file            |
+      |      (record rewritten, no window)                        |
+      +-------------------- the window's TTL ends ----------------+
+
+Per process, :class:`ServerMemory` remembers the server it last saw serving each
+record, once that check's script has run (never before: a check cut in between is
+made again on the next connection); its :attr:`~ServerMemory.epoch` grows when the
+process finds its data on a server that may lack writes it made, which makes its
+holders put their locks back and its beats write back their claims.
+:meth:`LockServer.recovery` answers whether a window is open for the server, until
+when and why.
+
+A missing record costs one window, once, on a new Redis as on a lost one: the
+library cannot tell them apart, and a window of a few seconds that only new
+acquisitions of those seconds wait for is cheaper than a duplicate run.
 
 A connection can't outlive a restart or a failover, so a check per connection
 is a check after every one of them. A server that refuses ``INFO`` (an ACL
@@ -39,6 +68,7 @@ without it) is used with the portable commands only, and no window is opened:
 
 from __future__ import annotations
 
+import enum
 import functools
 import threading
 import time
@@ -46,12 +76,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from .events import logger
+from .log import logger
 
-__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "on_data_lost",
-           "parse_info", "server_of", "version_text"]
+__all__ = ["FLOOR", "PORTABLE", "Finding", "LockServer", "Recovery", "ServerInfo", "ServerMemory",
+           "UnsupportedServer", "data_lost", "on_data_lost", "opening", "parse_info", "records_of",
+           "recovery_key", "server_key", "server_of", "shard_tag", "version_text"]
 
 #: The oldest server the library runs on: ``SET ... GET`` (the liveness heartbeat)
 #: arrived in Redis 6.2.
@@ -86,12 +118,11 @@ class ServerInfo:
     #: Redis-compatible version (``redis_version``): what the command set follows.
     redis_version: tuple[int, int, int]
     run_id: str
-    uptime: float
     #: The append-only file is on: a restart comes back with every acknowledged write.
     aof: bool
     #: A replica promoted by a failover (``master_replid2`` set).
     promoted: bool
-    #: A Redis Cluster node (``cluster_enabled``): keys of the recovery record may live elsewhere.
+    #: A Redis Cluster node (``cluster_enabled``): each shard has records of its own.
     cluster: bool = False
     #: False when ``INFO`` was refused: nothing is known, the portable commands are used.
     known: bool = True
@@ -133,7 +164,7 @@ class ServerInfo:
 
 
 #: What is assumed of a server that refuses ``INFO``.
-UNKNOWN = ServerInfo("redis", FLOOR, FLOOR, "", float("inf"), True, False, known=False)
+UNKNOWN = ServerInfo("redis", FLOOR, FLOOR, "", True, False, known=False)
 
 
 def parse_info(raw: Any) -> ServerInfo:
@@ -156,33 +187,88 @@ def parse_info(raw: Any) -> ServerInfo:
         version=version,
         redis_version=redis_version,
         run_id=fields.get("run_id", ""),
-        uptime=float(fields.get("uptime_in_seconds", "0") or 0),
         aof=fields.get("aof_enabled") == "1",
         promoted=fields.get("role", "master") == "master" and bool(replid2.strip("0")),
         cluster=fields.get("cluster_enabled") == "1",
     )
 
 
-# KEYS: <prefix>:server, <prefix>:recovery. ARGV: this server's run id, ms of a
-# window the client found (a restart behind an address it used), ms of the
-# window of a promoted replica (0 if not promoted).
-# Records this server; opens the window (a promoted replica whose data names
-# another server, or what the client found); returns its remaining ms (< 0: none).
-_RECOVERY_CHECK = """
-local known = redis.call('GET', KEYS[1])
-local open = tonumber(ARGV[2])
-if known ~= ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1])
-  if known and tonumber(ARGV[3]) > open then open = tonumber(ARGV[3]) end
-end
-if open > 0 and redis.call('PTTL', KEYS[2]) < open then
-  redis.call('SET', KEYS[2], ARGV[1], 'PX', open)
-end
-return redis.call('PTTL', KEYS[2])
-"""
+# ====================================================================== the recovery window
 
-#: The memory's entry for the run id of the server last seen serving the data (any address).
-_SERVING: tuple[Any, ...] = ("serving",)
+#: Why a window opens (the value of ``<prefix>:recovery``, read by every client).
+NEW_OR_EMPTIED = "no record of the server serving the lock data: a new or emptied Redis"
+PROMOTED = "a replica promoted by a failover"
+RESTARTED = "restarted without an append-only file"
+
+
+class Finding(enum.Enum):
+    """What a check found in the record of the server serving the data."""
+
+    #: The record names this server: nothing new.
+    SAME = "same"
+    #: No record: the data is new, or was lost with it.
+    MISSING = "missing"
+    #: The record names another server: a restart or a failover since.
+    OTHER = "other"
+
+
+def opening(finding: Finding, info: ServerInfo) -> str | None:
+    """Why a check that found ``finding`` on the server ``info`` describes opens a recovery
+    window; None when it opens none. The one rule of the window (see the module docstring)."""
+    if finding is Finding.MISSING:
+        return NEW_OR_EMPTIED
+    if finding is Finding.OTHER:
+        if info.promoted:
+            return PROMOTED
+        if not info.aof:
+            return RESTARTED
+    return None
+
+
+def data_lost(seen: str | None, finding: Finding, info: ServerInfo) -> bool:
+    """Whether a process that last saw the server ``seen`` serving its data (None: none)
+    may now find that data without writes it made: its holders put their locks back."""
+    if seen is None:
+        return False
+    if finding is Finding.MISSING:
+        return True
+    return (seen != info.run_id or finding is Finding.OTHER) and (info.promoted or not info.aof)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A recovery window as this process knows it: open until ``until`` (monotonic
+    seconds), because ``reason`` (the last reason stays once it closed)."""
+
+    until: float = 0.0
+    reason: str = ""
+
+    def left(self) -> float:
+        """Seconds until it closes (0.0 once closed)."""
+        return max(0.0, self.until - time.monotonic())
+
+    @property
+    def open(self) -> bool:
+        return self.until > time.monotonic()
+
+
+# KEYS: the server record, the recovery record. ARGV: this server's run id; the ms and
+# reason of the window opened when the record is missing (ARGV[2], ARGV[3]), and when it
+# names another server (ARGV[4], ARGV[5]; 0 ms: none), as :func:`opening` says.
+# Writes this server in; returns what the record held before, and the window's ms left
+# (< 0: none) and reason.
+_NOTICE = """
+local found = redis.call('GET', KEYS[1])
+if found ~= ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1])
+  local ms, why = tonumber(ARGV[2]), ARGV[3]
+  if found then ms, why = tonumber(ARGV[4]), ARGV[5] end
+  if ms > 0 and redis.call('PTTL', KEYS[2]) < ms then
+    redis.call('SET', KEYS[2], why, 'PX', ms)
+  end
+end
+return {found, redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[2])}
+"""
 
 #: Called (without arguments) when a process finds its data on a server that may lack its
 #: earlier writes: the lease keeper renews every lease at once (see :mod:`.keeper`).
@@ -200,25 +286,19 @@ class ServerMemory:
     parent saw)."""
 
     def __init__(self) -> None:
-        #: The run id last seen behind each address, and (``_SERVING``) serving the data.
-        self.seen: dict[tuple[Any, ...], str] = {}
+        #: Per server record (see :func:`records_of`): the run id of the server this process
+        #: last saw serving that data, written only once its check's script has run.
+        self.serving: dict[str, str] = {}
         #: Grows each time the data is found on a server that may lack earlier writes
         #: (see :attr:`LockServer.epoch`).
         self.epoch = 0
+        #: The latest recovery window this process found open (see :meth:`LockServer.recovery`).
+        self.window = Recovery()
+        self.lock = threading.Lock()
 
 
 #: Per lock Redis URL (see :class:`ServerMemory`).
 _memories: dict[str, ServerMemory] = {}
-
-
-def server_key(prefix: str) -> str:
-    """The key naming the server last seen serving the lock data (never expires)."""
-    return f"{prefix}:server"
-
-
-def recovery_key(prefix: str) -> str:
-    """The key whose TTL is an open recovery window (see the module docstring)."""
-    return f"{prefix}:recovery"
 
 
 def memory_for(url: str) -> ServerMemory:
@@ -226,9 +306,62 @@ def memory_for(url: str) -> ServerMemory:
     return _memories.setdefault(url, ServerMemory())
 
 
-def _address(connection: Any) -> tuple[Any, ...]:
-    return (getattr(connection, "host", None), getattr(connection, "port", None),
-            getattr(connection, "path", None), getattr(connection, "db", 0))
+def server_key(prefix: str, tag: str | None = None) -> str:
+    """The key naming the server last seen serving the lock data (never expires);
+    ``tag``: of one Redis Cluster shard (see :func:`records_of`)."""
+    return f"{prefix}:server" if tag is None else f"{prefix}:server:{{{tag}}}"
+
+
+def recovery_key(prefix: str, tag: str | None = None) -> str:
+    """The key whose TTL is an open recovery window (see the module docstring)."""
+    return f"{prefix}:recovery" if tag is None else f"{prefix}:recovery:{{{tag}}}"
+
+
+@functools.lru_cache(maxsize=64)
+def shard_tag(slot: int) -> str:
+    """The first decimal number whose keys (as a hash tag) live in Redis Cluster ``slot``."""
+    number = 0
+    while key_slot(str(number).encode()) != slot:
+        number += 1
+    return str(number)
+
+
+def _lowest_own_slot(nodes: Any) -> int | None:
+    """The lowest slot the node answering ``CLUSTER NODES`` serves (None: it serves none)."""
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 8 and "myself" in fields[2].split(","):
+            slots = [int(f.split("-")[0]) for f in fields[8:] if not f.startswith("[")]
+            return min(slots) if slots else None
+    return None
+
+
+def records_of(connection: Any, prefix: str, info: ServerInfo) -> tuple[str, str] | None:
+    """The server and recovery records of the data behind ``connection``; None when it has none.
+
+    One server: ``<prefix>:server`` and ``<prefix>:recovery``. Redis Cluster: one pair
+    per shard, ``<prefix>:server:{<tag>}`` and ``<prefix>:recovery:{<tag>}``, the tag
+    hashing to the lowest slot the node serves (``CLUSTER NODES``), so the records live
+    with the data they speak for and move to the replica promoted for it. A node that
+    serves no slot, or an ACL without ``CLUSTER NODES``, has none.
+    """
+    if not info.cluster:
+        return server_key(prefix), recovery_key(prefix)
+    try:
+        connection.send_command("CLUSTER", "NODES")
+        slot = _lowest_own_slot(connection.read_response())
+    except ResponseError as exc:  # NOPERM
+        logger.debug("CLUSTER NODES refused on the lock Redis (%s): no recovery windows on this node", exc)
+        return None
+    if slot is None:
+        return None
+    tag = shard_tag(slot)
+    return server_key(prefix, tag), recovery_key(prefix, tag)
+
+
+def _text(value: Any) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 class LockServer:
@@ -245,24 +378,30 @@ class LockServer:
         self._factory = factory
         #: What this process saw behind the same URL (see :func:`memory_for`).
         self._memory = ServerMemory() if memory is None else memory
-        self._seen = self._memory.seen
-        #: Seconds a restart or failover keeps new acquisitions waiting.
+        #: Seconds a recovery window keeps new acquisitions waiting.
         self.window = liveness_ttl / 3 + WINDOW_SLACK
         #: What the last connection learnt (``None`` before the first one).
         self.info: ServerInfo | None = None
-        #: Monotonic time until which new acquisitions wait (holders put their locks back).
-        self.recovering_until = 0.0
-        self.recovery_reason = ""
         self._lock = threading.Lock()
 
     @property
     def epoch(self) -> int:
         """Grows each time this process finds its data served by a server that may lack
-        writes it made before (restarted without an append-only file, a promoted
-        replica): a lease last confirmed under an earlier epoch whose lock is gone may
-        put it back (:meth:`.lock.Lease.may_put_back`), whenever its keeper gets there,
-        and a beat writes back its claims (:mod:`.beat.recovery`)."""
+        writes it made before (see :func:`data_lost`): a lease last confirmed under an
+        earlier epoch whose lock is gone may put it back (:meth:`.lock.Lease.may_put_back`),
+        whenever its keeper gets there, and a beat writes back its claims (:mod:`.beat.recovery`)."""
         return self._memory.epoch
+
+    def recovery(self) -> Recovery:
+        """Is a recovery window open for this server, until when, and why: the latest window
+        this process found (on any connection, any shard), from the records every client
+        shares. New acquisitions and new slot claims wait while it is open."""
+        return self._memory.window
+
+    @property
+    def recovery_reason(self) -> str:
+        """Why the latest window opened (``recovery().reason``), for log lines."""
+        return self._memory.window.reason
 
     # ----------------------------------------------------------------- connections
 
@@ -274,76 +413,69 @@ class LockServer:
         connection.csb_checked = connection._sock
 
     def check(self, connection: Any) -> ServerInfo:
-        """Learn what the server behind ``connection`` is; open a recovery window if it lost locks."""
+        """Learn what the server behind ``connection`` is; open or join a recovery window
+        if it may have lost locks (see the module docstring)."""
         try:
             connection.send_command("INFO")
             info = parse_info(connection.read_response())
         except ResponseError as exc:  # NOPERM: portable commands, no windows
             logger.debug("INFO refused on the lock Redis (%s): portable lock commands, no restart detection", exc)
             info = UNKNOWN
-        connection.csb_server = info
         if not info.supported:
             raise UnsupportedServer(
                 f"the lock Redis is {info.describe()}; celery-singleton-beat needs Redis "
                 f"{version_text(FLOOR)} or later (or Valkey)")
-        remaining, reason, lost = (self._recovery(connection, info) if info.known else (0.0, "", False))
+        records = records_of(connection, self.prefix, info) if info.known else None
+        lost = False
+        if records is not None:
+            finding, left, why = self._notice(connection, info, records)
+            lost = self._learn(records[0], info, finding, left, why)
         with self._lock:
             self.info = info
-            if lost:
-                self._memory.epoch += 1
-            if remaining > 0:
-                until = time.monotonic() + remaining
-                if until > self.recovering_until:
-                    if self.recovering_until < time.monotonic():
-                        logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put theirs "
-                                       "back", info.describe(), reason, remaining)
-                    self.recovering_until, self.recovery_reason = until, reason
         if lost:
             for listener in _data_lost_listeners:
                 listener()
         return info
 
-    def _recovery(self, connection: Any, info: ServerInfo) -> tuple[float, str, bool]:
-        """Seconds of recovery window left for this server, why (0 when none), and whether
-        this process now finds its data on a server that may lack its earlier writes."""
-        address = _address(connection)
-        previous = self._seen.get(address)
-        self._seen[address] = info.run_id
-        found = 0.0
-        reason = ""
-        lost = False
-        if previous is not None and previous != info.run_id and not info.aof:
-            found = max(0.0, self.window - info.uptime)
-            reason = f"restarted {info.uptime:.0f}s ago without an append-only file"
-            lost = True
-        if info.cluster:
-            return found, reason, lost  # the record keys may live on another node: this process's view only
-        serving = self._seen.get(_SERVING)
-        self._seen[_SERVING] = info.run_id
-        if info.promoted:
-            reason = reason or "a replica promoted by a failover"
-            lost = lost or (serving is not None and serving != info.run_id)
-        connection.send_command("EVAL", _RECOVERY_CHECK, 2, server_key(self.prefix), recovery_key(self.prefix),
-                                info.run_id, round(found * 1000), round(self.window * 1000) if info.promoted else 0)
-        left = int(connection.read_response())
-        if left > 0:
-            return left / 1000, reason or "another client found the lock Redis restarted or failed over", lost
-        return 0.0, "", lost
+    def _notice(self, connection: Any, info: ServerInfo, records: tuple[str, str]) -> tuple[Finding, float, str]:
+        """Run the record's script: what it found, the window's seconds left (0.0: none) and why."""
+        missing, other = opening(Finding.MISSING, info), opening(Finding.OTHER, info)
+        ms = round(self.window * 1000)
+        connection.send_command("EVAL", _NOTICE, 2, *records, info.run_id,
+                                ms if missing else 0, missing or "", ms if other else 0, other or "")
+        found, left_ms, why = connection.read_response()
+        found = _text(found)
+        finding = Finding.MISSING if found is None else Finding.SAME if found == info.run_id else Finding.OTHER
+        return finding, max(0, int(left_ms)) / 1000, _text(why) or ""
+
+    def _learn(self, record: str, info: ServerInfo, finding: Finding, left: float, why: str) -> bool:
+        """Remember what a check's script did (only now that it ran); True if the data is lost."""
+        memory = self._memory
+        with memory.lock:
+            lost = data_lost(memory.serving.get(record), finding, info)
+            memory.serving[record] = info.run_id
+            if lost:
+                memory.epoch += 1
+            if left > 0:
+                until = time.monotonic() + left
+                if until > memory.window.until:
+                    if not memory.window.open:
+                        logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put "
+                                       "theirs back", info.describe(), why, left)
+                    memory.window = Recovery(until, why)
+        return lost
 
     # ----------------------------------------------------------------- decisions
 
     def pause(self) -> float:
         """Wait until no recovery window is open (new acquisitions only); seconds waited."""
-        left = self.recovering_until - time.monotonic()
-        if left <= 0:
-            return 0.0
         waited = 0.0
-        while left > 0:
+        while (left := self.recovery().left()) > 0:
             time.sleep(left)
             waited += left
-            left = self.recovering_until - time.monotonic()
-        logger.info("a new lock waited %.1fs for the lock Redis's recovery window (%s)", waited,
-                    self.recovery_reason)
+        if waited:
+            logger.info("a new lock waited %.1fs for the lock Redis's recovery window (%s)", waited,
+                        self.recovery_reason)
         return waited
 
     def copy_of(self, client: Any) -> Any:

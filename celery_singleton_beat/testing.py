@@ -17,7 +17,9 @@ Fixtures:
     Override this fixture to use a Redis of your own instead (nothing is started then).
 ``singleton_redis``
     A client of that URL for the test; on the session's own server every key but
-    the workers' liveness keys is deleted first, so a test starts without locks.
+    the workers' liveness keys (and the record of the server serving the locks, so
+    that only the session's first lock waits a recovery window) is deleted first,
+    so a test starts without locks.
     On a Redis of your own it deletes nothing.
 
 Helpers (plain functions, usable in any test):
@@ -44,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -75,6 +78,9 @@ __all__ = [
     "singleton_redis_server",
     "singleton_redis_url",
 ]
+
+#: ``<prefix>:server`` (one per shard on Cluster: ``<prefix>:server:{<tag>}``).
+_SERVER_RECORD = re.compile(rb":server(:\{[0-9]+\})?\Z")
 
 #: Deletes the key only if it still holds the value written (another run's lock is left alone).
 _COMPARE_AND_DELETE = """
@@ -226,8 +232,11 @@ def singleton_redis(singleton_redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(singleton_redis_url, socket_timeout=10)
     server = _OURS.get(singleton_redis_url)
     if server is not None and server.is_ours():
-        # Liveness keys stay: a running worker without one counts as dead for a while.
-        doomed = [key for key in client.scan_iter(count=1000) if b":live:" not in key]
+        # Liveness keys stay: a running worker without one counts as dead for a while. So
+        # does the record of the server serving the locks: without it, the next lock would
+        # wait a recovery window (see celery_singleton_beat.server).
+        doomed = [key for key in client.scan_iter(count=1000)
+                  if b":live:" not in key and not _SERVER_RECORD.search(key)]
         for start in range(0, len(doomed), 1000):
             client.delete(*doomed[start:start + 1000])
     yield client

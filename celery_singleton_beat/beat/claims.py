@@ -430,7 +430,7 @@ class ClaimStore:
 
     def window_left(self) -> float:
         """Seconds of the lock Redis's recovery window still open, as this process knows it."""
-        return max(0.0, server_of(self.client).recovering_until - time.monotonic())
+        return server_of(self.client).recovery().left()
 
     def _write_back(self, server: Any) -> None:
         """Once this process finds the data on a server that may lack it (a restart without

@@ -34,7 +34,7 @@ from harness.redis_server import RedisServerProcess, free_port, probe_options
 
 from .owners import register
 from .paths import scratch
-from .servers import redis_server_binary
+from .servers import keep_server_records, redis_server_binary, server_records
 from .skips import require
 from .waiting import wait_for
 
@@ -103,9 +103,12 @@ class Topology:
     workdir: Path
 
     def flush(self) -> None:
-        """Delete every key (on every primary) and forget loaded scripts."""
+        """Delete every key (on every primary) but the records of the server serving the
+        lock data (see ``servers.server_records``), and forget loaded scripts."""
         for node in self.primaries():
+            kept = server_records(node)
             node.flushall()
+            keep_server_records(node, kept)
             node.script_flush()
 
     def primaries(self) -> list[redis.Redis]:
