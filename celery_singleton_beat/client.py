@@ -108,8 +108,9 @@ ACL_COMMANDS: dict[str, tuple[str, ...]] = {
     "startup": ("info",),
     # singleton_wait_replicas > 0
     "wait": ("wait",),
-    # Redis Cluster clients discover the slots (and the command table) on start
-    "cluster": ("cluster|slots", "command"),
+    # Redis Cluster clients discover the slots (and the command table) on start; the look
+    # at each new connection finds the node's own slots (its shard's recovery records)
+    "cluster": ("cluster|slots", "cluster|nodes", "command"),
     # a database other than 0 in the URL
     "select": ("select",),
 }
@@ -356,7 +357,9 @@ def group_by_node(client: RedisClient, keys: Sequence[str]) -> list[list[int]]:
 
 def cluster_moved(client: Any, error: Exception) -> bool:
     """True when ``error`` says a Cluster slot moved; the client's layout is then read again."""
-    if not isinstance(client, RedisCluster) or not any(word in str(error) for word in ("MOVED", "ASK")):
+    # redis-py's parser turns "-MOVED 788 host:port" into a MovedError saying "788 host:port".
+    if not isinstance(client, RedisCluster) or not (
+            isinstance(error, MovedError) or any(word in str(error) for word in ("MOVED", "ASK"))):
         return False
     client.nodes_manager.initialize()
     return True

@@ -83,7 +83,7 @@ from .log import logger
 
 __all__ = ["FLOOR", "PORTABLE", "Finding", "LockServer", "Recovery", "ServerInfo", "ServerMemory",
            "UnsupportedServer", "data_lost", "on_data_lost", "opening", "parse_info", "records_of",
-           "recovery_key", "server_key", "server_of", "shard_tag", "version_text"]
+           "recovery_key", "server_key", "server_of", "shard_records", "shard_tag", "version_text"]
 
 #: The oldest server the library runs on: ``SET ... GET`` (the liveness heartbeat)
 #: arrived in Redis 6.2.
@@ -252,6 +252,9 @@ class Recovery:
         return self.until > time.monotonic()
 
 
+_NO_WINDOW = Recovery()
+
+
 # KEYS: the server record, the recovery record. ARGV: this server's run id; the ms and
 # reason of the window opened when the record is missing (ARGV[2], ARGV[3]), and when it
 # names another server (ARGV[4], ARGV[5]; 0 ms: none), as :func:`opening` says.
@@ -292,8 +295,10 @@ class ServerMemory:
         #: Grows each time the data is found on a server that may lack earlier writes
         #: (see :attr:`LockServer.epoch`).
         self.epoch = 0
-        #: The latest recovery window this process found open (see :meth:`LockServer.recovery`).
-        self.window = Recovery()
+        #: Per key prefix, the latest recovery window this process found (see
+        #: :meth:`LockServer.recovery`): apps with prefixes of their own on one Redis have
+        #: records, and windows, of their own.
+        self.windows: dict[str, Recovery] = {}
         self.lock = threading.Lock()
 
 
@@ -326,14 +331,18 @@ def shard_tag(slot: int) -> str:
     return str(number)
 
 
-def _lowest_own_slot(nodes: Any) -> int | None:
-    """The lowest slot the node answering ``CLUSTER NODES`` serves (None: it serves none)."""
+def shard_records(prefix: str, nodes: Any) -> tuple[str, str] | None:
+    """The server and recovery records of the Cluster node whose ``CLUSTER NODES`` reply is
+    ``nodes``: tagged with the lowest slot it serves (None: it serves none)."""
     text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
     for line in text.splitlines():
         fields = line.split()
         if len(fields) >= 8 and "myself" in fields[2].split(","):
             slots = [int(f.split("-")[0]) for f in fields[8:] if not f.startswith("[")]
-            return min(slots) if slots else None
+            if not slots:
+                return None
+            tag = shard_tag(min(slots))
+            return server_key(prefix, tag), recovery_key(prefix, tag)
     return None
 
 
@@ -350,14 +359,10 @@ def records_of(connection: Any, prefix: str, info: ServerInfo) -> tuple[str, str
         return server_key(prefix), recovery_key(prefix)
     try:
         connection.send_command("CLUSTER", "NODES")
-        slot = _lowest_own_slot(connection.read_response())
+        return shard_records(prefix, connection.read_response())
     except ResponseError as exc:  # NOPERM
         logger.debug("CLUSTER NODES refused on the lock Redis (%s): no recovery windows on this node", exc)
         return None
-    if slot is None:
-        return None
-    tag = shard_tag(slot)
-    return server_key(prefix, tag), recovery_key(prefix, tag)
 
 
 def _text(value: Any) -> str | None:
@@ -383,6 +388,8 @@ class LockServer:
         #: What the last connection learnt (``None`` before the first one).
         self.info: ServerInfo | None = None
         self._lock = threading.Lock()
+        #: This thread's last wait for a window (see :meth:`resumed`).
+        self._paused = threading.local()
 
     @property
     def epoch(self) -> int:
@@ -396,12 +403,12 @@ class LockServer:
         """Is a recovery window open for this server, until when, and why: the latest window
         this process found (on any connection, any shard), from the records every client
         shares. New acquisitions and new slot claims wait while it is open."""
-        return self._memory.window
+        return self._memory.windows.get(self.prefix, _NO_WINDOW)
 
     @property
     def recovery_reason(self) -> str:
         """Why the latest window opened (``recovery().reason``), for log lines."""
-        return self._memory.window.reason
+        return self.recovery().reason
 
     # ----------------------------------------------------------------- connections
 
@@ -456,13 +463,12 @@ class LockServer:
             memory.serving[record] = info.run_id
             if lost:
                 memory.epoch += 1
-            if left > 0:
-                until = time.monotonic() + left
-                if until > memory.window.until:
-                    if not memory.window.open:
-                        logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put "
-                                       "theirs back", info.describe(), why, left)
-                    memory.window = Recovery(until, why)
+            window = memory.windows.get(self.prefix, _NO_WINDOW)
+            if left > 0 and time.monotonic() + left > window.until:
+                if not window.open:
+                    logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put "
+                                   "theirs back", info.describe(), why, left)
+                memory.windows[self.prefix] = Recovery(time.monotonic() + left, why)
         return lost
 
     # ----------------------------------------------------------------- decisions
@@ -474,9 +480,15 @@ class LockServer:
             time.sleep(left)
             waited += left
         if waited:
+            self._paused.resumed = time.monotonic()
             logger.info("a new lock waited %.1fs for the lock Redis's recovery window (%s)", waited,
                         self.recovery_reason)
         return waited
+
+    def resumed(self) -> float:
+        """When this thread's last :meth:`pause` that waited ended (monotonic; 0.0: never): a
+        request written after it runs from then, e.g. a lease's TTL."""
+        return float(getattr(self._paused, "resumed", 0.0))
 
     def copy_of(self, client: Any) -> Any:
         """A new client of the same server and settings as ``client``, sharing this record.

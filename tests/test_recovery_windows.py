@@ -26,6 +26,7 @@ plain client, one :class:`ServerMemory` per simulated process.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import pytest
 import redis
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.retry import Retry
 
 from celery_singleton_beat.server import WINDOW_SLACK, LockServer, ServerMemory, recovery_key, server_key
@@ -51,6 +53,7 @@ from .support.keeps_lock import (
 )
 from .support.proxy import DelayProxy
 from .support.tasks import skipped
+from .support.topologies import cluster_shard, start_cluster
 
 PREFIX = "singleton"
 LIVENESS_TTL = 2.0
@@ -241,3 +244,75 @@ def test_the_window_opens_when_clients_first_reach_the_new_server(
     assert_never_beside(records, "k", original.id)
     print(f"\n{how}: first reachable {up}s after the server's start (window {WINDOW:.2f}s); "
           f"window open: {opened}; contender {'skipped' if skipped(second) else second.state}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_cluster_failover_opens_the_window_for_its_shard(
+    redis_server: RedisServer, records: redis.Redis, app_env: dict[str, str],
+) -> None:
+    """Redis Cluster, 3 primaries with a replica each. A runs ``k``; the replica of ``k``'s
+    shard, cut off first (SIGSTOP, its link killed), lacks A's lock but has the shard's
+    server record; the primary is stopped and the replica promoted (``CLUSTER FAILOVER
+    TAKEOVER``); the old primary resumes and turns into a replica. ``k`` sent to B then
+    must not run beside A: the promoted shard opens its window, A puts its lock back.
+
+    Before, a Cluster failover opened no window (each process saw only its own
+    connections), A's process never found its data lost, and B ran ``k`` beside A.
+    """
+    cluster = start_cluster(primaries=3, replicas=1)
+    try:
+        app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=cluster.url)
+        app = load_app(redis_server, **app_env)
+        worker(redis_server, "a", app_env)
+        worker(redis_server, "b", app_env)
+        key = app.hold.singleton_key(("k",))
+        primary, [replica] = cluster_shard(cluster, key_slot(key.encode()))
+        primary_client, replica_client = primary.client(), replica.client()
+        assert app.hold.apply_async(("k",), queue="a").get(timeout=30).startswith("a@"), \
+            "A ran k once (its process checked k's shard and wrote the shard's record)"
+        records_on_shard = [k for k in primary_client.scan_iter(match=f"{PREFIX}:server:*")]
+        assert records_on_shard, "the shard has its server record"
+        assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the record)"
+
+        replica.send(signal.SIGSTOP)
+        try:
+            primary_client.client_kill_filter(_type="replica")  # the replica receives nothing more
+            records.set("hold:k", "1")
+            original = app.hold.apply_async(("k",), queue="a")
+            wait_started(records, "k", original)
+            assert primary_client.exists(key), "A holds k on the primary"
+            primary.send(signal.SIGSTOP)
+        finally:
+            replica.send(signal.SIGCONT)
+        try:
+            replica_client.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+            wait_for(lambda: replica_client.info("replication")["role"] == "master", timeout=30,
+                     message="the replica promoted")
+        finally:
+            primary.send(signal.SIGCONT)
+        wait_for(lambda: primary_client.info("replication")["role"] == "slave", timeout=30,
+                 message="the old primary turned into a replica")
+        assert not replica_client.exists(key), "the promoted replica lacks A's lock"
+        [record] = records_on_shard
+        assert replica_client.get(record) == primary_client.info("server")["run_id"].encode(), \
+            "the promoted replica's record names the primary it replaced"
+
+        second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
+        recovery = record.replace(b":server:", b":recovery:")
+        wait_for(lambda: replica_client.exists(recovery) or call_of(records, "k", second.id), timeout=60,
+                 message="the shard's recovery window, or B's decision")
+        window = replica_client.get(recovery)
+        wait_for(lambda: call_of(records, "k", second.id), timeout=60, message="B decided")
+        assert ended_run(records, "k", original.id) is None, "the original still ran when B decided"
+        run = started_run(records, "k", second.id)
+        assert run is None or skipped(second), \
+            f"B ran k beside A's live run after the shard's failover (window: {window!r})"
+        records.delete("hold:k")
+        assert original.get(timeout=30).startswith("a@"), "the original completed"
+        wait_for(lambda: second.ready(), timeout=30, message="B's copy settled")
+        assert records.get("overlap:k") is None, "no run of k started while another ran"
+        print(f"\ncluster failover: B {'skipped' if skipped(second) else second.state}; the shard's window: "
+              f"{window!r}")
+    finally:
+        cluster.stop()

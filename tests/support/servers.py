@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from celery_singleton_beat.server import server_key, shard_records
 from harness.old_redis import DEFAULT_PATH as OLD_REDIS_PATH
 from harness.old_redis import SDIST as OLD_REDIS_SDIST
 from harness.rabbitmq_server import RabbitMQServerProcess, find_rabbitmq_server
@@ -28,7 +29,7 @@ from .skips import skip_or_fail
 
 __all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "RabbitMQServer",
            "RedisServer", "flushdb", "free_port", "keep_server_records", "old_redis_server_binary",
-           "rabbitmq_server_binary", "redis_server_binary", "server_records"]
+           "rabbitmq_server_binary", "redis_server_binary", "seed_server_record", "server_records"]
 
 #: Databases of a test redis-server.
 BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
@@ -54,6 +55,21 @@ def keep_server_records(client: redis.Redis, records: dict[bytes, bytes]) -> Non
     """Write back what :func:`server_records` read before a flush."""
     for key, value in records.items():
         client.set(key, value)
+
+
+def seed_server_record(client: redis.Redis, prefix: str = "singleton") -> None:
+    """Write the record naming the server behind ``client`` as the one serving ``prefix``'s
+    lock data (a Cluster node: its shard's), as the library's first client would: a test
+    then starts on a Redis in use, not on a new one (see :func:`server_records`)."""
+    info = client.info("server")
+    if info.get("redis_mode") == "cluster":
+        records = shard_records(prefix, client.execute_command("CLUSTER", "NODES"))
+        if records is None:
+            return
+        key = records[0]
+    else:
+        key = server_key(prefix)
+    client.set(key, str(info["run_id"]))
 
 
 def flushdb(client: redis.Redis) -> None:
@@ -193,7 +209,8 @@ class RedisServer:
 
     def flushall(self) -> None:
         """FLUSHALL, only after checking on the same connection that the server is ours;
-        the records of which server serves the lock data are written back (see :func:`server_records`).
+        the records of which server serves the lock data are written back (see
+        :func:`server_records`), and the locks' database has the default prefix's.
 
         Raises :class:`NotOurServer` (nothing deleted) if our process is not running
         or another program answers on the port.
@@ -216,6 +233,8 @@ class RedisServer:
             for db, records in kept.items():
                 client.select(db)
                 keep_server_records(client, records)
+            client.select(LOCK_DB)
+            seed_server_record(client)
         finally:
             client.close()
 
