@@ -37,7 +37,8 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from celery_singleton_beat.server import WINDOW_SLACK, LockServer, ServerMemory, recovery_key, server_key
+from celery_singleton_beat.server import LockServer
+from celery_singleton_beat.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key
 
 from .support import RedisServer, wait_for
 from .support.keeps_lock import (

@@ -29,7 +29,7 @@ from ..exceptions import SingletonError
 from ..keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
 from ..liveness import live_key
 from ..lock import done_key
-from ..server import recovery_key, server_key
+from ..window import recovery_key, server_key
 
 __all__ = [
     "AdminError",
@@ -193,7 +193,7 @@ class KeySpace:
       and its counter totals;
     * ``<p>:server`` the server last seen serving the data, ``<p>:recovery`` an
       open recovery window (on Redis Cluster one of each per shard,
-      ``<p>:server:{<n>}`` and ``<p>:recovery:{<n>}``; see :mod:`~celery_singleton_beat.server`).
+      ``<p>:server:{<n>}`` and ``<p>:recovery:{<n>}``; see :mod:`~celery_singleton_beat.window`).
 
     Keys are matched whole (a task named ``beats.x`` is not a beat key).
     """
@@ -216,7 +216,7 @@ class KeySpace:
             server_key(prefix): "server-record",
             recovery_key(prefix): "recovery-window",
         }
-        #: One per Redis Cluster shard (see :func:`~celery_singleton_beat.server.records_of`).
+        #: One per Redis Cluster shard (see :func:`~celery_singleton_beat.window.records_of`).
         self._shard_record = re.compile(rf"{p}:(?P<kind>server|recovery):\{{[0-9]+\}}\Z", re.S)
         self._task_stats = task_stats_key(prefix, "")
         self._beat_stats = beat_stats_key(prefix, "")

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from celery_singleton_beat.server import server_key, shard_records
+from celery_singleton_beat.window import server_key, shard_records
 from harness.old_redis import DEFAULT_PATH as OLD_REDIS_PATH
 from harness.old_redis import SDIST as OLD_REDIS_SDIST
 from harness.rabbitmq_server import RabbitMQServerProcess, find_rabbitmq_server
