@@ -267,8 +267,7 @@ def get_redis(app: Celery) -> RedisClient:
             server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
                                 factory=lambda: redis_from_url(url, **options))
             options = dict(settings.redis_options)
-            if parse_redis_url(url).topology != CLUSTER:  # Cluster: each node is looked at on first use
-                options["redis_connect_func"] = server.on_connect
+            options["redis_connect_func"] = server.on_connect  # on Cluster: each node's connections
             client = redis_from_url(url, **options)
             client.csb_server = server  # type: ignore[union-attr]
             _clients[app] = cached = (pid, client)
