@@ -9,6 +9,8 @@ back. What each test protects:
 * ``test_a_missing_server_record_costs_one_window_once``: a Redis without the record
   (new, or emptied) opens one window, at the first client; another process sees that
   same window, and once it closed nobody opens another; an AOF restart opens none.
+* ``test_a_lease_taken_after_a_window_runs_from_the_end_of_the_wait``: a run whose
+  acquisition waited a window holds a lease counted from the end of the wait.
 * ``test_a_check_cut_before_its_record_is_written_is_noticed_again``: a client that
   noticed the new server but failed before the record was written notices it again on
   its next connection (its process remembers the new server only once the record is
@@ -33,11 +35,15 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from celery_singleton_beat.server import LockServer
+from celery_singleton_beat import SingletonTask
+from celery_singleton_beat.client import get_redis, reset_clients
+from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.server import LockServer, server_of
 from celery_singleton_beat.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key
 
 from .support import RedisServer, wait_for
@@ -89,13 +95,16 @@ def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[...,
     it closed, no client opens another; an AOF restart opens none."""
     lock_redis = make_redis("--appendonly", "yes")
     direct = lock_redis.client()
-    first, first_server = process_client(lock_redis)
+    memory = ServerMemory()
+    first, first_server = process_client(lock_redis, memory)
     first.ping()
     opened_ms = direct.pttl(recovery_key(PREFIX))
     assert 0 < opened_ms <= WINDOW * 1000, "a Redis without the server record opens a window at its first client"
     assert direct.get(server_key(PREFIX)) == run_id(direct).encode(), "the record names the server"
     window = first_server.recovery()
     assert window.open and "new or emptied" in window.reason, window
+    assert not LockServer("other-app", LIVENESS_TTL, memory).recovery().open, \
+        "another key prefix on the same Redis has a record, and a window, of its own"
 
     later, later_server = process_client(lock_redis)
     later.ping()
@@ -149,6 +158,29 @@ def test_a_check_cut_before_its_record_is_written_is_noticed_again(
     assert lock_server.epoch > epoch, "the process found its data lost on its next connection"
     window = lock_server.recovery()
     assert window.open, "and the window open"
+
+
+def test_a_lease_taken_after_a_window_runs_from_the_end_of_the_wait(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """An eager run with a 1 s lease is the first client of a new Redis: its acquisition
+    waits the window (longer than the lease), and its lease then runs from the end of the
+    wait: the run holds its lock."""
+    lock_redis = make_redis()
+    app = Celery("window-lease", broker="memory://", set_as_current=False)
+    app.conf.update(singleton_redis_url=lock_redis.url(), singleton_liveness_ttl=LIVENESS_TTL,
+                    task_always_eager=True)
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name="window.held", lock_ttl=1.0)
+    def held(self: SingletonTask) -> dict[str, Any]:
+        return {"held": self.singleton.held, "window": server_of(get_redis(app)).recovery()}
+
+    try:
+        seen = held.delay().get()
+    finally:
+        reset_clients()
+        clear_settings_cache()
+    assert seen["window"].reason and seen["window"].until > 0, "the run's acquisition met a window"
+    assert seen["held"], "the lease runs from the end of the window's wait, not from before it"
 
 
 # ===================================================================== real workers
