@@ -44,7 +44,7 @@ from celery_singleton_beat import SingletonTask
 from celery_singleton_beat.client import get_redis, reset_clients
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.server import LockServer, server_of
-from celery_singleton_beat.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key
+from celery_singleton_beat.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key, shard_records
 
 from .support import RedisServer, wait_for
 from .support.keeps_lock import (
@@ -134,9 +134,9 @@ def test_a_check_cut_before_its_record_is_written_is_noticed_again(
         make_redis: Callable[..., RedisServer]) -> None:
     """A process used the server; it restarted empty. The process's first connection to the
     new server learns its run id (``INFO``) and is cut before the record is written (the
-    write is paused: ``CLIENT PAUSE WRITE``, the client times out). Its next connection
-    must still find its data lost (the epoch grows: its holders put their locks back) and
-    the window open."""
+    write is paused: ``CLIENT PAUSE WRITE``, the client times out). Another process then
+    notices the new server first. The first process's next connection must still find its
+    data lost (the epoch grows: its holders put their locks back) and the window open."""
     lock_redis = make_redis()
     direct = lock_redis.client()
     client, lock_server = process_client(lock_redis)
@@ -154,6 +154,9 @@ def test_a_check_cut_before_its_record_is_written_is_noticed_again(
     finally:
         direct.execute_command("CLIENT", "UNPAUSE")
 
+    other, _ = process_client(lock_redis)
+    other.ping()  # another process notices the new server first: the record names it now
+    assert direct.get(server_key(PREFIX)) == run_id(direct).encode()
     fresh_connection(client)
     assert lock_server.epoch > epoch, "the process found its data lost on its next connection"
     window = lock_server.recovery()
@@ -304,9 +307,7 @@ def test_a_cluster_failover_opens_the_window_for_its_shard(
         primary_client, replica_client = primary.client(), replica.client()
         assert app.hold.apply_async(("k",), queue="a").get(timeout=30).startswith("a@"), \
             "A ran k once (its process checked k's shard and wrote the shard's record)"
-        records_on_shard = [k for k in primary_client.scan_iter(match=f"{PREFIX}:server:*")]
-        assert records_on_shard, "the shard has its server record"
-        assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the record)"
+        assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the shard's record)"
 
         replica.send(signal.SIGSTOP)
         try:
@@ -327,12 +328,9 @@ def test_a_cluster_failover_opens_the_window_for_its_shard(
         wait_for(lambda: primary_client.info("replication")["role"] == "slave", timeout=30,
                  message="the old primary turned into a replica")
         assert not replica_client.exists(key), "the promoted replica lacks A's lock"
-        [record] = records_on_shard
-        assert replica_client.get(record) == primary_client.info("server")["run_id"].encode(), \
-            "the promoted replica's record names the primary it replaced"
+        record, recovery = shard_records(PREFIX, replica_client.execute_command("CLUSTER", "NODES")) or ("", "")
 
         second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
-        recovery = record.replace(b":server:", b":recovery:")
         wait_for(lambda: replica_client.exists(recovery) or call_of(records, "k", second.id), timeout=60,
                  message="the shard's recovery window, or B's decision")
         window = replica_client.get(recovery)
@@ -341,6 +339,7 @@ def test_a_cluster_failover_opens_the_window_for_its_shard(
         run = started_run(records, "k", second.id)
         assert run is None or skipped(second), \
             f"B ran k beside A's live run after the shard's failover (window: {window!r})"
+        assert window and replica_client.get(record) is not None, "the window and record of k's shard"
         records.delete("hold:k")
         assert original.get(timeout=30).startswith("a@"), "the original completed"
         wait_for(lambda: second.ready(), timeout=30, message="B's copy settled")
