@@ -294,17 +294,23 @@ def test_a_cluster_failover_opens_the_window_for_its_shard(
     must not run beside A: the promoted shard opens its window, A puts its lock back.
 
     Before, a Cluster failover opened no window (each process saw only its own
-    connections), A's process never found its data lost, and B ran ``k`` beside A.
+    connections), A's process never found its data lost, and B ran ``k`` beside A. Also
+    checked: a library client's connection to a node is looked at as it connects,
+    whatever command it sends (beats and counters use redis-py's own).
     """
     cluster = start_cluster(primaries=3, replicas=1)
     try:
         app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=cluster.url)
         app = load_app(redis_server, **app_env)
-        worker(redis_server, "a", app_env)
-        worker(redis_server, "b", app_env)
         key = app.hold.singleton_key(("k",))
         primary, [replica] = cluster_shard(cluster, key_slot(key.encode()))
         primary_client, replica_client = primary.client(), replica.client()
+        get_redis(app.app).exists(key)  # a plain command of a library client, as beats and counters send them
+        shard_record, _ = shard_records(PREFIX, primary_client.execute_command("CLUSTER", "NODES")) or ("", "")
+        assert primary_client.get(shard_record) == primary_client.info("server")["run_id"].encode(), \
+            "a library client's connection to a node is looked at as it connects (the shard's record written)"
+        worker(redis_server, "a", app_env)
+        worker(redis_server, "b", app_env)
         assert app.hold.apply_async(("k",), queue="a").get(timeout=30).startswith("a@"), \
             "A ran k once (its process checked k's shard and wrote the shard's record)"
         assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the shard's record)"
