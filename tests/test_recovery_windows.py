@@ -53,6 +53,7 @@ from .support.keeps_lock import (
     ended_run,
     knobs,
     load_app,
+    replica_cut_off,
     run_id,
     started_run,
     wait_started,
@@ -315,16 +316,12 @@ def test_a_cluster_failover_opens_the_window_for_its_shard(
             "A ran k once (its process checked k's shard and wrote the shard's record)"
         assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the shard's record)"
 
-        replica.send(signal.SIGSTOP)
-        try:
-            primary_client.client_kill_filter(_type="replica")  # the replica receives nothing more
+        with replica_cut_off(replica, primary_client):
             records.set("hold:k", "1")
             original = app.hold.apply_async(("k",), queue="a")
             wait_started(records, "k", original)
             assert primary_client.exists(key), "A holds k on the primary"
             primary.send(signal.SIGSTOP)
-        finally:
-            replica.send(signal.SIGCONT)
         try:
             replica_client.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
             wait_for(lambda: replica_client.info("replication")["role"] == "master", timeout=30,
