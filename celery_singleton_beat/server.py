@@ -185,8 +185,9 @@ class LockServer:
 
     def recovery(self) -> Recovery:
         """Is a recovery window open for this server, until when, and why: the latest window
-        this process found (on any connection, any shard), from the records every client
-        shares. New acquisitions and new slot claims wait while it is open."""
+        this process found for this key prefix (on any connection, any Cluster shard), from
+        the records every client shares. New acquisitions and new slot claims wait while
+        it is open."""
         return self._memory.windows.get(self.prefix, NO_WINDOW)
 
     @property
