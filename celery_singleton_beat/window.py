@@ -66,8 +66,8 @@ from redis.exceptions import ResponseError
 from .log import logger
 
 __all__ = ["NEW_OR_EMPTIED", "PROMOTED", "RESTARTED", "WINDOW_SLACK", "Finding", "Notice", "Recovery",
-           "ServerMemory", "data_lost", "memory_for", "notice", "opening", "records_of", "recovery_key",
-           "server_key", "shard_records", "shard_tag"]
+           "ServerMemory", "data_lost", "mark_in_use", "memory_for", "notice", "opening", "records_of",
+           "recovery_key", "server_key", "shard_records", "shard_tag"]
 
 #: Seconds added to a third of ``singleton_liveness_ttl`` for the recovery window:
 #: a keeper's reconnection and its retry after the failed first attempt.
@@ -282,3 +282,23 @@ def records_of(connection: Any, prefix: str, *, cluster: bool) -> tuple[str, str
     except ResponseError as exc:  # NOPERM
         logger.debug("CLUSTER NODES refused on the lock Redis (%s): no recovery windows on this node", exc)
         return None
+
+
+def mark_in_use(client: Any, prefix: str = "singleton") -> None:
+    """Write the record naming the server behind ``client`` (one server or one Cluster node,
+    a :class:`redis.Redis`) as the one serving ``prefix``'s lock data, as its first client
+    would: the next clients find it in use and open no window.
+
+    Only for a Redis known to hold no lock of a live run (a test's or a benchmark's own
+    server, just started or emptied): on a Redis that may have lost locks, the window is
+    what keeps their holders' keys from running twice.
+    """
+    info = client.info("server")
+    if info.get("redis_mode") == "cluster":
+        records = shard_records(prefix, client.execute_command("CLUSTER", "NODES"))
+        if records is None:
+            return
+        key = records[0]
+    else:
+        key = server_key(prefix)
+    client.set(key, str(info["run_id"]))

@@ -36,6 +36,7 @@ from celery_singleton_beat.beat import (
     stats_key,
 )
 from celery_singleton_beat.keys import beat_stats_key
+from celery_singleton_beat.window import mark_in_use
 
 from .support import LOCK_DB, RedisServer, wait_for
 from .support.beat import (
@@ -48,7 +49,6 @@ from .support.beat import (
     run_ticks,
     sent_slots,
 )
-from .support.servers import seed_server_record
 from .support.slots import UTC, labels, parse_slot, utc
 
 START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=UTC)
@@ -418,7 +418,7 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
     schedule = {"tick": {"task": "t.tick", "schedule": 30.0, "args": [1],
                          "options": {"queue": "q1", "headers": {"h": "v"}}}}
     already_scheduled(redis_server.client(LOCK_DB), schedule, prefix="app7")
-    seed_server_record(redis_server.client(LOCK_DB), "app7")  # a prefix in use (no first-deploy window)
+    mark_in_use(redis_server.client(LOCK_DB), "app7")  # a prefix in use (no first-deploy window)
     app = scheduler_app(redis_server, clock, schedule, singleton_key_prefix="app7",
                    singleton_beat_claim_margin=15)
     winner = RecordingScheduler(app=app)
@@ -497,7 +497,7 @@ def claims_server(make_redis: Callable[..., RedisServer]) -> RedisServer:
     """A redis-server of its own for slot claims, so a test can stop it; in use already
     (its server record written: a new Redis would cost the first claims a recovery window)."""
     server = make_redis()
-    seed_server_record(server.client(0))
+    mark_in_use(server.client(0))
     return server
 
 

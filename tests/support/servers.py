@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from celery_singleton_beat.window import server_key, shard_records
+from celery_singleton_beat.window import mark_in_use
 from harness.old_redis import DEFAULT_PATH as OLD_REDIS_PATH
 from harness.old_redis import SDIST as OLD_REDIS_SDIST
 from harness.rabbitmq_server import RabbitMQServerProcess, find_rabbitmq_server
@@ -29,7 +29,7 @@ from .skips import skip_or_fail
 
 __all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "RabbitMQServer",
            "RedisServer", "flushdb", "free_port", "keep_server_records", "old_redis_server_binary",
-           "rabbitmq_server_binary", "redis_server_binary", "seed_server_record", "server_records"]
+           "rabbitmq_server_binary", "redis_server_binary", "server_records"]
 
 #: Databases of a test redis-server.
 BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
@@ -55,21 +55,6 @@ def keep_server_records(client: redis.Redis, records: dict[bytes, bytes]) -> Non
     """Write back what :func:`server_records` read before a flush."""
     for key, value in records.items():
         client.set(key, value)
-
-
-def seed_server_record(client: redis.Redis, prefix: str = "singleton") -> None:
-    """Write the record naming the server behind ``client`` as the one serving ``prefix``'s
-    lock data (a Cluster node: its shard's), as the library's first client would: a test
-    then starts on a Redis in use, not on a new one (see :func:`server_records`)."""
-    info = client.info("server")
-    if info.get("redis_mode") == "cluster":
-        records = shard_records(prefix, client.execute_command("CLUSTER", "NODES"))
-        if records is None:
-            return
-        key = records[0]
-    else:
-        key = server_key(prefix)
-    client.set(key, str(info["run_id"]))
 
 
 def flushdb(client: redis.Redis) -> None:
@@ -234,7 +219,7 @@ class RedisServer:
                 client.select(db)
                 keep_server_records(client, records)
             client.select(LOCK_DB)
-            seed_server_record(client)
+            mark_in_use(client)
         finally:
             client.close()
 

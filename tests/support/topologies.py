@@ -30,11 +30,12 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
 from celery_singleton_beat.client import RedisClient
+from celery_singleton_beat.window import mark_in_use
 from harness.redis_server import RedisServerProcess, free_port, probe_options
 
 from .owners import register
 from .paths import scratch
-from .servers import keep_server_records, redis_server_binary, seed_server_record, server_records
+from .servers import keep_server_records, redis_server_binary, server_records
 from .skips import require
 from .waiting import wait_for
 
@@ -110,7 +111,7 @@ class Topology:
             kept = server_records(node)
             node.flushall()
             keep_server_records(node, kept)
-            seed_server_record(node)
+            mark_in_use(node)
             node.script_flush()
 
     def primaries(self) -> list[redis.Redis]:
