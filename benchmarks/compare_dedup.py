@@ -287,7 +287,7 @@ def quiet_point_s(phases: list[float | None]) -> float:
 def run_variant(name: str, mode: str, seconds: float, python: str, server: Server, work: Path,
                 procs: Processes) -> dict[str, Any]:
     variant = VARIANTS[name]
-    server.client().flushall()
+    server.flush()
     records = server.client(2)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-{mode}-", dir=work))
     env = bench_env(CMP_REDIS=server.url, CMP_VARIANT=variant.task, CMP_INTERVAL=str(INTERVAL),

@@ -108,9 +108,10 @@ ACL_COMMANDS: dict[str, tuple[str, ...]] = {
     "startup": ("info",),
     # singleton_wait_replicas > 0
     "wait": ("wait",),
-    # Redis Cluster clients discover the slots (and the command table) on start, and follow
-    # a migrating slot to its target (ASKING)
-    "cluster": ("cluster|slots", "command", "asking"),
+    # Redis Cluster clients discover the slots (and the command table) on start, follow a
+    # migrating slot to its target (ASKING); the look at each new connection finds the
+    # node's own slots (its shard's recovery records)
+    "cluster": ("cluster|slots", "cluster|nodes", "command", "asking"),
     # a database other than 0 in the URL
     "select": ("select",),
 }
@@ -267,8 +268,7 @@ def get_redis(app: Celery) -> RedisClient:
             server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
                                 factory=lambda: redis_from_url(url, **options))
             options = dict(settings.redis_options)
-            if parse_redis_url(url).topology != CLUSTER:  # Cluster: each node is looked at on first use
-                options["redis_connect_func"] = server.on_connect
+            options["redis_connect_func"] = server.on_connect  # on Cluster: each node's connections
             client = redis_from_url(url, **options)
             client.csb_server = server  # type: ignore[union-attr]
             _clients[app] = cached = (pid, client)
@@ -357,7 +357,9 @@ def group_by_node(client: RedisClient, keys: Sequence[str]) -> list[list[int]]:
 
 def cluster_moved(client: Any, error: Exception) -> bool:
     """True when ``error`` says a Cluster slot moved; the client's layout is then read again."""
-    if not isinstance(client, RedisCluster) or not any(word in str(error) for word in ("MOVED", "ASK")):
+    # redis-py's parser turns "-MOVED 788 host:port" into a MovedError saying "788 host:port".
+    if not isinstance(client, RedisCluster) or not (
+            isinstance(error, MovedError) or any(word in str(error) for word in ("MOVED", "ASK"))):
         return False
     client.nodes_manager.initialize()
     return True

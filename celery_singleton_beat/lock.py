@@ -557,6 +557,7 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
         return AcquireResult(None, completed=True)
     if taken:
         counters.count(client, spec.stats_key, spec.counters[0])
+        started = max(started, server.resumed())  # written after a window's wait, if it waited
         return AcquireResult(Lease(client, key, value, spec, token, task_id, started, epoch))
     holder = parse_holder(previous)
     assert holder is not None

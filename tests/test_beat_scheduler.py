@@ -36,6 +36,7 @@ from celery_singleton_beat.beat import (
     stats_key,
 )
 from celery_singleton_beat.keys import beat_stats_key
+from celery_singleton_beat.window import mark_in_use
 
 from .support import LOCK_DB, RedisServer, wait_for
 from .support.beat import (
@@ -417,6 +418,7 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
     schedule = {"tick": {"task": "t.tick", "schedule": 30.0, "args": [1],
                          "options": {"queue": "q1", "headers": {"h": "v"}}}}
     already_scheduled(redis_server.client(LOCK_DB), schedule, prefix="app7")
+    mark_in_use(redis_server.client(LOCK_DB), "app7")  # a prefix in use (no first-deploy window)
     app = scheduler_app(redis_server, clock, schedule, singleton_key_prefix="app7",
                    singleton_beat_claim_margin=15)
     winner = RecordingScheduler(app=app)
@@ -492,8 +494,11 @@ def test_opt_out_and_args_in_the_key(redis_db: redis.Redis, redis_server: RedisS
 
 @pytest.fixture
 def claims_server(make_redis: Callable[..., RedisServer]) -> RedisServer:
-    """A redis-server of its own for slot claims, so a test can stop it."""
-    return make_redis()
+    """A redis-server of its own for slot claims, so a test can stop it; in use already
+    (its server record written: a new Redis would cost the first claims a recovery window)."""
+    server = make_redis()
+    mark_in_use(server.client(0))
+    return server
 
 
 def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims_server: RedisServer,

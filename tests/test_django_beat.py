@@ -59,6 +59,7 @@ from .support.dbbeat import (
     stop_and_drain,
 )
 from .support.extras import assert_needs_extra
+from .support.servers import flushdb
 from .support.slots import UTC, parse_slot, slot_floor
 
 importorskip("django_celery_beat")
@@ -356,7 +357,7 @@ def db_beat_worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
 def clean(django_db: Path, redis_server: RedisServer, db_beat_worker: CeleryProcess) -> str:
     """Fresh claims, run records and schedule rows; a unique entry-name prefix."""
     db_beat_worker.check_running()
-    redis_server.client(LOCK_DB).flushdb()
+    flushdb(redis_server.client(LOCK_DB))
     redis_server.client(RECORD_DB).flushdb()
     clear_schedule()
     return f"t{uuid.uuid4().hex[:6]}-"

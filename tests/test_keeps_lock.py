@@ -53,6 +53,7 @@ from .support.keeps_lock import (
     knobs,
     live_key_of,
     load_app,
+    replica_cut_off,
     run_id,
     started_run,
     wait_called,
@@ -335,17 +336,13 @@ def test_fencing_tokens_grow_across_a_failover(
         primary_client, replica_client = primary.client(), replica.client()
         assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the earlier token)"
 
-        replica.send(signal.SIGSTOP)
-        try:
-            primary_client.client_kill_filter(_type="replica")  # the replica receives nothing more
+        with replica_cut_off(replica, primary_client):
             records.set("hold:k", "1")
             holder = app.hold.apply_async(("k",), queue="a")
             run = wait_started(records, "k", holder)
             written = primary_client.info("replication")["master_repl_offset"]
             primary.kill()
             killed = time.time()
-        finally:
-            replica.send(signal.SIGCONT)
         assert replica_client.info("replication")["master_repl_offset"] < written, \
             "the replica lacks the primary's last writes (A's lock)"
         wait_for_new_primary(group, old)

@@ -55,6 +55,7 @@ from celery_singleton_beat.config import (
     validate_settings,
 )
 from celery_singleton_beat.lock import read_holder, release_value
+from celery_singleton_beat.window import mark_in_use
 
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
 from .support.beat import ManualClock, RealClock, RecordingScheduler, beat_app, beat_loop, run_ticks, sent_slots
@@ -175,6 +176,9 @@ def test_key_prefixes_keep_apps_on_one_redis_apart(redis_db: redis.Redis, redis_
         _app(broker=redis_server.url(2), backend="rpc://",
              broker_transport_options={"global_keyprefix": "tenant:"}),
     ]
+    with redis_server.client(2) as locks:  # a Redis in use for both prefixes (see support.servers)
+        for prefix in ("app-a", "app-b"):
+            mark_in_use(locks, prefix)
     keys = []
     for app in apps:
         @app.task(base=SingletonTask, shared=False, name="proj.sync")

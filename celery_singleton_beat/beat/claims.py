@@ -414,11 +414,11 @@ class ClaimStore:
 
         Takes a connection from the pool and gives it back: a Sentinel pool follows the
         primary (:mod:`..sentinel`), a connection the server closed is made again, and a
-        new connection is looked at (:mod:`..server`) -- no command when nothing changed.
+        new connection is looked at (:mod:`..window`) -- no command when nothing changed.
         """
         client = self.client
         pool = getattr(client, "connection_pool", None)
-        if pool is not None:  # not on Cluster (each node is looked at on first use)
+        if pool is not None:  # not on Cluster (each node's connections are looked at as they connect)
             follow = getattr(pool, "follow", None)
             if follow is not None:
                 follow()  # Sentinel: ask for the primary now, not within half a second
@@ -430,7 +430,7 @@ class ClaimStore:
 
     def window_left(self) -> float:
         """Seconds of the lock Redis's recovery window still open, as this process knows it."""
-        return max(0.0, server_of(self.client).recovering_until - time.monotonic())
+        return server_of(self.client).recovery().left()
 
     def _write_back(self, server: Any) -> None:
         """Once this process finds the data on a server that may lack it (a restart without

@@ -22,7 +22,7 @@ from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMix
 
 from .owners import Owner, owning
 from .processes import CeleryProcess, child_env, start_worker
-from .servers import LOCK_DB, RECORD_DB, RedisServer
+from .servers import LOCK_DB, RECORD_DB, RedisServer, flushdb
 from .slots import UTC, expected_slots, parse_slot
 from .waiting import wait_for
 
@@ -283,7 +283,8 @@ def fresh_beat_state(redis_server: RedisServer, worker: CeleryProcess, prefix: s
     """Wipe claims and run records for a test (its module worker still running); return a
     unique entry-name prefix starting with ``prefix``."""
     worker.check_running()
-    redis_server.client(LOCK_DB).flushdb()
+    with redis_server.client(LOCK_DB) as locks:
+        flushdb(locks)
     redis_server.client(RECORD_DB).flushdb()
     return f"{prefix}{uuid()[:6]}-"
 
