@@ -335,3 +335,61 @@ def test_each_operation_is_one_request_and_counters_are_written_in_batches(
     assert {k.decode(): int(v) for k, v in observer.hgetall(stats).items()} == {
         "acquired": 1, "refused": 1, "renewed": 1, "released": 1}
     assert observer.pttl(stats) > 0, "counters expire when no longer updated"
+
+
+# -------------------------------------------------------------------- a full server
+
+
+def fill_up(server: RedisServer) -> redis.Redis:
+    """Fill ``server`` and set ``maxmemory`` below what it uses, with ``noeviction`` (the policy
+    the docs require): every command that may grow memory is refused (``-OOM``) from now on.
+    Returns a client of it, having checked that a plain ``SET`` is refused."""
+    admin = server.client()
+    with admin.pipeline(transaction=False) as fill:
+        for i in range(2000):
+            fill.set(f"fill:{i}", "x" * 1000)
+        fill.execute()
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - 1_000_000)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        admin.set("probe", "x")
+    return admin
+
+
+def test_a_full_server_keeps_renewing_a_live_lease(make_redis: Callable[..., RedisServer]) -> None:
+    """Under ``maxmemory`` with ``noeviction`` a write that may grow memory is refused: the
+    native renewal (``SET ... IFEQ``, Valkey 8.1+, Redis 8.4+) too, while a renewal that
+    only compares and sets the expiry still runs. A lease kept through a full server
+    stays held for several of its TTLs, and its release still frees it.
+
+    Before, on Valkey 9.1 the keeper took the refusal for an outage and reported the
+    lease lost once it would have expired (the key then expired too)."""
+    server = make_redis()
+    client = server.client()
+    lease = take(client, ttl=1.0).lease
+    assert lease is not None and lease.renew()
+    admin = fill_up(server)
+    assert lease.renew(), "renewed while the server refuses writes"
+    kept = LeaseKeeper().keep(lease)
+
+    def still_held() -> bool:
+        return not kept.lost and read_holder(admin, KEY) is not None
+
+    assert soak(3.0, check=still_held, what="the lease kept on a full server") >= 20
+    assert kept.renewals >= 4
+    info = server_of(client).info
+    assert info is not None and info.known, "the server was looked at (its native commands are known)"
+    assert lease.release() is True and not admin.exists(KEY), "released on a full server"
+
+
+def test_a_release_on_a_full_server_reports_what_it_did(make_redis: Callable[..., RedisServer]) -> None:
+    """The release runs on a full server (a delete frees memory) but the done marker written
+    behind it cannot: the release is reported done, not failed."""
+    server = make_redis()
+    client = server.client()
+    lease = take(client, ttl=5.0).lease
+    assert lease is not None
+    admin = fill_up(server)
+    assert lease.release(done_ttl=60) is True
+    assert not admin.exists(KEY), "the lock is free"
+    assert not admin.exists(done_key(KEY, "id-1")), "no marker: the server refused to grow"
