@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat import counters
+from celery_singleton_beat import LockLost, counters
 from celery_singleton_beat.commands import legacy_fence_key
 from celery_singleton_beat.keeper import LeaseKeeper, get_keeper
 from celery_singleton_beat.lock import done_key, read_holder, release_for
 from celery_singleton_beat.run import SingletonRun
-from celery_singleton_beat.server import server_of
+from celery_singleton_beat.server import LockServer, server_of
 from celery_singleton_beat.wire import SocketLink
 
 from .support import RedisServer, soak, wait_for
@@ -262,6 +262,33 @@ def test_ensure_held_fails_once_the_lease_may_have_lapsed_whatever_the_keeper_sa
     wait_for(lambda: time.monotonic() >= lease.valid_until, timeout=5, message="the lease to lapse")
     assert not run.lost, "the keeper never looked"
     with pytest.raises(Exception, match="not renewed"):
+        run.ensure_held()
+    assert not run.held
+
+
+def test_ensure_held_never_vouches_past_a_restarts_recovery_window(make_redis: Callable[..., RedisServer]) -> None:
+    """A holder outside any worker (an eager run, a script: never taken over) whose renewals
+    stopped (a paused process): the lock Redis restarts empty, and another client takes
+    the key once the recovery window closes. From then on, ``ensure_held()`` must raise.
+
+    Before, it vouched for the whole ``lock_ttl`` after the last renewal (30 s here),
+    while the window lasts ``singleton_liveness_ttl / 3 + 1.5 s`` (2.5 s here)."""
+    server = make_redis()
+    holder_client, contender = server.client(), server.client()
+    holder_client.csb_server, contender.csb_server = LockServer("t", 3.0), LockServer("t", 3.0)
+    lease = take(holder_client, ttl=30.0, liveness_ttl=3.0).lease
+    assert lease is not None
+    keeper = LeaseKeeper()
+    run = SingletonRun(KEY, keeper.keep(lease))
+    keeper.forget(run._kept)  # type: ignore[arg-type]  # no renewal from now on: as if paused
+    assert take_lock(contender, "t:{other}", 30.0, task="demo.task").acquired, "the contender used the server"
+    run.ensure_held()
+
+    server.restart()  # SIGKILL, started again on its port: empty
+    taken = take_lock(contender, KEY, 30.0, task="demo.task", task_id="id-2", liveness_ttl=3.0)
+    assert taken.acquired, "the contender took the key once the recovery window closed"
+    assert server_of(contender).recovering_until > 0, "it waited for a recovery window"
+    with pytest.raises(LockLost, match="not renewed"):
         run.ensure_held()
     assert not run.held
 
