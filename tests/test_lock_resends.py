@@ -144,3 +144,23 @@ def test_a_release_whose_reply_was_cut_reports_no_lost_lock(
     assert proxy.cuts == 1, "the connection was cut after the release ran"
     assert not redis_db.exists(KEY)
     assert "lost" not in counted(redis_db), "no lost lock counted"
+
+
+def test_a_release_written_ahead_whose_reply_was_cut_reports_no_lost_lock(
+        proxy: CuttingProxy, redis_db: redis.Redis) -> None:
+    """A run's usual release is written at once and its reply read later (``release_soon``);
+    cut after it ran, the channel sends it again on a new connection when it reads the
+    reply: the outcome handed on is unknown (None), not "not ours"."""
+    client = redis.Redis(port=proxy.port, socket_timeout=10)
+    lease = take(client, "a").lease
+    assert lease is not None
+    info = server_of(client).info
+    assert info is not None
+    proxy.cut_after({"delifeq": b"DELIFEQ", "delex": b"DELEX"}.get(info.release_kind, b"EVALSHA"))
+    outcomes: list[tuple[bool | None, BaseException | None]] = []
+    assert lease.release_soon(lambda released, error: outcomes.append((released, error)), wait=True)
+    assert proxy.cuts == 1, "the connection was cut after the release ran"
+    assert outcomes == [(None, None)], "unknown, not a lost lock"
+    assert not redis_db.exists(KEY)
+    assert "lost" not in counted(redis_db), "no lost lock counted"
+    client.close()
