@@ -44,6 +44,8 @@ from typing import Any
 import pytest
 import redis
 
+from celery_singleton_beat.keys import task_stats_key
+
 from .support import RedisServer, soak, wait_for
 from .support.keeps_lock import (
     KeyWatch,
@@ -279,12 +281,16 @@ def test_an_eager_run_puts_its_lock_back_before_the_restarts_window_closes(
                               name="eager-run", daemon=True)
     thread.start()
     wait_for(lambda: started_run(records, "k", "eager-k"), timeout=30, message="the eager run of k started")
+    # Its acquisition counted and written (the counters' batch reaching the new server would
+    # let this process notice the restart at once, whatever its renewals do).
+    wait_for(lambda: lock_client.hget(task_stats_key("singleton", app.guarded.name), "acquired"), timeout=10,
+             message="the eager run's counters written")
     before = run_id(lock_client)
 
     lock_redis.restart()  # SIGKILL, started again on its port: empty
     restarted = time.time()
     assert run_id(lock_client) != before, "the lock Redis restarted"
-    second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
+    second = app.guarded.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")  # the same key
     wait_called(records, "k", second)
     received, decided = decision(records, "k", second.id)
     assert ended_run(records, "k", "eager-k") is None, "the eager run still ran when B decided"
