@@ -118,7 +118,7 @@ def _bulk(data: bytes) -> bytes:
 
 
 class AcquireReply(NamedTuple):
-    """What one acquire request found."""
+    """What an acquire found when it did not simply take the key (see :func:`acquire_request`)."""
 
     #: The server's clock in microseconds right behind the ``SET`` (the fencing token if taken).
     token: int
@@ -133,7 +133,9 @@ class AcquireReply(NamedTuple):
 
 def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
                     done_key: str | None) -> Request:
-    """Try to take ``key``: an :class:`AcquireReply`.
+    """Try to take ``key``: the fencing token (an ``int``) when it was taken, the common
+    case, else an :class:`AcquireReply` (held by another, or this task id completed):
+    the common path builds no reply object.
 
     One write: ``SET key value NX PX ttl GET`` (6.2: ``SET NX PX`` then
     ``GET``), ``TIME``, the done marker's ``EXISTS``, the legacy counter's
@@ -156,17 +158,20 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     data += _DEL_LEGACY_FENCE % (len(k) + len(_LEGACY_FENCE_SUFFIX), k)
     count = (4 if one_command else 5) - (done_key is None)
 
-    def finish(replies: list[Any]) -> AcquireReply:
+    def finish(replies: list[Any]) -> int | AcquireReply:
         raise_errors(replies)
         if one_command:
             at, taken, previous = 1, replies[0] is None, replies[0]
         else:
             at, taken = 2, replies[0] is not None
             previous = None if taken else replies[1]
+        token = time_token(*replies[at])
+        completed = done_key is not None and bool(replies[at + 1])
         if not taken and finds_own(previous, value):
             taken, previous = True, None
-        return AcquireReply(time_token(*replies[at]), taken, previous,
-                            done_key is not None and bool(replies[at + 1]))
+        if taken and not completed:
+            return token
+        return AcquireReply(token, taken, previous, completed)
 
     return Request(None, finish, data=data, count=count)
 
@@ -247,9 +252,10 @@ def _released(replies: list[Any]) -> bool:
 
 
 def _native_released(replies: list[Any]) -> bool:
-    refused = _refusal(replies[0])
-    if refused is not None:
-        raise refused
+    if isinstance(replies[0], ResponseError):
+        refused = _refusal(replies[0])
+        if refused is not None:
+            raise refused
     return _released(replies)
 
 

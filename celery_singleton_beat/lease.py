@@ -22,8 +22,9 @@ for a lease only until the earliest moment either could have happened.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,29 +129,36 @@ def execute(client: RedisClient, key: str, build: Callable[[ServerInfo], Request
     info = server.info or PORTABLE
     for attempt in (1, 2):
         request = build(info)
-        writes = 0
-
-        def counted() -> Any:  # the executors call it before each write of the request
-            nonlocal writes
-            writes += 1
-            return before_write() if before_write is not None else None
-
+        # The executors call before_write before each write of the request: count them
+        # (a C-level counter where nothing else is to be called: a release's path).
+        writes = itertools.count() if request.unsure_when_repeated else None
+        hook = (before_write if writes is None else writes.__next__ if before_write is None
+                else _counting(writes, before_write))
         try:
             channel = None if pooled or after is not None else channel_or_none(client)
             if channel is not None:
-                result = channel.call(request, counted)
+                result = channel.call(request, hook)
             else:
-                result = run_pooled(client, key, request, after=after, before_write=counted)
+                result = run_pooled(client, key, request, after=after, before_write=hook)
         except NativeRefused as exc:
             if attempt == 2:
                 raise
             _refused(server, exc)
             info = PORTABLE
             continue
-        if writes > 1 and request.unsure_when_repeated and not result:
+        if writes is not None and next(writes) > 1 and not result:
             return None
         return result
     raise AssertionError("unreachable")
+
+
+def _counting(writes: Iterator[int], before_write: Callable[[], Any]) -> Callable[[], Any]:
+    """``before_write``, also counting its calls in ``writes``."""
+    def counted() -> Any:
+        next(writes)
+        return before_write()
+
+    return counted
 
 
 def _refused(server: Any, exc: NativeRefused) -> None:

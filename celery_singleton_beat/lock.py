@@ -29,7 +29,7 @@ from . import counters
 from .behalf import read_holder, release_for, release_value
 from .channel import channel_or_none
 from .client import RedisClient
-from .commands import Renewal, acquire_request, adopt_request, release_request
+from .commands import AcquireReply, Renewal, acquire_request, adopt_request, release_request
 from .holder import VALUE_FORMAT, Holder, done_key, lock_value, parse_holder
 from .lease import RETRY_EVERY, TAKEOVER_WAIT, Lease, LockSpec, acknowledged, execute, replaced_lease
 from .server import PORTABLE, server_of
@@ -98,10 +98,12 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
             reply = channel.call(acquire_request(server.info or PORTABLE, key, value, spec.ttl_ms, done),
                                  server.pause)
         else:
-            reply = execute(
-                client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done),
-                before_write=server.pause,
-                after=acknowledged(spec, key, value, lambda r: r.taken) if spec.wait_replicas > 0 else None)
+            reply = execute(client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done),
+                            before_write=server.pause, after=acknowledged(
+                                spec, key, value, _taken) if spec.wait_replicas > 0 else None)
+        if type(reply) is int:  # taken: its fencing token
+            counters.count(client, spec.stats_key, spec.counters[0])
+            return AcquireResult(Lease(client, key, value, spec, reply, task_id, started, epoch))
         if reply.taken or reply.previous is not None:
             break
     if reply.completed:
@@ -109,10 +111,12 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
             execute(client, key, lambda info: release_request(info, key, value))
         counters.count(client, spec.stats_key, "completed_copies")
         return AcquireResult(None, completed=True)
-    if reply.taken:
-        counters.count(client, spec.stats_key, spec.counters[0])
-        return AcquireResult(Lease(client, key, value, spec, reply.token, task_id, started, epoch))
     return _held(client, key, spec, task_id, value, parse_holder(reply.previous), adopt_claim_of)
+
+
+def _taken(reply: int | AcquireReply) -> bool:
+    """An acquire's reply says the key is ours (a fencing token, or found taken)."""
+    return type(reply) is int or reply.taken  # type: ignore[union-attr]
 
 
 def _held(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, value: str,
