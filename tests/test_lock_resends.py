@@ -14,6 +14,7 @@ happened (``proxy.cuts``) and that the request really was sent again.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,12 +23,14 @@ import redis
 
 from celery_singleton_beat import counters
 from celery_singleton_beat.lock import read_holder
-from celery_singleton_beat.scripts import ADOPT, CLAIM_ON_RETRY, TAKE_OVER
-from celery_singleton_beat.server import server_of
+from celery_singleton_beat.scripts import ADOPT, CLAIM_ON_RETRY, RELEASE, TAKE_OVER
+from celery_singleton_beat.server import parse_info, server_of
 
-from .support import RedisServer, wait_for
+from .support import LOCK_DB, RedisServer, wait_for
 from .support.cutting_proxy import CuttingProxy
+from .support.keeps_lock import KNOBS, load_app, wait_started, worker
 from .support.locking import take_lock
+from .support.tasks import lock_keys
 
 KEY = "t:{demo.task:resent}"
 STATS = "t:{stats}:task:demo.task"
@@ -66,6 +69,20 @@ def take(client: redis.Redis, task_id: str = "id-1", **kw: Any) -> Any:
 def counted(redis_db: redis.Redis) -> dict[str, int]:
     counters.flush()
     return {k.decode(): int(v) for k, v in redis_db.hgetall(STATS).items()}
+
+
+def test_an_acquire_whose_reply_was_cut_holds_its_lock(
+        through: redis.Redis, proxy: CuttingProxy, redis_db: redis.Redis) -> None:
+    """The acquire (``SET NX PX GET`` and ``TIME``); cut after it ran, sent again: it finds
+    its own value, and the key is taken."""
+    warm = take_lock(through, "t:{warm}", 30.0, task="demo.task").lease  # the connection was used before
+    assert warm is not None and warm.release() is True
+    proxy.cut_after(KEY.encode())
+    result = take(through, "a")
+    assert proxy.cuts == 1, "the connection was cut after the acquire ran"
+    assert result.acquired, f"the run was refused by its own lock: {result!r}"
+    assert read_holder(redis_db, KEY).raw == result.lease.value
+    assert result.lease.fence > 0 and result.lease.release() is True
 
 
 def test_a_run_adopting_its_claim_whose_reply_was_cut_holds_its_lock(
@@ -164,3 +181,32 @@ def test_a_release_written_ahead_whose_reply_was_cut_reports_no_lost_lock(
     assert not redis_db.exists(KEY)
     assert "lost" not in counted(redis_db), "no lost lock counted"
     client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_gevent_workers_release_whose_reply_was_cut_is_no_lost_lock(
+        proxy: CuttingProxy, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis) -> None:
+    """A gevent worker (no lock channel: its runs release with a blocking pooled request)
+    reaches the lock Redis through the proxy; the run's release is cut after it ran.
+
+    Before, the release sent again reported False: the worker logged "lost its lock"
+    and sent ``task-lock-lost`` for a run that had released its own lock."""
+    env = {"CSB_LOCK_TTL": "30", "CSB_LIVENESS_TTL": "2", "CSB_LOCK_REDIS": proxy.url(LOCK_DB)}
+    app = load_app(redis_server, **env)
+    try:
+        a = worker(redis_server, "a", env, pool="gevent", concurrency=2)
+        records.set("hold:k", "1")
+        result = app.hold.apply_async(("k",), queue="a")
+        wait_started(records, "k", result)
+        info = parse_info(locks.info())
+        proxy.cut_after({"delifeq": b"DELIFEQ", "delex": b"DELEX"}.get(info.release_kind, RELEASE.sha.encode()))
+        records.delete("hold:k")
+        assert result.get(timeout=30).startswith("a@")
+        a.wait_for_log(f"hold[{result.id}] succeeded", timeout=30)  # logged after the release returned
+        assert proxy.cuts == 1, "the connection was cut after the release ran"
+        assert lock_keys(locks) == [], "the lock is free"
+        assert "lost its lock" not in a.output(), f"a false lost lock:\n{a.tail(20)}"
+    finally:
+        for name in KNOBS:
+            os.environ.pop(name, None)
