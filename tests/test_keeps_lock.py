@@ -293,6 +293,8 @@ def test_an_eager_run_puts_its_lock_back_before_the_restarts_window_closes(
     second = app.guarded.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")  # the same key
     wait_called(records, "k", second)
     received, decided = decision(records, "k", second.id)
+    assert started_run(records, "k", second.id) is None, \
+        "B ran k: the eager run's lock was not back when the recovery window closed"
     assert ended_run(records, "k", "eager-k") is None, "the eager run still ran when B decided"
 
     records.delete("hold:k")

@@ -396,14 +396,13 @@ def test_a_full_server_keeps_renewing_a_live_lease(make_redis: Callable[..., Red
     lease = take(client, ttl=1.0).lease
     assert lease is not None and lease.renew()
     admin = fill_up(server)
-    assert lease.renew(), "renewed while the server refuses writes"
     kept = LeaseKeeper().keep(lease)
 
     def still_held() -> bool:
         return not kept.lost and read_holder(admin, KEY) is not None
 
     assert soak(3.0, check=still_held, what="the lease kept on a full server") >= 20
-    assert kept.renewals >= 4
+    assert kept.renewals >= 4, "renewed while the server refuses writes"
     info = server_of(client).info
     assert info is not None and info.known, "the server was looked at (its native commands are known)"
     assert lease.release() is True and not admin.exists(KEY), "released on a full server"
@@ -417,6 +416,10 @@ def test_a_release_on_a_full_server_reports_what_it_did(make_redis: Callable[...
     lease = take(client, ttl=5.0).lease
     assert lease is not None
     admin = fill_up(server)
-    assert lease.release(done_ttl=60) is True
+    try:
+        released = lease.release(done_ttl=60)
+    except redis.RedisError as exc:
+        pytest.fail(f"the release ran, and was reported failed: {exc}")
+    assert released is True
     assert not admin.exists(KEY), "the lock is free"
     assert not admin.exists(done_key(KEY, "id-1")), "no marker: the server refused to grow"
