@@ -18,8 +18,10 @@ Every other byte, and every connection made afterwards, is relayed as is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,50 +123,51 @@ class CuttingProxy:
             link = _Link(client, upstream)
             with self._lock:
                 self._sockets += [client, upstream]
-            threading.Thread(target=self._from_client, args=(link,), daemon=True, name=f"{self.name}-up").start()
-            threading.Thread(target=self._from_server, args=(link,), daemon=True, name=f"{self.name}-down").start()
+            threading.Thread(target=self._pump, args=(client, upstream, functools.partial(self._up, link)),
+                             daemon=True, name=f"{self.name}-up").start()
+            threading.Thread(target=self._pump, args=(upstream, client, functools.partial(self._down, link)),
+                             daemon=True, name=f"{self.name}-down").start()
 
-    def _from_client(self, link: _Link) -> None:
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, look: Callable[[bytes], bool]) -> None:
+        """Relay ``source`` to ``sink``, each chunk shown to ``look`` first (False: stop here)."""
         while True:
             try:
-                data = link.client.recv(65536)
+                data = source.recv(65536)
             except OSError:
                 data = b""
             if not data:
                 with contextlib.suppress(OSError):
-                    link.upstream.shutdown(socket.SHUT_WR)
+                    sink.shutdown(socket.SHUT_WR)
                 return
-            with self._lock:
-                # Counted before it is forwarded: its replies can only come after.
-                link.sent += _count(link.commands, data)
-                if self._armed and any(text in data for text in self._armed):
-                    self._armed = ()
-                    link.cut_at = link.sent
+            if not look(data):
+                return
             with contextlib.suppress(OSError):
-                link.upstream.sendall(data)
+                sink.sendall(data)
 
-    def _from_server(self, link: _Link) -> None:
-        while True:
-            try:
-                data = link.upstream.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                with contextlib.suppress(OSError):
-                    link.client.shutdown(socket.SHUT_WR)
-                return
-            with self._lock:
-                link.answered += _count(link.replies, data)
-                cut = link.cut_at is not None and link.answered >= link.cut_at
-            if cut:  # every command of the armed chunk ran: drop the replies, cut
-                for sock in (link.client, link.upstream):
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
-                    with contextlib.suppress(OSError):
-                        sock.close()
-                self.cuts += 1
-                self._note(f"cut a connection after {link.answered} replies (the last ones dropped)")
-                self.cut_done.set()
-                return
+    def _up(self, link: _Link, data: bytes) -> bool:
+        """A client's chunk: counted before it is forwarded (its replies can only come after)."""
+        with self._lock:
+            link.sent += _count(link.commands, data)
+            if self._armed and any(text in data for text in self._armed):
+                self._armed = ()
+                link.cut_at = link.sent
+        return True
+
+    def _down(self, link: _Link, data: bytes) -> bool:
+        """The server's chunk: relayed, unless it completes the replies of an armed chunk
+        (every command of it ran): then dropped, and the connection cut."""
+        with self._lock:
+            link.answered += _count(link.replies, data)
+            cut = link.cut_at is not None and link.answered >= link.cut_at
+        if not cut:
+            return True
+        for sock in (link.client, link.upstream):
             with contextlib.suppress(OSError):
-                link.client.sendall(data)
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+        self.cuts += 1
+        self._note(f"cut a connection after {link.answered} replies (the last ones dropped)")
+        self.cut_done.set()
+        return False
