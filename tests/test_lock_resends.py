@@ -9,7 +9,8 @@ nothing after a re-send reports an unknown outcome, never a lost lock.
 A :class:`~tests.support.cutting_proxy.CuttingProxy` in front of a real
 redis-server makes the fault: it cuts the connection once the server answered
 the request named, and drops the answer. Every test checks that the cut
-happened (``proxy.cuts``) and that the request really was sent again.
+happened (``proxy.cuts``), after which only a request sent again can have
+given the outcome it asserts.
 """
 
 from __future__ import annotations
