@@ -20,8 +20,12 @@ packages of their own: the beat side, and what the CLI reads and changes)::
     task           SingletonTask.__call__: the run between its acquire and its release
       keys           the call's lock key (arguments bound and encoded canonically)
       config         the singleton_* settings;  client / redis_url: the lock Redis client
-      lock           acquire, renew, release and take over one lock (the lease)
-        commands       each operation spelled for the server at hand (native or Lua)
+      lock           acquire one lock (one request); the names below, importable from it
+        holder         the lock's value: who holds it (encoded, decoded)
+        lease          LockSpec, Lease: renew, put back, release (how often, how long vouched)
+        takeover       the take-over of a dead worker's lock
+        behalf         releases on someone else's behalf, read_holder
+        commands       each operation spelled for the server at hand (native or Lua), named replies
         scripts        the Lua of the fallbacks and the rare paths
         server         what the server is, its restarts and failovers (recovery windows)
         channel        this thread's connection: one blocking round trip per run

@@ -1,14 +1,14 @@
 """Renewal of running leases.
 
 One daemon thread per process renews every lease held in that process every
-:attr:`~.lock.Lease.renew_every` seconds (a third of its TTL, and for a
-worker's runs at most a third of ``singleton_liveness_ttl``, so that a dead
-holder's missed renewals show within seconds), so a run may last any multiple
-of ``lock_ttl``; a lease that stops being renewable is marked lost and its
-owner is told through a callback.
+:attr:`~.lease.Lease.renew_every` seconds (a third of its TTL, and at most a
+third of ``singleton_liveness_ttl``: a dead worker's missed renewals show
+within seconds, and every holder puts its lock back within a recovery window
+after a restart), so a run may last any multiple of ``lock_ttl``; a lease that
+stops being renewable is marked lost and its owner is told through a callback.
 
 When Redis does not answer, the keeper tries again every
-:data:`~.lock.RETRY_EVERY` seconds until the lease would have expired; only
+:data:`~.lease.RETRY_EVERY` seconds until the lease would have expired; only
 then does it report the loss (the lock may still exist, but no one can vouch
 for it any more). A renewal whose answer comes after its run ended (the run
 released the lock meanwhile) reports nothing.
@@ -28,7 +28,8 @@ from typing import Any
 import redis
 
 from . import native, server
-from .lock import RETRY_EVERY, Lease, Renewal
+from .commands import Renewal
+from .lease import RETRY_EVERY, Lease
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper"]
 

@@ -6,7 +6,7 @@ Lifecycle of a run (``lock_mode="while_executing"``, the default)::
         held by another run -> on_conflict: skip (REVOKED: TaskSkipped) | raise | retry
                                (:mod:`.conflicts`)
         taken                -> body runs; the keeper renews it (every
-                                min(lock_ttl, singleton_liveness_ttl)/3 on a worker)
+                                min(lock_ttl, singleton_liveness_ttl)/3)
     body ends in any way (return, exception, retry, Ignore, Reject)
         -> release (written at once, compare-and-delete: only if the lease is still ours)
 
@@ -451,9 +451,9 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         if released and isinstance(exc, SystemExit):
             logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",
                            self.name, request.id, exc, kept.lease.key)
-        elif not released and isinstance(exc, SystemExit):
+        elif released is False and isinstance(exc, SystemExit):
             # The pool child is being terminated (hard time limit, revoke+terminate).
             logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
                         self.name, request.id, kept.lease.key)
         elif released is False:  # reported once, by the callback, unless the keeper already did
-            kept.mark_lost("the lock was gone when the run ended")
+            kept.mark_lost("the lock was gone when the run ended")  # (None: unknown, sent again)
