@@ -12,10 +12,17 @@ When Redis does not answer, the keeper tries again every
 then does it report the loss (the lock may still exist, but no one can vouch
 for it any more). A renewal whose answer comes after its run ended (the run
 released the lock meanwhile) reports nothing.
+
+The same thread sends again a run's release that got no answer (``-BUSY``, a
+timeout, a cut connection; :meth:`LeaseKeeper.retry_release`): the release only
+deletes the run's own value and writes its own task id's done marker, so sending
+it again is safe, and it frees the key and records the run as done long before
+the lock's TTL would have.
 """
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import itertools
 import logging
@@ -31,7 +38,7 @@ from . import native, server
 from .commands import Renewal
 from .lease import RETRY_EVERY, Lease
 
-__all__ = ["KeptLease", "LeaseKeeper", "get_keeper"]
+__all__ = ["KeptLease", "LeaseKeeper", "PendingRelease", "get_keeper", "send_pending_releases"]
 
 logger = logging.getLogger("celery_singleton_beat")
 
@@ -67,6 +74,18 @@ class KeptLease:
                 self.on_lost(self, reason)
 
 
+class PendingRelease:
+    """A run's release that got no answer, sent again until it runs or its lease is over."""
+
+    __slots__ = ("active", "attempts", "done_ttl", "lease")
+
+    def __init__(self, lease: Lease, done_ttl: float | None) -> None:
+        self.lease = lease
+        self.done_ttl = done_ttl
+        self.attempts = 0
+        self.active = True
+
+
 class LeaseKeeper:
     """Renews leases from one background OS thread (started on first use).
 
@@ -79,7 +98,7 @@ class LeaseKeeper:
         # keeper must renew while the running task blocks the hub.
         self._mutex = native.allocate_lock()
         self._wake = native.Wakeup()
-        self._queue: list[tuple[float, int, KeptLease]] = []
+        self._queue: list[tuple[float, int, KeptLease | PendingRelease]] = []
         self._seq = itertools.count()
         #: Leases kept and not yet forgotten (the queue also holds forgotten ones).
         self._active = 0
@@ -95,7 +114,28 @@ class LeaseKeeper:
     def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
         """Start renewing ``lease``; call :meth:`forget` when the run ends."""
         kept = KeptLease(lease, on_lost)
-        due = time.monotonic() + lease.renew_every
+        self._add(kept, time.monotonic() + lease.renew_every)
+        return kept
+
+    def retry_release(self, lease: Lease, done_ttl: float | None = None) -> PendingRelease:
+        """Send ``lease``'s release (and its ``done_ttl`` done marker) again soon, and until it
+        runs or the lease would have expired: its first sending got no answer."""
+        pending = PendingRelease(lease, done_ttl)
+        self._add(pending, time.monotonic() + _retry_delay(lease))
+        return pending
+
+    @property
+    def pending_releases(self) -> list[PendingRelease]:
+        """Releases waiting to be sent again."""
+        with self._mutex:
+            return [entry for _, _, entry in self._queue if isinstance(entry, PendingRelease) and entry.active]
+
+    def send_pending_releases(self) -> None:
+        """Send every pending release once, now (the process is about to end)."""
+        for pending in self.pending_releases:
+            self._release_again(pending, final=True)
+
+    def _add(self, kept: KeptLease | PendingRelease, due: float) -> None:
         with self._mutex:
             self._active += 1
             if len(self._queue) > 2 * self._active + 32:
@@ -115,9 +155,8 @@ class LeaseKeeper:
             native.start_thread(self._run, "singleton-lease-keeper")
         elif wake:
             self._wake.notify()
-        return kept
 
-    def forget(self, kept: KeptLease) -> None:
+    def forget(self, kept: KeptLease | PendingRelease) -> None:
         """Stop renewing (the entry is dropped lazily: when it comes due or the queue is compacted)."""
         with self._mutex:
             if kept.active:
@@ -129,7 +168,7 @@ class LeaseKeeper:
         """Entries in the renewal queue, forgotten ones included (bounded by the kept ones)."""
         return len(self._queue)
 
-    def _schedule(self, kept: KeptLease, when: float) -> None:
+    def _schedule(self, kept: KeptLease | PendingRelease, when: float) -> None:
         heapq.heappush(self._queue, (when, next(self._seq), kept))
 
     def _run(self) -> None:
@@ -156,7 +195,7 @@ class LeaseKeeper:
                 self.waiting = False
                 self.wakeups += 1
                 continue
-            next_time = self._renew(kept)
+            next_time = self._renew(kept) if isinstance(kept, KeptLease) else self._release_again(kept)
             if next_time is not None:
                 with self._mutex:
                     if kept.active:
@@ -212,10 +251,38 @@ class LeaseKeeper:
                 logger.error("cannot renew lock %s of %s[%s], retrying until it would expire in %.1fs: %s",
                              lease.key, holder.task if holder else "?", holder.task_id if holder else "?",
                              lease.valid_until - now, exc)
-            return min(now + min(max(lease.ttl / 10, 0.05), RETRY_EVERY), lease.valid_until)
+            return min(now + _retry_delay(lease), lease.valid_until)
         except Exception:  # never let the keeper thread die
             logger.exception("unexpected error renewing lock %s", lease.key)
             return time.monotonic() + lease.renew_every
+
+
+    def _release_again(self, pending: PendingRelease, *, final: bool = False) -> float | None:
+        """Send a pending release once; the monotonic time of the next attempt, or None when done."""
+        lease = pending.lease
+        pending.attempts += 1
+        try:
+            released = lease.release(done_ttl=pending.done_ttl, client=native.thread_client(lease.client),
+                                     again=True)
+        except redis.RedisError as exc:
+            now = time.monotonic()
+            if now < lease.valid_until and not final:
+                return min(now + _retry_delay(lease), lease.valid_until)
+            logger.error("gave up releasing lock %s after %d attempts (%s): it expires by itself%s",
+                         lease.key, pending.attempts, exc,
+                         ", and a copy of its message delivered again may run" if pending.done_ttl else "")
+        except Exception:  # never let the keeper thread die
+            logger.exception("unexpected error releasing lock %s", lease.key)
+        else:
+            logger.warning("released lock %s on attempt %d%s", lease.key, pending.attempts,
+                           "" if released else " (it was gone already: an earlier attempt ran, or it expired)")
+        self.forget(pending)
+        return None
+
+
+def _retry_delay(lease: Lease) -> float:
+    """Seconds before Redis is asked again about ``lease`` after it did not answer."""
+    return min(max(lease.ttl / 10, 0.05), RETRY_EVERY)
 
 
 _keeper: LeaseKeeper | None = None
@@ -239,6 +306,17 @@ def _renew_all_soon() -> None:
 
 
 server.on_data_lost(_renew_all_soon)
+
+
+def send_pending_releases() -> None:
+    """The process ends: send each release that got no answer yet once more (the keeper's
+    thread, a daemon, ends with the process)."""
+    keeper = _keeper
+    if keeper is not None:
+        keeper.send_pending_releases()
+
+
+atexit.register(send_pending_releases)
 
 
 def get_keeper() -> LeaseKeeper:

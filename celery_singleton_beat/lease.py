@@ -288,7 +288,8 @@ class Lease:
         counters.count(self.client, self.spec.stats_key, "renewed")
         return True
 
-    def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None) -> bool | None:
+    def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None,
+                client: RedisClient | None = None, again: bool = False) -> bool | None:
         """Give the lock up if it is still ours: True if it was (else counted as lost), None if
         unknown (sent again after its reply was lost, and found nothing: the first attempt
         may have released it; never reported as a loss).
@@ -297,6 +298,9 @@ class Lease:
         ``claim_ttl``: instead of deleting the lock, turn it into a publish-time
         claim of the same task id for that long (a retry of an
         ``until_executed`` task stays covered while it waits in the queue).
+        ``client``: another client of the same server to send it through (the
+        keeper's). ``again``: an earlier sending got no answer (it may have run), so
+        a lock found gone is None, not a loss.
         """
         released: bool | None
         if claim_ttl is not None:
@@ -304,7 +308,9 @@ class Lease:
             released = bool(execute(self.client, self.key, lambda info: claim_on_retry_request(
                 self.key, self.value, claim, ms(claim_ttl))))
         else:
-            released = execute(self.client, self.key, lambda info: self._release_request(info, done_ttl))
+            released = execute(client or self.client, self.key, lambda info: self._release_request(info, done_ttl))
+            if again and released is False:
+                released = None
         self.count_release(released)
         return released
 

@@ -373,16 +373,14 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
 
         return on_lost
 
-    def _release_reported(self, request: Context, kept: KeptLease) -> Callable[[bool | None, BaseException | None],
-                                                                                None]:
+    def _release_reported(self, request: Context, kept: KeptLease,
+                          done_ttl: float | None) -> Callable[[bool | None, BaseException | None], None]:
         """The handler of a release's reply, read after the run ended."""
         name, task_id = self.name, request.id
 
         def confirmed(released: bool | None, error: BaseException | None) -> None:
             if error is not None:
-                logger.warning("%s[%s] released %s, but its reply was lost (%s); if the release "
-                               "did not run, the lock expires within %.0fs",
-                               name, task_id, kept.lease.key, error, kept.lease.ttl)
+                self._release_again(name, task_id, kept, done_ttl, error)
             elif released is None:
                 logger.info("%s[%s] released %s again on a new connection (the first reply was lost)",
                             name, task_id, kept.lease.key)
@@ -390,6 +388,17 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 kept.mark_lost("the lock was gone when the run ended")
 
         return confirmed
+
+    @staticmethod
+    def _release_again(name: str, task_id: str | None, kept: KeptLease, done_ttl: float | None,
+                       error: BaseException) -> None:
+        """A release got no answer (``-BUSY``, a timeout, a cut connection): the keeper sends it
+        again until it runs, so the key is freed (and an ``acks_late`` run's done marker
+        written) without waiting for the lock's TTL."""
+        logger.warning("%s[%s] could not release %s (%s); sending the release again until Redis "
+                       "answers (the lock expires within %.0fs otherwise)",
+                       name, task_id, kept.lease.key, error, kept.lease.ttl)
+        get_keeper().retry_release(kept.lease, done_ttl)
 
     def _end_is_seen(self, request: Context, exc: BaseException | None) -> bool:
         """Whether someone can see this run's end once ``__call__`` returns.
@@ -435,18 +444,20 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
             # have run by then. Otherwise it is read with the next acquire (one
             # blocking round trip per run instead of two).
             try:
-                if kept.lease.release_soon(self._release_reported(request, kept), done_ttl=done_ttl,
+                if kept.lease.release_soon(self._release_reported(request, kept, done_ttl), done_ttl=done_ttl,
                                            wait=self._end_is_seen(request, exc)):
                     return
             except redis.RedisError as error:
-                logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
-                             self.name, request.id, kept.lease.key, kept.lease.ttl, error)
+                self._release_again(self.name, request.id, kept, done_ttl, error)
                 return
         try:
             released = kept.lease.release(done_ttl=done_ttl, claim_ttl=claim_ttl)
         except redis.RedisError as error:
-            logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
-                         self.name, request.id, kept.lease.key, kept.lease.ttl, error)
+            if claim_ttl is None and not isinstance(exc, SystemExit):
+                self._release_again(self.name, request.id, kept, done_ttl, error)
+            else:
+                logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
+                             self.name, request.id, kept.lease.key, kept.lease.ttl, error)
             return
         if released and isinstance(exc, SystemExit):
             logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",

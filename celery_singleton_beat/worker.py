@@ -48,6 +48,7 @@ from .client import get_redis
 from .config import get_settings
 from .events import logger
 from .exceptions import describe_holder
+from .keeper import send_pending_releases
 from .keys import QUEUED_SUFFIX
 from .liveness import Heartbeat, boot_id
 from .lock import Holder, read_holder, release_for
@@ -76,8 +77,10 @@ def sends_task_events() -> bool:
 
 
 def _flush_at_child_exit(**_: Any) -> None:
-    """A prefork child ends (``os._exit``, no ``atexit``): read its unread replies, write its counts."""
+    """A prefork child ends (``os._exit``, no ``atexit``): send its pending releases once more,
+    read its unread replies, write its counts."""
     try:
+        send_pending_releases()  # releases that got no answer yet: once more
         counters.flush_at_exit()
     except Exception as exc:  # the child ends whatever happens here
         logger.warning("could not write this pool process's counters before it ended: %s", exc)

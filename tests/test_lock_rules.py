@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from celery_singleton_beat.exceptions import LockLost
+from celery_singleton_beat.holder import done_key
 from celery_singleton_beat.keeper import LeaseKeeper
 from celery_singleton_beat.lock import LockSpec, acquire
 from celery_singleton_beat.run import SingletonRun
@@ -85,3 +86,34 @@ def test_ensure_held_stops_vouching_before_a_take_over_can_happen(locks: redis.R
     with pytest.raises(LockLost):
         run.ensure_held()
     assert not run.held
+
+
+def test_a_release_sent_again_after_an_earlier_copy_ran_is_no_loss_and_leaves_the_done_marker(
+    locks: redis.Redis,
+) -> None:
+    """A release whose reply was lost may have run: the keeper's next sending then finds the
+    lock gone. That is not reported as a lost lock, and the done marker is written anyway
+    (a copy of an ``acks_late`` message delivered later must find it)."""
+    lease = acquire(locks, KEY, worker_spec("holder-boot"), "holder").lease
+    assert lease is not None
+    assert lease.release() is True  # the first sending ran; its reply never reached the run
+    assert lease.release(again=True) is None, "gone after an earlier sending: unknown, not lost"
+    keeper = LeaseKeeper()
+    pending = keeper.retry_release(lease, done_ttl=60.0)
+    wait_for(lambda: not pending.active, timeout=10, message="the keeper sending the release again")
+    assert pending.attempts == 1
+    assert locks.exists(done_key(KEY, "holder")), "the done marker written by the release sent again"
+    assert not keeper.pending_releases
+
+
+def test_a_release_sent_again_never_deletes_a_later_holders_lock(locks: redis.Redis) -> None:
+    """Between the lost reply and the keeper's sending, the key was freed and taken by
+    another run: the compare-and-delete leaves that run's lock alone."""
+    lease = acquire(locks, KEY, worker_spec("holder-boot"), "holder").lease
+    assert lease is not None and lease.release() is True
+    later = acquire(locks, KEY, worker_spec("later-boot"), "later").lease
+    assert later is not None
+    keeper = LeaseKeeper()
+    pending = keeper.retry_release(lease, done_ttl=None)
+    wait_for(lambda: not pending.active, timeout=10, message="the keeper sending the release again")
+    assert later.renew_once().name == "RENEWED", "the later run still holds its lock"

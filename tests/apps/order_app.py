@@ -5,7 +5,8 @@ records db 3: always direct) and ``CSB_LOCK_REDIS`` (the locks: the tests give o
 worker a delaying proxy in front of the lock database and another the same
 database directly).
 
-``step`` (and ``quiet``, which ignores its result) records every run it makes in
+``step`` (``quiet``, which ignores its result, and ``late``, acknowledged after
+its run) records every run it makes in
 ``runs:<key>`` (``{"task_id", "note"}``) and ``ended:<task id>`` once its run is over;
 a run lasts while ``hold:<key>`` is set in the record database (at most 60 s),
 so a test decides when it ends.
@@ -46,6 +47,12 @@ def step(self: SingletonTask, key: str, note: str = "", fail: bool = False) -> s
 @app.task(bind=True, base=SingletonTask, unique_on=["key"], ignore_result=True)
 def quiet(self: SingletonTask, key: str, note: str = "", fail: bool = False) -> str:
     """``step`` that stores no result: its end is seen only through task events."""
+    return _run(self, key, note, fail)
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"], acks_late=True)
+def late(self: SingletonTask, key: str, note: str = "", fail: bool = False) -> str:
+    """``step`` acknowledged after its run: its release leaves a done marker."""
     return _run(self, key, note, fail)
 
 

@@ -1,0 +1,122 @@
+"""A release that gets no answer is sent again until it runs.
+
+A run's release (compare-and-delete of its lock, plus the done marker of an
+``acks_late`` run) can meet a lock Redis that does not run it: ``-BUSY`` while
+another client's script runs, writes paused past the socket timeout, a cut
+connection. Sent once and given up on, the lock stayed until its TTL (every later
+run of the key skipped meanwhile) and the done marker was never written, so a copy
+of the message delivered again (its acknowledgement lost with a broker restart or
+a worker crash) ran the completed task a second time. The release is idempotent
+(it deletes only this run's own value; the marker is this task id's), so the
+process's keeper sends it again until it runs or the lease it belonged to would
+have expired.
+
+A real worker of ``tests.apps.order_app``: broker, results and records on the
+session's redis-server, locks on a redis-server of their own, which another
+client's script keeps busy while the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import pytest
+import redis
+
+from celery_singleton_beat.holder import done_key
+from celery_singleton_beat.lock import read_holder
+
+from .support import RedisServer, start_worker, wait_for
+
+APP = "tests.apps.order_app"
+
+
+@pytest.fixture
+def order(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
+    os.environ["CSB_TEST_REDIS"] = base = f"redis://127.0.0.1:{redis_server.port}"
+    from .apps import order_app
+
+    assert base == order_app.BASE, "order_app was imported for another server"
+    return order_app
+
+
+def server_busy(probe: redis.Redis) -> bool:
+    try:
+        probe.ping()
+    except redis.ResponseError as exc:
+        return str(exc).startswith("BUSY")
+    return False
+
+
+@pytest.fixture
+def busy_script() -> Iterator[Callable[[RedisServer], Callable[[], None]]]:
+    """``busy_script(server)`` starts a script that runs until killed; it returns the kill."""
+    threads: list[threading.Thread] = []
+
+    def start(server: RedisServer) -> Callable[[], None]:
+        admin = server.client()
+        admin.config_set("lua-time-limit", 10)  # ms before other clients are answered -BUSY
+        runner = server.client()
+        thread = threading.Thread(target=_run_until_killed, args=(runner,), daemon=True)
+        thread.start()
+        threads.append(thread)
+        wait_for(lambda: server_busy(admin), timeout=10, interval=0.01, message="the lock Redis busy with a script")
+
+        def kill() -> None:
+            admin.script_kill()
+            thread.join(10)
+
+        return kill
+
+    yield start
+    for thread in threads:
+        thread.join(10)
+
+
+def _run_until_killed(client: redis.Redis) -> None:
+    with contextlib.suppress(redis.ResponseError):  # "Script killed by user with SCRIPT KILL"
+        client.eval("while true do end", 0)
+
+
+def test_a_release_answered_busy_runs_once_the_server_answers(
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer],
+    records: redis.Redis, busy_script: Callable[[RedisServer], Callable[[], None]],
+) -> None:
+    """An ``acks_late`` run ends while the lock Redis answers ``-BUSY``: its result reaches
+    the caller, and once the script is killed the lock is freed and the done marker
+    written, long before the lock's TTL (30 s) would have freed it. A copy of the same
+    message delivered again (as after a lost acknowledgement) then ends without running."""
+    lock_server = make_redis()
+    locks = lock_server.client()
+    worker = start_worker(redis_server, APP, "w", concurrency=1, env={"CSB_LOCK_REDIS": lock_server.url(0)})
+    records.set("hold:k", "1")
+    result = order.late.apply_async(("k",), {"note": "run"})
+    wait_for(lambda: records.get("running:k"), timeout=30, message="the run holding its lock")
+    key = order.late.singleton_key(("k",), {})
+    holder = read_holder(locks, key)
+    assert holder is not None and holder.task_id == result.id
+
+    kill = busy_script(lock_server)
+    records.delete("hold:k")
+    assert result.get(timeout=30) == "k", "the run's result reached its caller"
+    wait_for(lambda: "BUSY" in worker.output(), timeout=30, message="the release answered -BUSY")
+    assert locks_busy_then_free(locks, key, kill, result.id)
+
+    order.late.apply_async(("k",), {"note": "copy"}, task_id=result.id)  # the same message again
+    assert order.step.apply_async(("after",)).get(timeout=30) == "after"  # one process, in order: the copy is behind
+    runs = [json.loads(item)["note"] for item in records.lrange("runs:k", 0, -1)]
+    assert runs == ["run"], "the copy of the completed run did not run"
+
+
+def locks_busy_then_free(locks: redis.Redis, key: str, kill: Callable[[], None], task_id: str) -> bool:
+    """Kill the script, then wait for the release to run: the lock gone, the done marker there."""
+    kill()
+    wait_for(lambda: locks.exists(done_key(key, task_id)), timeout=20,
+             message="the done marker written once the lock Redis answers (never, if the release is not sent again)")
+    assert not locks.exists(key), "the lock freed by the same release"
+    return True
