@@ -1,0 +1,430 @@
+"""The nemesis: seeded faults, one or several at once, injected into the running cluster.
+
+Every :data:`MEAN_GAP` seconds on average (exponential) it picks a fault kind
+by weight among those that apply to the variant and whose target (a process,
+a server, the proxy) is not taken by a fault still going on; at most
+:data:`MAX_ACTIVE` at once. Every choice (kind, target, length, parameters)
+comes from one ``random.Random(seed)``: a seed replays the same plan, while
+the processes' own timing varies from run to run.
+
+A fault is a list of timed steps: the first injects it, the last heals it
+(restart, SIGCONT, mend); each step is recorded (``fault`` events: ``inject``,
+``step``, ``heal``) with the target and parameters, which is what the checker
+reads to know when a beat was down or the lock Redis gone. Kinds, and what
+each does (:data:`KINDS`):
+
+* ``kill-worker``: SIGKILL of a worker's whole process group (a pod dies);
+  restarted after the fault's length.
+* ``kill-worker-main``: SIGKILL of a prefork worker's main process alone; its
+  pool children live on until their run ends; restarted after the length.
+* ``kill-child``: SIGKILL of one prefork pool child (the worker replaces it).
+* ``stop-worker``: SIGSTOP of a worker (its group, or its main process alone),
+  SIGCONT after the length.
+* ``term-worker``: SIGTERM (warm shutdown, as a rolling restart); it must exit
+  within the bound (else it counts as hanging, and is SIGKILLed); restarted.
+* ``kill-beat`` / ``term-beat``: SIGKILL / SIGTERM of a beat; restarted after the length.
+* ``restart-lock`` / ``restart-lock-empty``: the lock Redis SIGKILLed and
+  started again after the length, from its append-only file or empty.
+* ``pause-lock``: ``CLIENT PAUSE`` (writes, or all commands) for the length.
+* ``delete-liveness``: every worker's liveness key deleted.
+* ``busy-script``: another client's script loops for the length (``-BUSY`` to the others).
+* ``proxy-delay`` / ``proxy-cut``: the proxied workers' lock connection delayed
+  (each chunk 0.1-1.5 s late) or cut (connections dropped and refused).
+* ``soft-limit``: writes paused, then a burst of submissions with a soft time
+  limit of 0.05-1 s: the limit lands while their acquire waits on Redis.
+* ``revoke``: writes paused, a burst submitted, then ``revoke(terminate=True,
+  signal="SIGUSR1")`` of each while they wait on Redis.
+* ``restart-broker``: the broker Redis (``separate`` variant) SIGKILLed and
+  restarted from its append-only file.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from .cluster import Cluster, Member
+from .history import Recorder
+
+__all__ = ["KINDS", "MAX_ACTIVE", "MEAN_GAP", "Nemesis", "applicable_kinds"]
+
+#: Mean seconds between two injections, and how many faults may run at once.
+MEAN_GAP = 2.0
+MAX_ACTIVE = 3
+
+#: Kind -> weight. Every kind is listed here and in :func:`applicable_kinds`.
+KINDS: dict[str, int] = {
+    "kill-worker": 3, "kill-worker-main": 2, "kill-child": 3, "stop-worker": 3, "term-worker": 2,
+    "kill-beat": 2, "term-beat": 2, "restart-lock": 2, "restart-lock-empty": 1, "pause-lock": 3,
+    "delete-liveness": 2, "busy-script": 2, "proxy-delay": 2, "proxy-cut": 2, "soft-limit": 2, "revoke": 2,
+    "restart-broker": 2,
+}
+
+#: A Lua loop that ends by itself after ARGV[1] ms (it writes nothing, so it could be killed).
+BUSY_SCRIPT = """
+local t = redis.call('TIME')
+local start = t[1] * 1000 + t[2] / 1000
+repeat t = redis.call('TIME') until t[1] * 1000 + t[2] / 1000 - start >= tonumber(ARGV[1])
+return 1
+"""
+
+
+def applicable_kinds(cluster: Cluster) -> dict[str, str]:
+    """Kinds that cannot be injected in this cluster, and why (the others apply)."""
+    out = {}
+    if cluster.broker is cluster.lock:
+        out["restart-broker"] = ("the broker is the lock Redis: restart-lock and restart-lock-empty "
+                                 "restart it (and restart-lock-empty loses the broker's messages)")
+    if cluster.proxy is None:
+        out["proxy-delay"] = out["proxy-cut"] = "no worker's lock connection goes through the proxy"
+    return out
+
+
+@dataclass
+class Fault:
+    """One injected fault: its remaining steps (monotonic time, what to do, name)."""
+
+    number: int
+    kind: str
+    targets: frozenset[str]
+    params: dict[str, Any]
+    steps: list[tuple[float, Callable[[], None], str]] = field(default_factory=list)
+    #: Polled each loop: True when the fault may go on to its next step (a SIGTERMed
+    #: process's exit is awaited before its restart).
+    ready: Callable[[], bool] = lambda: True
+
+
+class Nemesis:
+    """Injects faults into ``cluster`` (see the module docstring)."""
+
+    def __init__(self, cluster: Cluster, seed: int, rec: Recorder) -> None:
+        self.cluster = cluster
+        self.rng = random.Random(seed)
+        self.rec = rec
+        self.active: list[Fault] = []
+        self.count = 0
+        self.excluded = applicable_kinds(cluster)
+        self.kinds = {k: w for k, w in KINDS.items() if k not in self.excluded}
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------ loop
+
+    def run(self, seconds: float) -> None:
+        """Inject faults for ``seconds``, then heal whatever is still going on."""
+        end = time.monotonic() + seconds
+        next_at = time.monotonic() + self.rng.expovariate(1 / MEAN_GAP)
+        while time.monotonic() < end:
+            self.advance()
+            if time.monotonic() >= next_at:
+                if len(self.active) < MAX_ACTIVE:
+                    self.inject_one()
+                next_at = time.monotonic() + self.rng.expovariate(1 / MEAN_GAP)
+            time.sleep(0.02)
+        self.heal_all()
+
+    def advance(self, *, now: float | None = None) -> None:
+        """Run the steps that are due; drop faults with none left."""
+        for fault in list(self.active):
+            while fault.steps and fault.ready() and fault.steps[0][0] <= (now or time.monotonic()):
+                _, step, name = fault.steps.pop(0)
+                self._step(fault, step, name, last=not fault.steps)
+            if not fault.steps:
+                self.active.remove(fault)
+
+    def heal_all(self, timeout: float = 60.0) -> None:
+        """Run every remaining step now, in order (waiting for awaited exits)."""
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            self.advance(now=float("inf"))
+            time.sleep(0.02)
+        for thread in self._threads:
+            thread.join(10)
+
+    def _step(self, fault: Fault, step: Callable[[], None], name: str, *, last: bool) -> None:
+        try:
+            step()
+            error = None
+        except Exception as exc:  # recorded; the run goes on (the checker sees the record)
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        self.rec("fault", n=fault.number, kind=fault.kind, action="heal" if last else "step", step=name,
+                 targets=sorted(fault.targets), error=error)
+
+    # ------------------------------------------------------------ choosing
+
+    def busy_targets(self) -> set[str]:
+        return {t for f in self.active for t in f.targets}
+
+    def inject_one(self) -> Fault | None:
+        """Pick a kind (by weight) and a free target; inject it. None when nothing fits."""
+        kinds = list(self.kinds)
+        kind = self.rng.choices(kinds, weights=[self.kinds[k] for k in kinds])[0]
+        length = round(self.rng.uniform(0.3, 6.0), 2)
+        build = getattr(self, "_" + kind.replace("-", "_"))
+        fault: Fault | None = build(length, self.busy_targets())
+        if fault is None:
+            return None
+        self.count += 1
+        fault.number = self.count
+        _, first, name = fault.steps.pop(0)
+        self.active.append(fault)
+        try:
+            first()
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        self.rec("fault", n=fault.number, kind=kind, action="inject", step=name, targets=sorted(fault.targets),
+                 length=length, error=error, **fault.params)
+        return fault
+
+    def _member(self, kind: str, busy: set[str], pools: tuple[str, ...] | None = None) -> Member | None:
+        """A running member of ``kind`` not taken by another fault (prefork only if asked)."""
+        specs = {w.name: w for w in self.cluster.settings.workers}
+        free = [m for m in self.cluster.of_kind(kind) if m.name not in busy and m.running
+                and (pools is None or specs[m.name].pool in pools)]
+        return self.rng.choice(free) if free else None
+
+    def _fault(self, kind: str, targets: set[str] | frozenset[str], steps: list[tuple[float, Callable[[], None], str]],
+               **params: Any) -> Fault:
+        now = time.monotonic()
+        return Fault(0, kind, frozenset(targets), params, [(now + at, step, name) for at, step, name in steps])
+
+    # ------------------------------------------------------------ processes
+
+    def _kill_worker(self, length: float, busy: set[str]) -> Fault | None:
+        member = self._member("worker", busy)
+        if member is None:
+            return None
+        return self._fault("kill-worker", {member.name}, [
+            (0, lambda: member.kill(group=True), "SIGKILL group"), (length, member.start, "restart")],
+            target=member.name)
+
+    def _kill_worker_main(self, length: float, busy: set[str]) -> Fault | None:
+        member = self._member("worker", busy, pools=("prefork",))
+        if member is None:
+            return None
+        return self._fault("kill-worker-main", {member.name}, [
+            (0, lambda: member.kill(group=False), "SIGKILL main"), (length, member.start, "restart")],
+            target=member.name)
+
+    def _kill_child(self, length: float, busy: set[str]) -> Fault | None:
+        member = self._member("worker", busy, pools=("prefork",))
+        children = member.children() if member is not None else []
+        if member is None or not children:
+            return None
+        child = self.rng.choice(sorted(children))
+
+        def kill() -> None:
+            signal_pid(child, signal.SIGKILL)
+
+        return self._fault("kill-child", {member.name}, [(0, kill, f"SIGKILL child {child}")],
+                           target=member.name, child=child)
+
+    def _stop_worker(self, length: float, busy: set[str]) -> Fault | None:
+        member = self._member("worker", busy)
+        if member is None:
+            return None
+        group = self.rng.random() < 0.5
+        return self._fault("stop-worker", {member.name}, [
+            (0, lambda: member.send(signal.SIGSTOP, group=group), "SIGSTOP"),
+            (length, lambda: member.send(signal.SIGCONT, group=group), "SIGCONT")],
+            target=member.name, group=group)
+
+    def _terminate(self, kind: str, member: Member, length: float) -> Fault:
+        """SIGTERM ``member``; await its exit (bounded: past it, a hang, SIGKILLed); restart."""
+        bound = self.cluster.settings.term_bound[member.kind]
+        sent: list[float] = []
+
+        def term() -> None:
+            sent.append(time.monotonic())
+            member.send(signal.SIGTERM)
+
+        def exited() -> bool:
+            if not sent:
+                return True
+            code = member.process.returncode
+            waited = time.monotonic() - sent[0]
+            if code is None and waited < bound:
+                return False
+            if code is None:  # hangs: recorded, then killed so that the run goes on
+                self.rec("term", name=member.name, pid=member.pid, sent=sent[0], exited=None, bound=bound)
+                member.kill(group=True)
+            else:
+                self.rec("term", name=member.name, pid=member.pid, sent=sent[0], exited=time.monotonic(),
+                         code=code, bound=bound)
+                self.rec("proc", name=member.name, action="exit", pid=member.pid, code=code)
+            sent.clear()
+            return True
+
+        fault = self._fault(kind, {member.name}, [(0, term, "SIGTERM"), (length, member.start, "restart")],
+                            target=member.name)
+        fault.ready = exited
+        return fault
+
+    def _term_worker(self, length: float, busy: set[str]) -> Fault | None:
+        member = self._member("worker", busy)
+        return None if member is None else self._terminate("term-worker", member, length)
+
+    def _kill_beat(self, length: float, busy: set[str]) -> Fault | None:
+        member = self._member("beat", busy)
+        if member is None:
+            return None
+        return self._fault("kill-beat", {member.name}, [
+            (0, lambda: member.kill(group=True), "SIGKILL"), (length, member.start, "restart")],
+            target=member.name)
+
+    def _term_beat(self, length: float, busy: set[str]) -> Fault | None:
+        member = self._member("beat", busy)
+        return None if member is None else self._terminate("term-beat", member, length)
+
+    # ------------------------------------------------------------ servers
+
+    def _restart(self, kind: str, server: Any, length: float, busy: set[str], wipe: bool) -> Fault | None:
+        if server.name in busy or not server.running:
+            return None
+        length = round(min(length, 3.0) * self.rng.random(), 2)
+
+        def down() -> None:
+            server.kill()
+            if wipe:
+                server.wipe()
+
+        return self._fault(kind, {server.name}, [(0, down, "SIGKILL" + (" + wipe" if wipe else "")),
+                                                 (length, server.start, "start")], server=server.name, down=length)
+
+    def _restart_lock(self, length: float, busy: set[str]) -> Fault | None:
+        return self._restart("restart-lock", self.cluster.lock, length, busy, wipe=False)
+
+    def _restart_lock_empty(self, length: float, busy: set[str]) -> Fault | None:
+        return self._restart("restart-lock-empty", self.cluster.lock, length, busy, wipe=True)
+
+    def _restart_broker(self, length: float, busy: set[str]) -> Fault | None:
+        return self._restart("restart-broker", self.cluster.broker, length, busy, wipe=False)
+
+    def _lock_client(self, busy: set[str]) -> redis.Redis | None:
+        lock = self.cluster.lock
+        return None if lock.name in busy or not lock.running else lock.client(2, timeout=10)
+
+    def _pause_lock(self, length: float, busy: set[str]) -> Fault | None:
+        client = self._lock_client(busy)
+        if client is None:
+            return None
+        length = round(min(length, 3.0), 2)
+        mode = self.rng.choice(["WRITE", "ALL"])
+        return self._fault("pause-lock", {self.cluster.lock.name}, [
+            (0, lambda: client.execute_command("CLIENT", "PAUSE", int(length * 1000), mode), f"CLIENT PAUSE {mode}"),
+            (length + 0.05, client.close, "pause over")], mode=mode)
+
+    def _delete_liveness(self, length: float, busy: set[str]) -> Fault | None:
+        client = self._lock_client(busy)
+        if client is None:
+            return None
+
+        def delete() -> None:
+            keys = list(client.scan_iter(f"{self.cluster.settings.prefix}:live:*"))
+            if keys:
+                client.delete(*keys)
+            client.close()
+
+        return self._fault("delete-liveness", {self.cluster.lock.name}, [(0, delete, "DEL live keys")])
+
+    def _busy_script(self, length: float, busy: set[str]) -> Fault | None:
+        client = self._lock_client(busy)
+        if client is None:
+            return None
+        length = round(min(length, 2.5), 2)
+
+        def loop() -> None:
+            try:
+                client.eval(BUSY_SCRIPT, 0, int(length * 1000))
+            except redis.RedisError as exc:  # the server restarted meanwhile: recorded
+                self.rec("fault-note", kind="busy-script", error=str(exc)[:200])
+            finally:
+                client.close()
+
+        thread = threading.Thread(target=loop, name="busy-script", daemon=True)
+        self._threads.append(thread)
+        return self._fault("busy-script", {self.cluster.lock.name}, [
+            (0, thread.start, "EVAL busy loop"), (length + 0.2, lambda: thread.join(15), "script over")])
+
+    # ------------------------------------------------------------ the proxy
+
+    def _proxy_delay(self, length: float, busy: set[str]) -> Fault | None:
+        proxy = self.cluster.proxy
+        if proxy is None or "proxy" in busy:
+            return None
+        delay = round(self.rng.uniform(0.1, 1.5), 2)
+
+        def slow() -> None:
+            proxy.delay = delay
+
+        def fast() -> None:
+            proxy.delay = 0.0
+
+        return self._fault("proxy-delay", {"proxy"}, [(0, slow, f"delay {delay}s"), (length, fast, "no delay")],
+                           delay=delay)
+
+    def _proxy_cut(self, length: float, busy: set[str]) -> Fault | None:
+        proxy = self.cluster.proxy
+        if proxy is None or "proxy" in busy:
+            return None
+        return self._fault("proxy-cut", {"proxy"}, [(0, proxy.cut, "cut"), (min(length, 4.0), proxy.mend, "mend")])
+
+    # ------------------------------------------------------------ runs waiting on Redis
+
+    def _burst(self, kind: str, length: float, busy: set[str], options: Callable[[], dict[str, Any]],
+               after: Callable[[list[str]], None] | None = None) -> Fault | None:
+        """Pause the lock Redis's writes, submit a burst (each with ``options()``) while
+        they wait on it; ``after`` gets their ids a moment later (still paused)."""
+        client = self._lock_client(busy)
+        if client is None:
+            return None
+        from .submitter import length as run_length
+        from .submitter import submit
+
+        pause = round(self.rng.uniform(0.8, 2.5), 2)
+        plan = [(self.rng.choice(self.cluster.settings.keys), run_length(self.rng), options())
+                for _ in range(self.rng.randint(2, 5))]
+        ids: list[str] = []
+
+        def start() -> None:
+            client.execute_command("CLIENT", "PAUSE", int(pause * 1000), "WRITE")
+            for key, seconds, extra in plan:
+                task_id = submit(key, seconds, kind, **extra)
+                if task_id is not None:
+                    ids.append(task_id)
+
+        steps: list[tuple[float, Callable[[], None], str]] = [(0, start, f"CLIENT PAUSE WRITE {pause}s + burst")]
+        if after is not None:
+            steps.append((round(self.rng.uniform(0.2, pause * 0.8), 2), lambda: after(ids), "act"))
+        steps.append((pause + 0.05, client.close, "pause over"))
+        return self._fault(kind, {self.cluster.lock.name}, steps, pause=pause, burst=len(plan))
+
+    def _soft_limit(self, length: float, busy: set[str]) -> Fault | None:
+        return self._burst("soft-limit", length, busy,
+                           lambda: {"soft_time_limit": round(self.rng.uniform(0.05, 1.0), 2)})
+
+    def _revoke(self, length: float, busy: set[str]) -> Fault | None:
+        from .app import app
+
+        def revoke(ids: list[str]) -> None:
+            if ids:
+                app.control.revoke(ids, terminate=True, signal="SIGUSR1")
+                self.rec("revoke", ids=ids)
+
+        return self._burst("revoke", length, busy, dict, after=revoke)
+
+
+def signal_pid(pid: int, signum: int) -> None:
+    """Send ``signum`` to ``pid`` if it still exists."""
+    import contextlib
+    import os
+
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
