@@ -38,11 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV_DIR", "ENV_WHO", "Event", "History", "Recorder", "load", "recorder"]
+__all__ = ["ENV_DIR", "ENV_ROOT", "ENV_WHO", "Event", "History", "Recorder", "load", "recorder"]
 
 #: Environment variables naming the history directory and the process's role.
 ENV_DIR = "CHAOS_HISTORY"
 ENV_WHO = "CHAOS_WHO"
+#: The pid of a process that records under its own name without leading a session (the controller).
+ENV_ROOT = "CHAOS_ROOT_PID"
 #: The run's settings and plan, written by the controller.
 META = "meta.json"
 
@@ -68,8 +70,9 @@ class Recorder:
         pid = os.getpid()
         if pid != self._pid:  # first use, or a forked child
             # The processes the controller starts lead their own session; their pool
-            # children do not.
-            who = self.who if _leads_session(pid) else f"{self.who}-child"
+            # children do not. The controller names itself (ENV_ROOT).
+            root = _leads_session(pid) or os.environ.get(ENV_ROOT) == str(pid)
+            who = self.who if root else f"{self.who}-child"
             self.directory.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.directory / f"{who}.{pid}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             self._pid = pid

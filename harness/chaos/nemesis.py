@@ -40,6 +40,8 @@ each does (:data:`KINDS`):
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
 import threading
@@ -58,6 +60,8 @@ __all__ = ["KINDS", "MAX_ACTIVE", "MEAN_GAP", "Nemesis", "applicable_kinds"]
 #: Mean seconds between two injections, and how many faults may run at once.
 MEAN_GAP = 2.0
 MAX_ACTIVE = 3
+#: Kinds tried before an injection is given up (their targets were taken).
+PICKS = 5
 
 #: Kind -> weight. Every kind is listed here and in :func:`applicable_kinds`.
 KINDS: dict[str, int] = {
@@ -162,13 +166,18 @@ class Nemesis:
         return {t for f in self.active for t in f.targets}
 
     def inject_one(self) -> Fault | None:
-        """Pick a kind (by weight) and a free target; inject it. None when nothing fits."""
+        """Pick a kind (by weight) whose target is free, and inject it; None when none fits
+        (after :data:`PICKS` tries, each recorded)."""
         kinds = list(self.kinds)
-        kind = self.rng.choices(kinds, weights=[self.kinds[k] for k in kinds])[0]
-        length = round(self.rng.uniform(0.3, 6.0), 2)
-        build = getattr(self, "_" + kind.replace("-", "_"))
-        fault: Fault | None = build(length, self.busy_targets())
-        if fault is None:
+        for _ in range(PICKS):
+            kind = self.rng.choices(kinds, weights=[self.kinds[k] for k in kinds])[0]
+            length = round(self.rng.uniform(0.3, 6.0), 2)
+            build = getattr(self, "_" + kind.replace("-", "_"))
+            fault: Fault | None = build(length, self.busy_targets())
+            if fault is not None:
+                break
+            self.rec("fault-skip", kind=kind, busy=sorted(self.busy_targets()))
+        else:
             return None
         self.count += 1
         fault.number = self.count
@@ -381,7 +390,11 @@ class Nemesis:
     def _burst(self, kind: str, length: float, busy: set[str], options: Callable[[], dict[str, Any]],
                after: Callable[[list[str]], None] | None = None) -> Fault | None:
         """Pause the lock Redis's writes, submit a burst (each with ``options()``) while
-        they wait on it; ``after`` gets their ids a moment later (still paused)."""
+        they wait on it; ``after`` gets their ids a moment later (still paused).
+
+        Publishing and revoking go through the broker, which another fault may have
+        stopped: they run on threads of their own, so the nemesis never waits for them.
+        """
         client = self._lock_client(busy)
         if client is None:
             return None
@@ -393,18 +406,29 @@ class Nemesis:
                 for _ in range(self.rng.randint(2, 5))]
         ids: list[str] = []
 
-        def start() -> None:
-            client.execute_command("CLIENT", "PAUSE", int(pause * 1000), "WRITE")
+        def publish() -> None:
             for key, seconds, extra in plan:
                 task_id = submit(key, seconds, kind, **extra)
                 if task_id is not None:
                     ids.append(task_id)
 
+        def start() -> None:
+            client.execute_command("CLIENT", "PAUSE", int(pause * 1000), "WRITE")
+            self._thread(publish, f"{kind}-publish")
+
         steps: list[tuple[float, Callable[[], None], str]] = [(0, start, f"CLIENT PAUSE WRITE {pause}s + burst")]
         if after is not None:
-            steps.append((round(self.rng.uniform(0.2, pause * 0.8), 2), lambda: after(ids), "act"))
+            act = after
+            steps.append((round(self.rng.uniform(0.2, pause * 0.8), 2),
+                          lambda: self._thread(lambda: act(list(ids)), f"{kind}-act"), "act"))
         steps.append((pause + 0.05, client.close, "pause over"))
         return self._fault(kind, {self.cluster.lock.name}, steps, pause=pause, burst=len(plan))
+
+    def _thread(self, target: Callable[[], None], name: str) -> None:
+        """Run ``target`` on a daemon thread (joined, bounded, by :meth:`heal_all`)."""
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def _soft_limit(self, length: float, busy: set[str]) -> Fault | None:
         return self._burst("soft-limit", length, busy,
@@ -423,8 +447,5 @@ class Nemesis:
 
 def signal_pid(pid: int, signum: int) -> None:
     """Send ``signum`` to ``pid`` if it still exists."""
-    import contextlib
-    import os
-
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)

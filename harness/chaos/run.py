@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import Cluster, Member, Settings
-from .history import ENV_DIR, ENV_WHO, META, Recorder, load, recorder
+from .history import ENV_DIR, ENV_ROOT, ENV_WHO, META, Recorder, load, recorder
 from .nemesis import KINDS, Nemesis, applicable_kinds
 
 __all__ = ["run"]
@@ -42,6 +42,7 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
     history_dir.mkdir(parents=True, exist_ok=True)
     os.environ[ENV_DIR] = str(history_dir)
     os.environ[ENV_WHO] = "control"
+    os.environ[ENV_ROOT] = str(os.getpid())
     rec = recorder()
     assert rec is not None
     cluster = Cluster(settings, run_dir, rec)
