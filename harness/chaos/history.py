@@ -176,15 +176,16 @@ def load(directory: Path) -> History:
 
 def write(directory: Path, meta: dict[str, Any], events: list[dict[str, Any]], who: str = "synthetic",
           pid: int = 1) -> Path:
-    """Write ``meta`` and ``events`` (dicts with ``ev``, ``m``, ``t``; ``who``/``pid`` per event
-    optional) as a history directory: the checker's self-tests build histories with it."""
+    """Write ``meta`` and ``events`` (dicts with ``ev``, ``m``, ``t``; the writing process's
+    ``_who`` / ``_pid`` optional) as a history directory: the checker's self-tests build
+    histories with it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
     files: dict[tuple[str, int], list[str]] = {}
     for event in events:
         event = dict(event)
-        key = (str(event.pop("who", who)), int(event.pop("pid", pid)))
+        key = (str(event.pop("_who", who)), int(event.pop("_pid", pid)))
         event.setdefault("t", event["m"])
         files.setdefault(key, []).append(json.dumps(event, separators=(",", ":")))
     for (name, number), lines in files.items():
