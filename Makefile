@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint test-matrix test-matrix-smoke demo bench redis-server old-redis valgrind clean
+.PHONY: test lint test-matrix test-matrix-smoke demo bench chaos redis-server old-redis valgrind clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,19 @@ bench: $(STAMP) redis-server valgrind
 	$(BIN)/python -m pip install -q -e '.[fast]'
 	$(BIN)/python -m benchmarks.servers install
 	$(BIN)/python -m benchmarks.run_all $(BENCH_ARGS)
+
+# `make chaos`: the cluster (3 workers, 2 beats, a submitter) under overlapping faults for
+# SECONDS (default 60) seeded by SEED (default 1), the broker on a Redis of its own or on the
+# lock Redis (BROKER=separate|same); then the checker judges the whole history and exits 1 on
+# a violation. History, logs and report in .chaos/<time>-<broker>-seed<seed>/ (CHAOS_ARGS='--out DIR').
+# `python -m harness.chaos check DIR` judges a saved history again. See benchmarks/results.md.
+SECONDS ?= 60
+SEED ?= 1
+BROKER ?= separate
+CHAOS_ARGS ?=
+
+chaos: $(STAMP) redis-server
+	$(BIN)/python -m harness.chaos run --seconds $(SECONDS) --seed $(SEED) --broker $(BROKER) $(CHAOS_ARGS)
 
 valgrind:
 	@command -v valgrind >/dev/null 2>&1 || { \
