@@ -84,16 +84,18 @@ bench: $(STAMP) redis-server valgrind
 
 # `make chaos`: the cluster (3 workers, 2 beats, a submitter) under overlapping faults for
 # SECONDS (default 60) seeded by SEED (default 1), the broker on a Redis of its own or on the
-# lock Redis (BROKER=separate|same); then the checker judges the whole history and exits 1 on
-# a violation. History, logs and report in .chaos/<time>-<broker>-seed<seed>/ (CHAOS_ARGS='--out DIR').
+# lock Redis (BROKER=separate|same), the lock Redis one server or a Sentinel group
+# (LOCK=standalone|sentinel, the latter with BROKER=separate); then the checker judges the whole
+# history and exits 1 on a violation. History, logs and report in .chaos/<time>-<broker>-<lock>-seed<seed>/.
 # `python -m harness.chaos check DIR` judges a saved history again. See benchmarks/results.md.
 SECONDS ?= 60
 SEED ?= 1
 BROKER ?= separate
+LOCK ?= standalone
 CHAOS_ARGS ?=
 
 chaos: $(STAMP) redis-server
-	$(BIN)/python -m harness.chaos run --seconds $(SECONDS) --seed $(SEED) --broker $(BROKER) $(CHAOS_ARGS)
+	$(BIN)/python -m harness.chaos run --seconds $(SECONDS) --seed $(SEED) --broker $(BROKER) --lock $(LOCK) $(CHAOS_ARGS)
 
 valgrind:
 	@command -v valgrind >/dev/null 2>&1 || { \

@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seed", type=int, default=1, help="the nemesis's and submitter's seed (default 1)")
     run.add_argument("--broker", choices=("separate", "same"), default="separate",
                      help="the broker on a Redis of its own, or on the lock Redis (default separate)")
+    run.add_argument("--lock", choices=("standalone", "sentinel"), default="standalone",
+                     help="the lock Redis: one server, or a primary, a replica and 3 sentinels (default standalone)")
+    run.add_argument("--wait-replicas", type=int, default=0,
+                     help="singleton_wait_replicas: replicas that must acknowledge each lock (default 0)")
     run.add_argument("--out", type=Path, default=None, help=f"run directory (default: under {DEFAULT_OUT})")
     run.add_argument("--broken-lock", action="store_true",
                      help="control run: every run gets a key of its own (the checker must reject it)")
@@ -38,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from .cluster import Settings
         from .run import run as run_cluster
 
-        settings = Settings(variant=args.broker, seed=args.seed, broken=args.broken_lock)
-        out = args.out or DEFAULT_OUT / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.broker}-seed{args.seed}"
+        settings = Settings(variant=args.broker, lock=args.lock, seed=args.seed, broken=args.broken_lock,
+                            wait_replicas=args.wait_replicas)
+        name = f"{time.strftime('%Y%m%d-%H%M%S')}-{args.broker}-{args.lock}-seed{args.seed}"
+        out = args.out or DEFAULT_OUT / name
         history_dir = run_cluster(settings, out, args.seconds, nemesis=not args.no_faults)
     else:
         history_dir = args.directory / "history" if (args.directory / "history").is_dir() else args.directory

@@ -6,7 +6,7 @@ the controller gives them its settings in the environment:
 * ``CHAOS_BROKER``, ``CHAOS_BACKEND``, ``CHAOS_LOCK``: broker, result backend and
   lock Redis URLs (the lock URL may name a proxy, or Sentinels);
 * ``CHAOS_LOCK_TTL`` (4 s), ``CHAOS_LIVENESS_TTL`` (2 s), ``CHAOS_VISIBILITY`` (12 s),
-  ``CHAOS_PENDING_LEASE`` (2 s), ``CHAOS_PREFIX`` (``chaos``);
+  ``CHAOS_PENDING_LEASE`` (2 s), ``CHAOS_PREFIX`` (``chaos``), ``CHAOS_WAIT_REPLICAS`` (0);
 * ``CHAOS_BROKEN=1``: the control run's lock, broken on purpose: ``unique_on``
   gives every run a key of its own, so runs of one key never exclude each other;
 * ``CHAOS_HISTORY`` / ``CHAOS_WHO``: where this process writes its history
@@ -66,6 +66,7 @@ app.conf.update(
     singleton_liveness_ttl=_float("CHAOS_LIVENESS_TTL", 2.0),
     singleton_retry_backoff_max=1.0,
     singleton_beat_pending_lease=_float("CHAOS_PENDING_LEASE", 2.0),
+    singleton_wait_replicas=int(_env("CHAOS_WAIT_REPLICAS", "0")),
     singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0},
     broker_transport_options={
         "visibility_timeout": _float("CHAOS_VISIBILITY", 12.0),

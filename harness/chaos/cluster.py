@@ -33,12 +33,16 @@ import redis
 from ..processes import ChildProcess, group_alive, signal_group
 from ..proxy import DelayProxy
 from ..redis_server import RedisServerProcess, find_redis_server
+from ..sentinel import MASTER_NAME, group_ready, master_address, sentinel_args
+from ..waiting import wait_until
 from .history import ENV_DIR, ENV_WHO, Recorder
 
 __all__ = ["WORKERS", "Cluster", "Member", "Settings", "WorkerSpec"]
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "harness.chaos.app"
+#: An empty value in a redis.conf line (``save ""``).
+EMPTY = '""'
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,12 @@ class Settings:
     """What a run is made of (written to the history's ``meta.json``)."""
 
     variant: str = "separate"
+    #: The lock Redis: one server (``standalone``) or a primary, a replica and three
+    #: sentinels (``sentinel``; with a broker of its own only).
+    lock: str = "standalone"
     seed: int = 1
+    #: ``singleton_wait_replicas``: replicas that must acknowledge a lock or a slot claim.
+    wait_replicas: int = 0
     lock_ttl: float = 4.0
     liveness_ttl: float = 2.0
     visibility: float = 12.0
@@ -153,19 +162,36 @@ class Member:
 
 
 class Redis:
-    """A redis-server of the cluster with an append-only file, on a port it keeps across restarts."""
+    """A redis-server of the cluster with an append-only file, on a port it keeps across restarts.
 
-    def __init__(self, name: str, workdir: Path, rec: Recorder, *extra: str) -> None:
+    ``replica_of`` (a primary's port) starts it as a replica. ``with_file``: its
+    options are in a configuration file that Sentinel rewrites as it moves the
+    roles around, so a restart keeps the role Sentinel gave it last.
+    """
+
+    def __init__(self, name: str, workdir: Path, rec: Recorder, extra: dict[str, str] | None = None, *,
+                 replica_of: int | None = None, with_file: bool = False) -> None:
         found = find_redis_server()
         if found is None:
             raise RuntimeError("redis-server not found: apt-get install redis-server (or set REDIS_SERVER)")
         self.name = name
         self.workdir = workdir
         self.rec = rec
+        options = {"bind": "127.0.0.1", "save": "", "appendonly": "yes", "appendfsync": "always",
+                   "dir": str(workdir), "maxmemory-policy": "noeviction", "repl-diskless-sync-delay": "0",
+                   **(extra or {})}
+        if replica_of is not None:
+            options["replicaof"] = f"127.0.0.1 {replica_of}"
 
         def args_for(port: int) -> list[str]:
-            return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-                    "--appendfsync", "always", "--dir", str(workdir), "--maxmemory-policy", "noeviction", *extra]
+            if not with_file:
+                return ["--port", str(port), *(a for k, v in options.items() for a in (f"--{k}", *v.split(" ")))]
+            config = workdir / "redis.conf"
+            if not config.exists():  # later starts read what Sentinel rewrote
+                workdir.mkdir(parents=True, exist_ok=True)
+                lines = [f"{k} {v or EMPTY}" for k, v in {"port": str(port), **options}.items()]
+                config.write_text("\n".join(lines) + "\n")
+            return [str(config)]
 
         self.server = RedisServerProcess(name, found[0], args_for, workdir=workdir)
 
@@ -193,6 +219,16 @@ class Redis:
         self.server.kill()
         self.rec("proc", name=self.name, action="exit", pid=self.server.pid, code=-signal.SIGKILL)
 
+    def follow(self, primary_port: int | None) -> None:
+        """Before a start: make its configuration file say whom to replicate (None: nobody),
+        as a start-up script that asks the sentinels does."""
+        config = self.workdir / "redis.conf"
+        lines = [line for line in config.read_text().splitlines()
+                 if not line.startswith(("replicaof ", "slaveof "))]
+        if primary_port is not None and primary_port != self.server.port:
+            lines.append(f"replicaof 127.0.0.1 {primary_port}")
+        config.write_text("\n".join(lines) + "\n")
+
     def wipe(self) -> None:
         """Remove the persisted data (the next start is empty, as a server without persistence)."""
         assert not self.running
@@ -210,16 +246,55 @@ class Cluster:
         self.history_dir = run_dir / "history"
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.lock = Redis("lock-redis", run_dir / "lock-redis", rec, "--busy-reply-threshold", "100")
-        self.broker = self.lock if settings.variant == "same" else Redis("broker-redis", run_dir / "broker-redis", rec)
+        busy = {"busy-reply-threshold": "100"}
+        if settings.lock == "sentinel":
+            if settings.variant == "same":
+                raise ValueError("the sentinel lock Redis needs a broker of its own (variant separate)")
+            first = Redis("lock-a", run_dir / "lock-a", rec, busy, with_file=True)
+            self.lock_nodes = [first]
+        else:
+            self.lock_nodes = [Redis("lock-redis", run_dir / "lock-redis", rec, busy)]
+        self.sentinels: list[RedisServerProcess] = []
+        self.broker = self.lock_nodes[0] if settings.variant == "same" else \
+            Redis("broker-redis", run_dir / "broker-redis", rec)
         self.proxy: DelayProxy | None = None
         self.members: dict[str, Member] = {}
 
     # ------------------------------------------------------------ addresses
 
     @property
+    def lock(self) -> Redis:
+        """The lock Redis: its current primary, as the sentinels name it (else the first node up)."""
+        if not self.sentinels:
+            return self.lock_nodes[0]
+        named = self.named_primary()
+        return named or next((n for n in self.lock_nodes if n.running), self.lock_nodes[0])
+
+    def named_primary(self) -> Redis | None:
+        """The lock node the sentinels name as primary (None: no sentinel answers)."""
+        for sentinel in self.sentinels:
+            try:
+                with redis.Redis(host="127.0.0.1", port=sentinel.port, socket_timeout=1.0) as client:
+                    _, port = master_address(client)
+            except (redis.RedisError, OSError, TypeError, ValueError):
+                continue
+            return next((n for n in self.lock_nodes if n.server.port == port), None)
+        return None
+
+    def restart_lock_node(self, node: Redis) -> None:
+        """Start a stopped lock node again; with sentinels, as a replica of the primary they name."""
+        if self.sentinels:
+            primary = self.named_primary()
+            node.follow(primary.port if primary is not None and primary is not node else None)
+        node.start()
+
+    @property
     def lock_url(self) -> str:
-        return self.lock.url(2)
+        """The lock Redis's URL as the cluster's processes use it (database 2)."""
+        if not self.sentinels:
+            return self.lock.url(2)
+        hosts = ";".join(f"sentinel://127.0.0.1:{s.port}{'/2' if i == 0 else ''}" for i, s in enumerate(self.sentinels))
+        return f"{hosts}?master_name={MASTER_NAME}"
 
     def env(self, who: str, **extra: str) -> dict[str, str]:
         """The environment of a cluster process (see :mod:`.app`)."""
@@ -231,6 +306,7 @@ class Cluster:
             "CHAOS_LOCK_TTL": str(s.lock_ttl), "CHAOS_LIVENESS_TTL": str(s.liveness_ttl),
             "CHAOS_VISIBILITY": str(s.visibility), "CHAOS_PENDING_LEASE": str(s.pending_lease),
             "CHAOS_PREFIX": s.prefix, "CHAOS_BROKEN": "1" if s.broken else "",
+            "CHAOS_WAIT_REPLICAS": str(s.wait_replicas),
             ENV_DIR: str(self.history_dir), ENV_WHO: who,
         })
         env.update(extra)
@@ -240,10 +316,48 @@ class Cluster:
 
     def start_servers(self) -> None:
         self.lock.start()
+        if self.settings.lock == "sentinel":
+            self._start_sentinels()
         if self.broker is not self.lock:
             self.broker.start()
-        if any(w.proxied for w in self.settings.workers):
+        if not self.sentinels and any(w.proxied for w in self.settings.workers):
             self.proxy = DelayProxy(self.lock.port, 0.0, log=self.logs / "proxy.log", name="lock-proxy").start()
+
+    def _start_sentinels(self) -> None:
+        """A replica of the first lock node, and three sentinels watching them (quorum 2, a
+        silent primary is down after 1 s)."""
+        primary = self.lock_nodes[0]
+        replica = Redis("lock-b", self.run_dir / "lock-b", self.rec, {"busy-reply-threshold": "100"},
+                        replica_of=primary.port, with_file=True)
+        replica.start()
+        self.lock_nodes.append(replica)
+        found = find_redis_server()
+        assert found is not None
+        for index in range(3):
+            workdir = self.run_dir / f"sentinel{index}"
+
+            def args_for(port: int, workdir: Path = workdir) -> list[str]:
+                workdir.mkdir(parents=True, exist_ok=True)
+                return sentinel_args(workdir / "sentinel.conf", port, primary.port, down_after_ms=1000,
+                                     failover_timeout_ms=5000)
+
+            sentinel = RedisServerProcess(f"sentinel{index}", found[0], args_for, workdir=workdir)
+            sentinel.start()
+            self.rec("proc", name=sentinel.name, action="start", pid=sentinel.pid, port=sentinel.port)
+            self.sentinels.append(sentinel)
+
+        def ready() -> bool:
+            clients = [redis.Redis(host="127.0.0.1", port=s.port, socket_timeout=2, decode_responses=True)
+                       for s in self.sentinels]
+            try:
+                return group_ready(clients, lambda: self.lock.client(0, 2.0))
+            except (redis.RedisError, OSError):
+                return False
+            finally:
+                for client in clients:
+                    client.close()
+
+        wait_until(ready, 60.0, "the sentinels, the lock primary and its replica", interval=0.2)
 
     def add_members(self) -> None:
         """Define the workers, beats and the submitter (nothing started yet)."""
@@ -288,11 +402,14 @@ class Cluster:
             member.sweep()
         if self.proxy is not None:
             self.proxy.close()
-        for server in {id(s): s for s in (self.lock, self.broker)}.values():
+        for server in {id(s): s for s in (*self.lock_nodes, self.broker)}.values():
             server.server.stop(timeout=5)
+        for sentinel in self.sentinels:
+            sentinel.stop(timeout=5)
 
     def describe(self) -> dict[str, Any]:
         """Ports and URLs, for ``meta.json``."""
-        return {"lock": self.lock_url, "broker": self.broker.url(0), "backend": self.broker.url(1),
+        return {"lock": self.lock_url, "lock nodes": [n.name for n in self.lock_nodes],
+                "broker": self.broker.url(0), "backend": self.broker.url(1),
                 "proxy": self.proxy.url(2) if self.proxy is not None else None,
                 "workers": [vars(w) for w in self.settings.workers], "beats": list(self.settings.beats)}

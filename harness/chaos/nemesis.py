@@ -36,6 +36,9 @@ each does (:data:`KINDS`):
   signal="SIGUSR1")`` of each while they wait on Redis.
 * ``restart-broker``: the broker Redis (``separate`` variant) SIGKILLed and
   restarted from its append-only file.
+* ``failover``: ``SENTINEL FAILOVER`` (``LOCK=sentinel``): the replica becomes the
+  lock Redis's primary. (``restart-lock`` there restarts the current primary: longer
+  than a second down, the sentinels promote the replica.)
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 
 import redis
 
+from ..sentinel import MASTER_NAME
 from .cluster import Cluster, Member
 from .history import Recorder
 
@@ -68,8 +72,10 @@ KINDS: dict[str, int] = {
     "kill-worker": 3, "kill-worker-main": 2, "kill-child": 3, "stop-worker": 3, "term-worker": 2,
     "kill-beat": 2, "term-beat": 2, "restart-lock": 2, "restart-lock-empty": 1, "pause-lock": 3,
     "delete-liveness": 2, "busy-script": 2, "proxy-delay": 2, "proxy-cut": 2, "soft-limit": 2, "revoke": 2,
-    "restart-broker": 2,
+    "restart-broker": 2, "failover": 2,
 }
+#: The target name of every fault on the lock Redis (whichever node is its primary).
+LOCK = "lock-redis"
 
 #: A Lua loop that ends by itself after ARGV[1] ms (it writes nothing, so it could be killed).
 BUSY_SCRIPT = """
@@ -87,7 +93,12 @@ def applicable_kinds(cluster: Cluster) -> dict[str, str]:
         out["restart-broker"] = ("the broker is the lock Redis: restart-lock and restart-lock-empty "
                                  "restart it (and restart-lock-empty loses the broker's messages)")
     if cluster.proxy is None:
-        out["proxy-delay"] = out["proxy-cut"] = "no worker's lock connection goes through the proxy"
+        out["proxy-delay"] = out["proxy-cut"] = (
+            "the lock Redis is found through Sentinel: clients connect to the address the sentinels name, "
+            "not through a proxy" if cluster.sentinels else "no worker's lock connection goes through the proxy")
+    if not cluster.sentinels:
+        out["failover"] = ("the lock Redis is one server (LOCK=sentinel gives a primary, a replica and "
+                           "three sentinels)")
     return out
 
 
@@ -294,8 +305,10 @@ class Nemesis:
 
     # ------------------------------------------------------------ servers
 
-    def _restart(self, kind: str, server: Any, length: float, busy: set[str], wipe: bool) -> Fault | None:
-        if server.name in busy or not server.running:
+    def _restart(self, kind: str, server: Any, length: float, busy: set[str], wipe: bool,
+                 target: str | None = None) -> Fault | None:
+        target = target or server.name
+        if target in busy or not server.running:
             return None
         length = round(min(length, 3.0) * self.rng.random(), 2)
 
@@ -304,21 +317,36 @@ class Nemesis:
             if wipe:
                 server.wipe()
 
-        return self._fault(kind, {server.name}, [(0, down, "SIGKILL" + (" + wipe" if wipe else "")),
-                                                 (length, server.start, "start")], server=server.name, down=length)
+        fault = self._fault(kind, {target}, [(0, down, "SIGKILL" + (" + wipe" if wipe else "")),
+                                             (length, lambda: self._start_again(server), "start")],
+                            server=server.name, down=length)
+        if wipe and self.cluster.sentinels:
+            # A primary without its data must not come back as a primary (Redis's own rule
+            # for Sentinel: no automatic restart of a master without persistence): it starts
+            # again once the sentinels named another primary, as its replica.
+            began = time.monotonic()
+            fault.ready = lambda: (self.cluster.named_primary() not in (server, None)
+                                   or time.monotonic() - began > 15.0)
+        return fault
+
+    def _start_again(self, server: Any) -> None:
+        if server in self.cluster.lock_nodes:
+            self.cluster.restart_lock_node(server)
+        else:
+            server.start()
 
     def _restart_lock(self, length: float, busy: set[str]) -> Fault | None:
-        return self._restart("restart-lock", self.cluster.lock, length, busy, wipe=False)
+        return self._restart("restart-lock", self.cluster.lock, length, busy, wipe=False, target=LOCK)
 
     def _restart_lock_empty(self, length: float, busy: set[str]) -> Fault | None:
-        return self._restart("restart-lock-empty", self.cluster.lock, length, busy, wipe=True)
+        return self._restart("restart-lock-empty", self.cluster.lock, length, busy, wipe=True, target=LOCK)
 
     def _restart_broker(self, length: float, busy: set[str]) -> Fault | None:
         return self._restart("restart-broker", self.cluster.broker, length, busy, wipe=False)
 
     def _lock_client(self, busy: set[str]) -> redis.Redis | None:
         lock = self.cluster.lock
-        return None if lock.name in busy or not lock.running else lock.client(2, timeout=10)
+        return None if LOCK in busy or not lock.running else lock.client(2, timeout=10)
 
     def _pause_lock(self, length: float, busy: set[str]) -> Fault | None:
         client = self._lock_client(busy)
@@ -326,7 +354,7 @@ class Nemesis:
             return None
         length = round(min(length, 3.0), 2)
         mode = self.rng.choice(["WRITE", "ALL"])
-        return self._fault("pause-lock", {self.cluster.lock.name}, [
+        return self._fault("pause-lock", {LOCK}, [
             (0, lambda: client.execute_command("CLIENT", "PAUSE", int(length * 1000), mode), f"CLIENT PAUSE {mode}"),
             (length + 0.05, client.close, "pause over")], mode=mode)
 
@@ -341,7 +369,7 @@ class Nemesis:
                 client.delete(*keys)
             client.close()
 
-        return self._fault("delete-liveness", {self.cluster.lock.name}, [(0, delete, "DEL live keys")])
+        return self._fault("delete-liveness", {LOCK}, [(0, delete, "DEL live keys")])
 
     def _busy_script(self, length: float, busy: set[str]) -> Fault | None:
         client = self._lock_client(busy)
@@ -359,8 +387,24 @@ class Nemesis:
 
         thread = threading.Thread(target=loop, name="busy-script", daemon=True)
         self._threads.append(thread)
-        return self._fault("busy-script", {self.cluster.lock.name}, [
+        return self._fault("busy-script", {LOCK}, [
             (0, thread.start, "EVAL busy loop"), (length + 0.2, lambda: thread.join(15), "script over")])
+
+    def _failover(self, length: float, busy: set[str]) -> Fault | None:
+        if LOCK in busy or not self.cluster.sentinels:
+            return None
+        sentinel = self.rng.choice(self.cluster.sentinels)
+        old = self.cluster.lock.name
+
+        def failover() -> None:
+            with redis.Redis(host="127.0.0.1", port=sentinel.port, socket_timeout=5) as client:
+                client.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+
+        def settled() -> None:
+            self.rec("fault-note", kind="failover", primary_before=old, primary_after=self.cluster.lock.name)
+
+        return self._fault("failover", {LOCK}, [(0, failover, f"SENTINEL FAILOVER via {sentinel.name}"),
+                                                (max(length, 3.0), settled, "settled")], primary=old)
 
     # ------------------------------------------------------------ the proxy
 
@@ -422,7 +466,7 @@ class Nemesis:
             steps.append((round(self.rng.uniform(0.2, pause * 0.8), 2),
                           lambda: self._thread(lambda: act(list(ids)), f"{kind}-act"), "act"))
         steps.append((pause + 0.05, client.close, "pause over"))
-        return self._fault(kind, {self.cluster.lock.name}, steps, pause=pause, burst=len(plan))
+        return self._fault(kind, {LOCK}, steps, pause=pause, burst=len(plan))
 
     def _thread(self, target: Callable[[], None], name: str) -> None:
         """Run ``target`` on a daemon thread (joined, bounded, by :meth:`heal_all`)."""
