@@ -36,6 +36,7 @@ class Story:
     def __init__(self, **settings: Any) -> None:
         self.meta: dict[str, Any] = {
             "settings": {"variant": "separate", "seed": 0, "beats": ["b1", "b2"], "prefix": "chaos",
+                         "workers": [{"name": "w1", "pool": "prefork", "concurrency": 2}],
                          "visibility": 12.0, "pending_lease": 2.0, "lock_ttl": 4.0, **settings},
             "seconds": 20, "clock": {"t": EPOCH, "m": 0.0}, "entries": {}}
         self.events: list[dict[str, Any]] = []
@@ -174,6 +175,20 @@ def test_a_submission_the_broker_lost_with_its_data_is_reported_not_failed(tmp_p
     story.submit("z", "k3", 20.0).add("fault", 21.0, n=1, kind="restart-lock-empty", action="inject")
     verdict = story.judge(tmp_path)
     assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-with-broker"]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_message_a_killed_worker_took_off_the_queue_is_lost_in_the_transport(tmp_path: Path, held: bool) -> None:
+    """Published, a worker SIGKILLed just after, no trace of it anywhere: kombu's Redis transport
+    lost it between its BRPOP and its record of unacknowledged messages (reported). Still in
+    the broker at the end, it is lost to the workers (a violation)."""
+    story = baseline().submit("z", "k3", 20.0).add("proc", 20.01, name="w1", action="SIGKILL", pid=7)
+    story.add("broker", 32.6, ids=["z"] if held else [])
+    verdict = story.judge(tmp_path)
+    if held:
+        assert kinds(verdict) == ["lost"]
+    else:
+        assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
 
 
 def test_a_run_after_its_task_completed_is_a_rerun(tmp_path: Path) -> None:

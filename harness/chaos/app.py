@@ -67,6 +67,7 @@ app.conf.update(
     singleton_retry_backoff_max=1.0,
     singleton_beat_pending_lease=_float("CHAOS_PENDING_LEASE", 2.0),
     singleton_wait_replicas=int(_env("CHAOS_WAIT_REPLICAS", "0")),
+    singleton_wait_timeout=0.5,  # below the socket timeout
     singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0},
     broker_transport_options={
         "visibility_timeout": _float("CHAOS_VISIBILITY", 12.0),

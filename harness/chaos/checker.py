@@ -165,6 +165,11 @@ def _fences(all_runs: list[Run], verdict: Verdict) -> None:
 
 def _lost(history: History, verdict: Verdict) -> None:
     losses = broker_losses(history)
+    scans = list(history.of("broker"))
+    held = {i for e in scans for i in e.get("ids") or []}
+    traced = {str(e.get("id")) for e in history.of("prerun", "outcome", "revoked")}
+    workers = {w["name"] for w in history.meta.get("settings", {}).get("workers", [])}
+    kills = [e.m for e in history.of("proc") if e.get("action") == "SIGKILL" and e.get("name") in workers]
     for sub in fates(history).values():
         if sub.ended:
             continue
@@ -181,6 +186,12 @@ def _lost(history: History, verdict: Verdict) -> None:
         if any(sub.at < m for m in losses):
             verdict.reports.append(Finding("lost-with-broker", what + "; the broker (the lock Redis) restarted "
                                            "empty after it was published", sub.at, evidence))
+        elif scans and sub.id not in held and sub.id not in traced and any(m > sub.at for m in kills):
+            verdict.reports.append(Finding(
+                "lost-in-transport", what + "; no worker ever received it (no prerun), the broker no longer holds "
+                "it (neither queued nor unacknowledged), and a worker was SIGKILLed after it was published: kombu's "
+                "Redis transport takes a message off the queue (BRPOP) before it records it as unacknowledged",
+                sub.at, evidence))
         else:
             verdict.violations.append(Finding("lost", what, sub.at, evidence))
 

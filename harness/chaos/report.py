@@ -39,6 +39,7 @@ def figures(history: History, all_runs: list[Run], verdict: Verdict) -> dict[str
         "overlaps": found["overlap"], "overlaps told": reported["overlap-told"],
         "overlaps unchecked": reported["overlap-unchecked"],
         "lost": found["lost"], "lost with the broker": reported["lost-with-broker"],
+        "lost in the broker's transport": reported["lost-in-transport"],
         "re-runs": found["rerun"],
         "re-runs excused": reported["rerun-after-data-loss"] + reported["rerun-after-done-ttl"],
         "slots": verdict.figures.get("slots", {}),

@@ -85,6 +85,7 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
         time.sleep(settings.lock_ttl + 2.0)  # scenario time: no run, so no lock may remain
         rec("keys", keys=_lock_keys(cluster))
         rec("results", states=_result_states(cluster, history_dir))
+        rec("broker", ids=_in_broker(cluster))
         rec("phase", name="shutdown")
         for worker in workers:
             _terminate(worker, rec, bound=settings.term_bound["worker"])
@@ -194,6 +195,19 @@ def _lock_keys(cluster: Cluster) -> list[dict[str, Any]]:
                 for i, key in enumerate(keys)]
     finally:
         client.close()
+
+
+def _in_broker(cluster: Cluster) -> list[str]:
+    """Task ids of the messages the broker still holds: queued, or delivered and not acknowledged."""
+    client = cluster.broker.client(0)
+    ids = []
+    try:
+        for raw in [*client.lrange("chaos", 0, -1), *(json.loads(v)[0] for v in client.hvals("unacked"))]:
+            message = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
+            ids.append(str(message.get("headers", {}).get("id")))
+    finally:
+        client.close()
+    return ids
 
 
 def _result_states(cluster: Cluster, history_dir: Path) -> dict[str, str]:
