@@ -217,21 +217,21 @@ class Nemesis:
 
     # ------------------------------------------------------------ processes
 
-    def _kill_worker(self, length: float, busy: set[str]) -> Fault | None:
-        member = self._member("worker", busy)
+    def _kill(self, kind: str, member_kind: str, length: float, busy: set[str], *, group: bool = True,
+              pools: tuple[str, ...] | None = None) -> Fault | None:
+        """SIGKILL a member (its group, or its main process alone); started again after ``length``."""
+        member = self._member(member_kind, busy, pools)
         if member is None:
             return None
-        return self._fault("kill-worker", {member.name}, [
-            (0, lambda: member.kill(group=True), "SIGKILL group"), (length, member.start, "restart")],
-            target=member.name)
+        return self._fault(kind, {member.name}, [
+            (0, lambda: member.kill(group=group), "SIGKILL " + ("group" if group else "main")),
+            (length, member.start, "restart")], target=member.name)
+
+    def _kill_worker(self, length: float, busy: set[str]) -> Fault | None:
+        return self._kill("kill-worker", "worker", length, busy)
 
     def _kill_worker_main(self, length: float, busy: set[str]) -> Fault | None:
-        member = self._member("worker", busy, pools=("prefork",))
-        if member is None:
-            return None
-        return self._fault("kill-worker-main", {member.name}, [
-            (0, lambda: member.kill(group=False), "SIGKILL main"), (length, member.start, "restart")],
-            target=member.name)
+        return self._kill("kill-worker-main", "worker", length, busy, group=False, pools=("prefork",))
 
     def _kill_child(self, length: float, busy: set[str]) -> Fault | None:
         member = self._member("worker", busy, pools=("prefork",))
@@ -292,12 +292,7 @@ class Nemesis:
         return None if member is None else self._terminate("term-worker", member, length)
 
     def _kill_beat(self, length: float, busy: set[str]) -> Fault | None:
-        member = self._member("beat", busy)
-        if member is None:
-            return None
-        return self._fault("kill-beat", {member.name}, [
-            (0, lambda: member.kill(group=True), "SIGKILL"), (length, member.start, "restart")],
-            target=member.name)
+        return self._kill("kill-beat", "beat", length, busy)
 
     def _term_beat(self, length: float, busy: set[str]) -> Fault | None:
         member = self._member("beat", busy)
