@@ -39,7 +39,8 @@ def sentinel_args(config: Path, port: int, primary_port: int, *, down_after_ms: 
 
 def master_address(sentinel: redis.Redis) -> tuple[str, int]:
     """The primary's address as ``sentinel`` names it."""
-    host, port = sentinel.sentinel_get_master_addr_by_name(MASTER_NAME)
+    address: Any = sentinel.sentinel_get_master_addr_by_name(MASTER_NAME)
+    host, port = address
     return str(host), int(port)
 
 
@@ -48,7 +49,7 @@ def group_ready(sentinels: Sequence[redis.Redis], primary: Any, replicas: int = 
     sentinels; ``primary()`` (a client of the primary they name) reports that many replicas online."""
     for sentinel in sentinels:
         try:
-            state = sentinel.sentinel_master(MASTER_NAME)
+            state: Any = sentinel.sentinel_master(MASTER_NAME)
         except redis.RedisError:
             return False
         if (int(state.get("num-slaves", 0)) < replicas

@@ -131,7 +131,7 @@ def _slot_of(request: Any) -> dict[str, Any]:
             "instance": getattr(request, INSTANCE_HEADER, None)}
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=_broken_identity if BROKEN else ["key"])
+@app.task(bind=True, base=SingletonTask, unique_on=_broken_identity if BROKEN else ["key"])  # type: ignore[untyped-decorator]
 def work(self: SingletonTask, key: str, seconds: float, note: str | None = None) -> str:
     """A run of ``key`` lasting ``seconds``, checking its lease before each step."""
     run = self.singleton_run
@@ -165,7 +165,7 @@ def work(self: SingletonTask, key: str, seconds: float, note: str | None = None)
 
 
 def _ours(task: Any) -> bool:
-    return getattr(task, "name", None) == work.name
+    return bool(getattr(task, "name", None) == work.name)
 
 
 def _key_of(args: Any, kwargs: Any) -> str | None:

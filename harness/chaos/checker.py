@@ -94,8 +94,9 @@ def check(history: History) -> Verdict:
     """Judge ``history`` by every rule of the module docstring."""
     verdict = Verdict()
     all_runs = runs(history)
-    _overlaps(all_runs, verdict)
-    _fences(all_runs, verdict)
+    before = _previous_outcome(history)
+    _overlaps(all_runs, verdict, before)
+    _fences(all_runs, verdict, before)
     _lost(history, verdict)
     _reruns(history, all_runs, verdict)
     _slots(history, all_runs, verdict)
@@ -111,7 +112,21 @@ def check(history: History) -> Verdict:
 # ------------------------------------------------------------------ runs of one key
 
 
-def _overlaps(all_runs: list[Run], verdict: Verdict) -> None:
+def _previous_outcome(history: History) -> Any:
+    """``before(run)``: the outcome recorded last in the run's process before the run started
+    (the evidence of what that process went through just before: a soft time limit...)."""
+    by_pid: dict[int, list[Event]] = {}
+    for event in history.of("outcome"):
+        by_pid.setdefault(event.pid, []).append(event)
+
+    def before(run: Run) -> list[Event]:
+        earlier = [e for e in by_pid.get(run.pid, []) if e.m < run.start]
+        return earlier[-1:]
+
+    return before
+
+
+def _overlaps(all_runs: list[Run], verdict: Verdict, before: Any) -> None:
     for key, items in by_key(all_runs).items():
         items.sort(key=lambda r: r.start)
         starts = [r.start for r in items]
@@ -122,8 +137,9 @@ def _overlaps(all_runs: list[Run], verdict: Verdict) -> None:
                     verdict.violations.append(Finding(
                         "overlap", f"{key}: run {a.id} ({a.who}) passed ensure_held() {len(late)} time(s) after run "
                         f"{b.id} ({b.who}) started holding the key, first {late[0] - b.start:.3f}s after",
-                        b.start, excerpt([a.events[0], b.events[0], *[e for e in a.events if e.ev == "chk"
-                                                                      and e.get("ok") and e["m0"] > b.start]])))
+                        b.start, excerpt([*before(b), a.events[0], b.events[0],
+                                          *[e for e in a.events if e.ev == "chk" and e.get("ok")
+                                            and e["m0"] > b.start]])))
                 elif a.fails_after(b.start):
                     told = a.fails_after(b.start)[0]
                     verdict.reports.append(Finding(
@@ -138,7 +154,7 @@ def _overlaps(all_runs: list[Run], verdict: Verdict) -> None:
                         excerpt([a.events[0], a.events[-1], b.events[0]])))
 
 
-def _fences(all_runs: list[Run], verdict: Verdict) -> None:
+def _fences(all_runs: list[Run], verdict: Verdict, before: Any) -> None:
     for key, items in by_key(all_runs).items():
         items.sort(key=lambda r: r.start)
         best: Run | None = None
@@ -150,7 +166,7 @@ def _fences(all_runs: list[Run], verdict: Verdict) -> None:
             if best is not None and run.fence <= best.fence:  # type: ignore[operator]
                 finding = Finding("fence", f"{key}: run {run.id} ({run.who}) started after run {best.id} "
                                   f"({best.who}) with fencing token {run.fence} <= {best.fence}", run.start,
-                                  excerpt([best.events[0], run.events[0]]))
+                                  excerpt([*before(run), best.events[0], run.events[0]]))
                 if run.passes or run.fence == best.fence:
                     verdict.violations.append(finding)
                 else:

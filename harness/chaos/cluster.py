@@ -274,7 +274,7 @@ class Cluster:
         """The lock node the sentinels name as primary (None: no sentinel answers)."""
         for sentinel in self.sentinels:
             try:
-                with redis.Redis(host="127.0.0.1", port=sentinel.port, socket_timeout=1.0) as client:
+                with redis.Redis(host="127.0.0.1", port=sentinel.port or 0, socket_timeout=1.0) as client:
                     _, port = master_address(client)
             except (redis.RedisError, OSError, TypeError, ValueError):
                 continue
@@ -347,7 +347,7 @@ class Cluster:
             self.sentinels.append(sentinel)
 
         def ready() -> bool:
-            clients = [redis.Redis(host="127.0.0.1", port=s.port, socket_timeout=2, decode_responses=True)
+            clients = [redis.Redis(host="127.0.0.1", port=s.port or 0, socket_timeout=2, decode_responses=True)
                        for s in self.sentinels]
             try:
                 return group_ready(clients, lambda: self.lock.client(0, 2.0))

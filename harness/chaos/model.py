@@ -69,9 +69,10 @@ def runs(history: History) -> list[Run]:
             open_runs[key] = run
             out.append(run)
             continue
-        run = open_runs.get(key)  # type: ignore[assignment]
-        if run is None:
+        current = open_runs.get(key)
+        if current is None:
             continue
+        run = current
         run.last = event.m
         if event.ev == "chk":
             (run.passes if event.get("ok") else run.fails).append(float(event["m0"]))
