@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .checker import check
 from .history import load
-from .report import render, row, save
+from .report import ROW_HEADER, kinds_table, render, row, row_of, save, total_row
 
 #: Where ``run`` puts its directories unless told otherwise (ignored by git).
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / ".chaos"
@@ -36,7 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--no-faults", action="store_true", help="run without the nemesis")
     judge = sub.add_parser("check", help="check a saved history (a run directory or its history/)")
     judge.add_argument("directory", type=Path)
+    table = sub.add_parser("table", help="check saved runs again; print their results table (Markdown)")
+    table.add_argument("directories", type=Path, nargs="+")
     args = parser.parse_args(argv)
+
+    if args.command == "table":
+        rows = []
+        for directory in args.directories:
+            verdict = check(load(_history_of(directory)))
+            save(verdict, _history_of(directory).parent)
+            rows.append(verdict.figures)
+        print("\n".join([ROW_HEADER, *(row_of(f) for f in rows), total_row(rows), "", kinds_table(rows)]))
+        return 0 if all(not f.get("violations total") for f in rows) else 1
 
     if args.command == "run":
         from .cluster import Settings
@@ -48,13 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or DEFAULT_OUT / name
         history_dir = run_cluster(settings, out, args.seconds, nemesis=not args.no_faults)
     else:
-        history_dir = args.directory / "history" if (args.directory / "history").is_dir() else args.directory
+        history_dir = _history_of(args.directory)
     verdict = check(load(history_dir))
     save(verdict, history_dir.parent)
     print(render(verdict, limit=10))
     print(row(verdict))
     print(f"history: {history_dir}; report: {history_dir.parent / 'report.md'}")
     return 0 if verdict.ok else 1
+
+
+def _history_of(directory: Path) -> Path:
+    """A run directory's history (or the history directory itself)."""
+    return directory / "history" if (directory / "history").is_dir() else directory
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from .model import Run, fates
 if TYPE_CHECKING:
     from .checker import Verdict
 
-__all__ = ["ROW_HEADER", "figures", "render", "row", "save"]
+__all__ = ["ROW_HEADER", "figures", "kinds_table", "render", "row", "row_of", "save", "total_row"]
 
 
 def figures(history: History, all_runs: list[Run], verdict: Verdict) -> dict[str, Any]:
@@ -26,7 +26,8 @@ def figures(history: History, all_runs: list[Run], verdict: Verdict) -> dict[str
     found = Counter(v.kind for v in verdict.violations)
     reported = Counter(r.kind for r in verdict.reports)
     return {
-        "variant": settings.get("variant"), "seed": settings.get("seed"), "seconds": history.meta.get("seconds"),
+        "variant": settings.get("variant"), "lock": settings.get("lock", "standalone"), "seed": settings.get("seed"),
+        "seconds": history.meta.get("seconds"),
         "chaos seconds": round(phases["quiesce"] - phases["chaos"], 1) if {"chaos", "quiesce"} <= set(phases) else None,
         "faults": dict(sorted(faults.items())), "faults total": sum(faults.values()),
         "fault steps that raised": dict(failed),
@@ -68,20 +69,62 @@ def render(verdict: Verdict, *, limit: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
-ROW_HEADER = ("| seed | broker | s | faults (by kind) | submissions | runs | overlaps (told) | lost | re-runs | "
-              "slots sent / due (excused) | violations |\n|---|---|---|---|---|---|---|---|---|---|---|")
+ROW_HEADER = ("| seed | broker | lock | s | faults | submissions | runs | overlaps (told) | lost (excused) | "
+              "re-runs (excused) | slots sent / due (excused) | violations |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(verdict: Verdict) -> str:
     """One line of benchmarks/results.md's chaos table."""
-    f = verdict.figures
+    return row_of(verdict.figures)
+
+
+def _violations(counts: dict[str, int]) -> str:
+    total = sum(counts.values())
+    return f"{total}" + (f" ({', '.join(f'{k} {n}' for k, n in sorted(counts.items()))})" if total else "")
+
+
+def row_of(f: dict[str, Any]) -> str:
+    """One line of the chaos table from a verdict's figures."""
     slots = f.get("slots", {})
-    kinds = ", ".join(f"{k} {n}" for k, n in f.get("faults", {}).items())
-    return (f"| {f.get('seed')} | {f.get('variant')} | {f.get('chaos seconds')} | {f.get('faults total')}: {kinds} | "
-            f"{f.get('submissions')} | {f.get('runs')} | {f.get('overlaps')} ({f.get('overlaps told')}) | "
-            f"{f.get('lost')} ({f.get('lost with the broker')} with the broker) | {f.get('re-runs')} | "
+    excused_lost = f.get("lost with the broker", 0) + f.get("lost in the broker's transport", 0)
+    return (f"| {f.get('seed')} | {f.get('variant')} | {f.get('lock', 'standalone')} | {f.get('chaos seconds')} | "
+            f"{f.get('faults total')} | {f.get('submissions')} | {f.get('runs')} | "
+            f"{f.get('overlaps')} ({f.get('overlaps told')}) | {f.get('lost')} ({excused_lost}) | "
+            f"{f.get('re-runs')} ({f.get('re-runs excused')}) | "
             f"{slots.get('sent', 0)} / {slots.get('expected', 0)} ({slots.get('excused', 0)}) | "
-            f"{f.get('violations total')} |")
+            f"{_violations(f.get('violations', {}))} |")
+
+
+def total_row(figures: list[dict[str, Any]]) -> str:
+    """The table's last line: the sums over its runs."""
+    def total(*names: str) -> int:
+        return sum(int(f.get(name) or 0) for f in figures for name in names)
+
+    def slots(name: str) -> int:
+        return sum(int(f.get("slots", {}).get(name, 0)) for f in figures)
+
+    found: dict[str, int] = {}
+    for f in figures:
+        for kind, n in f.get("violations", {}).items():
+            found[kind] = found.get(kind, 0) + n
+    seconds = sum(float(f.get("chaos seconds") or 0) for f in figures)
+    return (f"| all | | | {seconds:.0f} | {total('faults total')} | {total('submissions')} | {total('runs')} | "
+            f"{total('overlaps')} ({total('overlaps told')}) | {total('lost')} "
+            f"({total('lost with the broker', 'lost in the broker' + chr(39) + 's transport')}) | "
+            f"{total('re-runs')} ({total('re-runs excused')}) | "
+            f"{slots('sent')} / {slots('expected')} ({slots('excused')}) | {_violations(found)} |")
+
+
+def kinds_table(figures: list[dict[str, Any]]) -> str:
+    """Faults injected, by kind, per run and in all."""
+    kinds = sorted({k for f in figures for k in f.get("faults", {})})
+    head = "| fault | " + " | ".join(f"{f.get('variant')} {f.get('seed')}" for f in figures) + " | all |"
+    lines = [head, "|---" * (len(figures) + 2) + "|"]
+    for kind in kinds:
+        counts = [int(f.get("faults", {}).get(kind, 0)) for f in figures]
+        lines.append(f"| {kind} | " + " | ".join(str(n) for n in counts) + f" | {sum(counts)} |")
+    return "\n".join(lines)
 
 
 def save(verdict: Verdict, directory: Path) -> None:
