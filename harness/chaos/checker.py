@@ -183,7 +183,10 @@ def _lost(history: History, verdict: Verdict) -> None:
     losses = broker_losses(history)
     scans = list(history.of("broker"))
     held = {i for e in scans for i in e.get("ids") or []}
-    traced = {str(e.get("id")) for e in history.of("prerun", "outcome", "revoked")}
+    seen: dict[str, float] = {}  # the last trace of each task id at a worker
+    for event in history.of("prerun", "outcome", "revoked", "start"):
+        seen[str(event.get("id"))] = event.m
+    traced = set(seen)
     workers = {w["name"] for w in history.meta.get("settings", {}).get("workers", [])}
     kills = [e.m for e in history.of("proc") if e.get("action") == "SIGKILL" and e.get("name") in workers]
     for sub in fates(history).values():
@@ -199,9 +202,10 @@ def _lost(history: History, verdict: Verdict) -> None:
             continue
         what += (f"has no end: {len(sub.starts)} run(s) started, each cut short, none ran again to an end"
                  if sub.starts else "has no end: it never ran and was not skipped")
-        if any(sub.at < m for m in losses):
+        if any(sub.at < m and seen.get(sub.id, 0.0) < m for m in losses):
             verdict.reports.append(Finding("lost-with-broker", what + "; the broker (the lock Redis) restarted "
-                                           "empty after it was published", sub.at, evidence))
+                                           "empty after it was published, and no worker saw it since",
+                                           sub.at, evidence))
         elif scans and sub.id not in held and sub.id not in traced and any(m > sub.at for m in kills):
             verdict.reports.append(Finding(
                 "lost-in-transport", what + "; no worker ever received it (no prerun), the broker no longer holds "

@@ -382,6 +382,18 @@ class Cluster:
             self.env("submitter", CHAOS_KEYS=",".join(self.settings.keys), CHAOS_SEED=str(self.settings.seed),
                      CHAOS_RATE=str(self.settings.rate)), self.logs, self.rec)
 
+    def supervise(self, busy: set[str], kinds: tuple[str, ...] = ("worker", "beat", "submitter")) -> None:
+        """Start again a member that exited while no fault held it, as a pod's supervisor
+        would; recorded as a ``crash`` with the end of its log (why it exited)."""
+        for member in self.members.values():
+            if member.kind not in kinds or member.name in busy or member.process.process is None or member.running:
+                continue
+            lines = member.process.output().splitlines()
+            reason = next((line for line in reversed(lines) if "CRITICAL" in line or "Error" in line), lines[-1:])
+            self.rec("proc", name=member.name, action="crash", pid=member.pid, code=member.process.returncode,
+                     reason=str(reason)[:300])
+            member.start()
+
     def of_kind(self, kind: str) -> list[Member]:
         return [m for m in self.members.values() if m.kind == kind]
 

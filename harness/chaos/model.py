@@ -171,7 +171,7 @@ def broker_losses(history: History) -> list[float]:
 
 
 def open_submissions(history: History) -> list[Submission]:
-    """Submissions with no end yet, except those the broker lost with its data."""
+    """Submissions with no end yet, except those the broker may have lost with its data."""
     losses = broker_losses(history)
     return [s for s in fates(history).values() if not s.ended and not any(s.at < m for m in losses)]
 

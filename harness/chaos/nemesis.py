@@ -106,6 +106,7 @@ class Nemesis(ProcessFaults, RedisFaults, RunFaults):
         next_at = time.monotonic() + self.rng.expovariate(1 / MEAN_GAP)
         while time.monotonic() < end:
             self.advance()
+            self.cluster.supervise(self.busy_targets())
             if time.monotonic() >= next_at:
                 if len(self.active) < MAX_ACTIVE:
                     self.inject_one()

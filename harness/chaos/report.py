@@ -35,6 +35,7 @@ def figures(history: History, all_runs: list[Run], verdict: Verdict) -> dict[str
         "submissions": len(subs),
         "publishes refused": sum(1 for e in history.of("submit") if not e.get("ok")),
         "fates": dict(Counter(s.fate for s in subs.values()).most_common()),
+        "crashes": dict(Counter(str(e.get("name")) for e in history.of("proc") if e.get("action") == "crash")),
         "runs": len(all_runs),
         "run endings": dict(Counter(r.how or "cut short" for r in all_runs).most_common()),
         "overlaps": found["overlap"], "overlaps told": reported["overlap-told"],

@@ -76,7 +76,8 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
         log(f"chaos: {nem.count} faults injected; quiescing")
         _everyone_up(cluster)
         _terminate(cluster.members["submitter"], rec, bound=15.0)
-        _wait_for_ends(history_dir, settings, deadline=settings.visibility + QUIESCE_EXTRA)
+        _wait_for_ends(history_dir, settings, deadline=settings.visibility + QUIESCE_EXTRA,
+                       supervise=lambda: cluster.supervise(set(), kinds=("worker", "beat")))
         rec("phase", name="audit")
         for beat in beats:
             _terminate(beat, rec, bound=settings.term_bound["beat"])
@@ -109,13 +110,10 @@ def _write_meta(history_dir: Path, meta: dict[str, Any]) -> None:
 
 
 def _everyone_up(cluster: Cluster) -> None:
-    """Every worker and beat running and not stopped (a fault's heal failed, or a crash)."""
+    """Every worker and beat running (a crash is recorded as such) and not stopped."""
+    cluster.supervise(set(), kinds=("worker", "beat"))
     for member in cluster.members.values():
-        if member.kind == "submitter":
-            continue
-        if not member.running:
-            member.start()
-        else:
+        if member.kind != "submitter":
             member.send(signal.SIGCONT, group=True)
 
 
@@ -136,12 +134,15 @@ def _terminate(member: Member, rec: Recorder, bound: float) -> None:
         rec("proc", name=member.name, action="exit", pid=member.pid, code=code)
 
 
-def _wait_for_ends(history_dir: Path, settings: Settings, deadline: float) -> None:
-    """Wait until every submission has an end in the history (at most ``deadline`` s)."""
+def _wait_for_ends(history_dir: Path, settings: Settings, deadline: float,
+                   supervise: Any = lambda: None) -> None:
+    """Wait until every submission has an end in the history (at most ``deadline`` s),
+    calling ``supervise()`` meanwhile (members that crashed are started again)."""
     from .checker import open_submissions
 
     end = time.monotonic() + deadline
     while time.monotonic() < end:
+        supervise()
         if not open_submissions(load(history_dir)):
             return
         time.sleep(1.0)
