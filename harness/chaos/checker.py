@@ -52,10 +52,9 @@ from .model import (
     lock_gone_windows,
     open_submissions,
     runs,
-    runs_in_flight,
 )
 
-__all__ = ["Finding", "Verdict", "check", "open_submissions", "runs_in_flight"]
+__all__ = ["Finding", "Verdict", "check", "open_submissions"]
 
 TASK = "harness.chaos.app.work"
 

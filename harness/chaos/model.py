@@ -1,8 +1,8 @@
 """What a history says happened: runs, submissions and their fates, windows of faults.
 
 The checker (:mod:`.checker`) judges these; the controller uses
-:func:`open_submissions` and :func:`runs_in_flight` to know when the cluster
-is quiet. Times are monotonic seconds (``m``) unless named wall.
+:func:`open_submissions` to know when every submission has an end. Times are
+monotonic seconds (``m``) unless named wall.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from .history import Event, History
 
 __all__ = ["TERMINAL", "Run", "Submission", "Window", "beat_down_windows", "fates", "lock_gone_windows",
-           "open_submissions", "runs", "runs_in_flight"]
+           "open_submissions", "runs"]
 
 #: Postrun outcomes after which nothing more happens to a delivery (``waiting`` and
 #: ``retry`` publish the same task id again).
@@ -82,28 +82,6 @@ def runs(history: History) -> list[Run]:
             run.events.append(event)
             del open_runs[key]
     return out
-
-
-def runs_in_flight(history: History) -> list[Run]:
-    """Runs with a start and no end whose process still runs (as far as the history says)."""
-    exits = {e.get("pid") for e in history.of("proc") if e.get("action") in ("exit", "SIGKILL")}
-    return [r for r in runs(history) if r.end is None and r.pid not in exits and _process_alive(r.pid)]
-
-
-def _process_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (an orphaned pool child nobody reaped yet) runs nothing
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 @dataclass

@@ -148,28 +148,27 @@ def _wait_for_ends(history_dir: Path, settings: Settings, deadline: float,
         time.sleep(1.0)
 
 
-def _in_flight(history_dir: Path) -> int:
-    from .checker import runs_in_flight
-
-    return len(runs_in_flight(load(history_dir)))
+def _quiet_for(history_dir: Path, seconds: float, deadline: float) -> None:
+    """Wait (at most ``deadline`` s) until no run has started, checked, ended or been
+    decided for ``seconds``: the counters then move only with what the audit sends."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        last = max((e.m for e in load(history_dir).of("start", "chk", "end", "outcome", "prerun")), default=0.0)
+        if time.monotonic() - last >= seconds:
+            return
+        time.sleep(0.5)
 
 
 def _audit(chaos_app: Any, history_dir: Path, settings: Settings, rec: Recorder) -> None:
     """Counters before and after a burst on the quiet cluster (see the module docstring)."""
     from .submitter import submit
 
-    deadline = time.monotonic() + 60
-    while _in_flight(history_dir) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(2.5)  # scenario time: the workers' counter batches written (every second)
+    _quiet_for(history_dir, 2.5, deadline=60)  # counter batches are written every second
     rec("counters", when="audit-start", counters=_counters(chaos_app))
     for number in range(AUDIT_BURST):
         submit(settings.keys[number % len(settings.keys)], 0.05 + 0.05 * (number % 3), "audit")
     _wait_for_ends(history_dir, settings, deadline=60)
-    deadline = time.monotonic() + 30
-    while _in_flight(history_dir) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(2.5)  # as above
+    _quiet_for(history_dir, 2.5, deadline=60)
     rec("counters", when="audit-end", counters=_counters(chaos_app))
 
 
