@@ -186,8 +186,7 @@ def _lost(history: History, verdict: Verdict) -> None:
     for event in history.of("prerun", "outcome", "revoked", "start"):
         seen[str(event.get("id"))] = event.m
     traced = set(seen)
-    workers = {w["name"] for w in history.meta.get("settings", {}).get("workers", [])}
-    kills = [e.m for e in history.of("proc") if e.get("action") == "SIGKILL" and e.get("name") in workers]
+    kills = _transport_disruptions(history)
     for sub in fates(history).values():
         if sub.ended:
             continue
@@ -208,11 +207,22 @@ def _lost(history: History, verdict: Verdict) -> None:
         elif scans and sub.id not in held and sub.id not in traced and any(m > sub.at for m in kills):
             verdict.reports.append(Finding(
                 "lost-in-transport", what + "; no worker ever received it (no prerun), the broker no longer holds "
-                "it (neither queued nor unacknowledged), and a worker was SIGKILLed after it was published: kombu's "
-                "Redis transport takes a message off the queue (BRPOP) before it records it as unacknowledged",
+                "it (neither queued nor unacknowledged), and after it was published a worker was SIGKILLed or "
+                "crashed, or the broker restarted: kombu's Redis transport takes a message off the queue (BRPOP) "
+                "before it records it as unacknowledged, and a reply lost with its connection loses the message",
                 sub.at, evidence))
         else:
             verdict.violations.append(Finding("lost", what, sub.at, evidence))
+
+
+def _transport_disruptions(history: History) -> list[float]:
+    """When a message on its way from the broker to a worker could be lost by the transport: a
+    worker SIGKILLed or crashed, the broker restarted (the lock Redis, when it is the broker)."""
+    workers = {w["name"] for w in history.meta.get("settings", {}).get("workers", [])}
+    broker = "lock-redis" if history.meta.get("settings", {}).get("variant") == "same" else "broker-redis"
+    return [e.m for e in history.of("proc")
+            if (e.get("name") in workers and e.get("action") in ("SIGKILL", "crash"))
+            or (e.get("name") == broker and e.get("action") == "exit")]
 
 
 def _reruns(history: History, all_runs: list[Run], verdict: Verdict) -> None:
