@@ -73,6 +73,9 @@ app.conf.update(
         "visibility_timeout": _float("CHAOS_VISIBILITY", 12.0),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # kombu takes a mutex (a Redis lock) to restore unacknowledged messages, for 300 s by
+        # default: a worker SIGKILLed while it held it stops every restore until it expires.
+        "unacked_mutex_expire": 10,
         **({"master_name": os.environ["CHAOS_MASTER"]} if os.environ.get("CHAOS_MASTER") else {}),
     },
     result_backend_transport_options=(

@@ -31,7 +31,7 @@ __all__ = ["run"]
 
 #: Seconds the quiet phases allow for the last ends (a SIGKILLed worker's message
 #: comes back after the visibility timeout).
-QUIESCE_EXTRA = 45.0
+QUIESCE_EXTRA = 60.0
 AUDIT_BURST = 15
 
 
@@ -86,7 +86,7 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
         time.sleep(settings.lock_ttl + 2.0)  # scenario time: no run, so no lock may remain
         rec("keys", keys=_lock_keys(cluster))
         rec("results", states=_result_states(cluster, history_dir))
-        rec("broker", ids=_in_broker(cluster))
+        rec("broker", **_in_broker(cluster))
         rec("phase", name="shutdown")
         for worker in workers:
             _terminate(worker, rec, bound=settings.term_bound["worker"])
@@ -197,17 +197,20 @@ def _lock_keys(cluster: Cluster) -> list[dict[str, Any]]:
         client.close()
 
 
-def _in_broker(cluster: Cluster) -> list[str]:
+def _in_broker(cluster: Cluster) -> dict[str, list[str]]:
     """Task ids of the messages the broker still holds: queued, or delivered and not acknowledged."""
     client = cluster.broker.client(0)
-    ids = []
     try:
-        for raw in [*client.lrange("chaos", 0, -1), *(json.loads(v)[0] for v in client.hvals("unacked"))]:
-            message = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
-            ids.append(str(message.get("headers", {}).get("id")))
+        queued = [_task_id(raw) for raw in client.lrange("chaos", 0, -1)]
+        unacked = [_task_id(json.loads(raw)[0]) for raw in client.hvals("unacked")]
     finally:
         client.close()
-    return ids
+    return {"ids": [*queued, *unacked], "queued": queued, "unacked": unacked}
+
+
+def _task_id(message: Any) -> str:
+    body = json.loads(message) if isinstance(message, (bytes, str)) else message
+    return str(body.get("headers", {}).get("id"))
 
 
 def _result_states(cluster: Cluster, history_dir: Path) -> dict[str, str]:
