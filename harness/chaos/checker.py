@@ -200,10 +200,10 @@ def _lost(history: History, verdict: Verdict) -> None:
             continue
         what += (f"has no end: {len(sub.starts)} run(s) started, each cut short, none ran again to an end"
                  if sub.starts else "has no end: it never ran and was not skipped")
-        unacked = {i for e in scans for i in e.get("unacked") or []}
         if sub.id in held:
-            what += ("; the broker still held it unacknowledged at the end (not delivered again)"
-                     if sub.id in unacked or not unacked else "; it was still queued at the end")
+            where = {"unacked": "unacknowledged (not delivered again)", "queued": "queued"}
+            found = [where[k] for k in where for e in scans if sub.id in (e.get(k) or [])]
+            what += f"; the broker still held it at the end{' ' + found[0] if found else ''}"
         if any(sub.at < m and seen.get(sub.id, 0.0) < m for m in losses):
             verdict.reports.append(Finding("lost-with-broker", what + "; the broker (the lock Redis) restarted "
                                            "empty after it was published, and no worker saw it since",
