@@ -143,13 +143,6 @@ class Member:
             return []
         return [int(p) for p in text.split()]
 
-    def reaped(self) -> int | None:
-        """The exit code if the process exited (recorded once), else None."""
-        if self.process.process is None:
-            return None
-        code = self.process.process.poll()
-        return code
-
     def sweep(self) -> None:
         """SIGKILL this member's process groups, the current and earlier ones."""
         if self.process.process is not None and self.running:
