@@ -4,8 +4,9 @@ Every :data:`MEAN_GAP` seconds on average (exponential) it picks a fault kind
 by weight among those that apply to the variant and whose target (a process,
 a server, the proxy) is not taken by a fault still going on; at most
 :data:`MAX_ACTIVE` at once. Every choice (kind, target, length, parameters)
-comes from one ``random.Random(seed)``: a seed replays the same plan, while
-the processes' own timing varies from run to run.
+comes from one ``random.Random(seed)``: a seed replays the same draws; what a
+draw lands on (which processes run, which targets are free, which pool child
+exists) follows the processes' own timing, which varies from run to run.
 
 A fault is a list of timed steps: the first injects it, the last heals it
 (restart, SIGCONT, mend); each step is recorded (``fault`` events: ``inject``,
