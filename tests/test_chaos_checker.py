@@ -191,6 +191,17 @@ def test_a_message_a_killed_worker_took_off_the_queue_is_lost_in_the_transport(t
         assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
 
 
+def test_a_retry_taken_off_the_queue_by_a_killed_worker_is_lost_in_the_transport(tmp_path: Path) -> None:
+    """A delivery that deferred its run (fail closed) published its retry; a worker SIGKILLed
+    just after took that retry off the queue: no worker ever received it (reported)."""
+    story = baseline().submit("z", "k3", 20.0)
+    story.add("prerun", 20.1, "worker-w2", 20, id="z", key="k3").add("pub", 20.2, "worker-w2", 20, id="z")
+    story.add("outcome", 20.21, "worker-w2", 20, id="z", key="k3", kind="retry", state="RETRY")
+    story.add("proc", 20.3, name="w1", action="SIGKILL", pid=7).add("broker", 32.6, ids=[], queued=[], unacked=[])
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
+
+
 def test_a_run_after_its_task_completed_is_a_rerun(tmp_path: Path) -> None:
     story = baseline().run("c", "k", 16.0, 16.2, 600, pid=12)
     verdict = story.judge(tmp_path)

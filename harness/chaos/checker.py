@@ -182,10 +182,12 @@ def _lost(history: History, verdict: Verdict) -> None:
     losses = broker_losses(history)
     scans = list(history.of("broker"))
     held = {i for e in scans for i in e.get("ids") or []}
-    seen: dict[str, float] = {}  # the last trace of each task id at a worker
-    for event in history.of("prerun", "outcome", "revoked", "start"):
+    seen: dict[str, float] = {}  # when a worker last received a delivery of each task id
+    for event in history.of("prerun", "revoked", "start"):
         seen[str(event.get("id"))] = event.m
-    traced = set(seen)
+    published: dict[str, float] = {}  # its last publish (the submission, a retry, a re-publish)
+    for event in history.of("submit", "pub"):
+        published[str(event.get("id"))] = event.m
     kills = _transport_disruptions(history)
     for sub in fates(history).values():
         if sub.ended:
@@ -208,13 +210,14 @@ def _lost(history: History, verdict: Verdict) -> None:
             verdict.reports.append(Finding("lost-with-broker", what + "; the broker (the lock Redis) restarted "
                                            "empty after it was published, and no worker saw it since",
                                            sub.at, evidence))
-        elif scans and sub.id not in held and sub.id not in traced and any(m > sub.at for m in kills):
+        elif (scans and sub.id not in held and published.get(sub.id, sub.at) > seen.get(sub.id, 0.0)
+              and any(m > published.get(sub.id, sub.at) for m in kills)):
             verdict.reports.append(Finding(
-                "lost-in-transport", what + "; no worker ever received it (no prerun), the broker no longer holds "
-                "it (neither queued nor unacknowledged), and after it was published a worker was SIGKILLed or "
-                "crashed, or the broker restarted: kombu's Redis transport takes a message off the queue (BRPOP) "
-                "before it records it as unacknowledged, and a reply lost with its connection loses the message",
-                sub.at, evidence))
+                "lost-in-transport", what + "; no worker received its last publish (no prerun after it), the broker "
+                "no longer holds it (neither queued nor unacknowledged), and after that publish a worker was "
+                "SIGKILLed or crashed, or the broker restarted: kombu's Redis transport takes a message off the "
+                "queue (BRPOP) before it records it as unacknowledged, and a reply lost with its connection loses "
+                "the message", sub.at, evidence))
         else:
             verdict.violations.append(Finding("lost", what, sub.at, evidence))
 
