@@ -196,7 +196,7 @@ class RedisFaults(_Builder):
             began = time.monotonic()
             fault.ready = lambda: (self.cluster.named_primary() not in (server, None)
                                    or time.monotonic() - began > 15.0)
-        return fault
+        return self._until_replicated(fault) if server in self.cluster.lock_nodes else fault
 
     def _start_again(self, server: Any) -> None:
         if server in self.cluster.lock_nodes:
@@ -268,8 +268,33 @@ class RedisFaults(_Builder):
         def settled() -> None:
             self.rec("fault-note", kind="failover", primary_before=old, primary_after=self.cluster.lock.name)
 
-        return self._fault("failover", {LOCK}, [(0, failover, f"SENTINEL FAILOVER via {sentinel.name}"),
-                                                (max(length, 3.0), settled, "settled")], primary=old)
+        fault = self._fault("failover", {LOCK}, [(0, failover, f"SENTINEL FAILOVER via {sentinel.name}"),
+                                                 (max(length, 3.0), settled, "settled")], primary=old)
+        return self._until_replicated(fault)
+
+    def _until_replicated(self, fault: Fault) -> Fault:
+        """With ``singleton_wait_replicas``, the lock Redis takes no lock until its primary has
+        that many replicas again: the fault lasts until then (at most 60 s more), so that
+        what it excuses (beat slots not claimed) covers it."""
+        wanted = self.cluster.settings.wait_replicas
+        if wanted <= 0 or not self.cluster.sentinels:
+            return fault
+        previous = fault.ready
+
+        def replicated() -> bool:
+            if len(fault.steps) > 1:  # the steps before: their own condition
+                return previous()
+            if time.monotonic() > fault.steps[0][0] + 60.0:
+                return True
+            try:
+                with self.cluster.lock.client(0, timeout=1.0) as client:
+                    return int(client.info("replication").get("connected_slaves", 0)) >= wanted
+            except (redis.RedisError, OSError):
+                return False
+
+        fault.steps.append((fault.steps[-1][0], lambda: None, "replicated"))
+        fault.ready = replicated
+        return fault
 
 
 class RunFaults(_Builder):
