@@ -96,13 +96,17 @@ _recorder: Recorder | None = None
 
 
 def recorder() -> Recorder | None:
-    """This process's recorder, from ``CHAOS_HISTORY`` / ``CHAOS_WHO``; None outside a chaos run."""
+    """This process's recorder, from ``CHAOS_HISTORY`` / ``CHAOS_WHO``; None outside a chaos run.
+
+    A new one when they name another directory or role (a second run in one process).
+    """
     global _recorder
-    if _recorder is None:
-        directory = os.environ.get(ENV_DIR)
-        if not directory:
-            return None
-        _recorder = Recorder(Path(directory), os.environ.get(ENV_WHO) or "process")
+    directory = os.environ.get(ENV_DIR)
+    if not directory:
+        return None
+    who = os.environ.get(ENV_WHO) or "process"
+    if _recorder is None or _recorder.directory != Path(directory) or _recorder.who != who:
+        _recorder = Recorder(Path(directory), who)
     return _recorder
 
 
