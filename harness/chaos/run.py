@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from .cluster import Cluster, Member, Settings
 from .history import ENV_DIR, ENV_ROOT, ENV_WHO, META, Recorder, load, recorder
 from .nemesis import KINDS, Nemesis, applicable_kinds
@@ -52,7 +54,7 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
         cluster.start_servers()
         cluster.add_members()
         os.environ.update(cluster.env("control"))  # the controller's own app (revokes, audit)
-        from . import app as chaos_app
+        chaos_app = _fresh_app()
 
         meta.update(cluster=cluster.describe(), entries=chaos_app.BEAT_ENTRIES,
                     kinds={"weights": KINDS, "not applicable": applicable_kinds(cluster)})
@@ -76,12 +78,12 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
         log(f"chaos: {nem.count} faults injected; quiescing")
         _everyone_up(cluster)
         _terminate(cluster.members["submitter"], rec, bound=15.0)
-        _wait_for_ends(history_dir, settings, deadline=settings.visibility + QUIESCE_EXTRA,
+        _wait_for_ends(history_dir, settings, deadline=settings.visibility + QUIESCE_EXTRA, cluster=cluster,
                        supervise=lambda: cluster.supervise(set(), kinds=("worker", "beat")))
         rec("phase", name="audit")
         for beat in beats:
             _terminate(beat, rec, bound=settings.term_bound["beat"])
-        _audit(chaos_app, history_dir, settings, rec)
+        _audit(chaos_app, cluster, history_dir, settings, rec)
         rec("phase", name="idle")
         time.sleep(settings.lock_ttl + 2.0)  # scenario time: no run, so no lock may remain
         rec("keys", keys=_lock_keys(cluster))
@@ -95,6 +97,23 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
     finally:
         cluster.close()
     return history_dir
+
+
+def _fresh_app() -> Any:
+    """The app module configured from this run's environment: imported again if an earlier
+    run in this process imported it (it reads its servers' addresses at import)."""
+    import importlib
+    import sys
+
+    from celery_singleton_beat.client import reset_clients
+    from celery_singleton_beat.config import clear_settings_cache
+
+    clear_settings_cache()
+    reset_clients()
+    for name in ("harness.chaos.app", "harness.chaos.submitter"):
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+    return importlib.import_module("harness.chaos.app")
 
 
 def _settings(settings: Settings) -> dict[str, Any]:
@@ -134,16 +153,32 @@ def _terminate(member: Member, rec: Recorder, bound: float) -> None:
         rec("proc", name=member.name, action="exit", pid=member.pid, code=code)
 
 
-def _wait_for_ends(history_dir: Path, settings: Settings, deadline: float,
-                   supervise: Any = lambda: None) -> None:
-    """Wait until every submission has an end in the history (at most ``deadline`` s),
-    calling ``supervise()`` meanwhile (members that crashed are started again)."""
+def _wait_for_ends(history_dir: Path, settings: Settings, deadline: float, *, cluster: Cluster,
+                   supervise: Any = lambda: None, only: set[str] | None = None) -> None:
+    """Wait until every submission (of ``only``, if given) has an end in the history, calling
+    ``supervise()`` meanwhile (members that crashed are started again).
+
+    Gives up after ``deadline`` s, or once for 3 s none of those still open is in the broker
+    (queued or unacknowledged): no worker can receive them any more.
+    """
     from .checker import open_submissions
 
     end = time.monotonic() + deadline
+    gone_since: float | None = None
     while time.monotonic() < end:
         supervise()
-        if not open_submissions(load(history_dir)):
+        waiting = {s.id for s in open_submissions(load(history_dir)) if only is None or s.id in only}
+        if not waiting:
+            return
+        try:
+            held = set(_in_broker(cluster)["ids"])
+        except (redis.RedisError, OSError):  # the broker cannot tell: keep waiting
+            held = waiting
+        if waiting & held:
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.monotonic()
+        elif time.monotonic() - gone_since >= 3.0:
             return
         time.sleep(1.0)
 
@@ -159,15 +194,15 @@ def _quiet_for(history_dir: Path, seconds: float, deadline: float) -> None:
         time.sleep(0.5)
 
 
-def _audit(chaos_app: Any, history_dir: Path, settings: Settings, rec: Recorder) -> None:
+def _audit(chaos_app: Any, cluster: Cluster, history_dir: Path, settings: Settings, rec: Recorder) -> None:
     """Counters before and after a burst on the quiet cluster (see the module docstring)."""
     from .submitter import submit
 
     _quiet_for(history_dir, 2.5, deadline=60)  # counter batches are written every second
     rec("counters", when="audit-start", counters=_counters(chaos_app))
-    for number in range(AUDIT_BURST):
-        submit(settings.keys[number % len(settings.keys)], 0.05 + 0.05 * (number % 3), "audit")
-    _wait_for_ends(history_dir, settings, deadline=60)
+    sent = {submit(settings.keys[number % len(settings.keys)], 0.05 + 0.05 * (number % 3), "audit")
+            for number in range(AUDIT_BURST)}
+    _wait_for_ends(history_dir, settings, deadline=60, cluster=cluster, only={i for i in sent if i})
     _quiet_for(history_dir, 2.5, deadline=60)
     rec("counters", when="audit-end", counters=_counters(chaos_app))
 
