@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint test-matrix test-matrix-smoke demo bench chaos redis-server old-redis valgrind clean
+.PHONY: test lint docs test-matrix test-matrix-smoke demo bench chaos fuzz redis-server old-redis valgrind clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,18 @@ lint: $(VENV)/.lint-installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The documentation site (mkdocs.yml): docs/ and the API reference from the docstrings,
+# built into site/ with --strict (a warning, a broken link or anchor, a page left out of
+# the nav or an API name that does not resolve fails it), then checked page by page
+# (tests/check_site.py). Pinned in the `docs` extra. Open site/index.html.
+$(VENV)/.docs-installed: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	$(BIN)/python -m tests.check_site site
+
 # Version matrix (noxfile.py, docs/versions.md): a fast subset of the suite in a fresh
 # venv per Python found x dependency set x server; ~2.5 min a leg, ~40 min in all.
 # NOX_ARGS narrows it, e.g. NOX_ARGS='-s tests' or NOX_ARGS="-s 'tests-3.11(deps=\'floor\')'".
@@ -82,6 +94,15 @@ bench: $(STAMP) redis-server valgrind
 	$(BIN)/python -m benchmarks.servers install
 	$(BIN)/python -m benchmarks.run_all $(BENCH_ARGS)
 
+# The protocol fuzz test at full size (the suite runs it with 2,000 operations): lock
+# operations through a loopback proxy that injects error replies, delays, cut and lost
+# replies and closed connections, with exceptions raised into the waiting thread; every
+# result is judged against Redis (docs/performance.md). FUZZ_SEED=... repeats a run's faults.
+FUZZ_OPERATIONS ?= 100000
+
+fuzz: $(STAMP) redis-server
+	FUZZ_OPERATIONS=$(FUZZ_OPERATIONS) $(BIN)/python -m pytest tests/test_protocol_fuzz.py -n 0 -s -q
+
 # `make chaos`: the cluster (3 workers, 2 beats, a submitter) under overlapping faults for
 # SECONDS (default 60) seeded by SEED (default 1), the broker on a Redis of its own or on the
 # lock Redis (BROKER=separate|same), the lock Redis one server or a Sentinel group
@@ -105,7 +126,7 @@ valgrind:
 	  else echo "valgrind not found: the instructions benchmark will be skipped" >&2; fi; }
 
 clean:
-	rm -rf $(VENV) .nox build *.egg-info
+	rm -rf $(VENV) .nox build site *.egg-info
 
 # `make demo`: the example shop as a cluster (3 beats, 2 workers, Flower) for
 # DEMO_SECONDS (default 60); see docs/example.md. Redis: $REDIS_URL, else a

@@ -270,7 +270,7 @@ def smoke(session: nox.Session) -> None:
 
 #: The lock's own tests: what differs from one server to the next (native commands,
 #: the 6.2 spelling of the acquire, restart detection).
-LOCK_TESTS = ["tests/test_lock.py", "tests/test_liveness.py", "tests/test_channel.py"]
+LOCK_TESTS = ["tests/test_lock.py", "tests/test_lock_resends.py", "tests/test_liveness.py", "tests/test_channel.py"]
 #: Servers CI runs :data:`LOCK_TESTS` on besides Debian's: the newest and the oldest supported.
 LOCK_SERVERS = ("valkey-9.1", "redis-6.2")
 

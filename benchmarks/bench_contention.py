@@ -31,8 +31,7 @@ def one_round(variant: str, submissions: int, keys: int, server: Server, log: Pa
     from . import contention_app
 
     records = server.client(3)
-    records.flushdb()
-    server.client(2).flushdb()
+    server.flush(3, 2)
     task = getattr(contention_app, variant)
     worker = start_celery(["-A", "benchmarks.contention_app", "worker", "-P", "prefork", "-c", "8",
                            "-Q", f"contention-{variant}", "-l", "warning", "-n", f"{variant}@%h",

@@ -22,7 +22,7 @@ import redis
 
 from celery_singleton_beat.keys import task_stats_key
 from celery_singleton_beat.lock import LockSpec, acquire
-from celery_singleton_beat.server import server_key
+from celery_singleton_beat.window import server_key
 
 from .common import Server, bench_cli, markdown_table, progress, wait_until
 

@@ -11,8 +11,10 @@ within N seconds are counted: **runs per tick** = executions / ticks elapsed.
 * ``celery_once``: ``celery_once.QueueOnce``, 3 x ``PersistentScheduler``.
 * ``ours``: ``SingletonTask``, 3 x ``-S celery_singleton_beat.beat:SingletonScheduler``.
 * not run by default: ``ours_task_only`` (``SingletonTask``, 3 x ``PersistentScheduler``),
-  ``redbeat`` (``celery.Task``, 3 x ``redbeat.RedBeatScheduler``, its defaults) and
-  ``redbeat_loop1`` (the same with ``beat_max_loop_interval = 1``).
+  ``redbeat`` (``celery.Task``, 3 x ``redbeat.RedBeatScheduler``, its defaults),
+  ``redbeat_loop1`` (the same with ``beat_max_loop_interval = 1``) and ``ours_redbeat``
+  (``SingletonTask``, 3 x ``celery_singleton_beat.contrib.redbeat:SingletonRedBeatScheduler``:
+  RedBeat's keys, no lock).
 
 With Celery's interval schedule each beat fires one interval after its own
 start, so what a publish-time lock sees depends on the beats' phases. Each
@@ -79,6 +81,7 @@ from harness.processes import ChildProcess, signal_group  # noqa: E402
 APP = "benchmarks.compare_apps.dedup_app"
 OURS_SCHEDULER = "celery_singleton_beat.beat:SingletonScheduler"
 REDBEAT_SCHEDULER = "redbeat.RedBeatScheduler"
+OURS_REDBEAT_SCHEDULER = "celery_singleton_beat.contrib.redbeat:SingletonRedBeatScheduler"
 BEATS = 3
 INTERVAL = 1.0
 TASK_SLEEP = 0.05
@@ -103,6 +106,8 @@ VARIANTS = {
                        package="redbeat"),
     "redbeat_loop1": Variant("plain Task + RedBeatScheduler, beat_max_loop_interval=1", "redbeat",
                              REDBEAT_SCHEDULER, package="redbeat", max_loop=1.0),
+    "ours_redbeat": Variant("SingletonTask + SingletonRedBeatScheduler", "ours_redbeat", OURS_REDBEAT_SCHEDULER,
+                            package="redbeat"),
 }
 DEFAULT_VARIANTS = ("plain", "celery_singleton", "celery_once", "ours")
 MODES = ("together", "staggered", "failover")
@@ -282,7 +287,7 @@ def quiet_point_s(phases: list[float | None]) -> float:
 def run_variant(name: str, mode: str, seconds: float, python: str, server: Server, work: Path,
                 procs: Processes) -> dict[str, Any]:
     variant = VARIANTS[name]
-    server.client().flushall()
+    server.flush()
     records = server.client(2)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-{mode}-", dir=work))
     env = bench_env(CMP_REDIS=server.url, CMP_VARIANT=variant.task, CMP_INTERVAL=str(INTERVAL),
@@ -323,7 +328,7 @@ def run_variant(name: str, mode: str, seconds: float, python: str, server: Serve
     in_window = [r for r in runs if t0 <= r["start"] < t1]
     pubs_window = [p for p in pubs if t0 <= p["t"] < t1]
     ticks = (t1 - t0) / INTERVAL
-    pattern = ATTEMPT_OURS if variant.scheduler == OURS_SCHEDULER else ATTEMPT_PLAIN
+    pattern = ATTEMPT_OURS if variant.scheduler in (OURS_SCHEDULER, OURS_REDBEAT_SCHEDULER) else ATTEMPT_PLAIN
     edges = [t0, *sorted(r["start"] for r in in_window), t1]
     attempts = {str(i): [t for t in log_times(log, pattern) if t0 <= t < t1]
                 for i, (_, log) in enumerate(beats, 1)}

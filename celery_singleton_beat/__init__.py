@@ -1,8 +1,8 @@
 """celery-singleton-beat: singleton Celery tasks and active-active beat, on Redis.
 
 ``SingletonTask`` runs at most one call at a time per task and arguments (a Redis
-lease; a run cut short runs again, so it is not exactly once: see README,
-"Guarantees and their limits"). ``SingletonScheduler`` lets several ``celery beat``
+lease; a run cut short runs again, so it is not exactly once: see
+docs/guarantees.md). ``SingletonScheduler`` lets several ``celery beat``
 instances run the schedule, each slot sent once.
 
 Public API::
@@ -20,8 +20,12 @@ packages of their own: the beat side, and what the CLI reads and changes)::
     task           SingletonTask.__call__: the run between its acquire and its release
       keys           the call's lock key (arguments bound and encoded canonically)
       config         the singleton_* settings;  client / redis_url: the lock Redis client
-      lock           acquire, renew, release and take over one lock (the lease)
-        commands       each operation spelled for the server at hand (native or Lua)
+      lock           acquire one lock (one request); the names below, importable from it
+        holder         the lock's value: who holds it (encoded, decoded)
+        lease          LockSpec, Lease: renew, put back, release (how often, how long vouched)
+        takeover       the take-over of a dead worker's lock
+        behalf         releases on someone else's behalf, read_holder
+        commands       each operation spelled for the server at hand (native or Lua), named replies
         scripts        the Lua of the fallbacks and the rare paths
         server         what the server is, its restarts and failovers (recovery windows)
         channel        this thread's connection: one blocking round trip per run
@@ -63,4 +67,5 @@ __all__ = [
     "install",
 ]
 
-__version__ = "0.2.0"
+#: The package version (pyproject.toml reads it from here; CHANGELOG.md names it).
+__version__ = "0.3.0"

@@ -21,6 +21,18 @@ again on a new connection (each is safe to run twice: see :mod:`.wire`) and
 their outcomes reported, and the request at hand is sent there too, so a
 stale connection costs a run neither its release nor a retry.
 
+**A request reads every reply it wrote, or its connection is dropped.** The
+connection counts the replies it owes (:attr:`.wire.Link.outstanding`). An
+error reply is read like any other (a refused ``SCRIPT LOAD`` ahead of a
+script included). Any exception that leaves the channel while replies are
+owed -- a timeout, or what a signal handler raises into a thread waiting for
+Redis (``SoftTimeLimitExceeded``, ``SystemExit``, ``KeyboardInterrupt``) --
+drops the connection: the replies on it belong to nobody now, and the next
+request, on a new connection, reads only its own. The interrupted request's
+outcome is unknown to its caller (it got the exception); the releases whose
+replies were pending are written again on the new connection. An idle
+connection with bytes to read is broken the same way.
+
 Used for standalone Redis clients without ``singleton_wait_replicas``, in
 processes whose sockets are not green (Sentinel, Cluster, ``WAIT`` and the
 gevent / eventlet pools keep the pooled path). The connection is made from
@@ -33,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import socket
+import ssl
 import threading
 import time
 import weakref
@@ -46,39 +58,49 @@ import redis
 from . import native
 from .events import logger
 from .server import server_of
-from .wire import BROKEN, RETRIED, Request, SocketLink, Written, _NoScript, ensure_checked, read_replies, write_request
+from .wire import BROKEN, RETRIED, Request, SocketLink, Written, _NoScript, ensure_checked, read_own, write_request
 
-__all__ = ["Channel", "channel_for", "channel_or_none", "supports_channel"]
+__all__ = ["Channel", "channel_for", "channel_or_none", "read_all_replies", "supports_channel"]
 
 #: Called with the result of a request sent without waiting (or the error it got).
 ReplyHandler = Callable[[Any, BaseException | None], None]
 
 #: Seconds after which a pending reply is read even if no next request comes.
 FLUSH_AFTER = 0.5
-#: A connection idle for this long is checked (one non-blocking peek, a system call)
-#: before it is written to: a release written onto a connection the server closed
-#: (a restart during the run) would only be found out, and sent again, when its
-#: reply is read -- up to FLUSH_AFTER later, while others see the lock held. Runs
-#: shorter than this skip the check; the flusher still sends their release again.
+#: A connection idle for this long is checked (one ``select``, a system call) before it
+#: is written to; closed by the server, or holding bytes nobody asked for, it is
+#: replaced. A release written onto a connection the server closed (a restart during
+#: the run) would only be found out, and sent again, when its reply is read -- up to
+#: FLUSH_AFTER later, while others see the lock held. Runs shorter than this skip the
+#: check; the flusher still sends their release again.
 IDLE_CHECK = 0.02
 
 
 class _Pending:
     """A request written without waiting, and who wants its result."""
 
-    __slots__ = ("attempts", "on_reply", "written")
+    __slots__ = ("on_reply", "resent", "written")
 
     def __init__(self, written: Written, on_reply: ReplyHandler) -> None:
+        #: The request, and how it was written on the channel's connection (replaced when
+        #: it is written again).
         self.written = written
         self.on_reply = on_reply
-        #: Connections it was written on (2: written again after a lost connection).
-        self.attempts = 1
+        #: It was on a connection dropped before its reply was read: written once more
+        #: (it may have run twice), and never a third time.
+        self.resent = False
 
 
 class Channel:
     """A dedicated connection: blocking calls, and sends whose replies are read later.
 
-    Replies are read strictly in the order the requests were written.
+    Replies are read strictly in the order the requests were written. The
+    connection's state is its link's :attr:`~.wire.Link.outstanding` count and
+    the :class:`_Pending` sends: idle (nothing outstanding, nothing pending),
+    busy (replies outstanding: the sends' and, during a call, the call's), or
+    none. Whatever exception leaves a method while replies are outstanding (or
+    sends listed) drops the connection; the sends whose replies were not read
+    are written again, in order, ahead of the next request on a new one.
     """
 
     def __init__(self, client: redis.Redis) -> None:
@@ -96,6 +118,9 @@ class Channel:
         #: Monotonic time of the last reply read (or of connecting).
         self._last_read = 0.0
         self._pending: deque[_Pending] = deque()
+        #: The pending sends are to be written (again) before anything else: their
+        #: connection was dropped, or they met ``NOSCRIPT``. Always all of them at once.
+        self._unsent = False
         #: True while the flusher thread watches this channel (set and cleared by it).
         self.watched = False
 
@@ -109,32 +134,38 @@ class Channel:
         is written (a recovery window's wait, see :mod:`.server`).
         """
         with self._lock:
-            for attempt in (1, 2):
-                stale = self._used
-                try:
-                    link = self._connect()
-                    if before_write is not None:
-                        before_write()
-                    written = write_request(link, request)
-                    self._used = True
-                    failed = self._read_pending(link)
+            try:
+                for attempt in (1, 2):
+                    stale = self._used
+                    written = None
                     try:
-                        result = read_replies(link, written)
-                    except _NoScript:
-                        failed.append(_Pending(written, _ignore))  # a placeholder: run below
-                        result = None
-                    if failed:  # SCRIPT FLUSH: earlier releases ran after this request, so redo both
-                        self._redo(link, [entry for entry in failed if entry.on_reply is not _ignore])
-                        result = read_replies(link, write_request(link, request))
-                    self._last_read = time.monotonic()
-                    return result
-                except RETRIED:
-                    self._reset("call", retry=True)
-                    if attempt == 2 or not stale:
+                        link = self._connect()
+                        if before_write is not None:
+                            before_write()
+                        written = write_request(link, request)
+                        self._used = True
+                        again = self._read_pending(link) if self._pending else None
+                        try:
+                            replies = read_own(link, written)
+                        except _NoScript:  # a SCRIPT FLUSH: every send that met it, then this again
+                            replies = self._redo(link, request, None)
+                        else:
+                            if again:  # sends that met it ran after this one: both again, in order
+                                replies = self._redo(link, request, replies)
+                        self._last_read = time.monotonic()
+                        return request.finish(replies)
+                    except RETRIED as exc:
+                        self._lost(exc, resend=True)
+                        if attempt == 2 or not stale:
+                            raise
+                        if written is not None and request.unsure_when_repeated:
+                            request = _repeated(request)
+                    except BROKEN as exc:
+                        self._lost(exc, resend=False)
                         raise
-                except BROKEN:
-                    self._reset("call", retry=False)
-                    raise
+            except BaseException:
+                self._drop_if_unread()
+                raise
         raise AssertionError("unreachable")
 
     def send(self, request: Request, on_reply: ReplyHandler) -> None:
@@ -144,39 +175,51 @@ class Channel:
         try on a new connection when the old one had been closed by the server).
         """
         with self._lock:
-            for attempt in (1, 2):
-                stale = self._used
-                try:
-                    written = write_request(self._connect(), request)
-                    self._used = True
-                    break
-                except RETRIED:
-                    self._reset("write", retry=True)
-                    if attempt == 2 or not stale:
+            try:
+                for attempt in (1, 2):
+                    stale = self._used
+                    try:
+                        written = write_request(self._connect(), request)
+                        self._used = True
+                        break
+                    except RETRIED as exc:
+                        self._lost(exc, resend=True)
+                        if attempt == 2 or not stale:
+                            raise
+                    except BROKEN as exc:
+                        self._lost(exc, resend=False)
                         raise
-                except BROKEN:
-                    self._reset("write", retry=False)
-                    raise
-            self._pending.append(_Pending(written, on_reply))
-            if self.oldest is None:
-                self.oldest = time.monotonic()
-            watched = self.watched
+                self._pending.append(_Pending(written, on_reply))
+                if self.oldest is None:
+                    self.oldest = time.monotonic()
+                watched = self.watched
+            except BaseException:
+                self._drop_if_unread()
+                raise
         if not watched:  # under steady load the flusher keeps watching: no lock, no wake-up
             _flusher().watch(self)
 
     def flush(self) -> None:
-        """Read every pending reply now (blocks one round trip at most)."""
+        """Read every pending reply now (blocks one round trip at most, two after a lost connection)."""
         with self._lock:
-            if not self._pending:
-                return
             try:
-                link = self._connect()
-                self._redo(link, self._read_pending(link))
-                self._last_read = time.monotonic()
-            except RETRIED:
-                self._reset("flush", retry=True)
-            except BROKEN:
-                self._reset("flush", retry=False)
+                for attempt in (1, 2):
+                    if not self._pending:
+                        return
+                    try:
+                        link = self._connect()
+                        if self._read_pending(link):
+                            self._write_unsent(link)
+                            self._read_pending(link, last=True)
+                        self._last_read = time.monotonic()
+                        return
+                    except RETRIED as exc:
+                        self._lost(exc, resend=attempt == 1)
+                    except BROKEN as exc:
+                        self._lost(exc, resend=False)
+                        raise
+            except BaseException:
+                self._drop_if_unread()
                 raise
 
     def unwatch_if_idle(self) -> bool:
@@ -201,129 +244,177 @@ class Channel:
         """Requests written whose reply has not been read yet."""
         return len(self._pending)
 
+    @property
+    def outstanding(self) -> int:
+        """Replies written on the connection and not read yet (0 when idle or unconnected)."""
+        link = self._link
+        return 0 if link is None else link.outstanding
+
     # ----------------------------------------------------------------- internals
 
     def _connect(self) -> SocketLink:
         link = self._link
         if link is not None:
-            # A connection idle for a while may have been closed by the server meanwhile.
-            if self._pending or time.monotonic() - self._last_read <= IDLE_CHECK or not _closed_by_server(link.sock):
+            # An idle connection (no reply outstanding) unused for a while may have been closed
+            # by the server meanwhile; bytes on it that no request asked for break it too.
+            if link.outstanding or time.monotonic() - self._last_read <= IDLE_CHECK or not _unusable(link):
                 return link
-            self._drop()  # a restart or a proxy closed it while it was idle: a new one
+            self._lost(None, resend=True)
         if self._connection is None:
-            self._connection = self._pool.make_connection()
+            # One connection object for the channel's life, reconnected after each drop. Made
+            # from the pool's settings but not by the pool: the pool's make_connection() counts
+            # against max_connections (100 by default in redis-py 8) and never counts down.
+            pool = self._pool
+            self._connection = pool.connection_class(**pool.connection_kwargs)
         self._used = False
         self._last_read = time.monotonic()
         ensure_checked(self._connection, server_of(self._client))
         link = self._link = SocketLink(self._connection._sock)
+        if self._pending:  # written on a connection dropped before their replies were read
+            if not self._unsent:  # an interruption cut _lost short: the same outcome
+                for entry in self._pending:
+                    entry.resent = True
+            self._write_unsent(link)
+            logger.info("lock connection replaced; %d request(s) whose reply was not read sent again",
+                        len(self._pending))
         return link
 
-    def _read_pending(self, link: SocketLink) -> list[_Pending]:
-        """Read every pending reply, delivering each; return those that met ``NOSCRIPT``.
+    def _write_unsent(self, link: SocketLink) -> None:
+        """Write every pending request again on ``link``, in order (see :attr:`_unsent`)."""
+        for entry in self._pending:
+            entry.written = write_request(link, entry.written.request)
+        self._unsent = False
+        self._used = True
 
-        Those are run again by :meth:`_redo` once every reply written before
-        the redo has been read (a redo written now would be answered after
-        requests already on the wire).
+    def _read_pending(self, link: SocketLink, *, last: bool = False) -> list[_Pending]:
+        """Read every pending reply, delivering each; those that met ``NOSCRIPT`` (returned).
+
+        Those stay pending, to be written again (:meth:`_write_unsent`) once
+        every reply written before has been read (written now, they would run
+        after requests already on the wire); ``last``: the second time in a
+        row, delivered as the error instead.
         """
         self.oldest = None
-        failed = []
-        while self._pending:
-            entry = self._pending[0]
+        pending = self._pending
+        again: list[_Pending] = []
+        while pending:
+            entry = pending[0]
             try:
-                result = read_replies(link, entry.written)
-            except _NoScript:  # a SCRIPT FLUSH: load and run it again, in order
-                self._pending.popleft()
-                failed.append(entry)
+                replies = read_own(link, entry.written)
+            except _NoScript as exc:  # a SCRIPT FLUSH: load and run it again, in order
+                pending.popleft()
+                if last:
+                    _deliver(entry.on_reply, None, exc)
+                else:
+                    again.append(entry)
                 continue
-            except redis.ResponseError as exc:
-                self._pending.popleft()
+            except redis.ResponseError as exc:  # its SCRIPT LOAD refused; every reply was read
+                pending.popleft()
                 _deliver(entry.on_reply, None, exc)
                 continue
-            # Popped only once read: a lost connection leaves it pending for _reset.
-            self._pending.popleft()
-            if entry.attempts > 1 and not result and entry.written.request.unsure_when_repeated:
+            # Popped only once read: an exception before leaves it to be sent again.
+            pending.popleft()
+            try:
+                result = entry.written.request.finish(replies)
+            except Exception as exc:  # an error reply: the request's outcome
+                _deliver(entry.on_reply, None, exc)
+                continue
+            if entry.resent and not result and entry.written.request.unsure_when_repeated:
                 result = None  # its first attempt may have run: unknown, not "not ours"
             _deliver(entry.on_reply, result, None)
-        return failed
+        if again:
+            pending.extend(again)  # every other reply was read: they are all that is pending
+            self._unsent = True
+            self.oldest = time.monotonic()
+        return again
 
-    def _redo(self, link: SocketLink, failed: list[_Pending]) -> None:
-        """Run requests that met ``NOSCRIPT`` again, in their order, and deliver their results."""
-        for entry in failed:
-            try:
-                result = read_replies(link, write_request(link, entry.written.request))
-            except redis.ResponseError as exc:
-                _deliver(entry.on_reply, None, exc)
-                continue
-            _deliver(entry.on_reply, result, None)
+    def _redo(self, link: SocketLink, request: Request, replies: list[Any] | None) -> list[Any]:
+        """After a ``SCRIPT FLUSH``: run the sends that met ``NOSCRIPT`` again, then ``request``
+        (its replies: None if it met ``NOSCRIPT`` too) unless it ran and is a compare-and-delete
+        (run again, it would find nothing; nothing it does depends on the sends before)."""
+        self._write_unsent(link)
+        self._read_pending(link, last=True)
+        if replies is None or not request.unsure_when_repeated:
+            replies = read_own(link, write_request(link, request))
+        return replies
 
-    def _reset(self, where: str, *, retry: bool) -> None:
-        """Drop the connection after an error.
+    def _drop_if_unread(self) -> None:
+        """After an exception: drop the connection if a reply on it is still unread
+        (or a send still listed), so that no later request reads it as its own."""
+        link = self._link
+        if link is not None and (link.outstanding or self._pending):
+            self._lost(None, resend=True)
+
+    def _lost(self, error: BaseException | None, *, resend: bool) -> None:
+        """Drop the connection, which failed (``error``) or was left with unread replies.
 
         The requests whose replies were pending were written, but whether Redis
-        ran them is unknown. With ``retry`` (the server closed the connection:
-        a restart, a proxy), each is written once more on a new connection and
-        its outcome reported; otherwise, or if that fails too, its handler gets
-        the error (the lock then lapses at its TTL).
+        ran them is unknown. With ``resend`` (the server closed the connection:
+        a restart, a proxy; or an exception cut a request short), each is
+        written once more ahead of the next request, on a new connection, and
+        its outcome reported then; otherwise, or if it was written again
+        already, its handler gets the error (the lock then lapses at its TTL).
         """
-        lost, self._pending = list(self._pending), deque()
-        self.oldest = None
         self._drop()
-        if not (retry and lost):
-            _deliver_all(lost, redis.ConnectionError(f"connection lost before the reply ({where})"))
-            return
-        try:
-            fresh = self._connect()
-            for entry in lost:
-                entry.attempts += 1
-                entry.written = write_request(fresh, entry.written.request)
-        except BROKEN as exc:
-            self._drop()
-            _deliver_all(lost, exc)
-            return
-        self._used = True
-        self._pending.extend(lost)
-        logger.info("lock connection was closed by the server (%s); %d request(s) sent again on a new "
-                    "connection", where, len(lost))
-        try:
-            self._redo(fresh, self._read_pending(fresh))
-        except BROKEN as exc:
-            undelivered, self._pending = list(self._pending), deque()
-            self.oldest = None
-            self._drop()
-            _deliver_all(undelivered, exc)
+        kept: deque[_Pending] = deque()
+        failure = error or redis.ConnectionError("the lock connection was dropped with replies unread")
+        for entry in self._pending:
+            if resend and not entry.resent:
+                entry.resent = True
+                kept.append(entry)
+            else:
+                _deliver(entry.on_reply, None, failure)
+        self._pending = kept
+        self._unsent = bool(kept)
+        self.oldest = (self.oldest or time.monotonic()) if kept else None
 
     def _drop(self) -> None:
-        connection, self._connection = self._connection, None
+        """Close the connection (its object stays, to connect again)."""
         self._link = None
         self._used = False
-        if connection is not None:
+        if self._connection is not None:
             with contextlib.suppress(Exception):  # already broken
-                connection.disconnect()
+                self._connection.disconnect()
 
 
-def _deliver_all(entries: list[_Pending], error: BaseException) -> None:
-    for entry in entries:
-        _deliver(entry.on_reply, None, error)
+def _unusable(link: SocketLink) -> bool:
+    """An idle connection (no reply expected): True if anything can be read from it.
 
-
-def _closed_by_server(sock: Any) -> bool:
-    """One non-blocking peek: True if the server closed the connection of ``sock`` (EOF or an error)."""
+    Either the server closed it (EOF, an error) or bytes came that no request
+    asked for: both break it. One ``select`` (a system call); only when data is
+    there, a read of one byte (TLS: records that carry no data are not bytes).
+    """
+    if link.unread():
+        return True
+    sock = link.sock
+    if getattr(sock, "pending", None) is not None and sock.pending():
+        return True  # TLS: data already decrypted
     try:
         # select first: a socket with a timeout waits that long in recv, flags or not.
         readable, _, _ = select.select([sock], [], [], 0)
         if not readable:
-            return False  # nothing to read: open
-        return bool(sock.recv(1, socket.MSG_PEEK) == b"")
-    except (BlockingIOError, InterruptedError):
-        return False
-    except ValueError:  # an SSL socket refuses flags: leave it to the retry on error
-        return False
-    except OSError:
+            return False  # nothing to read: open and clean
+        timeout = sock.gettimeout()
+        sock.setblocking(False)
+        try:
+            sock.recv(1)  # EOF or a byte: either way the connection is done
+        finally:
+            sock.settimeout(timeout)
+        return True
+    except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+        return False  # readable, yet no data (TLS bookkeeping): open
+    except (OSError, ValueError):
         return True
 
 
-def _ignore(reply: Any, error: BaseException | None) -> None:
-    """The handler of nothing: marks a request run again by :meth:`Channel.call` itself."""
+def _repeated(request: Request) -> Request:
+    """``request`` to be sent again after its connection failed: a falsy outcome of a
+    compare-and-delete is then unknown (None), its first attempt may have run."""
+    def finish(replies: list[Any]) -> Any:
+        return request.finish(replies) or None
+
+    return Request(None, finish, request.scripts, unsure_when_repeated=True, data=request.data,
+                   count=request.count)
 
 
 def _deliver(on_reply: ReplyHandler, reply: Any, error: BaseException | None) -> None:
@@ -399,6 +490,21 @@ def _flusher() -> _Flusher:
                 _flusher_of.clear()
                 flusher = _flusher_of[pid] = _Flusher()
     return flusher
+
+
+def read_all_replies() -> None:
+    """Read the pending replies of every channel of this process now: it is about to end
+    (a prefork child ends with ``os._exit``, where the flusher thread would never run)."""
+    flusher = _flusher_of.get(os.getpid())
+    if flusher is None:
+        return
+    with flusher._cond:
+        channels = [channel for channel in (ref() for ref in flusher._channels) if channel is not None]
+    for channel in channels:
+        try:
+            channel.flush()
+        except Exception as exc:  # reported to the handlers; read the others
+            logger.debug("reading lock replies at exit failed: %s", exc)
 
 
 def supports_channel(client: Any) -> TypeGuard[redis.Redis]:

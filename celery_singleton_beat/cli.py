@@ -367,10 +367,13 @@ def slots(ctx: click.Context, entry: str | None, last: int, as_json: bool) -> No
 def stats(ctx: click.Context, as_json: bool) -> None:
     """Show counters per task and per beat entry.
 
-    Tasks: acquired, skipped, released, renewed, lost, reclaimed (and, in
-    OTHER, refused, deferred, claimed, publish_deduplicated, force_released
-    when not zero). Beat: slot claims won and lost. Counters are kept in Redis
-    by the lock scripts, and expire 30 days after their last update. JSON:
+    Tasks: acquired, skipped, released, renewed, lost, reclaimed, taken_over,
+    redelivered (and, in OTHER, the others that are not zero: refused,
+    deferred, claimed, publish_deduplicated, completed_copies, force_released,
+    claims_purged, put_back). Beat: slot claims won and lost, slots taken over,
+    copies dropped by workers. Each process counts in memory and writes its
+    counts in batches, about a second after the first count; the hashes expire
+    30 days after their last update. JSON:
     {"tasks": {task: {counter: n}}, "beat": {"entries": {...}, "total": {...}}}.
     """
     session = _Session(ctx)

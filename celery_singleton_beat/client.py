@@ -9,8 +9,9 @@ server each thread that takes locks also keeps a dedicated connection of its own
 * one server (``redis://``, ``rediss://``, ``unix://``): :class:`redis.Redis`;
 * Sentinel (``sentinel://h1:26379;sentinel://h2:26379`` + ``master_name``): the
   :class:`redis.Redis` that :meth:`redis.sentinel.Sentinel.master_for` returns,
-  which asks the sentinels for the primary on every new connection and drops
-  connections to a primary that was demoted;
+  with a pool that asks the sentinels for the primary on every new connection and
+  at least every half second of use, and drops connections to a former primary
+  (:mod:`.sentinel`);
 * Cluster (``redis+cluster://h1:7000,h2:7001``): :class:`SingletonRedisCluster`, a
   :class:`redis.cluster.RedisCluster` (it routes each command to the node serving
   its key's hash slot) that reports an unreachable cluster as
@@ -56,6 +57,7 @@ from .config import (
     get_settings,
     parse_redis_url,
 )
+from .sentinel import FollowingSentinelPool
 from .server import LockServer, memory_for
 
 __all__ = [
@@ -89,7 +91,7 @@ T = TypeVar("T")
 #: Commands called inside the Lua scripts are listed too: Redis checks them
 #: against the caller's ACL.
 ACL_COMMANDS: dict[str, tuple[str, ...]] = {
-    # acquire (MULTI: TIME, SET NX PX GET, EXISTS, DEL), renew / release and their
+    # acquire (SET NX PX GET, TIME, EXISTS, DEL; MULTI/EXEC only in a take-over's look), renew / release and their
     # scripts, the per-connection look at the server (INFO, EVAL of the recovery
     # check), counters in batches (singleton_stats). Native DELIFEQ / DELEX / SET IFEQ
     # are used where granted (a NOPERM falls back to the scripts).
@@ -106,8 +108,10 @@ ACL_COMMANDS: dict[str, tuple[str, ...]] = {
     "startup": ("info",),
     # singleton_wait_replicas > 0
     "wait": ("wait",),
-    # Redis Cluster clients discover the slots (and the command table) on start
-    "cluster": ("cluster|slots", "command"),
+    # Redis Cluster clients discover the slots (and the command table) on start, follow a
+    # migrating slot to its target (ASKING); the look at each new connection finds the
+    # node's own slots (its shard's recovery records)
+    "cluster": ("cluster|slots", "cluster|nodes", "command", "asking"),
     # a database other than 0 in the URL
     "select": ("select",),
 }
@@ -223,7 +227,8 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
             sentinel_kwargs={**sentinel_defaults, **(extra.get("sentinel_kwargs") or {})},
             **connection,
         )
-        master: redis.Redis = sentinel.master_for(master_name, redis_class=redis.Redis)
+        master: redis.Redis = sentinel.master_for(master_name, redis_class=redis.Redis,
+                                                  connection_pool_class=FollowingSentinelPool)
         return master
 
     if target.topology == CLUSTER:
@@ -256,12 +261,16 @@ def get_redis(app: Celery) -> RedisClient:
         if cached is None or cached[0] != pid:
             settings = get_settings(app)
             assert settings.redis_url is not None
-            client = redis_from_url(settings.redis_url, **settings.redis_options)
-            # What this process learns of the server, per connection (see .server).
-            url, options = settings.redis_url, settings.redis_options
-            client.csb_server = LockServer(  # type: ignore[union-attr]
-                settings.key_prefix, settings.liveness_ttl, memory_for(url),
-                factory=lambda: redis_from_url(url, **options))
+            # What this process learns of the server, per connection (see .server): every
+            # connection of the client (locks, claims, liveness, counters) is looked at as it
+            # connects, so a restart or a failover is noticed by whichever use comes first.
+            url = settings.redis_url
+            server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
+                                factory=lambda: redis_from_url(url, **options))
+            options = dict(settings.redis_options)
+            options["redis_connect_func"] = server.on_connect  # on Cluster: each node's connections
+            client = redis_from_url(url, **options)
+            client.csb_server = server  # type: ignore[union-attr]
             _clients[app] = cached = (pid, client)
     return cached[1]
 
@@ -348,7 +357,9 @@ def group_by_node(client: RedisClient, keys: Sequence[str]) -> list[list[int]]:
 
 def cluster_moved(client: Any, error: Exception) -> bool:
     """True when ``error`` says a Cluster slot moved; the client's layout is then read again."""
-    if not isinstance(client, RedisCluster) or not any(word in str(error) for word in ("MOVED", "ASK")):
+    # redis-py's parser turns "-MOVED 788 host:port" into a MovedError saying "788 host:port".
+    if not isinstance(client, RedisCluster) or not (
+            isinstance(error, MovedError) or any(word in str(error) for word in ("MOVED", "ASK"))):
         return False
     client.nodes_manager.initialize()
     return True

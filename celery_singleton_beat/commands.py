@@ -9,7 +9,15 @@ operation       Redis 7.0+ / Valkey                              fallback
 acquire         ``SET k v NX PX ttl GET`` + ``TIME`` (one write)   6.2: ``SET NX PX`` + ``GET``
 release         ``DELIFEQ k v`` / ``DELEX k IFEQ v``              :data:`.scripts.RELEASE`
 renew           ``SET k v IFEQ v PX ttl``                         :data:`.scripts.RENEW`
+put back        ``SET k v NX PX ttl GET``                         6.2: ``SET NX PX`` + ``GET``
 ==============  ==============================================  ==========================
+
+A native command the server refuses (unknown to it, or denied by an ACL:
+for good; out of memory: for that call) raises :class:`NativeRefused`, and
+the caller sends the fallback. Under ``maxmemory`` a server refuses every
+command that may grow its memory, ``SET ... IFEQ`` included, while
+:data:`.scripts.RENEW` (``GET`` and ``PEXPIRE``) still runs: a live lease is
+kept on a full server; only new locks are refused.
 
 The acquire also carries, in the same write, an ``EXISTS`` of the done
 marker (``acks_late`` tasks) and a ``DEL`` of the per-key fencing counter of
@@ -19,22 +27,34 @@ The fencing token is the server's clock in microseconds at the acquisition
 (``TIME`` right behind the ``SET``): it grows with every acquisition of a key,
 across restarts and failovers, whatever counters a server lost.
 
+**Sent twice.** Any request may be sent again after its reply was lost (see
+:mod:`.wire`). Every compare-and-set here takes finding its own value as
+success (:func:`finds_own`): an acquire, an adoption, a take-over, a claim left
+for a retry or a put-back whose first attempt ran finds the value it writes.
+A compare-and-delete that finds nothing after a re-send cannot tell whether
+its first attempt ran: its requests are marked ``unsure_when_repeated``, and
+their outcome is then unknown (None), never "the lock was lost".
+
 A done marker is a plain ``SET`` written behind the release in the same write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import enum
+from typing import Any, NamedTuple
 
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
-from .scripts import RELEASE, RENEW
+from .events import logger
+from .holder import text_of
+from .scripts import ADOPT, CLAIM_ON_RETRY, RELEASE, RELEASE_FOR, RENEW, TAKE_OVER
 from .server import ServerInfo
 from .wire import Request
 
-__all__ = ["acquire_request", "legacy_fence_key", "put_back_request", "raise_errors", "release_request",
-           "renew_request", "time_token"]
+__all__ = ["AcquireReply", "Look", "NativeRefused", "Renewal", "Replaced", "acquire_request", "adopt_request",
+           "claim_on_retry_request", "finds_own", "legacy_fence_key", "look_request", "put_back_request",
+           "raise_errors", "release_for_request", "release_request", "renew_request", "take_over_request",
+           "time_token"]
 
 
 _LEGACY_FENCE_SUFFIX = b":fence"
@@ -50,6 +70,12 @@ def time_token(seconds: Any, microseconds: Any) -> int:
     return int(seconds) * 1_000_000 + int(microseconds)
 
 
+def finds_own(reply: Any, value: str) -> bool:
+    """The value a compare-and-set found is the one it writes: the request ran before (its
+    reply was lost, and it was sent again), so it succeeded. The one place this is decided."""
+    return reply is not None and text_of(reply) == value
+
+
 def raise_errors(replies: list[Any]) -> None:
     """Raise the first error reply among ``replies`` (a request's ``finish`` when only success matters)."""
     for reply in replies:
@@ -58,22 +84,58 @@ def raise_errors(replies: list[Any]) -> None:
 
 
 class NativeRefused(ResponseError):
-    """A native lock command the server was thought to have was refused (use the fallback)."""
+    """A native lock command the server was thought to have was refused: use the fallback.
+
+    ``lasting``: the server lacks it or an ACL denies it (use the fallback from
+    now on); else it refused this call only (out of memory).
+    """
+
+    def __init__(self, message: str, *, lasting: bool = True) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
-def _refused(error: Exception) -> bool:
-    text = str(error).lower()
-    return ("unknown command" in text or "syntax error" in text or "unknown subcommand" in text
-            or text.startswith("noperm") or "no permissions" in text)
+def _refusal(reply: Any) -> NativeRefused | None:
+    """``reply`` as a :class:`NativeRefused`, if it is a native command's refusal."""
+    if not isinstance(reply, ResponseError):
+        return None
+    text = str(reply)
+    lowered = text.lower()
+    if ("unknown command" in lowered or "syntax error" in lowered or "unknown subcommand" in lowered
+            or lowered.startswith("noperm") or "no permissions" in lowered):
+        return NativeRefused(text)
+    # The lock channel's reader keeps the "OOM" prefix; redis-py's parser drops it.
+    if isinstance(reply, OutOfMemoryError) or text.startswith("OOM "):
+        return NativeRefused(text, lasting=False)
+    return None
 
 
 def _bulk(data: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
+# -------------------------------------------------------------------- acquire
+
+
+class AcquireReply(NamedTuple):
+    """What an acquire found when it did not simply take the key (see :func:`acquire_request`)."""
+
+    #: The server's clock in microseconds right behind the ``SET`` (the fencing token if taken).
+    token: int
+    #: The key is ours: it was free, or held our own value (the request ran twice).
+    taken: bool
+    #: The value found (None when taken; also when, on 6.2, the key was freed between
+    #: ``SET NX`` and ``GET``: try again).
+    previous: Any
+    #: The done marker of this task id exists.
+    completed: bool
+
+
 def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
                     done_key: str | None) -> Request:
-    """Try to take ``key``: ``(token, taken, previous value, done marker exists)``.
+    """Try to take ``key``: the fencing token (an ``int``) when it was taken, the common
+    case, else an :class:`AcquireReply` (held by another, or this task id completed):
+    the common path builds no reply object.
 
     One write: ``SET key value NX PX ttl GET`` (6.2: ``SET NX PX`` then
     ``GET``), ``TIME``, the done marker's ``EXISTS``, the legacy counter's
@@ -81,8 +143,7 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     after the ``SET`` took the key and before anything can free it again, and
     ``TIME`` runs right behind the ``SET`` on this connection, before this
     process has read the reply it needs to release the lock (a take-over or an
-    expiry comes seconds later). ``taken`` False with ``previous`` None: the
-    key was freed between the 6.2 ``SET`` and ``GET`` (try again).
+    expiry comes seconds later).
     """
     k, v = key.encode(), value.encode()
     one_command = info.set_nx_get
@@ -97,18 +158,20 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     data += _DEL_LEGACY_FENCE % (len(k) + len(_LEGACY_FENCE_SUFFIX), k)
     count = (4 if one_command else 5) - (done_key is None)
 
-    def finish(replies: list[Any]) -> tuple[int, bool, Any, bool]:
+    def finish(replies: list[Any]) -> int | AcquireReply:
         raise_errors(replies)
         if one_command:
-            previous = replies[0]
-            taken = previous is None
-            at = 1
+            at, taken, previous = 1, replies[0] is None, replies[0]
         else:
-            taken = replies[0] is not None
+            at, taken = 2, replies[0] is not None
             previous = None if taken else replies[1]
-            at = 2
         token = time_token(*replies[at])
-        return token, taken, previous, done_key is not None and bool(replies[at + 1])
+        completed = done_key is not None and bool(replies[at + 1])
+        if not taken and finds_own(previous, value):
+            taken, previous = True, None
+        if taken and not completed:
+            return token
+        return AcquireReply(token, taken, previous, completed)
 
     return Request(None, finish, data=data, count=count)
 
@@ -121,6 +184,42 @@ _DEL_LEGACY_FENCE = b"*2\r\n$3\r\nDEL\r\n$%d\r\n%s" + _LEGACY_FENCE_SUFFIX + b"\
 #: Redis 6.2: ``SET key value NX PX ttl``, ``GET key``, ``TIME``.
 _ACQUIRE_62 = (b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n"
                b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n*1\r\n$4\r\nTIME\r\n")
+
+
+class Replaced(NamedTuple):
+    """What a compare-and-replace script (:data:`.scripts.ADOPT`, :data:`.scripts.TAKE_OVER`) did."""
+
+    #: The server's clock in microseconds (the fencing token) when the new value holds
+    #: the key now (replaced, or found there: the script ran before); else None.
+    token: int | None
+    #: The value found when not replaced.
+    current: Any
+
+
+def _replace_request(command: tuple[Any, ...], script: Any, value: str) -> Request:
+    def finish(replies: list[Any]) -> Replaced:
+        raise_errors(replies)
+        reply = replies[0]
+        current = reply[3] if len(reply) > 3 else None
+        if int(reply[0]) == 1 or finds_own(current, value):
+            return Replaced(time_token(reply[1], reply[2]), None)
+        return Replaced(None, current)
+
+    return Request([command], finish, scripts=(script,))
+
+
+def adopt_request(key: str, claim: str, value: str, ttl_ms: int) -> Request:
+    """Replace the publish-time claim ``claim`` by the run's lock ``value``: :class:`Replaced`."""
+    return _replace_request(ADOPT.command([key], [claim, value, ttl_ms]), ADOPT, value)
+
+
+def take_over_request(key: str, holder: str, pttl: int, server_ms: int, value: str, ttl_ms: int) -> Request:
+    """Replace a dead holder's value if the lock stayed unrenewed since it was looked at
+    (its ``pttl`` and the server's clock then): :class:`Replaced`."""
+    return _replace_request(TAKE_OVER.command([key], [holder, pttl, server_ms, value, ttl_ms]), TAKE_OVER, value)
+
+
+# -------------------------------------------------------------------- release
 
 
 def release_request(info: ServerInfo, key: str, value: str, done_key: str | None = None,
@@ -141,14 +240,22 @@ def release_request(info: ServerInfo, key: str, value: str, done_key: str | None
 
 
 def _released(replies: list[Any]) -> bool:
-    """A release's outcome (the done marker's ``SET`` behind it, if any, must have run too)."""
-    raise_errors(replies)
-    return bool(replies[0])
+    """A release's outcome. A done marker the server refused behind it (out of memory) does
+    not undo the release: it is logged (a later copy of the message may then run again)."""
+    outcome = replies[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    if len(replies) > 1 and isinstance(replies[1], Exception):
+        logger.warning("released a lock, but the lock Redis refused its done marker (%s): a later copy of "
+                       "the same message is not recognised as done", replies[1])
+    return bool(outcome)
 
 
 def _native_released(replies: list[Any]) -> bool:
-    if isinstance(replies[0], ResponseError) and _refused(replies[0]):
-        raise NativeRefused(str(replies[0]))
+    if isinstance(replies[0], ResponseError):
+        refused = _refusal(replies[0])
+        if refused is not None:
+            raise refused
     return _released(replies)
 
 
@@ -162,45 +269,98 @@ _RELEASES = {
 _DONE_MARKER = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$1\r\n1\r\n$2\r\nPX\r\n$%d\r\n%s\r\n"
 
 
+def claim_on_retry_request(key: str, value: str, claim: str, ttl_ms: int) -> Request:
+    """Replace the run's lock ``value`` by the publish-time claim ``claim`` of its retry (True
+    if the lock was ours)."""
+    def finish(replies: list[Any]) -> bool:
+        raise_errors(replies)
+        reply = replies[0]
+        return int(reply[0]) == 1 or finds_own(reply[1] if len(reply) > 1 else None, claim)
+
+    return Request([CLAIM_ON_RETRY.command([key], [value, claim, ttl_ms])], finish, scripts=(CLAIM_ON_RETRY,))
+
+
+def release_for_request(key: str, task_id: str, boot: str | None, pid: int | None, claims_only: bool) -> Request:
+    """Delete ``key`` if its value names that very holder (True); on someone else's behalf."""
+    def finish(replies: list[Any]) -> bool:
+        raise_errors(replies)
+        return bool(replies[0])
+
+    args = [task_id, boot or "", "" if pid is None else pid, "1" if claims_only else ""]
+    return Request([RELEASE_FOR.command([key], args)], finish, scripts=(RELEASE_FOR,), unsure_when_repeated=True)
+
+
+# -------------------------------------------------------------------- renew, put back, look
+
+
+class Renewal(enum.Enum):
+    """What one renewal found."""
+
+    RENEWED = "renewed"
+    #: Another value holds the key (taken over, or another run's lock).
+    HELD_BY_ANOTHER = "held by another"
+    #: The key is gone (released, expired, deleted, or lost by the server).
+    GONE = "gone"
+
+
+_RENEWALS = {1: Renewal.RENEWED, 0: Renewal.HELD_BY_ANOTHER, -1: Renewal.GONE}
+
+
 def renew_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Request:
-    """Extend ``key`` if it is still ``value``: 1 renewed, 0 held by another, -1 gone, None: not renewed."""
+    """Extend ``key`` if it is still ``value``: a :class:`Renewal`, or None when the native
+    command did not renew and does not say why (gone or another's: ask with :func:`look_request`)."""
     if info.set_ifeq:
-        def native_finish(replies: list[Any]) -> int | None:
-            if isinstance(replies[0], ResponseError) and _refused(replies[0]):
-                raise NativeRefused(str(replies[0]))
+        def native_finish(replies: list[Any]) -> Renewal | None:
+            refused = _refusal(replies[0])
+            if refused is not None:
+                raise refused
             raise_errors(replies)
-            return 1 if replies[0] is not None else None  # None: gone or another's (rare: ask)
+            return Renewal.RENEWED if replies[0] is not None else None
 
         return Request([(b"SET", key, value, b"IFEQ", value, b"PX", ttl_ms)], native_finish)
 
-    def finish(replies: list[Any]) -> int | None:
+    def finish(replies: list[Any]) -> Renewal | None:
         raise_errors(replies)
-        return int(replies[0])
+        return _RENEWALS[int(replies[0])]
 
     return Request([RENEW.command([key], [value, ttl_ms])], finish, scripts=(RENEW,))
 
 
-def put_back_request(key: str, value: str, ttl_ms: int) -> Request:
-    """Write ``value`` back into a lock the server lost (True if it was still free)."""
-    def finish(replies: list[Any]) -> bool:
-        raise_errors(replies)
-        return replies[0] is not None
+def put_back_request(info: ServerInfo, key: str, value: str, ttl_ms: int) -> Request:
+    """Write ``value`` back into a lock the server lost: True if it was free (or already ours)."""
+    if info.set_nx_get:
+        def finish(replies: list[Any]) -> bool:
+            raise_errors(replies)
+            return replies[0] is None or finds_own(replies[0], value)
 
-    return Request([(b"SET", key, value, b"NX", b"PX", ttl_ms)], finish)
+        return Request([(b"SET", key, value, b"NX", b"PX", ttl_ms, b"GET")], finish)
+
+    def finish_62(replies: list[Any]) -> bool:
+        raise_errors(replies)
+        return replies[0] is not None or finds_own(replies[1], value)
+
+    return Request([(b"SET", key, value, b"NX", b"PX", ttl_ms), (b"GET", key)], finish_62)
+
+
+class Look(NamedTuple):
+    """A lock as seen at one instant."""
+
+    #: Its value (None: free).
+    current: Any
+    #: Its remaining ms (-2: missing, -1: no expiry).
+    pttl: int
+    #: The server's clock in ms.
+    server_ms: int
 
 
 def look_request(key: str) -> Request:
-    """The lock's value, its remaining ms and the server's clock in ms, at one instant."""
-    def finish(replies: list[Any]) -> tuple[Any, int, int]:
+    """The lock's value, its remaining ms and the server's clock in ms, at one instant: a :class:`Look`."""
+    def finish(replies: list[Any]) -> Look:
         raise_errors(replies)
         executed = replies[-1]
         raise_errors(executed)
         seconds, micros = executed[0]
-        return executed[1], int(executed[2]), int(seconds) * 1000 + int(micros) // 1000
+        return Look(executed[1], int(executed[2]), int(seconds) * 1000 + int(micros) // 1000)
 
     return Request([(b"MULTI",), (b"TIME",), (b"GET", key), (b"PTTL", key), (b"EXEC",)], finish)
 
-
-def script_request(command: tuple[Any, ...], script: Any, finish: Callable[[list[Any]], Any]) -> Request:
-    """One Lua script call as a request."""
-    return Request([command], finish, scripts=(script,))

@@ -102,9 +102,10 @@ class SingletonSettings:
     #: Upper bound in seconds of the back-off used to retry a task whose lock
     #: could not be asked for (fail-closed), and of ``on_conflict="retry"``.
     retry_backoff_max: float = 60.0
-    #: Keep counters (acquired, skipped, ...) in Redis, updated inside the lock
-    #: scripts (no extra round trip). Always off for Redis Cluster, where the
-    #: counter hash lives in another slot than the lock.
+    #: Keep counters (acquired, skipped, ...) in Redis: counted in the process and
+    #: written in batches by a background thread, never as a request per run.
+    #: Always off for Redis Cluster, where the counter hash lives in another slot
+    #: than the lock.
     stats: bool = True
     #: Beat: send an entry whose slot cannot be claimed because Redis is down
     #: (default: no, the slot is skipped and logged). ``None`` follows ``fail_open``.
@@ -136,7 +137,7 @@ class SingletonSettings:
     #: Seconds the "this task id completed" marker of an ``acks_late`` run is
     #: kept, so a copy of its message delivered again later (visibility timeout,
     #: lost connection) ends without running. Default: twice the broker's
-    #: ``visibility_timeout`` (one hour if unset).
+    #: ``visibility_timeout`` (kombu's default: one hour, so 7200 s).
     done_ttl: float = 7200.0
 
     @property

@@ -7,8 +7,9 @@
   live worker (``acks_late`` redelivery): the copy waits, published again with a
   countdown and nothing stored.
 * Redis cannot be asked: fail closed (retry with back-off, no cap; when the
-  retry cannot be published either, wait in the worker until Redis answers)
-  or, with ``singleton_fail_open``, run without the lock.
+  retry cannot be published either, wait in the worker until Redis answers,
+  within the run's time limit and the worker's life: :mod:`.outage`) or, with
+  ``singleton_fail_open``, run without the lock.
 
 Eager runs (``apply()``, ``task_always_eager``) end as a worker's would, so a
 test in eager mode sees what production sees: a skip is an ``EagerResult`` in
@@ -22,7 +23,6 @@ up to ``max_retries``, where Celery would run it again at once.
 from __future__ import annotations
 
 import random
-import sys
 import time
 from typing import Any
 
@@ -32,7 +32,7 @@ from celery.result import EagerResult
 
 from .config import get_settings
 from .events import TASK_SKIPPED, logger, send_task_event
-from .exceptions import DuplicateTaskError, LockUnavailable, TaskSkipped, describe_holder
+from .exceptions import DuplicateTaskError, TaskSkipped, describe_holder
 from .lock import AcquireResult, Holder
 from .run import SingletonRun
 
@@ -111,54 +111,11 @@ class ConflictOutcomes(Task):
             raise Reject(exc, requeue=True) from exc
         raise Ignore(f"{request.id} is still running on {holder.node}")
 
-    def _redis_unavailable(self, key: str, exc: Exception, *, fail_open: bool, attempt: int) -> SingletonRun | None:
-        """The lock could not be asked for: run unlocked (fail open), or defer the run.
-
-        Fail closed, the run is published again with a back-off (no cap) and
-        this delivery ends (``RETRY``). When that publish fails too -- the
-        broker is the same Redis, or is down as well -- the message is not
-        dropped (Celery would reject it for good): this worker waits with the
-        same back-off and returns None, and the caller asks for the lock again;
-        the run executes here once Redis answers.
-        """
-        request = self.request
-        if fail_open:
-            logger.error("%s[%s] runs WITHOUT its lock %s: Redis unavailable (fail-open): %s",
-                         self.name, request.id, key, exc)
-            return SingletonRun(key, None)
-        error = LockUnavailable(key, exc)
-        if request.is_eager:
-            raise error from exc
-        countdown = self._backoff(max(request.retries or 0, attempt))
-        if attempt == 0:
-            logger.error("%s[%s] not started, Redis unavailable for %s; retrying in %.1fs: %s",
-                         self.name, request.id, key, countdown, exc)
-            try:
-                self._retry_uncapped(error, countdown)
-            except Reject as refused:  # the retry could not be published: keep the message here
-                logger.error("%s[%s] could not be published again either (%s); waiting in this worker "
-                             "until Redis answers", self.name, request.id, refused.reason)
-        else:
-            logger.warning("%s[%s] still waiting for Redis (lock %s), next try in %.1fs: %s",
-                           self.name, request.id, key, countdown, exc)
-        time.sleep(countdown)
-        return None
-
-    def _retry_uncapped(self, error: Exception, countdown: float) -> None:
-        """``self.retry`` without a retry limit; raises ``Retry`` (or ``Reject`` if it could not publish)."""
-        # No cap: a run never starts unlocked (max_retries=None would mean the
-        # task's own default and end in FAILURE after a short outage). Celery
-        # keeps an explicit max_retries on the shared task object, where
-        # autoretry_for would read it for later runs: put back what was there.
-        had = "override_max_retries" in self.__dict__
-        previous = self.__dict__.get("override_max_retries")
-        try:
-            raise self.retry(exc=error, countdown=countdown, max_retries=sys.maxsize)
-        finally:
-            if had:
-                self.override_max_retries = previous
-            else:
-                self.__dict__.pop("override_max_retries", None)
+    def _run_unlocked(self, key: str, exc: Exception) -> SingletonRun:
+        """Fail open: the lock could not be asked for, the run goes ahead without it."""
+        logger.error("%s[%s] runs WITHOUT its lock %s: Redis unavailable (fail-open): %s",
+                     self.name, self.request.id, key, exc)
+        return SingletonRun(key, None)
 
     def _backoff(self, retries: int) -> float:
         """Exponential back-off with full jitter, capped by ``singleton_retry_backoff_max``."""

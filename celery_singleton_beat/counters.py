@@ -3,8 +3,14 @@
 A run never pays a request for its counters: each outcome adds one to a
 dictionary of this process, and a daemon thread writes what accumulated, one
 write of ``HINCRBY`` and ``PEXPIRE`` for every counter hash, at most :data:`FLUSH_EVERY` seconds
-after the first count (and at interpreter exit). The hashes expire
-:data:`~.scripts.STATS_TTL_MS` after their last write.
+after the first count. The hashes expire :data:`~.scripts.STATS_TTL_MS` after
+their last write.
+
+When the process ends (interpreter exit; a prefork pool child, which ends with
+``os._exit``, at Celery's ``worker_process_shutdown``: see :mod:`.worker`),
+:func:`flush_at_exit` first reads the replies of releases still unread (a
+release is counted when its reply says whether the lock was still ours), then
+writes what is left, after any write already under way.
 
 What a process counted and had not written yet is lost with it when it is
 SIGKILLed: at most one batch, the counts of its last second.
@@ -15,38 +21,42 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import redis
 
 from . import native
-from .channel import channel_or_none
+from .channel import channel_or_none, read_all_replies
 from .commands import raise_errors
 from .events import logger
 from .scripts import STATS_TTL_MS
 from .wire import Request
 
-__all__ = ["FLUSH_EVERY", "count", "flush"]
+__all__ = ["FLUSH_EVERY", "count", "flush", "flush_at_exit"]
 
 #: Seconds after a first count that the batch is written.
 FLUSH_EVERY = 1.0
 
 
 class _Batch:
-    """This process's counts not yet written, per client and counter hash.
+    """This process's counts not yet written: a queue of counts, drained by its writer.
 
-    Its writer is a real OS thread (see :mod:`.native`), with a Redis client of
-    its own in greenlet pools.
+    Counting appends to a ``deque`` (atomic): no lock on the run's path, so a signal
+    handler's exception (a soft time limit) can never leave one held. The writer is
+    a real OS thread (see :mod:`.native`), with a Redis client of its own in
+    greenlet pools.
     """
 
     def __init__(self) -> None:
         self.lock = native.allocate_lock()
-        self.counts: dict[tuple[int, str], defaultdict[str, int]] = {}
-        self.clients: dict[int, Any] = {}
+        #: Held while a batch is written: a flush at the process's end waits for one under way.
+        self.writing = native.allocate_lock()
+        #: ``(client, counter hash, field, amount)`` counted and not yet written.
+        self.pending: deque[tuple[Any, str, str, int]] = deque()
         self.wake = native.Wakeup()
         self.started = False
-        #: The writer was woken for the batch being counted (it writes within a second).
+        #: The writer was woken for the counts queued (it writes them within a second).
         self.waiting = False
 
     def wake_writer(self) -> None:
@@ -68,17 +78,33 @@ class _Batch:
             self.flush()
 
     def flush(self) -> None:
-        with self.lock:
-            counts, self.counts = self.counts, {}
-            clients, self.clients = self.clients, {}
-            self.waiting = False
+        with self.writing:
+            while True:
+                self._write()
+                with self.lock:
+                    if not self.pending:  # a count queued while waiting was still set: write it too
+                        self.waiting = False
+                        return
+
+    def _write(self) -> None:
+        pending, popleft = self.pending, self.pending.popleft
+        counts: dict[tuple[int, str], defaultdict[str, int]] = {}
+        clients: dict[int, Any] = {}
+        while pending:
+            client, key, field, amount = popleft()
+            slot = (id(client), key)
+            fields = counts.get(slot)
+            if fields is None:
+                fields = counts[slot] = defaultdict(int)
+                clients[slot[0]] = client
+            fields[field] += amount
         by_client: dict[int, list[tuple[str, dict[str, int]]]] = defaultdict(list)
         for (client_id, key), counted in counts.items():
             by_client[client_id].append((key, dict(counted)))
         for client_id, hashes in by_client.items():
             commands: list[tuple[Any, ...]] = []
-            for key, fields in hashes:
-                commands += [(b"HINCRBY", key, field, amount) for field, amount in fields.items()]
+            for key, hashed in hashes:
+                commands += [(b"HINCRBY", key, name, value) for name, value in hashed.items()]
                 commands.append((b"PEXPIRE", key, STATS_TTL_MS))
             try:
                 # One write on the writer thread's own lock channel where the client
@@ -133,27 +159,23 @@ def count(client: Any, key: str | None, field: str, amount: int = 1) -> None:
     if not (key and field):
         return
     batch = _current or _batch()
-    slot = (id(client), key)
-    lock = batch.lock
-    lock.acquire()  # every run counts twice: no context manager, no other call on this path
-    try:
-        fields = batch.counts.get(slot)
-        if fields is None:
-            fields = batch.counts[slot] = defaultdict(int)
-            batch.clients[slot[0]] = client
-        fields[field] += amount
-        waiting = batch.waiting
-    finally:
-        lock.release()
-    if not waiting:  # the first count of a batch wakes the writer; the rest ride along
+    batch.pending.append((client, key, field, amount))
+    if not batch.waiting:  # the first count of a batch wakes the writer; the rest ride along
         batch.wake_writer()
 
 
 def flush() -> None:
-    """Write this process's pending counts now (tests, tools, interpreter exit)."""
+    """Write this process's pending counts now (tests, tools); after a write under way."""
     batch = _batches.get(os.getpid())
     if batch is not None:
         batch.flush()
 
 
-atexit.register(flush)
+def flush_at_exit() -> None:
+    """This process ends: read every release reply still unread (each is counted), then
+    write the counts. At interpreter exit, and in a prefork child as it ends."""
+    read_all_replies()
+    flush()
+
+
+atexit.register(flush_at_exit)

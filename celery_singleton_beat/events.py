@@ -14,12 +14,12 @@ Flower's Result column, and what ``result:`` searches match.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery import Celery, Task
 
 from . import native
+from .log import logger
 
 __all__ = [
     "SKIPPED",
@@ -30,9 +30,6 @@ __all__ = [
     "send_task_event_soon",
     "skip_summary",
 ]
-
-#: The library's single logger; every decision is one line on it.
-logger = logging.getLogger("celery_singleton_beat")
 
 #: Flower's state of a run skipped because another run held its lock, derived by Celery's
 #: event state from the ``task-skipped`` event; the result backend stores ``REVOKED``.

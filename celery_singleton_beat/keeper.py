@@ -1,14 +1,14 @@
 """Renewal of running leases.
 
 One daemon thread per process renews every lease held in that process every
-:attr:`~.lock.Lease.renew_every` seconds (a third of its TTL, and for a
-worker's runs at most a third of ``singleton_liveness_ttl``, so that a dead
-holder's missed renewals show within seconds), so a run may last any multiple
-of ``lock_ttl``; a lease that stops being renewable is marked lost and its
-owner is told through a callback.
+:attr:`~.lease.Lease.renew_every` seconds (a third of its TTL, and at most a
+third of ``singleton_liveness_ttl``: a dead worker's missed renewals show
+within seconds, and every holder puts its lock back within a recovery window
+after a restart), so a run may last any multiple of ``lock_ttl``; a lease that
+stops being renewable is marked lost and its owner is told through a callback.
 
 When Redis does not answer, the keeper tries again every
-:data:`~.lock.RETRY_EVERY` seconds until the lease would have expired; only
+:data:`~.lease.RETRY_EVERY` seconds until the lease would have expired; only
 then does it report the loss (the lock may still exist, but no one can vouch
 for it any more). A renewal whose answer comes after its run ended (the run
 released the lock meanwhile) reports nothing.
@@ -23,11 +23,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
-from . import native
-from .lock import RETRY_EVERY, Lease
+from . import native, server
+from .commands import Renewal
+from .lease import RETRY_EVERY, Lease
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper"]
 
@@ -160,12 +162,36 @@ class LeaseKeeper:
                     if kept.active:
                         self._schedule(kept, next_time)
 
-    @staticmethod
-    def _renew(kept: KeptLease) -> float | None:
+    def renew_all_soon(self) -> None:
+        """Renew every kept lease now: the process found its data on a server that may lack
+        its locks (a restart, a promoted replica), and each must be put back before the
+        recovery window closes (see :mod:`.server`)."""
+        with self._mutex:
+            now = time.monotonic()
+            self._queue = [(now, seq, kept) for _, seq, kept in self._queue if kept.active]
+            heapq.heapify(self._queue)
+        self._wake.notify()
+
+    def _renewed(self, kept: KeptLease, client: Any) -> bool:
+        """One renewal of ``kept``, putting its lock back where the server lost it.
+
+        The put-back happens under the keeper's mutex, and only while the run still
+        keeps the lease: a run that ends (:meth:`forget`, then its release) either
+        waits for it or is seen ended, so a renewal on its way when the run released
+        never writes the lock back.
+        """
+        lease = kept.lease
+        outcome = lease.renew_once(client)
+        if outcome is Renewal.GONE and lease.may_put_back(client):
+            with self._mutex:
+                return kept.active and lease.put_back(client)
+        return outcome is Renewal.RENEWED
+
+    def _renew(self, kept: KeptLease) -> float | None:
         """Renew once; the monotonic time of the next attempt, or None when done."""
         lease = kept.lease
         try:
-            if lease.renew(native.thread_client(lease.client)):
+            if self._renewed(kept, native.thread_client(lease.client)):
                 kept.renewals += 1
                 if kept.next_complaint:
                     kept.next_complaint = 0.0
@@ -204,6 +230,15 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _renew_all_soon() -> None:
+    keeper = _keeper
+    if keeper is not None:
+        keeper.renew_all_soon()
+
+
+server.on_data_lost(_renew_all_soon)
 
 
 def get_keeper() -> LeaseKeeper:

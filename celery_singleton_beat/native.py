@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .server import server_of
+
 __all__ = ["Wakeup", "allocate_lock", "get_ident", "green", "start_thread", "thread_client"]
 
 
@@ -104,7 +106,5 @@ def thread_client(client: Any) -> Any:
     key = (get_ident(), id(client))
     own = _clients.get(key)
     if own is None:
-        from .server import server_of
-
         own = _clients[key] = server_of(client).copy_of(client)
     return own

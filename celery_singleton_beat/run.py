@@ -28,7 +28,7 @@ class SingletonRun:
     @property
     def held(self) -> bool:
         """True while this run can vouch for its lock: not lost, and renewed recently enough
-        that no other worker can have taken it over (False when it runs unlocked, fail-open)."""
+        that no other holder can have it (False when it runs unlocked, fail-open)."""
         return self._kept is not None and not self._kept.lost and \
             time.monotonic() < self._kept.lease.vouched_until
 
@@ -46,11 +46,13 @@ class SingletonRun:
         """Raise :class:`LockLost` unless the run can vouch for its lease; call before irreversible work.
 
         Returns the fencing token (:attr:`fence`), typed ``int``: the lease is held.
-        The lease is vouched for until the earliest moment another worker could
-        take it over after its last renewal (see ``docs/design.md``). Past that
-        -- a pause of this process, or Redis unreachable from it -- this raises
-        even while the lock may still be in Redis; the keeper's next successful
-        renewal vouches for it again.
+        The lease is vouched for until the earliest moment another could hold it
+        after its last renewal: a take-over of a worker's run, or a new
+        acquisition once the recovery window of a restart right after that
+        renewal closed (see :class:`~.lease.LockSpec` and ``docs/design.md``).
+        Past that -- a pause of this process, or Redis unreachable from it --
+        this raises even while the lock may still be in Redis; the keeper's next
+        successful renewal vouches for it again.
         """
         kept = self._kept
         if kept is None:
@@ -59,6 +61,6 @@ class SingletonRun:
             raise LockLost(self.key, kept.lost_reason or "lost")
         late = time.monotonic() - kept.lease.vouched_until
         if late >= 0:
-            raise LockLost(self.key, f"not renewed for {kept.lease.spec.grace + late:.1f}s: another worker "
-                                     f"may hold it (this process was paused, or Redis did not answer)")
+            raise LockLost(self.key, f"not renewed for {kept.lease.spec.grace + late:.1f}s: another holder "
+                                     f"may have it (this process was paused, or Redis did not answer)")
         return kept.lease.fence

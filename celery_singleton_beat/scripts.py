@@ -1,12 +1,15 @@
 """The Lua scripts of the lease: where a server lacks a native command, and the rare paths.
 
-The common path uses no Lua (see :mod:`.commands`): an acquire is one
-``MULTI`` block, a release is ``DELIFEQ`` / ``DELEX ... IFEQ`` and a renewal
+The common path uses no Lua (see :mod:`.commands`): an acquire is one write
+(``SET NX PX GET`` and ``TIME``, no ``MULTI``), a release is ``DELIFEQ`` / ``DELEX ... IFEQ`` and a renewal
 ``SET ... IFEQ`` where the server has them. The scripts below stand in for
 those on older servers (:data:`RELEASE`, :data:`RENEW`) and do what no single
 command does, each in one round trip, comparing before it writes, so that a
 repeated call or an attempt whose lease another has taken never changes what
-another attempt wrote. ``KEYS``/``ARGV`` are listed above each.
+another attempt wrote. Those that replace a value report the value they found
+instead, and :mod:`.commands` decides: finding the new value itself means the
+call ran before (its reply was lost), which is success. ``KEYS``/``ARGV`` are
+listed above each.
 """
 
 from __future__ import annotations
@@ -38,22 +41,23 @@ return -1
 
 # KEYS: lock. ARGV: value, the claim to leave in its place, its ttl ms.
 # A retried ``until_executed`` run: its lock becomes the retry's publish claim.
+# {1} when replaced; {0, current value} otherwise.
 CLAIM_ON_RETRY = LuaScript("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-return 0
-""")
-
-# KEYS: lock. ARGV: the exact value to replace, the new value, ttl ms.
-# A run adopting its own publish claim. {1, seconds, microseconds} (the
-# fencing token's clock) when replaced; {0, current value} otherwise.
-ADOPT = LuaScript("""
 local current = redis.call('GET', KEYS[1])
 if current ~= ARGV[1] then return {0, current} end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return {1}
+""")
+
+# KEYS: lock. ARGV: the exact value to replace, the new value, ttl ms.
+# A run adopting its own publish claim. {1, seconds, microseconds} when
+# replaced (the server's clock: the fencing token); {0, seconds,
+# microseconds, current value} otherwise.
+ADOPT = LuaScript("""
+local current = redis.call('GET', KEYS[1])
 local now = redis.call('TIME')
+if current ~= ARGV[1] then return {0, now[1], now[2], current} end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return {1, now[1], now[2]}
 """)
 
@@ -65,10 +69,10 @@ return {1, now[1], now[2]}
 # key is still gone (it lives in another hash slot). Same replies as ADOPT.
 TAKE_OVER = LuaScript("""
 local current = redis.call('GET', KEYS[1])
-if current ~= ARGV[1] then return {0, current} end
 local now = redis.call('TIME')
+if current ~= ARGV[1] then return {0, now[1], now[2], current} end
 local elapsed = now[1] * 1000 + math.floor(now[2] / 1000) - tonumber(ARGV[3])
-if redis.call('PTTL', KEYS[1]) > tonumber(ARGV[2]) - elapsed + 50 then return {0, current} end
+if redis.call('PTTL', KEYS[1]) > tonumber(ARGV[2]) - elapsed + 50 then return {0, now[1], now[2], current} end
 redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
 return {1, now[1], now[2]}
 """)

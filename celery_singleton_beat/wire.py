@@ -20,6 +20,20 @@ the server had closed (a restart, an idle timeout) fails on first use. Every
 request is safe to send twice: a repeated acquire finds its own value
 (:func:`.lock.acquire` takes that as taken), a repeated compare-and-delete
 finds nothing to delete.
+
+**Every reply is read where it belongs.** A :class:`Link` counts the replies
+written on it and not read yet (:attr:`Link.outstanding`). A request reads all
+of its replies, error replies included (a refused ``SCRIPT LOAD`` ahead of it
+too), or its connection is dropped: an exception of any kind (a timeout, a
+signal handler's ``SoftTimeLimitExceeded``, ``SystemExit``) that leaves a
+connection with replies outstanding ends that connection, and a pooled one
+never goes back to its pool with them. Otherwise the next request on it would
+read them as its own.
+
+On Redis Cluster, :func:`run_pooled` follows ``-MOVED`` (the layout is read
+again, the request sent to the new owner) and ``-ASK`` (a slot migrating: each
+command the source answered with ``ASK`` is sent to the target behind
+``ASKING``; what the source served stays served: see :mod:`.redirects`).
 """
 
 from __future__ import annotations
@@ -29,10 +43,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import AskError, NoScriptError
 
-__all__ = ["Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked", "pack",
-           "read_replies", "reply_reader", "run_on", "run_pooled", "write_request"]
+__all__ = ["Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked", "give_back",
+           "pack", "read_own", "read_replies", "reply_reader", "run_on", "run_pooled", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
 RETRIED = (redis.ConnectionError, OSError)
@@ -138,8 +152,14 @@ class Link(Protocol):
 
     #: SHAs of the scripts loaded through this connection.
     loaded: set[str]
+    #: Replies written for and not read yet. Counted up before the bytes are written and
+    #: down once a reply (or a request's every reply, for :meth:`read_many`) was read, so
+    #: a write or read cut short by any exception leaves it above zero: the connection
+    #: must then be dropped (its stream holds replies, or half of one, nobody will read).
+    outstanding: int
 
-    def send(self, data: bytes) -> None: ...
+    def send(self, data: bytes, replies: int = 1) -> None:
+        """Write ``data``: commands that will be answered with ``replies`` replies."""
 
     def read(self) -> Any:
         """The next reply; an error reply is returned as a ``ResponseError``, not raised."""
@@ -149,22 +169,26 @@ class Link(Protocol):
 
 
 class PoolLink:
-    """A redis-py connection (from a pool) as a :class:`Link`."""
+    """A redis-py connection (from a pool) as a :class:`Link`, for one borrowing."""
 
-    __slots__ = ("connection", "loaded")
+    __slots__ = ("connection", "loaded", "outstanding")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
         self.loaded = loaded_on(connection)
+        self.outstanding = 0
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, replies: int = 1) -> None:
+        self.outstanding += replies
         self.connection.send_packed_command([data], check_health=False)
 
     def read(self) -> Any:
         try:
-            return self.connection.read_response()
+            reply = self.connection.read_response()
         except redis.ResponseError as exc:
-            return exc
+            reply = exc
+        self.outstanding -= 1
+        return reply
 
     def read_many(self, count: int) -> list[Any]:
         return [self.read() for _ in range(count)]
@@ -181,19 +205,23 @@ def loaded_on(connection: Any) -> set[str]:
 
 def ensure_checked(connection: Any, server: Any) -> None:
     """Connect if needed, and let ``server`` (a :class:`~.server.LockServer`) look at a new connection once."""
-    if getattr(connection, "_sock", None) is None:
-        connection.connect()
-    sock = connection._sock
-    if server is not None and getattr(connection, "csb_checked", None) is not sock:
-        server.check(connection)
-        connection.csb_checked = sock
+    try:
+        if getattr(connection, "_sock", None) is None:
+            connection.connect()  # the handshake, and the check where it is redis_connect_func
+        sock = connection._sock
+        if server is not None and getattr(connection, "csb_checked", None) is not sock:
+            server.check(connection)
+            connection.csb_checked = sock
+    except BaseException:
+        connection.disconnect()  # the handshake's or the check's replies may be unread: never used half-set-up
+        raise
 
 
 def write_request(link: Link, request: Request) -> Written:
     """Write ``request`` (its scripts loaded first where needed) in one ``sendall``."""
     scripts = request.scripts
     if not scripts:
-        link.send(request.data)
+        link.send(request.data, request.count)
         return Written(request, 0)
     loaded = link.loaded
     parts = []
@@ -203,7 +231,7 @@ def write_request(link: Link, request: Request) -> Written:
             loaded.add(script.sha)
     loads = len(parts)
     parts.append(request.data)
-    link.send(b"".join(parts))
+    link.send(b"".join(parts), loads + request.count)
     return Written(request, loads)
 
 
@@ -219,6 +247,9 @@ class _PyReader:
 
     def feed(self, data: bytes) -> None:
         self._buffer += data
+
+    def has_data(self) -> bool:
+        return bool(self._buffer)
 
     def gets(self) -> Any:
         try:
@@ -297,14 +328,16 @@ class SocketLink:
     ``TimeoutError``, anything else ``ConnectionError``).
     """
 
-    __slots__ = ("_reader", "loaded", "sock")
+    __slots__ = ("_reader", "loaded", "outstanding", "sock")
 
     def __init__(self, sock: Any) -> None:
         self.sock = sock
         self.loaded: set[str] = set()
+        self.outstanding = 0
         self._reader = reply_reader()
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, replies: int = 1) -> None:
+        self.outstanding += replies
         try:
             self.sock.sendall(data)
         except TimeoutError as exc:
@@ -318,6 +351,7 @@ class SocketLink:
         while reply is _INCOMPLETE:
             self._receive()
             reply = reader.gets()
+        self.outstanding -= 1
         return reply
 
     def read_many(self, count: int) -> list[Any]:
@@ -331,7 +365,13 @@ class SocketLink:
                 continue
             replies.append(reply)
             if len(replies) == count:
+                self.outstanding -= count
                 return replies
+
+    def unread(self) -> bool:
+        """Bytes already received that no reply was read from (nothing is expected while idle)."""
+        reader = self._reader
+        return bool(reader.has_data()) if hasattr(reader, "has_data") else False
 
     def _receive(self) -> None:
         try:
@@ -345,8 +385,11 @@ class SocketLink:
         self._reader.feed(data)
 
 
-class _NoScript(Exception):
-    """A reply of the request was ``NOSCRIPT`` (a ``SCRIPT FLUSH``): load and run it again."""
+class _NoScript(NoScriptError):
+    """A reply of the request was ``NOSCRIPT`` (a ``SCRIPT FLUSH``): load and run it again.
+
+    A ``NoScriptError`` for callers that see it (a script missing twice in a row).
+    """
 
 
 def _missing_script(reply: Any) -> bool:
@@ -354,29 +397,53 @@ def _missing_script(reply: Any) -> bool:
         isinstance(reply, redis.ResponseError) and str(reply).startswith("NOSCRIPT"))
 
 
-def read_replies(link: Link, written: Written) -> Any:
-    """Read every reply of ``written`` and return ``finish(replies)``.
+def read_own(link: Link, written: Written) -> list[Any]:
+    """Read every reply of ``written`` (the ``SCRIPT LOAD`` replies ahead of it too) and
+    return the request's own.
 
-    Raises :class:`_NoScript` (after reading all of them) when a script was missing.
+    Raises, once all are read: :class:`_NoScript` when a script was missing (a
+    ``SCRIPT FLUSH``: load and run it again), or the refusal of its ``SCRIPT LOAD``
+    (``-BUSY``, ``-NOPERM``) when the script could not run without it.
     """
-    for _ in range(written.loads):
-        loaded = link.read()
-        if isinstance(loaded, Exception):
-            raise loaded
     request = written.request
-    replies = link.read_many(request.count)
+    loads = written.loads
+    if not loads:
+        replies = link.read_many(request.count)
+        refused = None
+    else:
+        replies = link.read_many(loads + request.count)
+        refused = next((reply for reply in replies[:loads] if isinstance(reply, Exception)), None)
+        replies = replies[loads:]
+        if refused is not None:  # not loaded through this connection: load it again next time
+            link.loaded.difference_update(script.sha for script in request.scripts)
     if request.scripts and any(_missing_script(reply) for reply in replies):
         link.loaded.clear()
-        raise _NoScript
-    return request.finish(replies)
+        if refused is not None:
+            raise refused
+        raise _NoScript(str(next(reply for reply in replies if _missing_script(reply))))
+    return replies
 
 
-def run_on(link: Link, request: Request) -> Any:
-    """Write ``request``, read its replies; once more after a ``SCRIPT FLUSH``."""
+def read_replies(link: Link, written: Written) -> Any:
+    """Read every reply of ``written`` and return ``finish(replies)`` (see :func:`read_own`)."""
+    return written.request.finish(read_own(link, written))
+
+
+def run_on(link: Link, request: Request,
+           redirected: Callable[[Request, list[Any]], list[Any]] | None = None) -> Any:
+    """Write ``request``, read its replies; once more after a ``SCRIPT FLUSH``.
+
+    ``redirected(request, replies)``, when given, is called with replies of which
+    one at least is ``-ASK`` (Cluster), and returns them with the redirected
+    commands' replies in their place.
+    """
     try:
-        return read_replies(link, write_request(link, request))
+        replies = read_own(link, write_request(link, request))
     except _NoScript:
-        return read_replies(link, write_request(link, request))
+        replies = read_own(link, write_request(link, request))
+    if redirected is not None and any(isinstance(reply, AskError) for reply in replies):
+        replies = redirected(request, replies)
+    return request.finish(replies)
 
 
 def _node_client(client: Any, key: str) -> Any:
@@ -387,33 +454,51 @@ def _node_client(client: Any, key: str) -> Any:
     return client
 
 
+def give_back(pool: Any, connection: Any, link: PoolLink) -> None:
+    """Return a borrowed connection to its pool, dropped first if replies on it are unread."""
+    if link.outstanding:
+        connection.disconnect()
+    pool.release(connection)
+
+
 def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any, Any], Any] | None = None,
                before_write: Callable[[], Any] | None = None) -> Any:
     """Run ``request`` on a connection borrowed from the pool of the server holding ``key``.
 
-    ``after(connection, result)``, if given, runs on the same connection before
-    it goes back (``WAIT`` counts the replicas of that connection's writes).
-    ``before_write`` runs once the connection is up (a recovery window's wait).
-    A connection that fails with a connection error is dropped and the
-    request is sent once more on a new one.
+    ``after(link, result)``, if given, runs on the same connection before it
+    goes back (``WAIT`` counts the replicas of that connection's writes; on a
+    slot that migrates, the connection to the target when the request's first
+    command went there). ``before_write`` runs once the connection is up (a
+    recovery window's wait). A connection that fails with a connection error
+    is dropped and the request is sent once more on a new one; one whose
+    replies were not all read (whatever the exception) is dropped, never put
+    back. On Cluster, ``-MOVED`` and ``-ASK`` are followed (see the module
+    docstring).
     """
-    from .client import cluster_moved
+    from .client import cluster_moved, is_cluster
+    from .redirects import AskFollower
     from .server import server_of
 
+    cluster = is_cluster(client)
+    repeated = False
     for attempt in (1, 2):
         server = _node_client(client, key)
         pool = server.connection_pool
         connection = pool.get_connection("_")
+        link = PoolLink(connection)
+        follow = AskFollower(client) if cluster else None
         try:
             ensure_checked(connection, server_of(client))
             if before_write is not None:
                 before_write()
-            link = PoolLink(connection)
-            result = run_on(link, request)
+            result = run_on(link, request, follow)
             if after is not None:
-                result = after(link, result)
+                result = after(follow.link if follow is not None and follow.link is not None else link, result)
+            if repeated and not result and request.unsure_when_repeated:
+                return None  # its first attempt may have run: unknown, not "not ours"
             return result
         except RETRIED:
+            repeated = link.outstanding > 0  # written (maybe in part) before the connection failed
             connection.disconnect()
             if attempt == 2:
                 raise
@@ -424,5 +509,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             if attempt == 2 or not cluster_moved(client, exc):
                 raise
         finally:
-            pool.release(connection)
+            give_back(pool, connection, link)
+            if follow is not None:
+                follow.close()
     raise AssertionError("unreachable")

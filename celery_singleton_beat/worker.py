@@ -20,6 +20,13 @@
   check, every 5 s, and the dead run's lock (and the replacement child) waits
   that long. :class:`SingletonWorkerStep` runs that check every
   :data:`POOL_CHECK_INTERVAL` seconds instead.
+* :class:`SingletonWorkerStep` tells runs waiting for their lock Redis
+  (:mod:`.outage`) which pool the worker runs and when it begins to stop.
+* A prefork child ends with ``os._exit`` (recycled by
+  ``worker_max_tasks_per_child`` / ``worker_max_memory_per_child``, or at a
+  shutdown): ``atexit`` never runs there. When it ends, the replies of its
+  releases still unread are read and its counters written
+  (:func:`~.counters.flush_at_exit`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
+from . import counters, outage
 from .client import get_redis
 from .config import get_settings
 from .events import logger
@@ -45,7 +53,8 @@ from .liveness import Heartbeat, boot_id
 from .lock import Holder, read_holder, release_for
 from .startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 
-__all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install"]
+__all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install",
+           "sends_task_events"]
 
 #: Endings after which the pool child cannot have released its lock.
 _CHILD_GONE = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
@@ -53,6 +62,28 @@ _CHILD_GONE = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, Keybo
 _EXIT_WAIT = 30.0
 #: Seconds between two looks for exited prefork pool children (Celery's own: 5 s).
 POOL_CHECK_INTERVAL = 0.25
+
+
+#: This process belongs to a worker that sends task events (``-E``,
+#: ``worker_send_task_events``): a run's end is seen through its
+#: ``task-succeeded``/``task-failed`` event. Set before the pool forks.
+_task_events = False
+
+
+def sends_task_events() -> bool:
+    """True in a worker (pool children included) that sends task events."""
+    return _task_events
+
+
+def _flush_at_child_exit(**_: Any) -> None:
+    """A prefork child ends (``os._exit``, no ``atexit``): read its unread replies, write its counts."""
+    try:
+        counters.flush_at_exit()
+    except Exception as exc:  # the child ends whatever happens here
+        logger.warning("could not write this pool process's counters before it ended: %s", exc)
+
+
+signals.worker_process_shutdown.connect(_flush_at_child_exit, weak=False)
 
 
 def install(app: Celery) -> None:
@@ -240,6 +271,21 @@ class SingletonRequest(Request):
             self._release_once(f"ended without releasing ({type(exc).__name__})")
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
+    def reject(self, requeue: bool = False) -> Any:
+        """Reject the message; one given back (``requeue``) that the broker cannot take stays
+        unacknowledged, and the consumer lives on.
+
+        kombu logs a reject that fails with a connection error; any other error is
+        raised in the consumer's loop, and the worker stops ("Unrecoverable error").
+        A Redis broker that refuses writes (out of memory, ``noeviction``) answers
+        the requeue with an error reply: the runs that give their message back while
+        Redis is unavailable (:mod:`.outage`) must not stop the worker for it. The
+        message is delivered again once the broker's visibility timeout passes.
+        """
+        if requeue:
+            self._connection_errors = (*getattr(self, "_connection_errors", ()), redis.ResponseError)
+        return super().reject(requeue=requeue)
+
     def on_timeout(self, soft: bool, timeout: float) -> Any:
         result = super().on_timeout(soft, timeout)
         if not soft:
@@ -297,6 +343,9 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
+        global _task_events
+        _task_events = bool(getattr(worker, "task_events", False))
+        outage.worker_starts(worker.pool_cls)  # before the pool forks
         app, node = worker.app, worker.hostname
         self.settings = get_settings(app)  # raises ImproperlyConfigured
         check = StartupCheck(f"worker {node}", lambda: get_redis(app), self.settings)
@@ -321,6 +370,13 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
 
         if isinstance(worker.pool, prefork.TaskPool):
             hub.call_repeatedly(POOL_CHECK_INTERVAL, worker.pool.maintain_pool)
+
+    def close(self, worker: Any) -> None:
+        """The worker stops, however (a signal, ``celery control shutdown``, an
+        unrecoverable error): runs waiting for the lock Redis end their wait
+        (:mod:`.outage`) instead of holding the pool's shutdown until Redis answers.
+        Called before any step stops, so before the pool waits for its runs."""
+        outage.worker_stops()
 
 
 def _check_until_up(check: StartupCheck) -> None:

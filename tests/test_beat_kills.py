@@ -30,6 +30,7 @@ from .support import (
     wait_for,
 )
 from .support.beat import pause, paused_beat, read_runs, runs_by_slot, slot_counts, start_beat_pair
+from .support.servers import flushdb
 from .support.slots import parse_slot
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ SETTINGS = {"singleton_beat_pending_lease": 1.0, "singleton_beat_catch_up": "non
 def names(redis_server: RedisServer) -> Iterator[str]:
     """Fresh claims, records and queue for a test; yields a unique entry-name prefix."""
     for db in (0, LOCK_DB, RECORD_DB):
-        redis_server.client(db).flushdb()
+        flushdb(redis_server.client(db))
     yield f"k{uuid.uuid4().hex[:6]}-"
 
 

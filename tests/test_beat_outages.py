@@ -21,6 +21,7 @@ import pytest
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
 from .support.beat import BEAT_APP, claims_of, pause, paused_beat, read_runs, slot_counts, start_beat_pair
+from .support.servers import flushdb
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ LEASE = 3.0
 def names(redis_server: RedisServer) -> Iterator[str]:
     """Fresh claims and records for a test; yields a unique entry-name prefix."""
     for db in (0, LOCK_DB, RECORD_DB):
-        redis_server.client(db).flushdb()
+        flushdb(redis_server.client(db))
     yield f"o{uuid.uuid4().hex[:6]}-"
 
 

@@ -36,6 +36,7 @@ from celery_singleton_beat.beat import (
     stats_key,
 )
 from celery_singleton_beat.keys import beat_stats_key
+from celery_singleton_beat.window import mark_in_use
 
 from .support import LOCK_DB, RedisServer, wait_for
 from .support.beat import (
@@ -417,6 +418,7 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
     schedule = {"tick": {"task": "t.tick", "schedule": 30.0, "args": [1],
                          "options": {"queue": "q1", "headers": {"h": "v"}}}}
     already_scheduled(redis_server.client(LOCK_DB), schedule, prefix="app7")
+    mark_in_use(redis_server.client(LOCK_DB), "app7")  # a prefix in use (no first-deploy window)
     app = scheduler_app(redis_server, clock, schedule, singleton_key_prefix="app7",
                    singleton_beat_claim_margin=15)
     winner = RecordingScheduler(app=app)
@@ -492,8 +494,11 @@ def test_opt_out_and_args_in_the_key(redis_db: redis.Redis, redis_server: RedisS
 
 @pytest.fixture
 def claims_server(make_redis: Callable[..., RedisServer]) -> RedisServer:
-    """A redis-server of its own for slot claims, so a test can stop it."""
-    return make_redis()
+    """A redis-server of its own for slot claims, so a test can stop it; in use already
+    (its server record written: a new Redis would cost the first claims a recovery window)."""
+    server = make_redis()
+    mark_in_use(server.client(0))
+    return server
 
 
 def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims_server: RedisServer,
@@ -524,10 +529,18 @@ def test_redis_down_fails_closed_logs_and_recovers(redis_db: redis.Redis, claims
     claims_server.start()  # same port; every old claim is gone
     wait_for(lambda: not beat.breaker.is_open(), timeout=10, interval=0.01,
              message="the scheduler's (test-sized) Redis back-off to end")
-    run_ticks([beat], clock, 3, 0.25)
+    # Back without its data: the beat writes back its claims, and claims nothing new
+    # during the recovery window (other beats may be writing back theirs).
+    run_ticks([beat], clock, 1, 0.25)  # 12:00:07
+    assert len(sent_slots(beat, task="t.tick")) == 3
+    assert any("waits: the lock Redis's recovery window" in r.getMessage() for r in caplog.records)
+    assert claims_server.client(0).exists("singleton:{beat:tick}:2024-05-01T12:00:03Z"), "written back"
+    window = beat.claims.window_left()
+    wait_for(lambda: beat.claims.window_left() == 0, timeout=10, interval=0.05, message="the recovery window")
+    run_ticks([beat], clock, window + 3, 0.25)  # the entry waited that long (this clock is manual)
     counts = sent_slots(beat, task="t.tick")
     assert all(n == 1 for n in counts.values())
-    assert {"2024-05-01T12:00:08Z", "2024-05-01T12:00:09Z"} <= set(counts)
+    assert {"2024-05-01T12:00:12Z", "2024-05-01T12:00:13Z"} <= set(counts)
     assert any("is back" in r.getMessage() for r in caplog.records)
 
 

@@ -26,11 +26,13 @@ from celery_singleton_beat.lock import AcquireResult
 from .support import CeleryProcess, RedisServer, child_env, free_port, run_command, start_worker, wait_for
 from .support.beat import start_beat
 from .support.locking import take_lock
+from .support.tasks import lock_keys
 
 APP = "tests.apps.ops_app"
 HOLD = "tests.apps.ops_app.hold"
 PUBLISH_ONCE = "tests.apps.ops_app.publish_once"
 PUBLISH_QUEUED = "tests.apps.ops_app.publish_queued"
+BRIEF = "tests.apps.ops_app.brief"
 
 
 def cli(redis_server: RedisServer, *args: str, settings: dict[str, Any] | None = None
@@ -125,6 +127,35 @@ def test_locks_shows_holders_and_stats_counts_them(
                                       "RECLAIMED", "TAKEN_OVER", "REDELIVERED", "OTHER"]
     assert any(line.split() == [HOLD, "2", "1", "0", "0", "0", "0", "0", "0", "-"] for line in stats_table)
     assert any(line.split()[0] == PUBLISH_ONCE and line.split()[-1] == "claimed=1" for line in stats_table)
+
+
+def test_stats_count_every_run_of_pool_processes_recycled_after_each_task(
+    ops: ModuleType, redis_server: RedisServer, locks: redis.Redis, records: redis.Redis,
+) -> None:
+    """A prefork child recycled by ``--max-tasks-per-child 1`` ends with ``os._exit`` right
+    after its run: what it counted, and the reply of its last release (which counts it
+    released, or lost), must not go with it. Ten runs, ten children: ten acquired, ten
+    released, none lost. The worker sends no task events and the task stores no result,
+    so each release's reply is left to be read later (the case where it is unread at exit)."""
+    worker = start_worker(redis_server, APP, "recycled", concurrency=2, events=False,
+                          extra=["--max-tasks-per-child", "1", "-Q", "recycled"])
+    keys = [f"r{i}" for i in range(10)]
+    for key in keys:
+        ops.brief.apply_async((key,), queue="recycled")
+    wait_for(lambda: records.scard("brief") == len(keys), timeout=60, message="the ten runs")
+    stats_key = ops.brief.singleton_stats_key()
+
+    def counted() -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in locks.hgetall(stats_key).items()}
+
+    wait_for(lambda: counted().get("acquired") == len(keys) and counted().get("released") == len(keys),
+             timeout=30, message=f"ten acquired and ten released in {stats_key} (counted: {counted()})")
+    assert counted().get("lost", 0) == 0
+    assert json.loads(ok(cli(redis_server, "stats", "--json")))["tasks"][BRIEF] == {
+        "acquired": 10, "skipped": 0, "released": 10, "renewed": 0, "lost": 0, "reclaimed": 0, "taken_over": 0,
+        "redelivered": 0}
+    assert lock_keys(locks) == [], "every release ran"
+    worker.check_running()
 
 
 def test_release_asks_for_yes_and_deletes_only_what_it_showed(

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -60,6 +58,8 @@ from .support.dbbeat import (
     start_db_beat,
     stop_and_drain,
 )
+from .support.extras import assert_needs_extra
+from .support.servers import flushdb
 from .support.slots import UTC, parse_slot, slot_floor
 
 importorskip("django_celery_beat")
@@ -92,25 +92,7 @@ def django_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_base_install_does_not_import_django() -> None:
     """The package and its CLI import without Django; the contrib module names the extra."""
-    code = (
-        "import sys, importlib.abc\n"
-        "class Block(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name.split('.')[0] in ('django', 'django_celery_beat'):\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "import celery_singleton_beat, celery_singleton_beat.beat, celery_singleton_beat.cli\n"
-        "import celery_singleton_beat.contrib\n"
-        "try:\n"
-        "    import celery_singleton_beat.contrib.django\n"
-        "except ImportError as exc:\n"
-        "    print('HINT', exc)\n"
-        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == 'django'))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert "LOADED []" in done.stdout
-    assert "pip install 'celery-singleton-beat[django]'" in done.stdout
+    assert_needs_extra("django", ("django", "django_celery_beat"), "django")
 
 
 def test_a_database_change_in_a_burst_does_not_stall_the_burst(
@@ -375,7 +357,7 @@ def db_beat_worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
 def clean(django_db: Path, redis_server: RedisServer, db_beat_worker: CeleryProcess) -> str:
     """Fresh claims, run records and schedule rows; a unique entry-name prefix."""
     db_beat_worker.check_running()
-    redis_server.client(LOCK_DB).flushdb()
+    flushdb(redis_server.client(LOCK_DB))
     redis_server.client(RECORD_DB).flushdb()
     clear_schedule()
     return f"t{uuid.uuid4().hex[:6]}-"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -183,6 +184,40 @@ def test_a_beat_stopped_in_a_burst_hands_its_claims_to_the_others(
     late = beat(redis_server, clock, schedule)
     drain(late)
     assert late.sent == []
+
+
+class StallsWhilePublishing(Beat):
+    """A publish that hangs (a broker that does not answer) until ``resume`` is set."""
+
+    resume = threading.Event()
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        assert self.resume.wait(30), "the stalled publish was never let go"
+        return super().send_task(name, args, kwargs, **options)
+
+
+def test_a_publish_stalled_past_the_pending_lease_is_sent_twice_with_one_task_id(
+        claims: redis.Redis, redis_server: RedisServer) -> None:
+    """docs/guarantees.md, docs/beat.md "Guarantees and limits": a beat whose publish stalls
+    longer than the pending lease lets another beat send the slot too; both copies carry
+    the slot's one task id, so the worker runs one."""
+    clock = Clock(START)
+    StallsWhilePublishing.resume.clear()
+    stalled = beat(redis_server, clock, {"e": 60.0}, cls=StallsWhilePublishing, singleton_beat_pending_lease=0.2)
+    other = beat(redis_server, clock, {"e": 60.0}, singleton_beat_pending_lease=0.2)
+    thread = threading.Thread(target=stalled.tick)
+    thread.start()
+    try:
+        wait_for(lambda: claim_keys(claims, "e"), timeout=10, message="the stalled beat's claim")
+        drain(other)  # finds the slot claimed, pending
+        tick_until(other, lambda: len(other.sent) == 1, "the other beat to send the slot")
+    finally:
+        StallsWhilePublishing.resume.set()
+        thread.join(30)
+    assert len(stalled.sent) == 1 and len(other.sent) == 1, "both beats sent the slot"
+    ids = {sent["options"]["task_id"] for sent in (*stalled.sent, *other.sent)}
+    assert len(ids) == 1, f"one task id for both copies: {ids}"
+    assert stalled.sent[0]["slot"] == other.sent[0]["slot"]
 
 
 # ----------------------------------------------------------------- lock value
@@ -357,7 +392,7 @@ def test_keys_table_lists_every_kind_of_key_the_library_writes() -> None:
     from celery_singleton_beat.commands import legacy_fence_key as fence_key
     from celery_singleton_beat.liveness import live_key
     from celery_singleton_beat.lock import done_key
-    from celery_singleton_beat.server import recovery_key, server_key
+    from celery_singleton_beat.window import recovery_key, server_key
 
     lock = "singleton:{t.x:" + "0" * 64 + "}"
     samples = {

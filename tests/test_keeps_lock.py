@@ -36,12 +36,15 @@ submission really decided while the first run went on).
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
+
+from celery_singleton_beat.keys import task_stats_key
 
 from .support import RedisServer, soak, wait_for
 from .support.keeps_lock import (
@@ -53,6 +56,7 @@ from .support.keeps_lock import (
     knobs,
     live_key_of,
     load_app,
+    replica_cut_off,
     run_id,
     started_run,
     wait_called,
@@ -248,6 +252,61 @@ def test_restart_without_persistence_never_runs_the_key_twice(
           f"decided in {decided - received:.2f}s: {'skipped' if skipped(second) else second.state}")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_eager_run_puts_its_lock_back_before_the_restarts_window_closes(
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], records: redis.Redis,
+    app_env: dict[str, str],
+) -> None:
+    """A holder outside any worker (an eager ``apply()`` in this test process, ``lock_ttl``
+    30 s, ``singleton_liveness_ttl`` 3 s) holds ``k``; the lock Redis is restarted empty;
+    ``k`` sent to worker B (which used the server before, so it notices the restart and
+    waits for the recovery window) must not run beside the eager run: every holder renews
+    within a third of the liveness TTL, so the eager run puts its lock back before the
+    window closes.
+
+    Before, an eager run renewed every ``lock_ttl / 3`` (10 s): B acquired ``k`` when the
+    2.5 s window closed and ran beside it, while the eager run's ``ensure_held()`` kept
+    passing.
+    """
+    lock_redis = make_redis()
+    lock_client = lock_redis.client()
+    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL="3", CSB_LOCK_REDIS=lock_redis.url())
+    app = load_app(redis_server, **app_env)
+    worker(redis_server, "b", app_env)
+    assert app.hold.apply_async(("warm",), queue="b").get(timeout=30).startswith("b@"), \
+        "B used the lock Redis before the restart (it notices the restart)"
+    records.set("hold:k", "1")
+    eager: list[Any] = []
+    thread = threading.Thread(target=lambda: eager.append(app.guarded.apply(("k",), task_id="eager-k")),
+                              name="eager-run", daemon=True)
+    thread.start()
+    wait_for(lambda: started_run(records, "k", "eager-k"), timeout=30, message="the eager run of k started")
+    # Its acquisition counted and written (the counters' batch reaching the new server would
+    # let this process notice the restart at once, whatever its renewals do).
+    wait_for(lambda: lock_client.hget(task_stats_key("singleton", app.guarded.name), "acquired"), timeout=10,
+             message="the eager run's counters written")
+    before = run_id(lock_client)
+
+    lock_redis.restart()  # SIGKILL, started again on its port: empty
+    restarted = time.time()
+    assert run_id(lock_client) != before, "the lock Redis restarted"
+    second = app.guarded.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")  # the same key
+    wait_called(records, "k", second)
+    received, decided = decision(records, "k", second.id)
+    assert started_run(records, "k", second.id) is None, \
+        "B ran k: the eager run's lock was not back when the recovery window closed"
+    assert ended_run(records, "k", "eager-k") is None, "the eager run still ran when B decided"
+
+    records.delete("hold:k")
+    thread.join(30)
+    assert eager and eager[0].get() == "held", "the eager run kept its lock to the end"
+    wait_for(second.ready, timeout=30, message="B's submission settled")
+    assert_never_beside(records, "k", "eager-k")
+    print(f"\neager holder, restart without persistence: B received k {received - restarted:.2f}s after the "
+          f"restart, decided in {decided - received:.2f}s: {'skipped' if skipped(second) else second.state}")
+
+
 # ===================================================================== case 3: AOF restart, the run ends after it
 
 
@@ -335,17 +394,13 @@ def test_fencing_tokens_grow_across_a_failover(
         primary_client, replica_client = primary.client(), replica.client()
         assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the earlier token)"
 
-        replica.send(signal.SIGSTOP)
-        try:
-            primary_client.client_kill_filter(_type="replica")  # the replica receives nothing more
+        with replica_cut_off(replica, primary_client):
             records.set("hold:k", "1")
             holder = app.hold.apply_async(("k",), queue="a")
             run = wait_started(records, "k", holder)
             written = primary_client.info("replication")["master_repl_offset"]
             primary.kill()
             killed = time.time()
-        finally:
-            replica.send(signal.SIGCONT)
         assert replica_client.info("replication")["master_repl_offset"] < written, \
             "the replica lacks the primary's last writes (A's lock)"
         wait_for_new_primary(group, old)

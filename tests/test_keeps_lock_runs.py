@@ -25,6 +25,7 @@ events, and checks that it reached its fault.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -36,7 +37,9 @@ from types import ModuleType
 import pytest
 import redis
 
-from .support import CeleryProcess, RedisServer, soak, wait_for
+from celery_singleton_beat.lock import parse_holder
+
+from .support import LOCK_DB, CeleryProcess, RedisServer, soak, wait_for
 from .support.holding_proxy import HoldingProxy
 from .support.keeps_lock import (
     assert_never_beside,
@@ -143,10 +146,19 @@ def test_a_blocked_hub_keeps_its_lease(
     wait_started(records, "k", blocked)
 
     tries: list = []
+    locks = redis_server.client(LOCK_DB)
+    key = app.block_hub.singleton_key(("k", BLOCK), {})
+    #: (time, the lock's remaining ms) read while the blocked run holds it: renewals show as a rise.
+    pttls: list[tuple[float, int]] = []
 
     def block_over() -> bool:
         if ended_run(records, "k", blocked.id) is not None:
             return True
+        with locks.pipeline(transaction=True) as pipe:
+            value, pttl = pipe.get(key).pttl(key).execute()
+        holder = parse_holder(value)
+        if holder is not None and holder.task_id == blocked.id:
+            pttls.append((time.time(), pttl))
         if not tries or tries[-1].ready():
             tries.append(app.block_hub.apply_async(("k", 0.3), queue="b"))  # same task, same key
         return False
@@ -154,6 +166,9 @@ def test_a_blocked_hub_keeps_its_lease(
     wait_for(block_over, timeout=BLOCK + 30, message="the blocked run ended")
     block = blocked.get(timeout=10)
     began, ended = block["began"], block["ended"]
+    renewed = [later for (_, before), (at, later) in itertools.pairwise(pttls)
+               if began < at < ended and later > before]
+    assert len(renewed) >= 2, f"the run's lock was renewed during the block (its keeper is a real thread): {pttls}"
     wait_for(lambda: all(t.ready() for t in tries), timeout=30, message="every second submission settled")
     decisions = [decision(records, "k", t.id) for t in tries]
     late = [d for d in decisions if d[0] >= began + SHORT_TTL and d[1] <= ended]

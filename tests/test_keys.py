@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 from kombu.utils.json import dumps, loads
 
-from celery_singleton_beat import SingletonKeyError
+from celery_singleton_beat import SingletonKeyError, SingletonTask
 from celery_singleton_beat.keys import canonical, lock_key, task_signature
 
 
@@ -46,6 +46,32 @@ def test_unique_on_callable_gives_the_identity() -> None:
     by_region = lambda customer_id, region="eu", **_: region  # noqa: E731
     assert key(1, unique_on=by_region) == key(2, unique_on=by_region)
     assert key(1, "us", unique_on=by_region) != key(1, unique_on=by_region)
+
+
+def by_customer(customer_id, region="eu", verbose=False):
+    return customer_id
+
+
+def test_a_callable_unique_on_of_a_real_task_gets_the_calls_arguments_only() -> None:
+    """``@app.task(unique_on=f)`` makes ``f`` a class attribute of the task: it must not be
+    bound as a method (called with the task first)."""
+    app = Celery("keys-callable", broker="memory://", set_as_current=False)
+    app.conf.singleton_redis_url = "redis://127.0.0.1:1/0"  # never connected: keys are computed here
+
+    @app.task(base=SingletonTask, shared=False, name="proj.sync", unique_on=by_customer)
+    def sync_task(customer_id, region="eu", verbose=False):
+        return customer_id
+
+    class Sync(SingletonTask):
+        name = "proj.sync2"
+        unique_on = by_customer
+
+        def run(self, customer_id, region="eu", verbose=False):
+            return customer_id
+
+    for task in (sync_task, app.register_task(Sync())):
+        assert task.singleton_key((1,), {"verbose": True}) == task.singleton_key((1, "us"), {})
+        assert task.singleton_key((1,), {}) != task.singleton_key((2,), {})
 
 
 def test_key_has_prefix_task_name_and_a_cluster_hash_tag() -> None:

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat import liveness
+from celery_singleton_beat import LockLost, liveness
 from celery_singleton_beat import lock as lock_module
 from celery_singleton_beat.keeper import LeaseKeeper
 from celery_singleton_beat.lock import TAKEOVER_WAIT, read_holder
+from celery_singleton_beat.run import SingletonRun
 
 from .support import wait_for
 from .support.locking import take_lock
@@ -67,6 +68,28 @@ def test_lock_of_a_dead_incarnation_is_taken_over_after_the_watch(redis_db: redi
     assert read_holder(redis_db, KEY).task_id == "b"
     assert second.lease.fence > first.lease.fence
     assert first.lease.release() is False, "the dead run's late release spares the new holder"
+
+
+def test_ensure_held_never_vouches_past_a_take_over(redis_db: redis.Redis) -> None:
+    """A worker's run whose whole process stopped (no renewal, no liveness key): another
+    worker takes its lock over after two missed renewals and the watch. From then on the
+    stopped run's ``ensure_held()`` must raise. With ``lock_ttl`` 6 s and a liveness TTL
+    of 20 s the take-over (2 x 2 s + 1 s) comes before the lease's end and before a
+    recovery window's bound (20 / 3 + 1.5 s): only the take-over bound protects it."""
+    def take_k(task_id: str, boot: str) -> Any:
+        return take_lock(redis_db, KEY, 6.0, task="t", task_id=task_id, boot=boot, live=True,
+                         liveness_prefix=PREFIX, liveness_ttl=20.0)
+
+    lease = take_k("a", "stopped").lease
+    assert lease is not None
+    keeper = LeaseKeeper()
+    run = SingletonRun(KEY, keeper.keep(lease))
+    keeper.forget(run._kept)  # type: ignore[arg-type]  # no renewal from now on: the process is stopped
+    run.ensure_held()
+    taker = wait_for(lambda: take_k("b", "other").lease, timeout=20, message="the stopped run's lock taken over")
+    assert read_holder(redis_db, KEY).raw == taker.value
+    with pytest.raises(LockLost, match="not renewed"):
+        run.ensure_held()
 
 
 def test_a_holder_that_renews_keeps_its_lock_without_its_liveness_key(redis_db: redis.Redis) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,16 +12,17 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat import counters
+from celery_singleton_beat import LockLost, counters
 from celery_singleton_beat.commands import legacy_fence_key
 from celery_singleton_beat.keeper import LeaseKeeper, get_keeper
 from celery_singleton_beat.lock import done_key, read_holder, release_for
 from celery_singleton_beat.run import SingletonRun
-from celery_singleton_beat.server import server_of
+from celery_singleton_beat.server import LockServer, server_of
 from celery_singleton_beat.wire import SocketLink
 
-from .support import RedisServer, soak, wait_for
+from .support import LOCK_DB, RedisServer, soak, wait_for
 from .support.locking import take_lock
+from .support.proxy import DelayProxy
 
 KEY = "t:{demo.task:abc}"
 
@@ -235,7 +237,7 @@ def test_a_renewal_answered_after_its_run_released_is_no_loss(redis_db: redis.Re
     # The order of a renewal that was already on its way when the run ended:
     keeper.forget(kept)  # the run ends ...
     assert lease.release()  # ... and its release executes first
-    assert LeaseKeeper._renew(kept) is None  # then the renewal's answer: not ours any more
+    assert keeper._renew(kept) is None  # then the renewal's answer: not ours any more
     assert not kept.lost and reasons == []
 
 
@@ -266,6 +268,33 @@ def test_ensure_held_fails_once_the_lease_may_have_lapsed_whatever_the_keeper_sa
     assert not run.held
 
 
+def test_ensure_held_never_vouches_past_a_restarts_recovery_window(make_redis: Callable[..., RedisServer]) -> None:
+    """A holder outside any worker (an eager run, a script: never taken over) whose renewals
+    stopped (a paused process): the lock Redis restarts empty, and another client takes
+    the key once the recovery window closes. From then on, ``ensure_held()`` must raise.
+
+    Before, it vouched for the whole ``lock_ttl`` after the last renewal (30 s here),
+    while the window lasts ``singleton_liveness_ttl / 3 + 1.5 s`` (2.5 s here)."""
+    server = make_redis()
+    holder_client, contender = server.client(), server.client()
+    holder_client.csb_server, contender.csb_server = LockServer("t", 3.0), LockServer("t", 3.0)
+    lease = take(holder_client, ttl=30.0, liveness_ttl=3.0).lease
+    assert lease is not None
+    keeper = LeaseKeeper()
+    run = SingletonRun(KEY, keeper.keep(lease))
+    keeper.forget(run._kept)  # type: ignore[arg-type]  # no renewal from now on: as if paused
+    assert take_lock(contender, "t:{other}", 30.0, task="demo.task").acquired, "the contender used the server"
+    run.ensure_held()
+
+    server.restart()  # SIGKILL, started again on its port: empty
+    taken = take_lock(contender, KEY, 30.0, task="demo.task", task_id="id-2", liveness_ttl=3.0)
+    assert taken.acquired, "the contender took the key once the recovery window closed"
+    assert server_of(contender).recovery().until > 0, "it waited for a recovery window"
+    with pytest.raises(LockLost, match="not renewed"):
+        run.ensure_held()
+    assert not run.held
+
+
 # -------------------------------------------------------------------- requests
 
 
@@ -291,9 +320,9 @@ def requests_of(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         sent.append(names_of(command))
         return send(self, command, *args, **options)
 
-    def recorded_link(self: SocketLink, data: bytes) -> None:  # the lock channel's own connection
+    def recorded_link(self: SocketLink, data: bytes, replies: int = 1) -> None:  # the lock channel's own connection
         sent.append(names_of(data))
-        send_link(self, data)
+        send_link(self, data, replies)
 
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", recorded)
     monkeypatch.setattr(SocketLink, "send", recorded_link)
@@ -335,3 +364,84 @@ def test_each_operation_is_one_request_and_counters_are_written_in_batches(
     assert {k.decode(): int(v) for k, v in observer.hgetall(stats).items()} == {
         "acquired": 1, "refused": 1, "renewed": 1, "released": 1}
     assert observer.pttl(stats) > 0, "counters expire when no longer updated"
+
+
+def test_a_flush_at_exit_waits_for_the_batch_being_written(redis_server: RedisServer, redis_db: redis.Redis) -> None:
+    """A process about to end (:func:`counters.flush_at_exit`) must not return while the
+    writer thread's batch is still on its way: the process would end with it. The
+    writer's write is held at a proxy; the flush at exit waits until it has landed."""
+    stats = "t:{stats}:task:demo.exit"
+    proxy = DelayProxy(redis_server.port, 0.0, name="counters-proxy").start()
+    client = redis.Redis.from_url(proxy.url(LOCK_DB))
+    observer = redis_server.client(LOCK_DB)
+    proxy.hold()
+    try:
+        counters.count(client, stats, "acquired")  # the writer writes it within FLUSH_EVERY
+        wait_for(lambda: proxy.held_bytes > 0, timeout=10, message="the writer's batch written, held at the proxy")
+        landed: list[dict[bytes, bytes]] = []
+        at_exit = threading.Thread(target=lambda: (counters.flush_at_exit(), landed.append(observer.hgetall(stats))))
+        at_exit.start()
+        soak(0.5, check=at_exit.is_alive, what="the flush at exit, waiting for the batch under way")
+    finally:
+        proxy.resume()
+    at_exit.join(timeout=30)
+    assert landed == [{b"acquired": b"1"}], "once the flush at exit returned, the batch had landed"
+# -------------------------------------------------------------------- a full server
+
+
+def fill_up(server: RedisServer) -> redis.Redis:
+    """Fill ``server`` and set ``maxmemory`` below what it uses, with ``noeviction`` (the policy
+    the docs require): every command that may grow memory is refused (``-OOM``) from now on.
+    Returns a client of it, having checked that a plain ``SET`` is refused."""
+    admin = server.client()
+    with admin.pipeline(transaction=False) as fill:
+        for i in range(2000):
+            fill.set(f"fill:{i}", "x" * 1000)
+        fill.execute()
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - 1_000_000)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        admin.set("probe", "x")
+    return admin
+
+
+def test_a_full_server_keeps_renewing_a_live_lease(make_redis: Callable[..., RedisServer]) -> None:
+    """Under ``maxmemory`` with ``noeviction`` a write that may grow memory is refused: the
+    native renewal (``SET ... IFEQ``, Valkey 8.1+, Redis 8.4+) too, while a renewal that
+    only compares and sets the expiry still runs. A lease kept through a full server
+    stays held for several of its TTLs, and its release still frees it.
+
+    Before, on Valkey 9.1 the keeper took the refusal for an outage and reported the
+    lease lost once it would have expired (the key then expired too)."""
+    server = make_redis()
+    client = server.client()
+    lease = take(client, ttl=1.0).lease
+    assert lease is not None and lease.renew()
+    admin = fill_up(server)
+    kept = LeaseKeeper().keep(lease)
+
+    def still_held() -> bool:
+        return not kept.lost and read_holder(admin, KEY) is not None
+
+    assert soak(3.0, check=still_held, what="the lease kept on a full server") >= 20
+    assert kept.renewals >= 4, "renewed while the server refuses writes"
+    info = server_of(client).info
+    assert info is not None and info.known, "the server was looked at (its native commands are known)"
+    assert lease.release() is True and not admin.exists(KEY), "released on a full server"
+
+
+def test_a_release_on_a_full_server_reports_what_it_did(make_redis: Callable[..., RedisServer]) -> None:
+    """The release runs on a full server (a delete frees memory) but the done marker written
+    behind it cannot: the release is reported done, not failed."""
+    server = make_redis()
+    client = server.client()
+    lease = take(client, ttl=5.0).lease
+    assert lease is not None
+    admin = fill_up(server)
+    try:
+        released = lease.release(done_ttl=60)
+    except redis.RedisError as exc:
+        pytest.fail(f"the release ran, and was reported failed: {exc}")
+    assert released is True
+    assert not admin.exists(KEY), "the lock is free"
+    assert not admin.exists(done_key(KEY, "id-1")), "no marker: the server refused to grow"

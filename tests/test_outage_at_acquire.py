@@ -24,150 +24,79 @@ prefork; refused writes on a lock Redis that is the broker also on threads and g
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery, states
-from celery.result import AsyncResult
 
-from .support import CeleryProcess, RedisServer, soak, start_worker, wait_for
+from .support import RedisServer, soak, wait_for
+from .support.outages import Held, Outage, dropped, hold_at_the_gate, open_the_gate, wait_for_output
 from .support.tasks import runs
 
-APP = "tests.apps.outage_app"
 #: How long the outage lasts, counted from its start.
 OUTAGE_SECONDS = 3.0
-#: The broker's visibility timeout in the tests' workers: an unacknowledged delivery comes back after it.
+#: The broker's visibility timeout in the tests' workers (tests/support/outages.py): an
+#: unacknowledged delivery comes back after it.
 VISIBILITY_TIMEOUT = 10.0
-#: What Celery logs when a run's message is dropped for good.
-DROPPED = "reject requeue=False"
-
-_workers = itertools.count()
-
-
-@dataclass
-class Outage:
-    """One way the lock Redis stops working, started and ended on purpose."""
-
-    kind: str
-    server: RedisServer
-
-    def begin(self) -> None:
-        if self.kind == "restart":
-            self.server.stop()  # SIGTERM: the AOF is written out, the port kept
-            assert not self.server.running
-        else:
-            with self.server.client() as admin:
-                admin.config_set("maxmemory", 1)
-                with pytest.raises(redis.exceptions.OutOfMemoryError):
-                    admin.set("outage:probe", "1")  # the outage is real: writes are refused
-
-    def end(self) -> None:
-        if self.kind == "restart":
-            self.server.start()  # same port, same directory: the AOF is loaded
-        else:
-            with self.server.client() as admin:
-                admin.config_set("maxmemory", 0)
-
-
-@pytest.fixture
-def client_apps() -> Iterator[list[Celery]]:
-    """Celery apps the test publishes with; closed at its end."""
-    made: list[Celery] = []
-    yield made
-    for app in made:
-        app.close()
-
-
-def dropped(worker: CeleryProcess) -> bool:
-    return DROPPED in worker.output()
-
-
-def wait_for_output(workers: list[CeleryProcess], text: str, timeout: float) -> None:
-    """Wait until one of ``workers`` logged ``text``, whether it still runs or not (see
-    :class:`Ran`: Celery's consumer may exit on a broker restart, its pool child logs on)."""
-    wait_for(lambda: any(text in worker.output() for worker in workers), timeout=timeout,
-             message=f"{text!r} in the log of {', '.join(worker.name for worker in workers)}")
-
-
-@dataclass
-class Ran:
-    """What a run through an outage left: its worker (and how to start another), its
-    result, the broker's server.
-
-    ``redelivered``: the run's delivery cannot be acknowledged (``acks_late``, and the
-    broker restarted under it: Celery cannot ack on the lost connection); it comes back
-    after the visibility timeout and must end without running (the done marker). On
-    that broker restart kombu 5.7's consumer may even exit ("Unrecoverable error:
-    AttributeError ... 'hostname'", while restoring the unacknowledged message; a
-    plain Celery ``acks_late`` task does the same) while the pool child finishes the
-    run: a standby worker then receives the copy.
-    """
-
-    worker: CeleryProcess
-    result: AsyncResult
-    broker: RedisServer
-    pool: str
-    env: dict[str, str]
-    redelivered: bool
 
 
 def run_through_an_outage(
     kind: str, lock_is_broker: bool, task: str, pool: str, *, redis_server: RedisServer,
     make_redis: Callable[..., RedisServer], records: redis.Redis, client_apps: list[Celery], gate: Path,
-) -> Ran:
+) -> Held:
     """Publish one run, start the outage just before its acquire, end it ~3 s later;
-    return once the run ended (or was dropped)."""
-    lock_server = make_redis("--appendonly", "yes", "--maxmemory-policy", "noeviction")
-    broker = lock_server if lock_is_broker else redis_server
-    base = f"redis://127.0.0.1:{broker.port}"
-    env = {"CSB_OUTAGE_BROKER": base, "CSB_LOCK_REDIS": lock_server.url(2), "CSB_GATE": str(gate),
-           "CSB_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT)}
-    worker = start_worker(redis_server, APP, f"outage{next(_workers)}", pool=pool, concurrency=2, env=env)
-    worker.wait_for_line("concurrency:", f"2 ({'thread' if pool == 'threads' else pool}", timeout=5)
-    # Published without a result backend (Celery's Redis backend would subscribe to the
-    # result at once, on the server that goes down); read by polling once it is back.
-    publisher = Celery("outage-publisher", broker=f"{base}/0")
-    reader = Celery("outage-reader", broker=f"{base}/0", backend=f"{base}/1")
-    client_apps.extend([publisher, reader])
-    result = reader.AsyncResult(publisher.send_task(f"{APP}.{task}", ("k",)).id)
-    wait_for(lambda: (gate / f"waiting-{result.id}").exists(), timeout=30,
-             message="the run held at the gate, just before its acquire")
-    if task == "job":  # the issue's case: acknowledged before the outage (threads and gevent ack later)
-        with broker.client(0) as queue:
-            wait_for(lambda: queue.hlen("unacked") == 0, timeout=10, message="Celery's early acknowledgement")
+    return once the run ended (or was dropped).
 
+    When the run's delivery cannot be acknowledged (:func:`redelivered`), a standby
+    worker is started once the outage is over, for the copy that comes back.
+    """
+    lock_server = make_redis("--appendonly", "yes", "--maxmemory-policy", "noeviction")
+    held = hold_at_the_gate(task, pool, redis_server=redis_server, lock_server=lock_server,
+                            broker=lock_server if lock_is_broker else redis_server, client_apps=client_apps,
+                            gate=gate)
     outage = Outage(kind, lock_server)
     outage.begin()
-    (gate / "open").touch()
-    wait_for_output([worker], f"[{result.id}] not started, Redis unavailable", timeout=30)
+    open_the_gate(held)
 
     def not_run_and_not_dropped() -> bool:
         assert runs(records, "k") == [], "the run executed without its lock"
-        assert not dropped(worker), f"the run was dropped: {worker.tail(20)}"
+        assert not dropped(held.worker), f"the run was dropped: {held.worker.tail(20)}"
         return True
 
     soak(OUTAGE_SECONDS, check=not_run_and_not_dropped, what=f"the {kind} outage")
     outage.end()
-    wait_for(lambda: dropped(worker) or result.state in states.READY_STATES, timeout=60,
+    if redelivered(kind, lock_is_broker, task):
+        held.standby(redis_server)
+    wait_for(lambda: dropped(held.worker) or held.result.state in states.READY_STATES, timeout=VISIBILITY_TIMEOUT + 60,
              message="the run to end once Redis is back")
-    return Ran(worker, result, broker, pool, env,
-               redelivered=kind == "restart" and lock_is_broker and task == "job_late")
+    return held
 
 
-def check_ran_once(ran: Ran, redis_server: RedisServer, records: redis.Redis) -> None:
+def redelivered(kind: str, lock_is_broker: bool, task: str) -> bool:
+    """Whether the run's delivery cannot be acknowledged: ``acks_late``, and the broker
+    restarted under it. Then either the run waits in its worker and executes once Redis
+    is back, and its acknowledgement is lost with the connection: the message comes back
+    after the visibility timeout and must end without running (the done marker); or
+    kombu 5.7's consumer exits on that broker restart ("Unrecoverable error:
+    AttributeError ... 'hostname'", while restoring the unacknowledged message; a plain
+    Celery ``acks_late`` task does the same), the worker stops, and the waiting run gives
+    its message back (a worker that stops does not wait for Redis): it comes back after
+    the visibility timeout and runs on the standby."""
+    return kind == "restart" and lock_is_broker and task == "job_late"
+
+
+def check_ran_once(ran: Held, redelivered: bool, redis_server: RedisServer, records: redis.Redis) -> None:
     """Executed once, SUCCESS, never rejected; in the end no copy of its message is left
     in the queue or unacknowledged, and none ran a second time."""
     assert not dropped(ran.worker), f"the run was dropped: {ran.worker.tail(20)}"
     assert ran.result.get(timeout=10) == "k"
     assert ran.result.state == states.SUCCESS
     assert [run["task_id"] for run in runs(records, "k")] == [ran.result.id], "executed once"
-    if ran.redelivered:
-        standby = start_worker(redis_server, APP, f"standby{next(_workers)}", pool=ran.pool, env=ran.env)
-        wait_for_output([ran.worker, standby], f"[{ran.result.id}] already completed; this delivery of the "
+    if redelivered and not ran.log_of(f"[{ran.result.id}] gives its message back to the broker (the worker is "
+                                      "shutting down)"):
+        wait_for_output(ran.workers, f"[{ran.result.id}] already completed; this delivery of the "
                         "same message ends without running", timeout=VISIBILITY_TIMEOUT + 30)
     with ran.broker.client(0) as queue:  # kombu's Redis transport: the queue and the unacked messages
         wait_for(lambda: queue.llen("celery") == 0 and queue.hlen("unacked") == 0, timeout=10,
@@ -187,7 +116,7 @@ def test_an_outage_at_the_acquire_delays_the_run_and_never_drops_it(
     ran = run_through_an_outage(
         kind, lock_is_broker, task, "prefork", redis_server=redis_server, make_redis=make_redis,
         records=records, client_apps=client_apps, gate=tmp_path)
-    check_ran_once(ran, redis_server, records)
+    check_ran_once(ran, redelivered(kind, lock_is_broker, task), redis_server, records)
 
 
 @pytest.mark.parametrize("task", ["job", "job_late"], ids=["acked-early", "acks_late"])
@@ -202,4 +131,4 @@ def test_refused_writes_at_the_acquire_never_drop_the_run_on_other_pools(
     ran = run_through_an_outage(
         "refused-writes", True, task, pool, redis_server=redis_server, make_redis=make_redis,
         records=records, client_apps=client_apps, gate=tmp_path)
-    check_ran_once(ran, redis_server, records)
+    check_ran_once(ran, redelivered("refused-writes", True, task), redis_server, records)

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import redis
 
+from celery_singleton_beat.keys import task_stats_key
 from celery_singleton_beat.liveness import live_key
 from celery_singleton_beat.lock import read_holder
 
@@ -209,13 +210,18 @@ def test_a_lock_database_flushed_mid_run_is_reported_as_lock_lost(
     tasks: ModuleType, redis_server: RedisServer, records: redis.Redis,
     make_redis: Callable[..., RedisServer],
 ) -> None:
-    """FLUSHALL of the lock Redis (no restart, so no recovery window): every lock is gone,
-    anyone may take them; running holders are told at their next renewal."""
+    """FLUSHALL of the lock Redis under connections made before it (no restart): every lock
+    is gone, anyone may take them; running holders are told at their next renewal. (A
+    process that connects afterwards finds the server record gone too, and opens a
+    recovery window: tests/test_recovery_windows.py.)"""
     lock_server = make_redis()
     worker = start_worker(redis_server, APP, "w1", concurrency=1,
                           env={"CSB_LOCK_REDIS": lock_server.url()}, extra=["-Q", "restart"])
     result = tasks.watch_lease.apply_async(("k", 20.0), queue="restart")
     wait_for(lambda: records.get("running:k"), timeout=30, message="run started")
+    stats = task_stats_key("singleton", tasks.watch_lease.name)
+    wait_for(lambda: lock_server.client().hget(stats, "renewed"), timeout=30,
+             message="the lease renewed (its keeper's connection made before the flush)")
     lock_server.client().flushall()
     records.set("retaken:k", "1")
     assert result.get(timeout=30) == "LockLost"

@@ -55,9 +55,10 @@ from celery_singleton_beat.config import (
     validate_settings,
 )
 from celery_singleton_beat.lock import read_holder, release_value
+from celery_singleton_beat.window import mark_in_use
 
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
-from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots
+from .support.beat import ManualClock, RealClock, RecordingScheduler, beat_app, beat_loop, run_ticks, sent_slots
 from .support.locking import take_lock
 from .support.slots import UTC, duplicates_and_misses
 from .support.tasks import settled
@@ -175,6 +176,9 @@ def test_key_prefixes_keep_apps_on_one_redis_apart(redis_db: redis.Redis, redis_
         _app(broker=redis_server.url(2), backend="rpc://",
              broker_transport_options={"global_keyprefix": "tenant:"}),
     ]
+    with redis_server.client(2) as locks:  # a Redis in use for both prefixes (see support.servers)
+        for prefix in ("app-a", "app-b"):
+            mark_in_use(locks, prefix)
     keys = []
     for app in apps:
         @app.task(base=SingletonTask, shared=False, name="proj.sync")
@@ -614,23 +618,6 @@ def test_async_replication_loses_a_lock_and_wait_refuses_it() -> None:
 # ===================================================================== Sentinel failover, measured
 
 
-class _RealClock:
-    """Beat's clock in the failover test: real time."""
-
-    def now(self) -> datetime:
-        return datetime.now(UTC)
-
-
-def _beat_loop(beat: Any, stop: threading.Event, errors: list[str]) -> None:
-    while not stop.is_set():
-        try:
-            delay = beat.tick()
-        except Exception as exc:
-            errors.append(repr(exc))
-            delay = 0.05
-        stop.wait(min(max(delay, 0.0), 0.05))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # every wait inside has its own, shorter deadline
 @pytest.mark.parametrize("how", ["sentinel-failover", "kill-primary"])
@@ -648,7 +635,7 @@ def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records
         processes.append(start_worker(redis_server, APP, f"fo-{how}", concurrency=6,
                                       env={"CSB_LOCK_REDIS": group.url, "CSB_BACKOFF_MAX": "1",
                                            "CSB_LOCK_TTL": "3"}))
-        clock = _RealClock()
+        clock = RealClock()
         fast = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
         beats = [RecordingScheduler(app=beat_app(clock, {"tick": {"task": "t.tick", "schedule": 0.5}}, group.url,
                                                  singleton_redis_options=fast))
@@ -666,7 +653,7 @@ def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records
                 i += 1
                 stop.wait(0.1)
 
-        threads = [threading.Thread(target=_beat_loop, args=(beat, stop, beat_errors)) for beat in beats]
+        threads = [threading.Thread(target=beat_loop, args=(beat, stop, beat_errors)) for beat in beats]
         threads.append(threading.Thread(target=publish))
         long_runs = [tasks.long_run.delay(f"lease{i}", 8.0) for i in range(3)]
         for thread in threads:

@@ -1,6 +1,6 @@
 """User code that uses the package passes ``mypy --strict`` (the package ships ``py.typed``).
 
-mypy runs in a subprocess on a small user module written the way the README's Usage
+mypy runs in a subprocess on a small user module written the way docs/tasks.md ("In the body")
 shows a task body: ``self.singleton_run.ensure_held()`` and the fencing token. The
 package is found on ``mypy_path`` and checked silently, as mypy treats an installed
 package; Celery ships no types, so the user's configuration ignores its missing
@@ -29,7 +29,7 @@ ignore_missing_imports = True
 follow_imports = silent
 """
 
-#: README Usage: a long body that checks its lease and fences its writes.
+#: docs/tasks.md, "In the body": a long body that checks its lease and fences its writes.
 README_BODY = """\
 from celery import Celery
 

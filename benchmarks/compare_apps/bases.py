@@ -13,7 +13,8 @@ def task_base(app: Celery, variant: str, locks_url: str) -> type[Task]:
     """``variant``'s task base class, its Redis set to ``locks_url`` in ``app.conf``.
 
     ``plain`` / ``redbeat`` (beats run with RedBeat) -> ``celery.Task``, ``ours`` ->
-    ``SingletonTask``, ``celery_singleton`` -> ``Singleton``, ``celery_once`` ->
+    ``SingletonTask`` (``ours_redbeat``: the same, beats run with ``SingletonRedBeatScheduler``),
+    ``celery_singleton`` -> ``Singleton``, ``celery_once`` ->
     ``QueueOnce``. Raises ``RuntimeError`` for anything else.
     """
     if variant == "plain":
@@ -21,10 +22,12 @@ def task_base(app: Celery, variant: str, locks_url: str) -> type[Task]:
     if variant == "redbeat":
         app.conf.redbeat_redis_url = locks_url
         return Task
-    if variant == "ours":
+    if variant in ("ours", "ours_redbeat"):
         from celery_singleton_beat import SingletonTask
 
         app.conf.singleton_redis_url = locks_url
+        if variant == "ours_redbeat":
+            app.conf.redbeat_redis_url = locks_url
         return SingletonTask
     if variant == "celery_singleton":
         from celery_singleton import Singleton

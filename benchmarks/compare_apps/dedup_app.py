@@ -7,7 +7,8 @@ Configured by environment (set by the benchmark for every process it starts):
 * ``CMP_VARIANT``: the task's base class:
   ``plain`` (``celery.Task``), ``celery_singleton`` (``celery_singleton.Singleton``),
   ``celery_once`` (``celery_once.QueueOnce``), ``ours`` (``SingletonTask``),
-  ``redbeat`` (``celery.Task``, for beats run with ``-S redbeat.RedBeatScheduler``).
+  ``redbeat`` (``celery.Task``, for beats run with ``-S redbeat.RedBeatScheduler``),
+  ``ours_redbeat`` (``SingletonTask``, for beats run with ``SingletonRedBeatScheduler``).
   Each library is used with its default options.
 * ``CMP_MAX_LOOP``: ``beat_max_loop_interval`` in seconds (empty: Celery's default).
 * ``CMP_INTERVAL`` (seconds, default 1), ``CMP_SLEEP`` (seconds, default 0.05).

@@ -29,7 +29,7 @@ from ..exceptions import SingletonError
 from ..keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
 from ..liveness import live_key
 from ..lock import done_key
-from ..server import recovery_key, server_key
+from ..window import recovery_key, server_key
 
 __all__ = [
     "AdminError",
@@ -192,7 +192,8 @@ class KeySpace:
     * ``<p>:{beat}:history`` / ``<p>:{beat}:stats`` the beat's capped history
       and its counter totals;
     * ``<p>:server`` the server last seen serving the data, ``<p>:recovery`` an
-      open recovery window (see :mod:`~celery_singleton_beat.server`).
+      open recovery window (on Redis Cluster one of each per shard,
+      ``<p>:server:{<n>}`` and ``<p>:recovery:{<n>}``; see :mod:`~celery_singleton_beat.window`).
 
     Keys are matched whole (a task named ``beats.x`` is not a beat key).
     """
@@ -215,6 +216,8 @@ class KeySpace:
             server_key(prefix): "server-record",
             recovery_key(prefix): "recovery-window",
         }
+        #: One per Redis Cluster shard (see :func:`~celery_singleton_beat.window.records_of`).
+        self._shard_record = re.compile(rf"{p}:(?P<kind>server|recovery):\{{[0-9]+\}}\Z", re.S)
         self._task_stats = task_stats_key(prefix, "")
         self._beat_stats = beat_stats_key(prefix, "")
 
@@ -243,6 +246,9 @@ class KeySpace:
             return "fence" if match["fence"] else ("queued" if match["queued"] else "lock")
         if key in self._fixed:
             return self._fixed[key]
+        shard_record = self._shard_record.match(key)
+        if shard_record is not None:
+            return "server-record" if shard_record["kind"] == "server" else "recovery-window"
         if key.startswith(self._live) and re.fullmatch(r"[0-9a-f]+", key[len(self._live):]):
             return "live"
         if key.startswith(self._probe):

@@ -46,11 +46,18 @@ HolderState = Literal["running", "stale", "silent"]
 
 @dataclass(frozen=True)
 class HeldLock:
-    """A task lock as read from Redis."""
+    """A task lock as read from Redis: ``celery singleton locks`` shows one per row."""
 
+    #: The lock's key, ``<prefix>:{<task>:<sha256>}`` (``...:queued`` for a queue claim).
     key: str
+    #: The task's registered name.
     task: str
+    #: ``run`` (a running task), ``claim`` (a queued ``until_executed`` message),
+    #: ``queued`` (the queue claim of ``until_executing``) or ``unknown`` (not a lock record).
     kind: LockKind
+    #: Who holds it, from its value: ``task_id``, ``node``, ``pid``, ``boot`` (the worker
+    #: incarnation), ``acquired_at`` (Unix time), ``ttl`` and ``every`` (its lease and renewal
+    #: interval, seconds), ``claim``.
     holder: Holder
     #: The value read, for compare-and-delete.
     value: bytes | str
@@ -60,7 +67,9 @@ class HeldLock:
     @property
     def renewed_ago(self) -> float | None:
         """Seconds since the holder last renewed the lock (its lease minus the TTL left);
-        None for a claim, or a value that does not say its lease (before 0.3)."""
+        None for a claim, or a value that does not record its lease (written by 0.2). A run
+        lock whose ``renewed_ago`` keeps growing past a few renewal intervals has a holder
+        that stopped renewing."""
         lease = self.holder.ttl
         if lease is None or self.ttl is None or self.holder.claim:
             return None

@@ -9,13 +9,16 @@
 * :mod:`.anchoring`: the start-up rule (which slot an entry continues after);
 * :mod:`.breaker`: back-off while Redis is unreachable;
 * :mod:`.scheduler`: :class:`SingletonSchedulerMixin` wiring them into Celery's
-  ``Scheduler`` hooks, and :class:`SingletonScheduler`.
+  ``Scheduler`` hooks, and :class:`SingletonScheduler`;
+* :mod:`.following`: for schedulers whose entries change while they run;
+* :mod:`.embedded`: beat inside a worker (``-B``): ``-S`` refused, a foreign beat warned.
 
 See ``docs/beat.md`` for the rules and guarantees.
 """
 
 from __future__ import annotations
 
+from . import embedded  # noqa: F401 (connects the worker's start-up checks)
 from .claims import read_history
 from .entries import (
     CLAIM_HEADER,

@@ -69,16 +69,27 @@ class ClaimRounds:
         if self.breaker.is_open():
             mine.error = "Redis unavailable (waiting before the next attempt)"
             return mine, now
-        batch = [(mine, entry)]
-        batch.extend(self._due_candidates(self._now(), exclude=entry.name,
-                                          limit=self.claim_batch_size - 1))
         try:
-            self._claim_many(batch)
+            wait = self.claims.reach()
+            if wait <= 0:
+                batch = [(mine, entry)]
+                batch.extend(self._due_candidates(self._now(), exclude=entry.name,
+                                                  limit=self.claim_batch_size - 1))
+                self._claim_many(batch)
+                wait = self.claims.window_left()
+                if wait > 0:
+                    # This very round trip found the server new (its connection was the first
+                    # to it): a beat still on the former primary may have claimed the same
+                    # slots there. Give them back and claim again once every beat wrote back.
+                    self._hand_back([claim for claim, _ in batch if claim.won])
         except redis.RedisError as exc:
             self.breaker.failed(exc)
             mine.error = f"{type(exc).__name__}: {exc}"
             return mine, now
         self.breaker.ok()
+        if wait > 0:  # a restart or failover: every beat writes back its claims first
+            return Claim(entry.name, slot, mine.key, None, deferred=wait,
+                         error=f"the lock Redis's recovery window ({wait:.1f}s left)"), now
         for claim, _ in batch[1:]:
             self._prefetched[claim.name] = (claim, now)
         return mine, now
@@ -223,6 +234,18 @@ class ClaimRounds:
         """Take over (and send) slots whose claim stayed unsent past its pending lease."""
         watches = self.handover.due_watches(now, self.claim_batch_size)
         if not watches:
+            return
+        error: redis.RedisError | None = None
+        try:
+            wait = self.claims.reach()
+        except redis.RedisError as exc:
+            wait, error = 0.0, exc
+        if wait > 0 or error is not None:
+            # A recovery window (the holder may be writing back a mark the server lost),
+            # or Redis down: look again once it is over.
+            if error is not None:
+                self.breaker.failed(error)
+            self.handover.later(watches, now + (wait or self.breaker.remaining()))
             return
         at = round(self._now().timestamp(), 3)
         mine = claim_value(self.instance_id, at, PENDING)

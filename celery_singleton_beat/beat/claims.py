@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,10 +42,13 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..client import ReplicasNotAcknowledged, group_by_node, is_cluster
+from ..events import logger
 from ..keys import beat_stats_key
 from ..lock import release_value
 from ..scripts import STATS_TTL_MS, LuaScript
+from ..server import server_of
 from .entries import history_key, stats_key
+from .recovery import KeptClaims
 from .slots import Slot
 
 __all__ = [
@@ -94,6 +98,9 @@ class Claim:
     holder: str | None = None  # the instance holding it
     holder_value: bytes | None = None  # the holder's exact value, when lost
     error: str | None = None
+    #: Not claimed yet: the lock Redis's recovery window is open for that many more
+    #: seconds (the slot is claimed once it is over).
+    deferred: float = 0.0
 
     @property
     def holder_state(self) -> str | None:
@@ -260,6 +267,11 @@ class ClaimStore:
         self.history_size = history_size
         #: False once the server refused ``SET NX GET`` (Redis < 7).
         self.use_set_get = True
+        #: The claims this beat holds, to write back into a server that lost them.
+        self.kept = KeptClaims()
+        self._epoch = 0
+        #: Monotonic time of the last :meth:`reach`.
+        self.reached = 0.0
 
     @property
     def client(self) -> Any:
@@ -279,6 +291,8 @@ class ClaimStore:
         trip when no replica wait is asked for; their outcomes are returned.
         """
         value = claim_value(self.instance_id, at, PENDING)
+        server = server_of(self.client)
+        epoch = server.epoch
         try:
             replies, marked = self._set(batch, value, marks)
         except redis.ResponseError as exc:
@@ -293,9 +307,12 @@ class ClaimStore:
             claim.holder_value = None if won else holder
             if won:
                 claim.holder = self.instance_id
+                self.kept.wrote(claim.key, value, None, self.ttl_ms(claim.slot), epoch)
             else:
                 parsed = parse_claim(holder)
                 claim.holder = None if parsed is None else parsed.get("instance")
+        self._keep(marks, marked, epoch)
+        self._write_back(server)
         return marked
 
     def _set(self, batch: Sequence[Claim], value: str, marks: Sequence[tuple[str, str, str, int]]
@@ -375,7 +392,59 @@ class ClaimStore:
 
     def swap(self, swaps: Sequence[tuple[str, bytes | str, str, int]]) -> list[tuple[bool, bytes | None]]:
         """Compare-and-set claims (mark sent, hand back, take over) in one round trip."""
-        return swap_many(self.client, swaps)
+        server = server_of(self.client)
+        epoch = server.epoch
+        outcomes = swap_many(self.client, swaps)
+        self._keep(swaps, outcomes, epoch)
+        self._write_back(server)
+        return outcomes
+
+    def _keep(self, swaps: Sequence[tuple[str, bytes | str, str, int]],
+              outcomes: Sequence[tuple[bool, bytes | None]], epoch: int) -> None:
+        """Note what this beat's compare-and-sets wrote; forget the claims another beat holds now."""
+        for (key, old, new, ttl_ms), (swapped, current) in zip(swaps, outcomes, strict=True):
+            if swapped:
+                self.kept.wrote(key, new, old, ttl_ms, epoch)
+            elif current is not None:
+                self.kept.forget(key)
+
+    def reach(self) -> float:
+        """Make sure this process talks to the server now serving the claims, and write back
+        what it lost; the seconds of recovery window still open (0.0: claim away).
+
+        Takes a connection from the pool and gives it back: a Sentinel pool follows the
+        primary (:mod:`..sentinel`), a connection the server closed is made again, and a
+        new connection is looked at (:mod:`..window`) -- no command when nothing changed.
+        """
+        client = self.client
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None:  # not on Cluster (each node's connections are looked at as they connect)
+            follow = getattr(pool, "follow", None)
+            if follow is not None:
+                follow()  # Sentinel: ask for the primary now, not within half a second
+            pool.release(pool.get_connection("_"))
+        self.reached = time.monotonic()
+        server = server_of(client)
+        self._write_back(server)
+        return self.window_left()
+
+    def window_left(self) -> float:
+        """Seconds of the lock Redis's recovery window still open, as this process knows it."""
+        return server_of(self.client).recovery().left()
+
+    def _write_back(self, server: Any) -> None:
+        """Once this process finds the data on a server that may lack it (a restart without
+        an append-only file, a promoted replica), write back the claims this beat still
+        keeps from before (see :mod:`.recovery`)."""
+        if server.epoch == self._epoch:
+            return
+        self._epoch = server.epoch
+        try:
+            self.kept.put_back(lambda script, calls: _evalsha_pipelined(self.client, script, calls),
+                               server.epoch, server.recovery_reason or "restarted or failed over")
+        except redis.RedisError as exc:
+            self._epoch = -1  # try again with the next round trip
+            logger.warning("beat: could not write back recent slot claims: %s", exc)
 
     def record(self, won: Sequence[tuple[Claim, Any]], lost: Sequence[tuple[Claim, Any]],
                taken_over: Sequence[tuple[Claim, Any]], at: float) -> None:

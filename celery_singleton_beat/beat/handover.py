@@ -125,6 +125,11 @@ class Handover:
         try to claim), only to learn its holder: an unsent one found is then watched."""
         heapq.heappush(self._watched, Watch(due, next(self._order), claim))
 
+    def later(self, watches: Iterable[Watch], due: float) -> None:
+        """Put ``watches`` back, to be looked at (or retried) at ``due``."""
+        for watch in watches:
+            heapq.heappush(self._watched, Watch(due, next(self._order), watch.claim, retry=watch.retry))
+
     def due_watches(self, now: float, limit: int) -> list[Watch]:
         """Remove and return up to ``limit`` watches whose time has come."""
         due: list[Watch] = []

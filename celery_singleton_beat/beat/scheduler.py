@@ -39,6 +39,7 @@ from celery.exceptions import ImproperlyConfigured
 from ..client import get_redis
 from ..config import SingletonSettings, get_settings, sanitize_redis_url
 from ..events import logger
+from ..sentinel import FOLLOW_EVERY
 from ..startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 from .anchoring import Provisional, SlotAnchoring
 from .breaker import Breaker
@@ -273,9 +274,29 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             if self.handover.marks_due(now):
                 self._mark_sent()
         wake = self.handover.next_wake(time.monotonic())
+        follow = self._follow_server()
+        if follow is not None:
+            wake = follow if wake is None else min(wake, follow)
         if self._server_check.pending:
             wake = min(wake, self._server_check.wait()) if wake is not None else self._server_check.wait()
         return float(delay) if wake is None else min(float(delay), wake)
+
+    def _follow_server(self) -> float | None:
+        """While claims this beat wrote recently could still be taken over by another beat
+        (within a pending lease), look at the server every :data:`.sentinel.FOLLOW_EVERY`
+        seconds: a failover or restart that lost them is then found, and they are
+        written back, before another beat could take them over. Seconds until the next look."""
+        lease = self.singleton_settings.beat_pending_lease
+        if self.breaker.is_open() or not self.claims.kept.written_within(lease):
+            return None
+        wait = self.claims.reached + FOLLOW_EVERY - time.monotonic()
+        if wait <= 0:
+            try:
+                self.claims.reach()
+            except redis.RedisError as exc:
+                logger.debug("beat: could not look at the claims Redis: %s", exc)
+            wait = FOLLOW_EVERY
+        return wait
 
     def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
         """Compare the schedule with its copy once per burst, not once per tick.

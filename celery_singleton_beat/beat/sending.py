@@ -218,6 +218,11 @@ class SlotSending(ClaimRounds, _SchedulerBase):
             logger.info("beat: %s: slot %s already claimed by %s, skipping",
                         name, slot.label, claim.holder or "another instance")
             return None
+        if claim.deferred:  # never sent unclaimed, fail open or not: Redis answers
+            logger.info("beat: %s: slot %s waits: %s", name, slot.label, claim.error)
+            self._handled[name] = slot_before(entry.schedule, slot)
+            self._reheap[name] = claim.deferred
+            return None
         if self.singleton_settings.beat_fails_open:
             logger.warning("beat: %s: slot %s sent WITHOUT a claim (fail open): Redis unavailable: %s",
                            name, slot.label, claim.error)

@@ -38,8 +38,6 @@ What this class adds to ``SingletonSchedulerMixin`` + ``DatabaseScheduler``:
 
 from __future__ import annotations
 
-import logging
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 try:
@@ -52,28 +50,16 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         ) from exc
     raise
 
-from celery import schedules
-
 from celery_singleton_beat import SingletonSchedulerMixin
+from celery_singleton_beat.beat.following import ScheduleFollower
 
 __all__ = ["HEADER_OPTION", "SingletonDatabaseScheduler", "SingletonModelEntry"]
-
-logger = logging.getLogger("celery_singleton_beat.contrib.django")
 
 #: Key of ``PeriodicTask.headers`` read as the entry's ``singleton`` option
 #: (``true``, ``false`` or ``{"key": ..., "include_args": ...}``); not sent.
 HEADER_OPTION = "singleton"
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_MICROSECOND = timedelta(microseconds=1)
 _ABSENT = object()
-
-
-def _floor(at: datetime, period: timedelta) -> datetime:
-    """The latest epoch-aligned multiple of ``period`` at or before ``at`` (UTC)."""
-    step = period // _MICROSECOND
-    elapsed = (at.astimezone(timezone.utc) - _EPOCH) // _MICROSECOND
-    return _EPOCH + timedelta(microseconds=elapsed // step * step)
 
 
 class SingletonModelEntry(ModelEntry):
@@ -103,7 +89,7 @@ class SingletonModelEntry(ModelEntry):
         return fields
 
 
-class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
+class SingletonDatabaseScheduler(ScheduleFollower, SingletonSchedulerMixin, DatabaseScheduler):
     """django-celery-beat's database scheduler, sending each slot from one beat only.
 
     Run as many beats on one database as you like; they share the schedule
@@ -117,13 +103,6 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
     """
 
     Entry = SingletonModelEntry
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Per entry name: the schedule this beat last built its heap with.
-        self._seen_schedules: dict[str, Any] = {}
-        # Entries handled before that the database no longer returns.
-        self._away: set[str] = set()
-        super().__init__(*args, **kwargs)
 
     def should_sync(self) -> bool:
         """Write ``last_run_at`` / ``total_run_count`` after a burst, not inside it.
@@ -162,51 +141,6 @@ class SingletonDatabaseScheduler(SingletonSchedulerMixin, DatabaseScheduler):
             self._heap_invalidated = False
             return False
         return super().schedules_equal(old_schedules, new_schedules)
-
-    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
-        self._follow_schedule_changes(self.schedule)
-        super().populate_heap(*args, **kwargs)
-
-    def _follow_schedule_changes(self, entries: dict[str, Any]) -> None:
-        """Re-anchor entries whose schedule changed or that come back to the schedule.
-
-        Called each time the heap is rebuilt, which ``DatabaseScheduler`` makes
-        happen after every change in the database. An entry continues after
-        the last slot this beat handled, on its current schedule: an interval
-        entry's next slot is the next multiple of the (new) period after it.
-        Slots missed meanwhile (the entry was disabled, or its new schedule has
-        a slot between the last one handled and now) follow the start-up rule,
-        ``singleton_beat_catch_up``: ``"latest"`` sends the latest one at once
-        (unless another beat already claimed it), ``"none"`` counts slots up to
-        now as handled. Every beat computes the same slots, so the claims still
-        give one send per slot while beats see a change at slightly different
-        moments.
-        """
-        handled = self.handled_entries()
-        for name in handled:
-            if name not in entries and name not in self._away:
-                # Disabled, deleted, or (crontab rows) outside django-celery-beat's
-                # window of hours: kept, re-anchored if it comes back.
-                logger.debug("beat: %s: not in the schedule read from the database", name)
-                self._away.add(name)
-        for name, entry in entries.items():
-            schedule = entry.schedule
-            seen = self._seen_schedules.get(name, _ABSENT)
-            self._seen_schedules[name] = schedule
-            back = name in self._away
-            self._away.discard(name)
-            if name not in handled or not (back or (seen is not _ABSENT and seen != schedule)):
-                continue
-            last = handled[name]
-            if isinstance(schedule, schedules.schedule):
-                last = _floor(last, schedule.run_every)
-            anchored = self.reanchor(entry, last)
-            if back:
-                logger.debug("beat: %s: back in the schedule; slots after %s are due",
-                             name, anchored.isoformat())
-            else:
-                logger.info("beat: %s: schedule changed from %s to %s; slots after %s are due",
-                            name, seen, schedule, anchored.isoformat())
 
     @property
     def info(self) -> str:

@@ -100,6 +100,7 @@ def record(self: Any, entry: str, *args: Any) -> None:
         "slot": getattr(self.request, "singleton_beat_slot", None),
         "instance": getattr(self.request, "singleton_beat_instance", None),
         "task_id": self.request.id,
+        "sent_at": getattr(self.request, "csb_sent_at", None),  # set by beats of tests.apps.redbeat_app
         "at": time.time(),
     }))
 

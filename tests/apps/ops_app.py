@@ -71,3 +71,12 @@ def hold_claimed(self: SingletonTask, key: str) -> str:
         while not r.exists(f"go:{key}") and time.monotonic() < deadline:
             time.sleep(0.02)
     return key
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"], ignore_result=True)
+def brief(self: SingletonTask, key: str) -> None:
+    """Returns at once, its result not stored: on a worker without task events nobody sees
+    its end, so its release's reply is read later (with the next acquire, or by the
+    channel's flusher thread). Adds ``key`` to the set ``brief`` of the record database."""
+    with redis.Redis.from_url(f"{BASE}/3") as r:
+        r.sadd("brief", key)

@@ -5,7 +5,8 @@ records db 3: always direct) and ``CSB_LOCK_REDIS`` (the locks: the tests give o
 worker a delaying proxy in front of the lock database and another the same
 database directly).
 
-``step`` records every run it makes in ``runs:<key>`` (``{"task_id", "note"}``);
+``step`` (and ``quiet``, which ignores its result) records every run it makes in
+``runs:<key>`` (``{"task_id", "note"}``) and ``ended:<task id>`` once its run is over;
 a run lasts while ``hold:<key>`` is set in the record database (at most 60 s),
 so a test decides when it ends.
 """
@@ -17,6 +18,7 @@ import os
 import time
 
 from celery import Celery
+from celery.signals import task_postrun
 
 from celery_singleton_beat import SingletonTask
 
@@ -38,6 +40,22 @@ app.conf.update(
 @app.task(bind=True, base=SingletonTask, unique_on=["key"])
 def step(self: SingletonTask, key: str, note: str = "", fail: bool = False) -> str:
     """One run on ``key``; raises ValueError after recording it when ``fail``."""
+    return _run(self, key, note, fail)
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"], ignore_result=True)
+def quiet(self: SingletonTask, key: str, note: str = "", fail: bool = False) -> str:
+    """``step`` that stores no result: its end is seen only through task events."""
+    return _run(self, key, note, fail)
+
+
+@task_postrun.connect
+def _ended(task_id: str, **_: object) -> None:
+    """``ended:<task id>``: the run's whole ending (release, result store) is behind it."""
+    record_client(BASE).set(f"ended:{task_id}", "1")
+
+
+def _run(self: SingletonTask, key: str, note: str, fail: bool) -> str:
     records = record_client(BASE)
     records.set(f"running:{key}", self.request.id)
     deadline = time.monotonic() + 60

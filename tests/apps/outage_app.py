@@ -8,6 +8,8 @@ Configured from the environment (each test gives its own servers):
 * ``CSB_TEST_REDIS``: the session's redis-server; run records in db 3. It never goes
   down, so a run is recorded even while the other server is out.
 * ``CSB_VISIBILITY_TIMEOUT``: the broker's visibility timeout (kombu's default, 1 h, if unset).
+* ``CSB_SOFT_TIME_LIMIT``: ``task_soft_time_limit`` in seconds (none if unset).
+* ``CSB_BACKOFF_MAX``: ``singleton_retry_backoff_max`` (0.5 s if unset).
 * ``CSB_GATE``: a directory. Before a run's ``__call__`` (``task_prerun``, so before
   its acquire) the pool child writes ``waiting-<task id>`` there and blocks until
   ``open`` exists: the test starts the outage in between. Files, not Redis: the
@@ -38,13 +40,16 @@ app = Celery("outage_app", broker=f"{BROKER}/0", backend=f"{BROKER}/1")
 app.conf.update(
     singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BROKER}/2"),
     singleton_lock_ttl=30.0,
-    singleton_retry_backoff_max=0.5,  # back within a second of the outage's end
+    # back within a second of the outage's end
+    singleton_retry_backoff_max=float(os.environ.get("CSB_BACKOFF_MAX", "0.5")),
     singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0},
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     result_expires=600,
     worker_hijack_root_logger=True,
 )
+if os.environ.get("CSB_SOFT_TIME_LIMIT"):
+    app.conf.task_soft_time_limit = float(os.environ["CSB_SOFT_TIME_LIMIT"])
 if os.environ.get("CSB_VISIBILITY_TIMEOUT"):
     # A delivery that could not be acknowledged comes back after this many seconds
     # (kombu sweeps every second here instead of every 100 s).

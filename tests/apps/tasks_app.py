@@ -100,6 +100,18 @@ def long_run(self: SingletonTask, key: str, seconds: float) -> dict[str, Any]:
 
 
 @app.task(bind=True, base=SingletonTask, lock_ttl=1.0, unique_on=["key"])
+def hold_lease(self: SingletonTask, key: str) -> dict[str, Any]:
+    """Holds its 1 s lease until ``release:<key>`` is set in the record database (at most
+    300 s) or the lease is lost; reports whether it was lost, and why."""
+    r = records()
+    r.set(f"fence:{key}", self.singleton.fence)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not self.singleton.lost and not r.exists(f"release:{key}"):
+        time.sleep(0.05)
+    return {"lost": self.singleton.lost, "reason": self.singleton._kept.lost_reason if self.singleton._kept else None}
+
+
+@app.task(bind=True, base=SingletonTask, lock_ttl=1.0, unique_on=["key"])
 def busy(self: SingletonTask, key: str, seconds: float) -> dict[str, Any]:
     """Keeps its thread or greenlet busy while holding a 1 s lease, until
     ``release:busy`` is set in the record database (at most ``seconds``).

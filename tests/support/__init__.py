@@ -14,6 +14,10 @@ underneath is :mod:`harness`, shared with the benchmarks and the demo.
 * :mod:`.tasks`: the task apps and their run records, ``EventCapture``.
 * :mod:`.keeps_lock`: the keeps-lock tests' app, records and ``KeyWatch`` (a key provably absent).
 * :mod:`.proxy`: ``HoldingProxy``, a loopback TCP relay that reorders two connections' commands.
+* :mod:`.fault_proxy`: ``FaultProxy``, a RESP-aware relay that injects faults command by command;
+  :mod:`.protocol_fuzz` drives lock operations through it and judges each result.
+* :mod:`.interrupts`: exceptions raised into the main thread as a signal handler raises them.
+* :mod:`.resharding`: ``SlotMove``, one Redis Cluster slot moved by hand, step by step.
 * :mod:`.beat`: real beats, in-process schedulers with a manual clock.
 * :mod:`.dbbeat`: django-celery-beat rows, database schedulers and their beats.
 * :mod:`.slots`: ``UTC``, ``utc()``, slot labels.

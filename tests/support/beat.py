@@ -4,6 +4,8 @@ driven by a clock moved by hand (sends recorded instead of published)."""
 from __future__ import annotations
 
 import json
+import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -20,15 +22,15 @@ from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMix
 
 from .owners import Owner, owning
 from .processes import CeleryProcess, child_env, start_worker
-from .servers import LOCK_DB, RECORD_DB, RedisServer
-from .slots import expected_slots, parse_slot
+from .servers import LOCK_DB, RECORD_DB, RedisServer, flushdb
+from .slots import UTC, expected_slots, parse_slot
 from .waiting import wait_for
 
 __all__ = [
     "BEAT_APP", "RUNS_KEY", "ClockApp", "ManualClock", "RecordingScheduler",
     "RecordingSingletonScheduler", "SendRecorder", "already_scheduled", "assert_once_per_slot", "beat_app",
-    "claims_of", "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots", "slot_counts",
-    "start_beat", "start_beat_pair", "wait_for_slot",
+    "claims_of", "logged_sends", "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots",
+    "slot_counts", "start_beat", "start_beat_pair", "wait_for_slot",
 ]
 
 BEAT_APP = "tests.apps.beat_app"
@@ -138,6 +140,14 @@ def slot_counts(runs: Iterable[dict[str, Any]], entry: str | None = None) -> Cou
     return Counter(run["slot"] for run in runs if entry is None or run["entry"] == entry)
 
 
+def logged_sends(processes: Iterable[CeleryProcess], entry: str) -> Counter[str]:
+    """How many times the beats' logs say each slot of ``entry`` was sent (won and sent, taken
+    over, or sent again after a failed publish), over every process, killed ones included."""
+    pattern = re.compile(rf"beat: {re.escape(entry)}: slot (\S+) (won by|took over|was handed back)")
+    return Counter(match.group(1) for process in processes
+                   for match in pattern.finditer(process.output()))
+
+
 def wait_for_slot(redis_server: RedisServer, at: datetime, timeout: float = 30.0) -> None:
     """Wait until the worker recorded a run for slot ``at`` or a later one."""
     wait_for(lambda: any(parse_slot(run["slot"]) >= at for run in read_runs(redis_server)
@@ -198,7 +208,7 @@ class SendRecorder:
 
     def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         self.sent.append({"task": name, "args": args, "kwargs": kwargs, "options": options,
-                          "slot": options.get("headers", {}).get("singleton_beat_slot")})
+                          "slot": options.get("headers", {}).get("singleton_beat_slot"), "at": time.time()})
         # As Celery's send_task: Celery before 5.4 reads the result's id after each send.
         return AsyncResult(options.get("task_id") or uuid(), app=self.app)
 
@@ -273,6 +283,25 @@ def fresh_beat_state(redis_server: RedisServer, worker: CeleryProcess, prefix: s
     """Wipe claims and run records for a test (its module worker still running); return a
     unique entry-name prefix starting with ``prefix``."""
     worker.check_running()
-    redis_server.client(LOCK_DB).flushdb()
+    with redis_server.client(LOCK_DB) as locks:
+        flushdb(locks)
     redis_server.client(RECORD_DB).flushdb()
     return f"{prefix}{uuid()[:6]}-"
+
+
+class RealClock:
+    """A beat's clock in real time (tests where real processes run beside the beat)."""
+
+    def now(self) -> datetime:
+        return datetime.now(UTC)
+
+
+def beat_loop(beat: Any, stop: threading.Event, errors: list[str]) -> None:
+    """Tick ``beat`` until ``stop`` is set (at most every 50 ms); its errors go to ``errors``."""
+    while not stop.is_set():
+        try:
+            delay = beat.tick()
+        except Exception as exc:
+            errors.append(repr(exc))
+            delay = 0.05
+        stop.wait(min(max(delay, 0.0), 0.05))

@@ -26,6 +26,8 @@ Each name means one thing everywhere:
     (they need ``redis_db``).
 ``broker`` / ``backend`` / ``locks`` / ``records``
     Clients of databases 0 / 1 / 2 / 3 of the session server.
+``client_apps``
+    A list to put the Celery apps a test publishes with: closed when the test ends.
 """
 
 from __future__ import annotations
@@ -172,3 +174,12 @@ def locks(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def records(redis_server: RedisServer) -> Iterator[redis.Redis]:
     with redis_server.client(RECORD_DB) as client:
         yield client
+
+
+@pytest.fixture
+def client_apps() -> Iterator[list[Any]]:
+    """Celery apps the test publishes or reads results with; closed at its end."""
+    made: list[Any] = []
+    yield made
+    for app in made:
+        app.close()

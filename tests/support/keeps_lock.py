@@ -12,10 +12,12 @@ import itertools
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -114,6 +116,18 @@ def live_key_of(process: CeleryProcess) -> str:
 def run_id(client: redis.Redis) -> str:
     """The server's run id: a new one after every restart."""
     return str(client.info("server")["run_id"])
+
+
+@contextmanager
+def replica_cut_off(replica: Any, primary: redis.Redis) -> Iterator[None]:
+    """Inside the block the replica receives nothing more from ``primary`` (SIGSTOPped,
+    its replication link killed): writes made meanwhile exist on the primary alone."""
+    replica.send(signal.SIGSTOP)
+    try:
+        primary.client_kill_filter(_type="replica")
+        yield
+    finally:
+        replica.send(signal.SIGCONT)
 
 
 def assert_never_beside(records: redis.Redis, key: str, original: str) -> list[dict[str, Any]]:

@@ -90,15 +90,16 @@ class CeleryProcess(TestProcess):
 
 def start_worker(redis_server: RedisServer, app: str, name: str, *, pool: str = "prefork",
                  concurrency: int = 2, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> CeleryProcess:
-    """Start ``celery -A app worker`` (events on, node ``name@host``) and wait until it is ready.
+                 env: dict[str, str] | None = None, events: bool = True) -> CeleryProcess:
+    """Start ``celery -A app worker`` (task events on unless ``events`` is False, node
+    ``name@host``) and wait until it is ready.
 
     It is registered with the current owner before the wait, so a worker that
     never gets ready is stopped as well.
     """
     worker = CeleryProcess(
         ["-A", app, "worker", "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
-         "-l", "info", "-E", "--without-gossip", "--without-mingle", "--without-heartbeat",
+         "-l", "info", *(["-E"] if events else []), "--without-gossip", "--without-mingle", "--without-heartbeat",
          *(extra or [])],
         child_env(redis_server, **(env or {})), name=name,
     ).start()

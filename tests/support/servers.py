@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from celery_singleton_beat.window import mark_in_use
 from harness.old_redis import DEFAULT_PATH as OLD_REDIS_PATH
 from harness.old_redis import SDIST as OLD_REDIS_SDIST
 from harness.rabbitmq_server import RabbitMQServerProcess, find_rabbitmq_server
@@ -27,11 +28,40 @@ from .paths import scratch
 from .skips import skip_or_fail
 
 __all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "RabbitMQServer",
-           "RedisServer", "free_port", "old_redis_server_binary", "rabbitmq_server_binary",
-           "redis_server_binary"]
+           "RedisServer", "flushdb", "free_port", "keep_server_records", "old_redis_server_binary",
+           "rabbitmq_server_binary", "redis_server_binary", "server_records"]
 
 #: Databases of a test redis-server.
 BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
+
+#: Keys naming the server that serves the lock data (``<prefix>:server``, one per shard on
+#: Cluster: see celery_singleton_beat.server): flushes between tests keep them.
+SERVER_RECORDS = ("*:server", "*:server:{*}")
+
+
+def server_records(client: redis.Redis) -> dict[bytes, bytes]:
+    """The records of the server serving the lock data in ``client``'s database.
+
+    A Redis without its record (new, or emptied) costs the library's processes one
+    recovery window, as the data may have been lost under live holders. Between tests
+    no holder lives on: a flush that writes these back (:func:`keep_server_records`)
+    lets the next test start as on a Redis in use, without locks. Tests of that window
+    delete the record, or use a server of their own.
+    """
+    return {key: client.get(key) for pattern in SERVER_RECORDS for key in client.scan_iter(match=pattern)}
+
+
+def keep_server_records(client: redis.Redis, records: dict[bytes, bytes]) -> None:
+    """Write back what :func:`server_records` read before a flush."""
+    for key, value in records.items():
+        client.set(key, value)
+
+
+def flushdb(client: redis.Redis) -> None:
+    """``FLUSHDB`` of ``client``'s database but its server records (see :func:`server_records`)."""
+    kept = server_records(client)
+    client.flushdb()
+    keep_server_records(client, kept)
 
 
 class NotOurServer(AssertionError):
@@ -163,7 +193,9 @@ class RedisServer:
         return self._server.is_ours()
 
     def flushall(self) -> None:
-        """FLUSHALL, only after checking on the same connection that the server is ours.
+        """FLUSHALL, only after checking on the same connection that the server is ours;
+        the records of which server serves the lock data are written back (see
+        :func:`server_records`), and the locks' database has the default prefix's.
 
         Raises :class:`NotOurServer` (nothing deleted) if our process is not running
         or another program answers on the port.
@@ -178,7 +210,16 @@ class RedisServer:
             if pid != self.pid:
                 raise NotOurServer(f"refusing to FLUSHALL 127.0.0.1:{self.port}: the server there is "
                                    f"pid {pid}, not the redis-server this session started (pid {self.pid})")
+            kept = {}
+            for db in (int(name[2:]) for name in client.info("keyspace")):
+                client.select(db)  # one connection: it sticks
+                kept[db] = server_records(client)
             client.flushall()
+            for db, records in kept.items():
+                client.select(db)
+                keep_server_records(client, records)
+            client.select(LOCK_DB)
+            mark_in_use(client)
         finally:
             client.close()
 

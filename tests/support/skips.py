@@ -21,7 +21,7 @@ import pytest
 
 #: Debian packages that provide the binaries (``redis-server`` pulls ``redis-tools``).
 PACKAGES = {"redis-cli": "redis-tools", "openssl": "openssl", "redis-server": "redis-server",
-            "rabbitmq-server": "rabbitmq-server"}
+            "rabbitmq-server": "rabbitmq-server", "faketime": "faketime"}
 
 #: Tests that may skip in CI too (node id -> why). Keep this list short.
 ALLOWED_SKIPS = {

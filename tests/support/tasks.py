@@ -58,11 +58,12 @@ def clear_runs(redis_server: RedisServer) -> ModuleType:
     tests that share running workers; ``tests.apps.tasks_app`` with fresh clients.
 
     Liveness keys stay: without its key until its next heartbeat, a worker would
-    count as dead and another worker could take over its running locks.
+    count as dead and another worker could take over its running locks. So does the
+    record of the server serving the lock data (see ``servers.server_records``).
     """
     redis_server.client(RECORD_DB).flushdb()
     locks = redis_server.client(LOCK_DB)
-    stale = [k for k in locks.scan_iter() if not k.startswith(b"singleton:live:")]
+    stale = [k for k in locks.scan_iter() if not k.startswith(b"singleton:live:") and k != b"singleton:server"]
     if stale:
         locks.delete(*stale)
     clear_settings_cache()

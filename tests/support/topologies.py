@@ -30,18 +30,19 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
 from celery_singleton_beat.client import RedisClient
+from celery_singleton_beat.window import mark_in_use
 from harness.redis_server import RedisServerProcess, free_port, probe_options
 from harness.sentinel import MASTER_NAME, group_ready, master_address, sentinel_args
 
 from .owners import register
 from .paths import scratch
-from .servers import redis_server_binary
+from .servers import keep_server_records, redis_server_binary, server_records
 from .skips import require
 from .waiting import wait_for
 
 __all__ = [
     "ACL_PASSWORD", "ACL_USER", "MASTER_NAME", "Certificate", "SentinelGroup", "ServerProcess",
-    "Topology", "make_certificate", "set_acl_user", "start_acl", "start_cluster", "start_sentinels",
+    "Topology", "cluster_shard", "make_certificate", "set_acl_user", "start_acl", "start_cluster", "start_sentinels",
     "start_tls", "wait_for_new_primary",
 ]
 
@@ -101,9 +102,14 @@ class Topology:
     workdir: Path
 
     def flush(self) -> None:
-        """Delete every key (on every primary) and forget loaded scripts."""
+        """Delete every key (on every primary) but the records of the server serving the
+        lock data, written for the default prefix if missing (see ``servers.server_records``),
+        and forget loaded scripts."""
         for node in self.primaries():
+            kept = server_records(node)
             node.flushall()
+            keep_server_records(node, kept)
+            mark_in_use(node)
             node.script_flush()
 
     def primaries(self) -> list[redis.Redis]:
@@ -191,11 +197,13 @@ def set_acl_user(server: redis.Redis, rules: list[str]) -> None:
 # -------------------------------------------------------------------- Cluster
 
 
-def start_cluster(primaries: int = 3) -> Topology:
-    """``primaries`` cluster-enabled servers joined by ``redis-cli --cluster create``."""
+def start_cluster(primaries: int = 3, replicas: int = 0) -> Topology:
+    """``primaries`` cluster-enabled servers joined by ``redis-cli --cluster create``, each with
+    ``replicas`` replicas (in sync when this returns)."""
     redis_cli = require("redis-cli")
     workdir = scratch("cluster")
     servers: list[ServerProcess] = []
+    total = primaries * (1 + replicas)
 
     def node_args(port: int) -> list[str]:
         # An explicit bus port: port + 10000 may not exist or be free.
@@ -203,11 +211,11 @@ def start_cluster(primaries: int = 3) -> Topology:
                             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000")(port)
 
     try:
-        for index in range(primaries):
+        for index in range(total):
             servers.append(ServerProcess(f"node{index}", node_args, workdir / f"node{index}").start())
         subprocess.run(
             [redis_cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
-             "--cluster-replicas", "0", "--cluster-yes"],
+             "--cluster-replicas", str(replicas), "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )
 
@@ -215,18 +223,48 @@ def start_cluster(primaries: int = 3) -> Topology:
             for server in servers:
                 with server.client() as client:
                     info = client.cluster("info")
-                    if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) != primaries:
+                    if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) != total:
+                        return False
+                    role = client.info("replication")
+                    if role.get("role") == "slave" and role.get("master_link_status") != "up":
+                        return False
+                    nodes = client.execute_command("CLUSTER", "NODES").decode()
+                    if sum("slave" in line.split()[2] for line in nodes.splitlines()) != primaries * replicas:
                         return False
             return True
 
-        wait_for(converged, timeout=30, message="cluster state ok on every node")
+        wait_for(converged, timeout=30, message="cluster state ok on every node, every node sees every replica")
     except BaseException:
         _stop_all(servers)
         shutil.rmtree(workdir, ignore_errors=True)
         raise
-    nodes = ",".join(f"127.0.0.1:{s.port}" for s in servers[:2])  # discovery finds the third
+    nodes = ",".join(f"127.0.0.1:{s.port}" for s in servers[:2])  # discovery finds the others
     admin = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", s.port) for s in servers], socket_timeout=10)
-    return Topology("cluster", f"redis+cluster://{nodes}", admin, 0, servers, workdir)
+    return Topology("cluster", f"redis+cluster://{nodes}", admin, replicas, servers, workdir)
+
+
+def cluster_shard(topology: Topology, slot: int) -> tuple[ServerProcess, list[ServerProcess]]:
+    """The primary serving ``slot`` in a cluster topology, and its replicas (as ``CLUSTER NODES`` says)."""
+    by_port = {s.port: s for s in topology.servers}
+    with topology.servers[0].client() as client:
+        nodes = client.execute_command("CLUSTER", "NODES")
+    lines = [line.split() for line in (nodes.decode() if isinstance(nodes, bytes) else nodes).splitlines()]
+
+    def port_of(fields: list[str]) -> int:
+        return int(fields[1].split("@")[0].rsplit(":", 1)[1])
+
+    def serves(fields: list[str]) -> bool:
+        for item in fields[8:]:
+            if item.startswith("["):
+                continue
+            low, _, high = item.partition("-")
+            if int(low) <= slot <= int(high or low):
+                return True
+        return False
+
+    primary = next(f for f in lines if "master" in f[2].split(",") and serves(f))
+    replicas = [by_port[port_of(f)] for f in lines if f[3] == primary[0]]
+    return by_port[port_of(primary)], replicas
 
 
 # -------------------------------------------------------------------- Sentinel

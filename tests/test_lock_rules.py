@@ -1,0 +1,87 @@
+"""The rules a take-over rests on, each checked by its own assertion.
+
+A lock is taken over only from a holder that is provably dead: its liveness key is
+gone **and** the lock missed its renewals **and** it stays unrenewed while the
+contender watches. A holder vouches for its lease (``ensure_held()``) only until the
+earliest moment such a take-over could happen. Break either rule alone and the test
+named after it fails on its own assertion (a live holder taken over; a run vouching
+for a lock another holds), not on a timeout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from celery_singleton_beat.exceptions import LockLost
+from celery_singleton_beat.keeper import LeaseKeeper
+from celery_singleton_beat.lock import LockSpec, acquire
+from celery_singleton_beat.run import SingletonRun
+
+from .support import LOCK_DB, RedisServer, wait_for
+
+KEY = "singleton:{rules:k}"
+
+
+def worker_spec(boot: str, liveness_ttl: float = 10.0) -> LockSpec:
+    """A worker's run lock (liveness published by ``boot``; take-overs allowed)."""
+    return LockSpec(task="rules", ttl=30.0, boot=boot, live=True, liveness_ttl=liveness_ttl,
+                    liveness_prefix="singleton")
+
+
+@pytest.fixture
+def locks(redis_db: redis.Redis, redis_server: RedisServer) -> redis.Redis:
+    return redis_server.client(LOCK_DB)
+
+
+def test_a_renewing_holder_whose_liveness_key_is_gone_is_never_taken_over(locks: redis.Redis) -> None:
+    """The holder's liveness key never exists (deleted, evicted, lost in a failover, its
+    main process stalled) but its keeper renews every 3.3 s (default liveness TTL):
+    a contender trying all along never gets the lock."""
+    holder = acquire(locks, KEY, worker_spec("holder-boot"), "holder").lease
+    assert holder is not None
+    keeper = LeaseKeeper()
+    kept = keeper.keep(holder)
+    assert not locks.exists("singleton:live:holder-boot")
+    contender = worker_spec("contender-boot")
+    tries = 0
+    try:
+        while kept.renewals < 2:  # two renewals: well past one missed interval
+            result = acquire(locks, KEY, contender, f"contender-{tries}")
+            tries += 1
+            assert not result.acquired, f"a renewing holder was taken over after {kept.renewals} renewal(s)"
+            assert result.holder is not None and result.holder.task_id == "holder"
+            time.sleep(0.05)
+    finally:
+        keeper.forget(kept)
+    assert tries > 10 and not kept.lost
+
+
+def test_ensure_held_stops_vouching_before_a_take_over_can_happen(locks: redis.Redis) -> None:
+    """The holder stops renewing (paused) and its liveness key is gone: a contender takes
+    the lock over once the renewals are provably missed. At that moment, and already
+    before it, the paused run's ``ensure_held()`` refuses."""
+    spec = worker_spec("paused-boot", liveness_ttl=3.0)  # renewals every 1 s, take-over after ~3 s
+    lease = acquire(locks, KEY, spec, "paused").lease
+    assert lease is not None
+    keeper = LeaseKeeper()
+    run = SingletonRun(KEY, keeper.keep(lease))
+    assert run.ensure_held() == lease.fence
+    assert run._kept is not None
+    keeper.forget(run._kept)  # no renewal from now on: the process is paused
+    contender = worker_spec("contender-boot", liveness_ttl=3.0)
+    taken = []
+
+    def taken_over() -> bool:
+        result = acquire(locks, KEY, contender, "contender")
+        if result.acquired:
+            taken.append(result)
+        return bool(taken)
+
+    wait_for(taken_over, timeout=20, interval=0.05, message="the contender to take the paused holder's lock over")
+    assert taken[0].taken_over is not None and taken[0].taken_over.task_id == "paused"
+    with pytest.raises(LockLost):
+        run.ensure_held()
+    assert not run.held

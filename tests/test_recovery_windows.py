@@ -1,0 +1,353 @@
+"""Recovery windows are anchored where clients are: at the first client that reaches the
+new server, never at the server's start.
+
+After the lock Redis lost data (a restart without an append-only file, from an RDB
+snapshot, a promoted replica, a missing ``<prefix>:server`` record), no key that may be
+held is given to anyone else until every live holder had its chance to put its lock
+back. What each test protects:
+
+* ``test_a_missing_server_record_costs_one_window_once``: a Redis without the record
+  (new, or emptied) opens one window, at the first client; another process sees that
+  same window, and once it closed nobody opens another; an AOF restart opens none.
+* ``test_a_lease_taken_after_a_window_runs_from_the_end_of_the_wait``: a run whose
+  acquisition waited a window holds a lease counted from the end of the wait.
+* ``test_a_check_cut_before_its_record_is_written_is_noticed_again``: a client that
+  noticed the new server but failed before the record was written notices it again on
+  its next connection (its process remembers the new server only once the record is
+  written): its holders put their locks back.
+* ``test_the_window_opens_when_clients_first_reach_the_new_server``: real workers. A runs
+  ``k`` and reaches the restarted server only once the window is open; the contender
+  decides first, after a restart whose snapshot took longer than the window to load,
+  after an empty server that was reachable only once it had been up longer than the
+  window, or as a worker started after the restart (it never talked to the old
+  server). The contender must not run ``k`` beside A.
+
+In-process tests build the library's per-connection check (:class:`LockServer`) on a
+plain client, one :class:`ServerMemory` per simulated process.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from celery_singleton_beat import SingletonTask
+from celery_singleton_beat.client import get_redis, reset_clients
+from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.server import LockServer, server_of
+from celery_singleton_beat.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key, shard_records
+
+from .support import RedisServer, wait_for
+from .support.keeps_lock import (
+    assert_never_beside,
+    call_of,
+    ended_run,
+    knobs,
+    load_app,
+    replica_cut_off,
+    run_id,
+    started_run,
+    wait_started,
+    worker,
+)
+from .support.proxy import DelayProxy
+from .support.tasks import skipped
+from .support.topologies import cluster_shard, start_cluster
+
+PREFIX = "singleton"
+LIVENESS_TTL = 2.0
+#: The recovery window with :data:`LIVENESS_TTL` (see :class:`LockServer`).
+WINDOW = LIVENESS_TTL / 3 + WINDOW_SLACK
+
+
+def process_client(server: RedisServer, memory: ServerMemory | None = None,
+                   **options: Any) -> tuple[redis.Redis, LockServer]:
+    """A client whose every connection the library checks, as one process's would be
+    (``memory``: what that process saw; a fresh one: a process that never used the server)."""
+    lock_server = LockServer(PREFIX, LIVENESS_TTL, memory or ServerMemory())
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                         retry=Retry(NoBackoff(), 0), redis_connect_func=lock_server.on_connect,
+                         **options)
+    client.csb_server = lock_server  # type: ignore[attr-defined]
+    return client, lock_server
+
+
+def fresh_connection(client: redis.Redis) -> None:
+    """Make ``client`` connect again (and so be checked again)."""
+    client.connection_pool.disconnect()
+    client.ping()
+
+
+# ===================================================================== in-process
+
+
+def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[..., RedisServer]) -> None:
+    """A new Redis has no ``<prefix>:server`` record: the first client opens one window,
+    says why, and a process that comes later sees the same window (not a new one); once
+    it closed, no client opens another; an AOF restart opens none."""
+    lock_redis = make_redis("--appendonly", "yes")
+    direct = lock_redis.client()
+    memory = ServerMemory()
+    first, first_server = process_client(lock_redis, memory)
+    first.ping()
+    opened_ms = direct.pttl(recovery_key(PREFIX))
+    assert 0 < opened_ms <= WINDOW * 1000, "a Redis without the server record opens a window at its first client"
+    assert direct.get(server_key(PREFIX)) == run_id(direct).encode(), "the record names the server"
+    window = first_server.recovery()
+    assert window.open and "new or emptied" in window.reason, window
+    assert not LockServer("other-app", LIVENESS_TTL, memory).recovery().open, \
+        "another key prefix on the same Redis has a record, and a window, of its own"
+
+    later, later_server = process_client(lock_redis)
+    later.ping()
+    seen = later_server.recovery()
+    assert seen.open and seen.reason == window.reason, "a later process sees the same window"
+    assert direct.pttl(recovery_key(PREFIX)) <= opened_ms, "the later process did not extend it"
+    assert later_server.epoch == 0, "a process that had seen no data lost none"
+
+    wait_for(lambda: not direct.exists(recovery_key(PREFIX)), timeout=WINDOW + 10, message="the window closed")
+    third, third_server = process_client(lock_redis)
+    third.ping()
+    fresh_connection(first)
+    assert not third_server.recovery().open and not first_server.recovery().open, "one window, once"
+
+    before = run_id(direct)
+    lock_redis.stop()  # SIGTERM: the append-only file has every write
+    lock_redis.start()
+    assert run_id(direct) != before, "the lock Redis restarted"
+    fresh_connection(first)
+    assert not direct.exists(recovery_key(PREFIX)) and not first_server.recovery().open, \
+        "an append-only-file restart opens no window"
+    assert first_server.epoch == 0, "nor does it make holders put their locks back"
+    assert direct.get(server_key(PREFIX)) == run_id(direct).encode(), "the record names the new run"
+
+
+def test_a_check_cut_before_its_record_is_written_is_noticed_again(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """A process used the server; it restarted empty. The process's first connection to the
+    new server learns its run id (``INFO``) and is cut before the record is written (the
+    write is paused: ``CLIENT PAUSE WRITE``, the client times out). Another process then
+    notices the new server first. The first process's next connection must still find its
+    data lost (the epoch grows: its holders put their locks back) and the window open."""
+    lock_redis = make_redis()
+    direct = lock_redis.client()
+    client, lock_server = process_client(lock_redis)
+    client.ping()
+    epoch = lock_server.epoch
+
+    before = run_id(direct)
+    lock_redis.restart()  # SIGKILL, started again on its port: empty
+    assert run_id(direct) != before, "the lock Redis restarted"
+    direct.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        with pytest.raises(redis.TimeoutError):
+            fresh_connection(client)
+        assert direct.get(server_key(PREFIX)) is None, "the check was cut before the record was written"
+    finally:
+        direct.execute_command("CLIENT", "UNPAUSE")
+
+    other, _ = process_client(lock_redis)
+    other.ping()  # another process notices the new server first: the record names it now
+    assert direct.get(server_key(PREFIX)) == run_id(direct).encode()
+    fresh_connection(client)
+    assert lock_server.epoch > epoch, "the process found its data lost on its next connection"
+    window = lock_server.recovery()
+    assert window.open, "and the window open"
+
+
+def test_a_lease_taken_after_a_window_runs_from_the_end_of_the_wait(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """An eager run with a 1 s lease is the first client of a new Redis: its acquisition
+    waits the window (longer than the lease), and its lease then runs from the end of the
+    wait: the run holds its lock."""
+    lock_redis = make_redis()
+    app = Celery("window-lease", broker="memory://", set_as_current=False)
+    app.conf.update(singleton_redis_url=lock_redis.url(), singleton_liveness_ttl=LIVENESS_TTL,
+                    task_always_eager=True)
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name="window.held", lock_ttl=1.0)
+    def held(self: SingletonTask) -> dict[str, Any]:
+        return {"held": self.singleton.held, "window": server_of(get_redis(app)).recovery()}
+
+    try:
+        seen = held.delay().get()
+    finally:
+        reset_clients()
+        clear_settings_cache()
+    assert seen["window"].reason and seen["window"].until > 0, "the run's acquisition met a window"
+    assert seen["held"], "the lease runs from the end of the window's wait, not from before it"
+
+
+# ===================================================================== real workers
+
+
+@pytest.fixture
+def app_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
+    """The workers' environment, filled in by the test (see ``support.keeps_lock.knobs``)."""
+    yield from knobs()
+
+
+def uptime(client: redis.Redis) -> int:
+    return int(client.info("server")["uptime_in_seconds"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["slow-snapshot-load", "reachable-late", "new-worker"])
+def test_the_window_opens_when_clients_first_reach_the_new_server(
+    how: str, redis_server: RedisServer, make_redis: Callable[..., RedisServer], records: redis.Redis,
+    app_env: dict[str, str],
+) -> None:
+    """A runs ``k`` (``lock_ttl`` 30 s) and reaches the lock Redis through a proxy that
+    holds its requests from just before the restart until a recovery window is open (or
+    the contender decided): the contender is the first client of the new server.
+
+    * ``slow-snapshot-load``: restarted from an RDB snapshot (which has the server record,
+      not A's lock) that takes longer than the window to load; B reaches it once loaded;
+    * ``reachable-late``: restarted empty, reachable (B's proxy) only once it has been up
+      longer than the window (a readiness probe, a slow Service);
+    * ``new-worker``: restarted empty; C, a worker started after the restart, never
+      talked to the old server.
+
+    Before, each opened no window (the first two measured it from the server's start, the
+    third saw no earlier server) and the contender ran ``k`` beside A.
+    """
+    slow_load = how == "slow-snapshot-load"
+    lock_redis = make_redis(*(("--key-load-delay", "500", "--loading-process-events-interval-bytes", "1024")
+                              if slow_load else ()))
+    direct = lock_redis.client()
+    a_link = DelayProxy(lock_redis.port, 0.0, name="a-lock-link").start()
+    b_link = DelayProxy(lock_redis.port, 0.0, name="b-lock-link").start()
+    app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL))
+    app = load_app(redis_server, **app_env, CSB_LOCK_REDIS=lock_redis.url())
+    worker(redis_server, "a", {**app_env, "CSB_LOCK_REDIS": a_link.url()})
+    if how != "new-worker":
+        worker(redis_server, "b", {**app_env, "CSB_LOCK_REDIS": b_link.url()})
+    wait_for(lambda: direct.get(server_key(PREFIX)), timeout=30, message="the workers used the lock Redis")
+    if slow_load:
+        pipe = direct.pipeline(transaction=False)
+        for i in range(8000):  # loaded at 0.5 ms a key: about 4 s
+            pipe.set(f"filler:{i}", "x")
+        pipe.execute()
+        direct.save()  # the snapshot: the server record, without A's lock
+    records.set("hold:k", "1")
+    original = app.hold.apply_async(("k",), queue="a")
+    wait_started(records, "k", original)
+    before = run_id(direct)
+
+    a_link.hold()
+    b_link.hold()
+    lock_redis.restart()  # SIGKILL, started again on its port (loading the snapshot, if any)
+    if slow_load:
+        wait_for(lambda: direct.info("persistence")["loading"] == 0, timeout=60, message="the snapshot loaded")
+        assert direct.get(server_key(PREFIX)) == before.encode(), "the snapshot had the server record"
+    else:
+        wait_for(lambda: uptime(direct) > WINDOW, timeout=30, message="the server up longer than the window")
+    up = uptime(direct)
+    assert run_id(direct) != before and up > WINDOW, \
+        f"the lock Redis restarted, and was first reachable {up}s after its start (window {WINDOW:.2f}s)"
+
+    if how == "new-worker":
+        worker(redis_server, "c", {**app_env, "CSB_LOCK_REDIS": lock_redis.url()})
+        contender = "c"
+    else:
+        b_link.resume()
+        contender = "b"
+    second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue=contender)
+    wait_for(lambda: direct.exists(recovery_key(PREFIX)) or call_of(records, "k", second.id),
+             timeout=60, message="a recovery window, or the contender's decision")
+    opened = bool(direct.exists(recovery_key(PREFIX)))
+    a_link.resume()  # A reaches the new server: within the window, if one is open
+    resumed = time.time()
+
+    wait_for(lambda: call_of(records, "k", second.id), timeout=60, message="the contender decided")
+    assert ended_run(records, "k", original.id) is None, "the original still ran when the contender decided"
+    run = started_run(records, "k", second.id)
+    assert run is None or skipped(second), (
+        f"{how}: the contender ran k beside A's live run, {run['start'] - resumed:+.2f}s after A could reach "
+        f"the server, first reachable {up}s after its start ({'a' if opened else 'no'} window open)")
+    records.delete("hold:k")
+    assert original.get(timeout=30).startswith("a@"), "the original completed"
+    wait_for(lambda: second.ready(), timeout=30, message="the contender's copy settled")
+    assert_never_beside(records, "k", original.id)
+    print(f"\n{how}: first reachable {up}s after the server's start (window {WINDOW:.2f}s); "
+          f"window open: {opened}; contender {'skipped' if skipped(second) else second.state}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_cluster_failover_opens_the_window_for_its_shard(
+    redis_server: RedisServer, records: redis.Redis, app_env: dict[str, str],
+) -> None:
+    """Redis Cluster, 3 primaries with a replica each. A runs ``k``; the replica of ``k``'s
+    shard, cut off first (SIGSTOP, its link killed), lacks A's lock but has the shard's
+    server record; the primary is stopped and the replica promoted (``CLUSTER FAILOVER
+    TAKEOVER``); the old primary resumes and turns into a replica. ``k`` sent to B then
+    must not run beside A: the promoted shard opens its window, A puts its lock back.
+
+    Before, a Cluster failover opened no window (each process saw only its own
+    connections), A's process never found its data lost, and B ran ``k`` beside A. Also
+    checked: a library client's connection to a node is looked at as it connects,
+    whatever command it sends (beats and counters use redis-py's own).
+    """
+    cluster = start_cluster(primaries=3, replicas=1)
+    try:
+        app_env.update(CSB_LOCK_TTL="30", CSB_LIVENESS_TTL=str(LIVENESS_TTL), CSB_LOCK_REDIS=cluster.url)
+        app = load_app(redis_server, **app_env)
+        key = app.hold.singleton_key(("k",))
+        primary, [replica] = cluster_shard(cluster, key_slot(key.encode()))
+        primary_client, replica_client = primary.client(), replica.client()
+        get_redis(app.app).exists(key)  # a plain command of a library client, as beats and counters send them
+        shard_record, _ = shard_records(PREFIX, primary_client.execute_command("CLUSTER", "NODES")) or ("", "")
+        assert primary_client.get(shard_record) == primary_client.info("server")["run_id"].encode(), \
+            "a library client's connection to a node is looked at as it connects (the shard's record written)"
+        worker(redis_server, "a", app_env)
+        worker(redis_server, "b", app_env)
+        assert app.hold.apply_async(("k",), queue="a").get(timeout=30).startswith("a@"), \
+            "A ran k once (its process checked k's shard and wrote the shard's record)"
+        assert primary_client.wait(1, 5000) == 1, "the replica has every write so far (the shard's record)"
+
+        with replica_cut_off(replica, primary_client):
+            records.set("hold:k", "1")
+            original = app.hold.apply_async(("k",), queue="a")
+            wait_started(records, "k", original)
+            assert primary_client.exists(key), "A holds k on the primary"
+            primary.send(signal.SIGSTOP)
+        try:
+            replica_client.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+            wait_for(lambda: replica_client.info("replication")["role"] == "master", timeout=30,
+                     message="the replica promoted")
+        finally:
+            primary.send(signal.SIGCONT)
+        wait_for(lambda: primary_client.info("replication")["role"] == "slave", timeout=30,
+                 message="the old primary turned into a replica")
+        assert not replica_client.exists(key), "the promoted replica lacks A's lock"
+        record, recovery = shard_records(PREFIX, replica_client.execute_command("CLUSTER", "NODES")) or ("", "")
+
+        second = app.hold.apply_async(("k",), {"seconds": 0.5, "hold": "second"}, queue="b")
+        wait_for(lambda: replica_client.exists(recovery) or call_of(records, "k", second.id), timeout=60,
+                 message="the shard's recovery window, or B's decision")
+        window = replica_client.get(recovery)
+        wait_for(lambda: call_of(records, "k", second.id), timeout=60, message="B decided")
+        assert ended_run(records, "k", original.id) is None, "the original still ran when B decided"
+        run = started_run(records, "k", second.id)
+        assert run is None or skipped(second), \
+            f"B ran k beside A's live run after the shard's failover (window: {window!r})"
+        assert window and replica_client.get(record) is not None, "the window and record of k's shard"
+        records.delete("hold:k")
+        assert original.get(timeout=30).startswith("a@"), "the original completed"
+        wait_for(lambda: second.ready(), timeout=30, message="B's copy settled")
+        assert records.get("overlap:k") is None, "no run of k started while another ran"
+        print(f"\ncluster failover: B {'skipped' if skipped(second) else second.state}; the shard's window: "
+              f"{window!r}")
+    finally:
+        cluster.stop()
