@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint docs test-matrix test-matrix-smoke demo bench fuzz redis-server old-redis valgrind clean
+.PHONY: test lint docs test-matrix test-matrix-smoke demo bench chaos fuzz redis-server old-redis valgrind clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -102,6 +102,21 @@ FUZZ_OPERATIONS ?= 100000
 
 fuzz: $(STAMP) redis-server
 	FUZZ_OPERATIONS=$(FUZZ_OPERATIONS) $(BIN)/python -m pytest tests/test_protocol_fuzz.py -n 0 -s -q
+
+# `make chaos`: the cluster (3 workers, 2 beats, a submitter) under overlapping faults for
+# SECONDS (default 60) seeded by SEED (default 1), the broker on a Redis of its own or on the
+# lock Redis (BROKER=separate|same), the lock Redis one server or a Sentinel group
+# (LOCK=standalone|sentinel, the latter with BROKER=separate); then the checker judges the whole
+# history and exits 1 on a violation. History, logs and report in .chaos/<time>-<broker>-<lock>-seed<seed>/.
+# `python -m harness.chaos check DIR` judges a saved history again. See benchmarks/results.md.
+SECONDS ?= 60
+SEED ?= 1
+BROKER ?= separate
+LOCK ?= standalone
+CHAOS_ARGS ?=
+
+chaos: $(STAMP) redis-server
+	$(BIN)/python -m harness.chaos run --seconds $(SECONDS) --seed $(SEED) --broker $(BROKER) --lock $(LOCK) $(CHAOS_ARGS)
 
 valgrind:
 	@command -v valgrind >/dev/null 2>&1 || { \

@@ -2,7 +2,9 @@
 
 Each benchmark starts its own redis-server and compares variants in the same
 run. Sizes default to the published ones; ``--quick`` shrinks them to seconds
-(the smoke test uses it so the benchmarks keep working).
+(the smoke test uses it so the benchmarks keep working). The ``## Chaos``
+section of the output file is not a benchmark's (``make chaos``, documented
+by hand): it is kept as it was.
 
 Usage: python -m benchmarks.run_all [--quick] [--only NAME ...] [--output PATH]
 """
@@ -77,6 +79,20 @@ def run_one(name: str, quick: bool) -> tuple[str, float, dict[str, Any]]:
     return f"### {title}\n\n{module.table(report)}\n", time.monotonic() - started, report
 
 
+#: Sections of the output file written by hand, kept when the benchmarks rewrite it.
+KEPT = "\n## Chaos"
+
+
+def kept_sections(output: Path) -> str:
+    """The part of ``output`` from :data:`KEPT` on (empty when there is none)."""
+    try:
+        text = output.read_text()
+    except FileNotFoundError:
+        return ""
+    at = text.find(KEPT)
+    return "" if at < 0 else "\n" + text[at:].lstrip("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
@@ -103,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(sections)
     print(text)
     if not args.quick or args.output != HERE / "results.md":
-        args.output.write_text(text)
+        args.output.write_text(text + kept_sections(args.output))
     return 1 if failed else 0
 
 

@@ -15,6 +15,12 @@ example_project.demo`` works on a fresh clone without the test suite.
   on free loopback ports, its files in a temporary directory of its own,
   accepted once an AMQP login reaches our node.
 * :mod:`harness.waiting`: polling a condition with a deadline.
+* :mod:`harness.proxy`: a TCP proxy on loopback that delays, holds or cuts one
+  server's connections.
+* :mod:`harness.sentinel`: a Redis Sentinel's configuration, and when a watched
+  group is ready.
+* :mod:`harness.chaos`: ``make chaos``, the cluster under overlapping faults and a
+  checker that judges its whole history.
 """
 
 from .processes import ChildProcess, ProcessError, die_with_parent, group_alive, signal_group

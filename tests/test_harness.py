@@ -208,3 +208,25 @@ def processes_running(text: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def test_a_cut_proxy_drops_its_connections_and_refuses_new_ones_until_mended(redis_server: RedisServer) -> None:
+    """The chaos nemesis cuts a worker's lock connection with ``DelayProxy.cut()``: every open
+    connection through the proxy is dropped, new ones are refused (the server itself stays
+    up), and ``mend()`` lets clients connect again."""
+    import redis
+
+    from .support.proxy import DelayProxy
+
+    proxy = DelayProxy(redis_server.port, 0.0, name="cut-proxy").start()
+    options = {"socket_timeout": 2, "socket_connect_timeout": 2, "retry_on_timeout": False}
+    before = redis.Redis(port=proxy.port, single_connection_client=True, **options)
+    assert before.ping()
+    proxy.cut()
+    with pytest.raises(redis.ConnectionError):
+        before.ping()  # its connection was dropped; redis-py's one reconnect is refused too
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=proxy.port, **options).ping()
+    assert redis_server.client().ping(), "the server itself stays up"
+    proxy.mend()
+    assert redis.Redis(port=proxy.port, **options).ping()

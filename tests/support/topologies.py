@@ -32,6 +32,7 @@ from redis.sentinel import Sentinel
 from celery_singleton_beat.client import RedisClient
 from celery_singleton_beat.window import mark_in_use
 from harness.redis_server import RedisServerProcess, free_port, probe_options
+from harness.sentinel import MASTER_NAME, group_ready, master_address, sentinel_args
 
 from .owners import register
 from .paths import scratch
@@ -44,9 +45,6 @@ __all__ = [
     "Topology", "cluster_shard", "make_certificate", "set_acl_user", "start_acl", "start_cluster", "start_sentinels",
     "start_tls", "wait_for_new_primary",
 ]
-
-MASTER_NAME = "mymaster"
-
 
 class ServerProcess(RedisServerProcess):
     """One ``redis-server`` (or sentinel) of a topology, with its log in the topology's directory."""
@@ -287,33 +285,20 @@ class SentinelGroup(Topology):
     def master_address(self) -> tuple[str, int]:
         if not self.sentinel_ports:  # a bare primary + replica pair
             return "127.0.0.1", self.servers[0].port or 0
-        host, port = self.sentinel().sentinel_get_master_addr_by_name(MASTER_NAME)
-        return host, int(port)
+        return master_address(self.sentinel())
 
     def server_on(self, port: int) -> ServerProcess:
         return next(s for s in self.servers if s.port == port)
 
     def wait_ready(self, replicas: int = 1, timeout: float = 40.0) -> None:
         """Every sentinel knows the primary, its replica(s) and the other sentinels; replication is up."""
-        def ready() -> bool:
-            for index in range(len(self.sentinel_ports)):
-                try:
-                    state = self.sentinel(index).sentinel_master(MASTER_NAME)
-                except redis.RedisError:
-                    return False
-                if (int(state.get("num-slaves", 0)) < replicas
-                        or int(state.get("num-other-sentinels", 0)) < len(self.sentinel_ports) - 1
-                        or "s_down" in str(state.get("flags", ""))):
-                    return False
+        def primary() -> redis.Redis:
             host, port = self.master_address()
-            with redis.Redis(host=host, port=port, socket_timeout=5, password=self.password,
-                             decode_responses=True) as primary:
-                info = primary.info("replication")
-            online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                      and v.get("state") == "online"]
-            return info.get("role") == "master" and len(online) >= replicas
+            return redis.Redis(host=host, port=port, socket_timeout=5, password=self.password,
+                               decode_responses=True)
 
-        wait_for(ready, timeout=timeout, interval=0.2, message="sentinels, primary and replica ready")
+        wait_for(lambda: group_ready([self.sentinel(i) for i in range(len(self.sentinel_ports))], primary, replicas),
+                 timeout=timeout, interval=0.2, message="sentinels, primary and replica ready")
 
 
 def start_sentinels(down_after_ms: int = 1000, password: str | None = None,
@@ -335,21 +320,13 @@ def start_sentinels(down_after_ms: int = 1000, password: str | None = None,
             "replica", _server_args("--replicaof", "127.0.0.1", str(primary.port), *auth),
             workdir / "replica", _probe(password=password)).start())
         for index in range(sentinels):
-            def sentinel_args(port: int, index: int = index) -> list[str]:
-                lines = [f"port {port}", "bind 127.0.0.1",
-                         f"sentinel monitor {MASTER_NAME} 127.0.0.1 {primary.port} 2",
-                         f"sentinel down-after-milliseconds {MASTER_NAME} {down_after_ms}",
-                         f"sentinel failover-timeout {MASTER_NAME} 10000",
-                         f"sentinel parallel-syncs {MASTER_NAME} 1"]
-                if password:
-                    lines.append(f"sentinel auth-pass {MASTER_NAME} {password}")
-                if sentinel_password:
-                    lines += [f"requirepass {sentinel_password}", f"sentinel sentinel-pass {sentinel_password}"]
-                config = workdir / f"sentinel{index}.conf"  # sentinels rewrite their file: one each
-                config.write_text("\n".join(lines) + "\n")
-                return [str(config), "--sentinel"]
+            def args_for(port: int, index: int = index) -> list[str]:
+                # Sentinels rewrite their file: one each.
+                return sentinel_args(workdir / f"sentinel{index}.conf", port, primary.port or 0,
+                                     down_after_ms=down_after_ms, password=password,
+                                     sentinel_password=sentinel_password)
 
-            servers.append(ServerProcess(f"sentinel{index}", sentinel_args, workdir / f"sentinel{index}",
+            servers.append(ServerProcess(f"sentinel{index}", args_for, workdir / f"sentinel{index}",
                                          _probe(password=sentinel_password)).start())
     except BaseException:
         _stop_all(servers)

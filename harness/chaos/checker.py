@@ -1,0 +1,392 @@
+"""The checker: judges a whole history (a finished run, or one saved long ago).
+
+Each rule below is a function of the history alone; :func:`check` runs them all.
+A **violation** fails the run; a **report** is something the documented
+guarantees allow, counted and shown (a paused run told ``LockLost`` at its
+first check after resuming; a submission the broker lost with its own data).
+
+* ``overlap``: run A of a key started before run B, and one of A's
+  ``ensure_held()`` calls *began* after B had started yet passed: both believed
+  they held the key. (B's start is recorded after its acquire returned, A's
+  check time before the call: the comparison errs towards passing.) A that
+  was told instead (its first check after B's start raised) is reported.
+* ``fence``: a run started after another got a fencing token no larger than it,
+  unless that run never passed a check (it was paused between its acquire and
+  its start, and its lease was gone when it looked).
+* ``lost``: a submission whose ``apply_async`` returned, with no visible end after
+  the quiet phase: no terminal outcome, no revoke, no ready result state. A
+  run cut short and never run to an end counts too. Excused (reported): the
+  broker restarted empty after the publish (the ``same`` variant).
+* ``rerun``: a run of a task id that had already completed (its body ended, the
+  run's outcome SUCCESS or FAILURE, so its done marker was written). Excused
+  (reported): the lock Redis lost data in between, or the done marker's TTL passed.
+* ``slot``: a beat slot due during the chaos phase that was never sent, outside
+  the windows when every beat was down or the lock Redis gone (see :mod:`.model`).
+* ``hang``: a SIGTERMed process that did not exit within its bound.
+* ``keys``: in the idle phase, a run lock still in Redis (every run ended more
+  than ``lock_ttl`` before), or a key without a TTL that the library does not
+  document as such.
+* ``counters``: in the audit phase the counters' difference is not exactly the
+  history's (acquired = starts, skipped = skips, released = runs ended); over
+  the whole run a counter above what the history allows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from .history import Event, History
+from .model import (
+    DATA_LOSS,
+    Run,
+    beat_down_windows,
+    broker_losses,
+    by_key,
+    excerpt,
+    fates,
+    lock_gone_windows,
+    open_submissions,
+    runs,
+)
+
+__all__ = ["Finding", "Verdict", "check", "open_submissions"]
+
+TASK = "harness.chaos.app.work"
+
+
+@dataclass
+class Finding:
+    """A violation or a report: its kind, one line, when, and the history lines behind it."""
+
+    kind: str
+    what: str
+    at: float
+    evidence: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "what": self.what, "at": round(self.at, 3), "evidence": self.evidence}
+
+
+@dataclass
+class Verdict:
+    """Everything the checker found, and the run's figures."""
+
+    violations: list[Finding] = field(default_factory=list)
+    reports: list[Finding] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def as_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "figures": self.figures, "violations": [v.as_json() for v in self.violations],
+                "reports": [r.as_json() for r in self.reports]}
+
+
+def check(history: History) -> Verdict:
+    """Judge ``history`` by every rule of the module docstring."""
+    verdict = Verdict()
+    all_runs = runs(history)
+    before = _previous_outcome(history)
+    _overlaps(all_runs, verdict, before)
+    _fences(all_runs, verdict, before)
+    _lost(history, verdict)
+    _reruns(history, all_runs, verdict)
+    _slots(history, all_runs, verdict)
+    _hangs(history, verdict)
+    _keys(history, verdict)
+    _counters(history, all_runs, verdict)
+    from .report import figures
+
+    verdict.figures = figures(history, all_runs, verdict)
+    return verdict
+
+
+# ------------------------------------------------------------------ runs of one key
+
+
+def _previous_outcome(history: History) -> Any:
+    """``before(run)``: the outcome recorded last in the run's process before the run started
+    (the evidence of what that process went through just before: a soft time limit...)."""
+    by_pid: dict[int, list[Event]] = {}
+    for event in history.of("outcome"):
+        by_pid.setdefault(event.pid, []).append(event)
+
+    def before(run: Run) -> list[Event]:
+        earlier = [e for e in by_pid.get(run.pid, []) if e.m < run.start]
+        return earlier[-1:]
+
+    return before
+
+
+def _overlaps(all_runs: list[Run], verdict: Verdict, before: Any) -> None:
+    for key, items in by_key(all_runs).items():
+        items.sort(key=lambda r: r.start)
+        starts = [r.start for r in items]
+        for i, a in enumerate(items):
+            for b in items[i + 1:bisect.bisect_right(starts, a.until)]:
+                late = a.passes_after(b.start)
+                if late:
+                    verdict.violations.append(Finding(
+                        "overlap", f"{key}: run {a.id} ({a.who}) passed ensure_held() {len(late)} time(s) after run "
+                        f"{b.id} ({b.who}) started holding the key, first {late[0] - b.start:.3f}s after",
+                        b.start, excerpt([*before(b), a.events[0], b.events[0],
+                                          *[e for e in a.events if e.ev == "chk" and e.get("ok")
+                                            and e["m0"] > b.start]])))
+                elif a.fails_after(b.start):
+                    told = a.fails_after(b.start)[0]
+                    verdict.reports.append(Finding(
+                        "overlap-told", f"{key}: run {a.id} ({a.who}) ran on after run {b.id} started and was told "
+                        f"LockLost at its first check after it, {told - b.start:.3f}s later", b.start,
+                        excerpt([a.events[0], b.events[0],
+                                 *[e for e in a.events if e.ev != "start" and e.m > b.start]])))
+                elif a.until > b.start:
+                    verdict.reports.append(Finding(
+                        "overlap-unchecked", f"{key}: run {a.id} ({a.who}) ended {a.until - b.start:.3f}s after run "
+                        f"{b.id} started, with no check in between (its last check passed before)", b.start,
+                        excerpt([a.events[0], a.events[-1], b.events[0]])))
+
+
+def _fences(all_runs: list[Run], verdict: Verdict, before: Any) -> None:
+    for key, items in by_key(all_runs).items():
+        items.sort(key=lambda r: r.start)
+        best: Run | None = None
+        for run in items:
+            if run.fence is None:
+                verdict.violations.append(Finding("fence", f"{key}: run {run.id} ({run.who}) ran without a fencing "
+                                                  f"token (no lock)", run.start, excerpt([run.events[0]])))
+                continue
+            if best is not None and run.fence <= best.fence:  # type: ignore[operator]
+                finding = Finding("fence", f"{key}: run {run.id} ({run.who}) started after run {best.id} "
+                                  f"({best.who}) with fencing token {run.fence} <= {best.fence}", run.start,
+                                  excerpt([*before(run), best.events[0], run.events[0]]))
+                if run.passes or run.fence == best.fence:
+                    verdict.violations.append(finding)
+                else:
+                    finding.kind, finding.what = "fence-stale", finding.what + " (it never passed a check)"
+                    verdict.reports.append(finding)
+            if best is None or run.fence > best.fence:  # type: ignore[operator]
+                best = run
+
+
+# ------------------------------------------------------------------ submissions
+
+
+def _lost(history: History, verdict: Verdict) -> None:
+    losses = broker_losses(history)
+    scans = list(history.of("broker"))
+    held = {i for e in scans for i in e.get("ids") or []}
+    seen: dict[str, float] = {}  # when a worker last received a delivery of each task id
+    for event in history.of("prerun", "revoked", "start"):
+        seen[str(event.get("id"))] = event.m
+    published: dict[str, float] = {}  # its last publish (the submission, a retry, a re-publish)
+    for event in history.of("submit", "pub"):
+        published[str(event.get("id"))] = event.m
+    kills = _transport_disruptions(history)
+    for sub in fates(history).values():
+        if sub.ended:
+            continue
+        finished = [r for r in sub.starts if r.how is not None]
+        what = f"submission {sub.id} of {sub.key} ({sub.note}) "
+        evidence = excerpt([*sub.outcomes, *[r.events[0] for r in sub.starts]])
+        evidence.insert(0, {"ev": "submit", "m": round(sub.at, 3), "id": sub.id, "key": sub.key})
+        if finished:  # the work was done; the process died before Celery's postrun
+            verdict.reports.append(Finding("ended-unrecorded", what + "ran to an end, but no outcome was "
+                                           "recorded (its process died before Celery's postrun)", sub.at, evidence))
+            continue
+        what += (f"has no end: {len(sub.starts)} run(s) started, each cut short, none ran again to an end"
+                 if sub.starts else "has no end: it never ran and was not skipped")
+        if sub.id in held:
+            where = {"unacked": "unacknowledged (not delivered again)", "queued": "queued"}
+            found = [where[k] for k in where for e in scans if sub.id in (e.get(k) or [])]
+            what += f"; the broker still held it at the end{' ' + found[0] if found else ''}"
+        if any(sub.at < m and seen.get(sub.id, 0.0) < m for m in losses):
+            verdict.reports.append(Finding("lost-with-broker", what + "; the broker (the lock Redis) restarted "
+                                           "empty after it was published, and no worker saw it since",
+                                           sub.at, evidence))
+        elif (scans and sub.id not in held and published.get(sub.id, sub.at) > seen.get(sub.id, 0.0)
+              and any(m > published.get(sub.id, sub.at) for m in kills)):
+            verdict.reports.append(Finding(
+                "lost-in-transport", what + "; no worker received its last publish (no prerun after it), the broker "
+                "no longer holds it (neither queued nor unacknowledged), and after that publish a worker was "
+                "SIGKILLed or crashed, or the broker restarted: kombu's Redis transport takes a message off the "
+                "queue (BRPOP) before it records it as unacknowledged, and a reply lost with its connection loses "
+                "the message", sub.at, evidence))
+        else:
+            verdict.violations.append(Finding("lost", what, sub.at, evidence))
+
+
+def _transport_disruptions(history: History) -> list[float]:
+    """When a message on its way from the broker to a worker could be lost by the transport: a
+    worker SIGKILLed or crashed, the broker restarted (the lock Redis, when it is the broker)."""
+    workers = {w["name"] for w in history.meta.get("settings", {}).get("workers", [])}
+    broker = "lock-redis" if history.meta.get("settings", {}).get("variant") == "same" else "broker-redis"
+    return [e.m for e in history.of("proc")
+            if (e.get("name") in workers and e.get("action") in ("SIGKILL", "crash"))
+            or (e.get("name") == broker and e.get("action") == "exit")]
+
+
+def _reruns(history: History, all_runs: list[Run], verdict: Verdict) -> None:
+    losses = [e.m for e in history.of("fault") if e.get("kind") in DATA_LOSS and e.get("action") == "inject"]
+    done_ttl = 2 * float(history.meta.get("settings", {}).get("visibility", 12.0))
+    ended_in = {(r.pid, r.id) for r in all_runs if r.how is not None}
+    completed: dict[str, Event] = {}
+    for event in history.of("outcome"):
+        if event.get("kind") in ("success", "failure") and (event.pid, event.get("id")) in ended_in:
+            completed.setdefault(str(event["id"]), event)
+    for run in all_runs:
+        done = completed.get(run.id)
+        if done is None or run.start <= done.m:
+            continue
+        what = (f"task {run.id} ({run.key}) ran again on {run.who} {run.start - done.m:.2f}s after it completed "
+                f"on {done.who}")
+        evidence = excerpt([done, run.events[0]])
+        if any(done.m < m < run.start for m in losses):
+            verdict.reports.append(Finding("rerun-after-data-loss", what + " (the lock Redis lost its done marker "
+                                           "in between)", run.start, evidence))
+        elif run.start - done.m > done_ttl:
+            verdict.reports.append(Finding("rerun-after-done-ttl", what + " (after the done marker's TTL)",
+                                           run.start, evidence))
+        else:
+            verdict.violations.append(Finding("rerun", what, run.start, evidence))
+
+
+# ------------------------------------------------------------------ beat slots
+
+
+def expected_slots(entry: dict[str, Any], start: float, end: float) -> list[float]:
+    """Wall-clock instants of an entry's slots in ``[start, end]`` (every N s, or every minute)."""
+    if "every" in entry:
+        period = float(entry["every"])
+    elif entry.get("cron") == "* * * * *":
+        period = 60.0
+    else:
+        raise ValueError(f"the checker knows interval and every-minute entries, not {entry}")
+    first = (int(start // period) + 1) * period
+    out, at = [], first
+    while at <= end:
+        out.append(at)
+        at += period
+    return out
+
+
+def slot_label(at: float) -> str:
+    from celery_singleton_beat.beat.slots import format_slot
+
+    return format_slot(datetime.fromtimestamp(at, timezone.utc))
+
+
+def _slots(history: History, all_runs: list[Run], verdict: Verdict) -> None:
+    phases = {e.get("name"): e.m for e in history.of("phase")}
+    if "chaos" not in phases or "quiesce" not in phases:
+        return
+    pending = float(history.meta.get("settings", {}).get("pending_lease", 2.0))
+    windows = [*beat_down_windows(history, pending), *lock_gone_windows(history)]
+    seen: dict[tuple[str, str], list[Event]] = {}
+    for event in history.of("sent", "prerun", "start", "outcome"):
+        if event.get("slot"):
+            seen.setdefault((str(event.get("entry")), str(event["slot"])), []).append(event)
+    counts: Counter[str] = Counter()
+    for name, entry in (history.meta.get("entries") or {}).items():
+        for at in expected_slots(entry, history.wall(phases["chaos"]), history.wall(phases["quiesce"])):
+            label = slot_label(at)
+            counts["expected"] += 1
+            if (name, label) in seen:
+                counts["sent"] += 1
+                continue
+            due = history.mono(at)
+            excuse = next((w for w in windows if w.covers(due)), None)
+            if excuse is not None:
+                counts["excused"] += 1
+                verdict.reports.append(Finding("slot-excused", f"{name} slot {label} not sent: {excuse.why}", due))
+            else:
+                counts["missing"] += 1
+                verdict.violations.append(Finding("slot", f"{name} slot {label} was never sent (no beat down, lock "
+                                                  f"Redis up)", due, _near(history, due)))
+    sends = Counter((str(e.get("entry")), str(e.get("slot"))) for e in history.of("sent"))
+    counts["sent twice"] = sum(1 for n in sends.values() if n > 1)
+    ran = Counter((r.entry, r.slot) for r in all_runs if r.slot)
+    counts["run twice"] = sum(1 for n in ran.values() if n > 1)
+    verdict.figures["slots"] = dict(counts)
+
+
+def _near(history: History, m: float, seconds: float = 3.0) -> list[dict[str, Any]]:
+    """The controller's and beats' events around ``m`` (for a missing slot's report)."""
+    return excerpt([e for e in history.events if abs(e.m - m) <= seconds
+                    and (e.who.startswith("beat") or e.ev in ("fault", "proc", "sent"))], limit=25)
+
+
+# ------------------------------------------------------------------ processes and keys
+
+
+def _hangs(history: History, verdict: Verdict) -> None:
+    for event in history.of("term"):
+        if event.get("exited") is None:
+            verdict.violations.append(Finding("hang", f"{event.get('name')} (pid {event.get('pid')}) did not exit "
+                                              f"within {event.get('bound')}s of SIGTERM", event.m, excerpt([event])))
+
+
+#: Keys the library keeps without a TTL (README, Monitoring; docs/beat.md).
+NO_TTL = (re.compile(r"^[^:]+:server$"), re.compile(r"^[^:]+:\{beat\}:history$"))
+
+
+def _keys(history: History, verdict: Verdict) -> None:
+    prefix = str(history.meta.get("settings", {}).get("prefix", "chaos"))
+    run_lock = re.compile(rf"^{re.escape(prefix)}:\{{{re.escape(TASK)}:[0-9a-f]+\}}$")
+    for event in history.of("keys"):
+        for key in event.get("keys") or []:
+            name, pttl = str(key["key"]), int(key["pttl"])
+            if run_lock.match(name):
+                verdict.violations.append(Finding("keys", f"run lock {name} still held {pttl} ms after every run "
+                                                  f"had ended for longer than its lease", event.m, [key]))
+            elif pttl == -1 and name.startswith(prefix + ":") and not any(p.match(name) for p in NO_TTL):
+                verdict.violations.append(Finding("keys", f"{name} ({key['type']}) has no TTL", event.m, [key]))
+
+
+def _counters(history: History, all_runs: list[Run], verdict: Verdict) -> None:
+    snapshots = {e.get("when"): e for e in history.of("counters")}
+    skips = [e for e in history.of("outcome") if e.get("kind") == "skipped"]
+    begin, end = snapshots.get("audit-start"), snapshots.get("audit-end")
+    if begin is not None and end is not None:
+        before, after = _task_counts(begin), _task_counts(end)
+        window = [r for r in all_runs if begin.m < r.start < end.m]
+        wanted = {"acquired": len(window), "skipped": sum(1 for e in skips if begin.m < e.m < end.m),
+                  "released": sum(1 for r in window if r.how == "done"), "lost": 0}
+        for name, count in wanted.items():
+            delta = after.get(name, 0) - before.get(name, 0)
+            if delta != count:
+                verdict.violations.append(Finding("counters", f"audit: counter {name} grew by {delta}, the history "
+                                                  f"shows {count}", end.m, [{"before": before, "after": after}]))
+    final = snapshots.get("final")
+    if final is not None:
+        counts = _task_counts(final)
+        slack = _interruptions(history)
+        for name, seen in (("acquired", len(all_runs)), ("skipped", len(skips))):
+            if counts.get(name, 0) > seen + slack:
+                verdict.violations.append(Finding(
+                    "counters", f"counter {name} is {counts.get(name, 0)}, above the {seen} the history shows plus "
+                    f"{slack} interrupted runs", final.m, [{"counters": counts}]))
+
+
+def _task_counts(event: Event) -> dict[str, int]:
+    return dict((event.get("counters") or {}).get("tasks", {}).get(TASK, {}))
+
+
+def _interruptions(history: History) -> int:
+    """Faults that can end a process between a counted outcome and its history line."""
+    count = 0
+    for event in history.of("fault"):
+        if event.get("action") != "inject":
+            continue
+        kind = event.get("kind")
+        if kind in ("kill-worker", "kill-worker-main", "kill-child", "term-worker"):
+            count += 3
+        elif kind in ("soft-limit", "revoke"):
+            count += int(event.get("burst") or 0)
+    return count

@@ -1,0 +1,287 @@
+"""The chaos checker (``harness/chaos/checker.py``) on synthetic histories: one per violation.
+
+Each test writes a small history (the format every process of a chaos run
+writes, see ``harness/chaos/history.py``) in which exactly one rule is broken,
+and checks that the checker finds that violation and nothing else; the
+baseline history breaks none. So the checker is known to fail when it should,
+and to pass what the guarantees allow (a paused run told at its first check,
+a submission the broker lost with its own data, a slot due while every beat was
+down). The checker also reads a saved history from disk (``python -m
+harness.chaos check DIR``), and a history saved from a real run that hit a
+stale lock reply (an overlap) is still judged an overlap.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.chaos.checker import Verdict, check, slot_label
+from harness.chaos.history import load, write
+
+from .support.paths import ROOT
+
+#: Wall-clock time of m = 0 in these histories: a whole minute, so slots fall on round m values.
+EPOCH = 1_800_000_000.0
+TASK = "harness.chaos.app.work"
+
+
+class Story:
+    """A history under construction: events at monotonic times, then judged."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.meta: dict[str, Any] = {
+            "settings": {"variant": "separate", "seed": 0, "beats": ["b1", "b2"], "prefix": "chaos",
+                         "workers": [{"name": "w1", "pool": "prefork", "concurrency": 2}],
+                         "visibility": 12.0, "pending_lease": 2.0, "lock_ttl": 4.0, **settings},
+            "seconds": 20, "clock": {"t": EPOCH, "m": 0.0}, "entries": {}}
+        self.events: list[dict[str, Any]] = []
+        self.phase("chaos", 10.0)
+        self.phase("quiesce", 30.0)
+
+    def add(self, ev: str, m: float, who: str = "control", writer: int = 1, **data: Any) -> Story:
+        """An event written at ``m`` by process ``writer`` (named ``who``)."""
+        self.events.append({"ev": ev, "m": m, "t": EPOCH + m, "_who": who, "_pid": writer, **data})
+        return self
+
+    def phase(self, name: str, m: float) -> Story:
+        return self.add("phase", m, name=name)
+
+    def submit(self, task_id: str, key: str, m: float, note: str = "sub") -> Story:
+        return self.add("submit", m, "submitter", 2, id=task_id, key=key, ok=True, note=note)
+
+    def run(self, task_id: str, key: str, start: float, end: float, fence: int, *, pid: int = 10,
+            checks: list[tuple[float, bool]] | None = None, how: str = "done", outcome: str | None = "success",
+            **extra: Any) -> Story:
+        """A body run in process ``pid``: start, its checks (``(m0, passed)``), end, outcome."""
+        who = f"worker-w{pid}-child"
+        self.add("start", start, who, pid, id=task_id, key=key, fence=fence, **extra)
+        for m0, ok in checks if checks is not None else [(start, True)]:
+            self.add("chk", m0, who, pid, id=task_id, key=key, m0=m0, ok=ok)
+        if how:
+            self.add("end", end, who, pid, id=task_id, key=key, how=how)
+        if outcome:
+            self.add("outcome", end + 0.001, who, pid, id=task_id, key=key, kind=outcome,
+                     state={"success": "SUCCESS", "skipped": "IGNORED", "failure": "FAILURE"}[outcome], **extra)
+        return self
+
+    def drop_slot(self, m: float) -> Story:
+        """The slot due at ``m`` was never sent (nor run, so one acquisition fewer)."""
+        label = slot_label(EPOCH + m)
+        self.events = [e for e in self.events if e.get("slot") != label]
+        for event in self.events:
+            if event.get("when") == "final":
+                event["counters"]["tasks"][TASK]["acquired"] -= 1
+        return self
+
+    def judge(self, tmp_path: Path) -> Verdict:
+        return check(load(write(tmp_path / "history", self.meta, self.events)))
+
+
+def baseline() -> Story:
+    """Two runs of ``k`` one after the other, a skipped duplicate, a beat entry every 5 s
+    sent on time, beats stopped cleanly, no key left, counters that match."""
+    story = Story()
+    story.meta["entries"] = {"every-5s": {"every": 5.0, "key": "beat:e", "seconds": 0.1}}
+    story.submit("a", "k", 11.0).run("a", "k", 11.1, 12.0, 100, checks=[(11.1, True), (11.5, True), (11.9, True)])
+    story.submit("b", "k", 11.2).add("outcome", 11.25, "worker-w2", 20, id="b", key="k", kind="skipped",
+                                      state="IGNORED")
+    story.submit("c", "k", 12.5).run("c", "k", 12.6, 13.0, 200, pid=11, checks=[(12.6, True), (12.9, True)])
+    for m in (15.0, 20.0, 25.0, 30.0):
+        slot = slot_label(EPOCH + m)
+        story.add("sent", m + 0.01, "beat-b1", 3, id=f"slot-{m}", entry="every-5s", slot=slot)
+        story.run(f"slot-{m}", "beat:e", m + 0.02, m + 0.1, int(m * 1000), pid=12, slot=slot, entry="every-5s")
+    story.add("term", 31.0, name="b1", pid=3, sent=31.0, exited=31.2, code=0, bound=15.0)
+    story.add("keys", 32.0, keys=[{"key": "chaos:server", "type": "string", "pttl": -1},
+                                  {"key": "chaos:{beat}:history", "type": "list", "pttl": -1},
+                                  {"key": f"chaos:{{{TASK}:ab12}}:done:c", "type": "string", "pttl": 9000}])
+    before = {"acquired": 6, "skipped": 1, "released": 6, "lost": 0}
+    after = {**before, "acquired": 7, "released": 7}
+    story.add("counters", 30.5, when="audit-start", counters={"tasks": {TASK: before}})
+    story.submit("x", "k", 30.6, note="audit").run("x", "k", 30.7, 30.8, 900)
+    story.add("counters", 31.5, when="audit-end", counters={"tasks": {TASK: after}})
+    story.add("counters", 33.0, when="final", counters={"tasks": {TASK: dict(after)}})
+    return story
+
+
+def kinds(verdict: Verdict) -> list[str]:
+    return sorted(v.kind for v in verdict.violations)
+
+
+def test_the_baseline_history_breaks_no_rule(tmp_path: Path) -> None:
+    verdict = baseline().judge(tmp_path)
+    assert kinds(verdict) == [], verdict.violations
+    assert verdict.figures["runs"] == 7 and verdict.figures["slots"]["sent"] == 4
+
+
+def test_a_check_that_passes_after_a_later_run_started_is_an_overlap(tmp_path: Path) -> None:
+    story = baseline()
+    # d holds k2 from 14.0; e starts at 14.5 (its acquire returned); d's check at 14.6 passes.
+    story.submit("d", "k2", 13.9).run("d", "k2", 14.0, 15.0, 300, checks=[(14.0, True), (14.6, True)])
+    story.submit("e", "k2", 14.4).run("e", "k2", 14.5, 14.8, 400, pid=11)
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == ["overlap"]
+    assert "run d" in verdict.violations[0].what and "run e" in verdict.violations[0].what
+
+
+def test_a_paused_run_told_at_its_first_check_after_resuming_is_reported_not_failed(tmp_path: Path) -> None:
+    story = baseline()
+    story.submit("d", "k2", 13.9).run("d", "k2", 14.0, 19.0, 300, checks=[(14.0, True), (19.0, False)],
+                                      how="lost")
+    story.submit("e", "k2", 14.4).run("e", "k2", 17.5, 18.0, 400, pid=11)
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == []
+    assert [r.kind for r in verdict.reports] == ["overlap-told"]
+
+
+def test_a_later_run_with_a_smaller_fencing_token_is_a_violation(tmp_path: Path) -> None:
+    story = baseline()
+    story.submit("d", "k2", 13.9).run("d", "k2", 14.0, 14.5, 300)
+    story.submit("e", "k2", 14.6).run("e", "k2", 14.7, 15.0, 299, pid=11)
+    assert kinds(story.judge(tmp_path)) == ["fence"]
+
+
+def test_a_stale_start_that_never_passed_a_check_is_reported_not_failed(tmp_path: Path) -> None:
+    story = baseline()
+    story.submit("d", "k2", 13.9).run("d", "k2", 14.0, 14.5, 300)
+    story.submit("e", "k2", 13.5).run("e", "k2", 14.7, 14.8, 299, pid=11, checks=[(14.7, False)], how="lost")
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["fence-stale"]
+
+
+def test_a_submission_that_never_ran_and_was_not_skipped_is_lost(tmp_path: Path) -> None:
+    story = baseline().submit("z", "k3", 20.0)
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == ["lost"] and "never ran" in verdict.violations[0].what
+
+
+def test_a_run_cut_short_and_never_run_again_is_lost(tmp_path: Path) -> None:
+    story = baseline().submit("z", "k3", 20.0).run("z", "k3", 20.1, 0, 500, how="", outcome=None)
+    assert kinds(story.judge(tmp_path)) == ["lost"]
+
+
+def test_a_ready_result_state_is_an_end(tmp_path: Path) -> None:
+    story = baseline().submit("z", "k3", 20.0).add("results", 32.5, states={"z": "REVOKED"})
+    assert kinds(story.judge(tmp_path)) == []
+
+
+def test_a_submission_the_broker_lost_with_its_data_is_reported_not_failed(tmp_path: Path) -> None:
+    story = baseline()
+    story.meta["settings"]["variant"] = "same"
+    story.submit("z", "k3", 20.0).add("fault", 21.0, n=1, kind="restart-lock-empty", action="inject")
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-with-broker"]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_message_a_killed_worker_took_off_the_queue_is_lost_in_the_transport(tmp_path: Path, held: bool) -> None:
+    """Published, a worker SIGKILLed just after, no trace of it anywhere: kombu's Redis transport
+    lost it between its BRPOP and its record of unacknowledged messages (reported). Still in
+    the broker at the end, it is lost to the workers (a violation)."""
+    story = baseline().submit("z", "k3", 20.0).add("proc", 20.01, name="w1", action="SIGKILL", pid=7)
+    story.add("broker", 32.6, ids=["z"] if held else [])
+    verdict = story.judge(tmp_path)
+    if held:
+        assert kinds(verdict) == ["lost"]
+    else:
+        assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
+
+
+def test_a_retry_taken_off_the_queue_by_a_killed_worker_is_lost_in_the_transport(tmp_path: Path) -> None:
+    """A delivery that deferred its run (fail closed) published its retry; a worker SIGKILLed
+    just after took that retry off the queue: no worker ever received it (reported)."""
+    story = baseline().submit("z", "k3", 20.0)
+    story.add("prerun", 20.1, "worker-w2", 20, id="z", key="k3").add("pub", 20.2, "worker-w2", 20, id="z")
+    story.add("outcome", 20.21, "worker-w2", 20, id="z", key="k3", kind="retry", state="RETRY")
+    story.add("proc", 20.3, name="w1", action="SIGKILL", pid=7).add("broker", 32.6, ids=[], queued=[], unacked=[])
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
+
+
+def test_a_run_after_its_task_completed_is_a_rerun(tmp_path: Path) -> None:
+    story = baseline().run("c", "k", 16.0, 16.2, 600, pid=12)
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == ["rerun"] and "task c" in verdict.violations[0].what
+
+
+def test_a_rerun_after_the_lock_redis_lost_its_data_is_reported_not_failed(tmp_path: Path) -> None:
+    story = baseline().add("fault", 15.0, n=1, kind="restart-lock-empty", action="inject")
+    story.add("fault", 15.5, n=1, kind="restart-lock-empty", action="heal")
+    story.run("c", "k", 16.0, 16.2, 600, pid=12)
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == [] and "rerun-after-data-loss" in [r.kind for r in verdict.reports]
+
+
+def test_a_slot_never_sent_while_a_beat_and_redis_were_up_is_a_violation(tmp_path: Path) -> None:
+    story = baseline().drop_slot(20.0)
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == ["slot"] and slot_label(EPOCH + 20.0) in verdict.violations[0].what
+
+
+@pytest.mark.parametrize("outage", ["beats", "redis"])
+def test_a_slot_due_while_every_beat_or_the_lock_redis_was_down_is_excused(tmp_path: Path, outage: str) -> None:
+    story = baseline().drop_slot(20.0)
+    if outage == "beats":
+        story.add("proc", 1.0, name="b1", action="start", pid=3).add("proc", 1.0, name="b2", action="start", pid=4)
+        story.add("proc", 18.0, name="b1", action="SIGKILL", pid=3)
+        story.add("proc", 19.0, name="b2", action="SIGTERM", pid=4)
+        story.add("beat-up", 22.5, "beat-b1", 5)
+    else:
+        story.add("fault", 19.0, n=1, kind="restart-lock", action="inject")
+        story.add("fault", 20.5, n=1, kind="restart-lock", action="heal")
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["slot-excused"]
+
+
+def test_a_process_that_outlives_its_sigterm_bound_hangs(tmp_path: Path) -> None:
+    story = baseline().add("term", 31.5, name="w1", pid=7, sent=31.5, exited=None, code=None, bound=30.0)
+    assert kinds(story.judge(tmp_path)) == ["hang"]
+
+
+@pytest.mark.parametrize(("key", "pttl"), [(f"chaos:{{{TASK}:ab12}}", 3000), ("chaos:{beat:e}:x", -1)])
+def test_a_run_lock_left_when_idle_or_a_key_without_ttl_is_a_violation(tmp_path: Path, key: str, pttl: int) -> None:
+    story = baseline()
+    story.add("keys", 32.1, keys=[{"key": key, "type": "string", "pttl": pttl}])
+    assert kinds(story.judge(tmp_path)) == ["keys"]
+
+
+@pytest.mark.parametrize("when", ["audit-end", "final"])
+def test_counters_that_disagree_with_the_history_are_a_violation(tmp_path: Path, when: str) -> None:
+    story = baseline()
+    for event in story.events:
+        if event.get("when") == when:
+            event["counters"] = {"tasks": {TASK: {"acquired": 60, "skipped": 1, "released": 7, "lost": 0}}}
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == ["counters"] and "acquired" in verdict.violations[0].what
+
+
+def test_the_checker_judges_a_saved_history_from_the_command_line(tmp_path: Path) -> None:
+    story = baseline().submit("z", "k3", 20.0)
+    write(tmp_path / "run" / "history", story.meta, story.events)
+    done = subprocess.run([sys.executable, "-m", "harness.chaos", "check", str(tmp_path / "run")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "**lost**" in done.stdout and (tmp_path / "run" / "verdict.json").exists()
+
+
+@pytest.mark.parametrize(("name", "kind", "names"), [
+    # A soft time limit ended a run of k2 while its acquire waited on a paused Redis; the
+    # next run on that pool process, of k1, read that acquire's reply as its own ("taken"),
+    # while another run held k1 and went on passing its checks.
+    ("stale-reply-overlap", "overlap", ["run c34386a2", "run adf029f0", "13 time(s)"]),
+    # A completed run's release got no reply (-BUSY) and was not sent again: no done marker;
+    # its acknowledgement lost too (the same busy Redis), its message ran again.
+    ("release-lost-rerun", "rerun", ["task c36724b9", "2.66s after it completed"]),
+    # The lock Redis (appendonly yes) restarted with its data directory lost: a run of k4
+    # acquired 15 ms later, while the run that held k4 before the restart still passed.
+    ("empty-restart-overlap", "overlap", ["run 6ad7e205", "run 7677e7ef"]),
+])
+def test_histories_saved_from_real_runs_are_judged_as_they_were(name: str, kind: str, names: list[str]) -> None:
+    """Histories saved (trimmed) from chaos runs that found a violation: the checker still finds it."""
+    verdict = check(load(ROOT / "tests" / "chaos_histories" / name / "history"))
+    assert kinds(verdict) == [kind]
+    assert all(part in verdict.violations[0].what for part in names), verdict.violations[0].what
