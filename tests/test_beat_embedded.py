@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from celery import Celery, signals
 
+from celery_singleton_beat.beat.embedded import _check_worker as check_worker
 from celery_singleton_beat.beat.embedded import names_this_library, singleton_beats_here
 from celery_singleton_beat.beat.records import REFRESH
 from celery_singleton_beat.slot_delivery import SlotDeliveryStep
@@ -111,17 +112,22 @@ def test_the_scheduler_names_of_this_library() -> None:
 
 def test_a_worker_embedding_the_singleton_beat_gets_the_slot_check() -> None:
     """``-B --scheduler singleton`` named on the command line only (not in ``beat_scheduler``):
-    the worker still gets the step that drops a second delivery of a slot."""
+    the worker still gets the step that drops a second delivery of a slot.
+
+    The embedded-beat receiver is called alone: the library's other ``worker_init``
+    receiver installs the step for any app with a singleton task, and a new app in
+    this process gets every shared task the other tests' apps declared."""
     app = Celery("embedded-step", set_as_current=False)
     assert SlotDeliveryStep not in app.steps["consumer"]
     worker = type("WorkController", (), {})()  # what worker_init receivers read of Celery's
     worker.app, worker.statedb, worker.hostname, worker.scheduler = app, None, "w@h", "singleton"
     worker.options = {"beat": False}
-    signals.worker_init.send(sender=worker)
+    check_worker(sender=worker)
     assert SlotDeliveryStep not in app.steps["consumer"]  # no embedded beat
     worker.options["beat"] = True
-    signals.worker_init.send(sender=worker)
+    check_worker(sender=worker)
     assert SlotDeliveryStep in app.steps["consumer"]
+    assert check_worker in [receiver() for _, receiver in signals.worker_init.receivers], "connected"
 
 
 # ----------------------------------------------------------------- a foreign embedded beat

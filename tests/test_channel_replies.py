@@ -33,6 +33,7 @@ from .support import RedisServer, wait_for
 from .support.fault_proxy import FaultProxy, Rates
 from .support.interrupts import RaiseInto, blocked_on, main_waits_for_a_reply_in, queued_behind, when
 from .support.locking import take_lock
+from .support.servers import server_busy
 
 KEY = "t:{demo.task:mine}"
 #: Held by another client all along: whoever asks must be told so.
@@ -109,14 +110,6 @@ def test_an_exception_raised_while_a_pooled_request_waits_leaves_no_reply_in_the
 
 
 # -------------------------------------------------------------------- error replies to SCRIPT LOAD
-
-
-def server_busy(probe: redis.Redis) -> bool:
-    try:
-        probe.ping()
-    except redis.ResponseError as exc:
-        return str(exc).startswith("BUSY")
-    return False
 
 
 @pytest.mark.parametrize("how", ["call", "send"])

@@ -230,7 +230,8 @@ def assert_nothing_left(summary: dict[str, Any]) -> None:
 #: Import names of the ``test`` extra's distributions (and Django, which one pulls in).
 TEST_EXTRA_MODULES = {"pytest": "pytest", "pytest-celery": "pytest_celery", "pytest-timeout": "pytest_timeout",
                       "pytest-xdist": "xdist", "requests": "requests", "PyYAML": "yaml", "ephem": "ephem",
-                      "gevent": "gevent", "eventlet": "eventlet", "django-celery-beat": "django_celery_beat"}
+                      "gevent": "gevent", "eventlet": "eventlet", "django-celery-beat": "django_celery_beat",
+                      "celery-redbeat": "redbeat"}
 
 
 def extra(name: str) -> list[str]:

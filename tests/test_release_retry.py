@@ -32,6 +32,7 @@ from celery_singleton_beat.holder import done_key
 from celery_singleton_beat.lock import read_holder
 
 from .support import RedisServer, start_worker, wait_for
+from .support.servers import server_busy
 
 APP = "tests.apps.order_app"
 
@@ -43,14 +44,6 @@ def order(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
 
     assert base == order_app.BASE, "order_app was imported for another server"
     return order_app
-
-
-def server_busy(probe: redis.Redis) -> bool:
-    try:
-        probe.ping()
-    except redis.ResponseError as exc:
-        return str(exc).startswith("BUSY")
-    return False
 
 
 @pytest.fixture

@@ -20,8 +20,6 @@ often than that, as after an outage).
 from __future__ import annotations
 
 import json
-import random
-import threading
 import time
 from collections import Counter
 from datetime import timedelta
@@ -35,14 +33,14 @@ from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
 
 from .support import CeleryProcess, RedisServer, start_worker, wait_for
-from .support.beat import RealClock, RecordingScheduler, beat_app, beat_loop, sent_slots
+from .support.beat import sent_slots
+from .support.failover_load import HOT_KEYS, FailoverLoad
 from .support.slots import duplicates_and_misses
 from .support.tasks import settled
 from .support.topologies import MASTER_NAME, SentinelGroup, start_sentinels, wait_for_new_primary
 
 APP = "tests.apps.tasks_app"
 FAILOVERS = 10
-HOT_KEYS = ("hot0", "hot1", "hot2")
 
 
 def _demoted(group: SentinelGroup, old: tuple[str, int]) -> bool:
@@ -79,34 +77,16 @@ def test_ten_sentinel_failovers_in_a_row_lose_no_lease_and_run_no_key_twice(
         tasks: ModuleType, records: redis.Redis, redis_server: RedisServer,
         processes: list[CeleryProcess]) -> None:
     group = start_sentinels(down_after_ms=1000)
-    stop = threading.Event()
-    threads: list[threading.Thread] = []
-    beats: list[RecordingScheduler] = []
+    load: FailoverLoad | None = None
     try:
         clear_settings_cache()
         reset_clients()
         env = {"CSB_LOCK_REDIS": group.url, "CSB_BACKOFF_MAX": "1", "CSB_LOCK_TTL": "3"}
         for name in ("fo-a", "fo-b"):
             processes.append(start_worker(redis_server, APP, name, concurrency=5, env=env))
-        fast = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
-        beats = [RecordingScheduler(app=beat_app(RealClock(), {"tick": {"task": "t.tick", "schedule": 0.5}},
-                                                 group.url, singleton_redis_options=fast))
-                 for _ in range(2)]
-        beat_errors: list[str] = []
-        published: list[AsyncResult] = []
-
-        def publish() -> None:
-            keys = random.Random(11)
-            i = 0
-            while not stop.is_set():
-                published.append(tasks.work.delay(f"hot{keys.randrange(3)}", 0.5, note=str(i)))
-                i += 1
-                stop.wait(0.1)
-
-        threads = [threading.Thread(target=beat_loop, args=(beat, stop, beat_errors)) for beat in beats]
-        threads.append(threading.Thread(target=publish))
-        for thread in threads:
-            thread.start()
+        load = FailoverLoad(tasks, group.url, seed=11)
+        beats, published, beat_errors = load.beats, load.published, load.beat_errors
+        load.start()
         wait_for(lambda: len(sent_slots(*beats)) >= 2, timeout=30, message="beats sending")
 
         leases: list[AsyncResult] = []
@@ -134,9 +114,7 @@ def test_ten_sentinel_failovers_in_a_row_lose_no_lease_and_run_no_key_twice(
             lost = [(r.id, r.result) for r in runs if r.state != "SUCCESS" or r.result.get("lost")]
             assert not lost, f"failover {round_ + 1}: leases lost: {lost}"
 
-        stop.set()
-        for thread in threads:
-            thread.join(30)
+        load.finish()
         wait_for(lambda: settled(published), timeout=120, message="every task settled")
         states = Counter(r.state for r in published)
         overlaps = {k: int(records.get(f"overlap:{k}") or 0) for k in HOT_KEYS}
@@ -152,11 +130,8 @@ def test_ten_sentinel_failovers_in_a_row_lose_no_lease_and_run_no_key_twice(
         assert not beat_errors, beat_errors
         assert all(json.loads(r)["fence"] for k in HOT_KEYS for r in records.lrange(f"runs:{k}", 0, -1))
     finally:
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-        for beat in beats:
-            beat.close()
+        if load is not None:
+            load.close()
         group.stop()
         clear_settings_cache()
         reset_clients()

@@ -16,8 +16,6 @@ import contextlib
 import gc
 import json
 import os
-import random
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
@@ -28,7 +26,6 @@ import pytest
 import redis
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
-from celery.result import AsyncResult
 from redis.cluster import RedisCluster
 
 from celery_singleton_beat import LockUnavailable, SingletonTask, counters
@@ -58,7 +55,8 @@ from celery_singleton_beat.lock import read_holder, release_value
 from celery_singleton_beat.window import mark_in_use
 
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
-from .support.beat import ManualClock, RealClock, RecordingScheduler, beat_app, beat_loop, run_ticks, sent_slots
+from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots
+from .support.failover_load import FailoverLoad
 from .support.locking import take_lock
 from .support.slots import UTC, duplicates_and_misses
 from .support.tasks import settled
@@ -627,37 +625,17 @@ def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records
     """Tasks (3 long runs with 1 s leases + a stream on 3 hot keys) and two beats (a slot
     every 0.5 s) run while the Sentinel primary fails over; the outcome is measured."""
     group = start_sentinels(down_after_ms=1000)
-    stop = threading.Event()
-    threads: list[threading.Thread] = []
+    load: FailoverLoad | None = None
     try:
         clear_settings_cache()
         reset_clients()
         processes.append(start_worker(redis_server, APP, f"fo-{how}", concurrency=6,
                                       env={"CSB_LOCK_REDIS": group.url, "CSB_BACKOFF_MAX": "1",
                                            "CSB_LOCK_TTL": "3"}))
-        clock = RealClock()
-        fast = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
-        beats = [RecordingScheduler(app=beat_app(clock, {"tick": {"task": "t.tick", "schedule": 0.5}}, group.url,
-                                                 singleton_redis_options=fast))
-                 for _ in range(2)]
-        beat_errors: list[str] = []
-        published: list[AsyncResult] = []
-
-        def publish() -> None:
-            # Keys in random order: two runs of one key are often due at once (round-robin
-            # over 3 keys with 3 free pool processes would never put one key in two of them).
-            keys = random.Random(7)
-            i = 0
-            while not stop.is_set():
-                published.append(tasks.work.delay(f"hot{keys.randrange(3)}", 0.5, note=str(i)))
-                i += 1
-                stop.wait(0.1)
-
-        threads = [threading.Thread(target=beat_loop, args=(beat, stop, beat_errors)) for beat in beats]
-        threads.append(threading.Thread(target=publish))
+        load = FailoverLoad(tasks, group.url, seed=7)
+        beats, published, beat_errors = load.beats, load.published, load.beat_errors
         long_runs = [tasks.long_run.delay(f"lease{i}", 8.0) for i in range(3)]
-        for thread in threads:
-            thread.start()
+        load.start()
         wait_for(lambda: all(records.get(f"fence:lease{i}") for i in range(3)), timeout=60,
                  message="the long runs hold their leases")
         wait_for(lambda: len(sent_slots(*beats)) >= 2, timeout=30, message="beats sending")
@@ -679,9 +657,7 @@ def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records
         wait_for(task_after_promotion, timeout=60, message="a task run on the new primary")
         wait_for(lambda: any(s > promoted_at.strftime("%Y-%m-%dT%H:%M:%S") for s in sent_slots(*beats)),
                  timeout=60, message="a slot sent after the promotion")
-        stop.set()
-        for thread in threads:
-            thread.join(30)
+        load.finish()
         everything = published + long_runs
         wait_for(lambda: settled(everything), timeout=120, message="every task settled")
 
@@ -710,14 +686,12 @@ def test_failover_while_tasks_and_beats_run(how: str, tasks: ModuleType, records
             assert tasks_outcome["duplicates (overlapping runs of one key)"] == 0, outcome
             assert outcome["leases held across the failover (1 s TTL)"]["kept"] == 3, outcome
             assert outcome["beat (slot every 0.5 s)"]["duplicates"] == 0, outcome
-        for beat in beats:
-            beat.close()
     finally:
-        stop.set()
-        for thread in threads:
-            thread.join(30)
+        if load is not None:
+            load.close()
         reset_clients()
         group.stop()
         # AsyncResults unsubscribe when collected: do it while the result backend is up.
+        load = None
         published = long_runs = everything = []
         gc.collect()

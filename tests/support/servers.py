@@ -267,3 +267,12 @@ def queue_drained(broker: redis.Redis, queue: str) -> bool:
         if routing_key == queue:
             return False
     return True
+
+
+def server_busy(probe: redis.Redis) -> bool:
+    """Whether the server answers ``-BUSY`` (another client's script runs past ``lua-time-limit``)."""
+    try:
+        probe.ping()
+    except redis.ResponseError as exc:
+        return str(exc).startswith("BUSY")
+    return False
