@@ -14,10 +14,7 @@ for it any more). A renewal whose answer comes after its run ended (the run
 released the lock meanwhile) reports nothing.
 
 The same thread sends again a run's release that got no answer (``-BUSY``, a
-timeout, a cut connection; :meth:`LeaseKeeper.retry_release`): the release only
-deletes the run's own value and writes its own task id's done marker, so sending
-it again is safe, and it frees the key and records the run as done long before
-the lock's TTL would have.
+timeout, a cut connection; :meth:`LeaseKeeper.retry_release`, :mod:`.releases`).
 """
 
 from __future__ import annotations
@@ -37,8 +34,9 @@ import redis
 from . import native, server
 from .commands import Renewal
 from .lease import RETRY_EVERY, Lease
+from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
 
-__all__ = ["KeptLease", "LeaseKeeper", "PendingRelease", "get_keeper", "send_pending_releases"]
+__all__ = ["KeptLease", "LeaseKeeper", "get_keeper", "send_pending_releases"]
 
 logger = logging.getLogger("celery_singleton_beat")
 
@@ -74,18 +72,6 @@ class KeptLease:
                 self.on_lost(self, reason)
 
 
-class PendingRelease:
-    """A run's release that got no answer, sent again until it runs or its lease is over."""
-
-    __slots__ = ("active", "attempts", "done_ttl", "lease")
-
-    def __init__(self, lease: Lease, done_ttl: float | None) -> None:
-        self.lease = lease
-        self.done_ttl = done_ttl
-        self.attempts = 0
-        self.active = True
-
-
 class LeaseKeeper:
     """Renews leases from one background OS thread (started on first use).
 
@@ -102,6 +88,8 @@ class LeaseKeeper:
         self._seq = itertools.count()
         #: Leases kept and not yet forgotten (the queue also holds forgotten ones).
         self._active = 0
+        #: Releases sent again, by ``id()`` of their lease (one per lease).
+        self._pending: dict[int, PendingRelease] = {}
         #: The thread runs (cleared as it ends: only at interpreter exit, its loop catches errors).
         self._running = False
         #: Times the thread came back from waiting (diagnostics and tests).
@@ -119,21 +107,25 @@ class LeaseKeeper:
 
     def retry_release(self, lease: Lease, done_ttl: float | None = None) -> PendingRelease:
         """Send ``lease``'s release (and its ``done_ttl`` done marker) again soon, and until it
-        runs or the lease would have expired: its first sending got no answer."""
-        pending = PendingRelease(lease, done_ttl)
-        self._add(pending, time.monotonic() + _retry_delay(lease))
+        runs (see :mod:`.releases`): its first sending got no answer. Once per lease."""
+        with self._mutex:
+            pending = self._pending.get(id(lease))
+            if pending is not None and pending.active:
+                return pending
+            pending = self._pending[id(lease)] = PendingRelease(lease, done_ttl)
+        self._add(pending, time.monotonic() + RETRY_EVERY)
         return pending
 
     @property
     def pending_releases(self) -> list[PendingRelease]:
         """Releases waiting to be sent again."""
         with self._mutex:
-            return [entry for _, _, entry in self._queue if isinstance(entry, PendingRelease) and entry.active]
+            return [entry for entry in self._pending.values() if entry.active]
 
-    def send_pending_releases(self) -> None:
-        """Send every pending release once, now (the process is about to end)."""
-        for pending in self.pending_releases:
-            self._release_again(pending, final=True)
+    def send_pending_releases(self, patience: float = EXIT_PATIENCE) -> None:
+        """The process ends: send every pending release until it runs, ``patience`` seconds at most."""
+        for entry in send_until_done(self.pending_releases, patience) + self.pending_releases:
+            self.forget(entry)
 
     def _add(self, kept: KeptLease | PendingRelease, due: float) -> None:
         with self._mutex:
@@ -162,6 +154,8 @@ class LeaseKeeper:
             if kept.active:
                 kept.active = False
                 self._active -= 1
+            if isinstance(kept, PendingRelease) and self._pending.get(id(kept.lease)) is kept:
+                del self._pending[id(kept.lease)]
 
     @property
     def tracked(self) -> int:
@@ -251,38 +245,21 @@ class LeaseKeeper:
                 logger.error("cannot renew lock %s of %s[%s], retrying until it would expire in %.1fs: %s",
                              lease.key, holder.task if holder else "?", holder.task_id if holder else "?",
                              lease.valid_until - now, exc)
-            return min(now + _retry_delay(lease), lease.valid_until)
+            return min(now + min(max(lease.ttl / 10, 0.05), RETRY_EVERY), lease.valid_until)
         except Exception:  # never let the keeper thread die
             logger.exception("unexpected error renewing lock %s", lease.key)
             return time.monotonic() + lease.renew_every
 
 
-    def _release_again(self, pending: PendingRelease, *, final: bool = False) -> float | None:
+    def _release_again(self, pending: PendingRelease) -> float | None:
         """Send a pending release once; the monotonic time of the next attempt, or None when done."""
-        lease = pending.lease
-        pending.attempts += 1
-        try:
-            released = lease.release(done_ttl=pending.done_ttl, client=native.thread_client(lease.client),
-                                     again=True)
-        except redis.RedisError as exc:
-            now = time.monotonic()
-            if now < lease.valid_until and not final:
-                return min(now + _retry_delay(lease), lease.valid_until)
-            logger.error("gave up releasing lock %s after %d attempts (%s): it expires by itself%s",
-                         lease.key, pending.attempts, exc,
-                         ", and a copy of its message delivered again may run" if pending.done_ttl else "")
-        except Exception:  # never let the keeper thread die
-            logger.exception("unexpected error releasing lock %s", lease.key)
-        else:
-            logger.warning("released lock %s on attempt %d%s", lease.key, pending.attempts,
-                           "" if released else " (it was gone already: an earlier attempt ran, or it expired)")
-        self.forget(pending)
-        return None
-
-
-def _retry_delay(lease: Lease) -> float:
-    """Seconds before Redis is asked again about ``lease`` after it did not answer."""
-    return min(max(lease.ttl / 10, 0.05), RETRY_EVERY)
+        error = pending.send()
+        next_time = None if error is None else pending.next_attempt(time.monotonic())
+        if error is not None and next_time is None:
+            pending.give_up(error)
+        if next_time is None:
+            self.forget(pending)
+        return next_time
 
 
 _keeper: LeaseKeeper | None = None
@@ -309,8 +286,8 @@ server.on_data_lost(_renew_all_soon)
 
 
 def send_pending_releases() -> None:
-    """The process ends: send each release that got no answer yet once more (the keeper's
-    thread, a daemon, ends with the process)."""
+    """The process ends: send each release that got no answer yet until it runs, for a few
+    seconds at most (the keeper's thread, a daemon, ends with the process)."""
     keeper = _keeper
     if keeper is not None:
         keeper.send_pending_releases()

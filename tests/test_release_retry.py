@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -29,7 +30,9 @@ import pytest
 import redis
 
 from celery_singleton_beat.holder import done_key
-from celery_singleton_beat.lock import read_holder
+from celery_singleton_beat.keeper import LeaseKeeper
+from celery_singleton_beat.lease import Lease, LockSpec
+from celery_singleton_beat.lock import acquire, read_holder
 
 from .support import RedisServer, start_worker, wait_for
 from .support.servers import server_busy
@@ -113,3 +116,57 @@ def locks_busy_then_free(locks: redis.Redis, key: str, kill: Callable[[], None],
              message="the done marker written once the lock Redis answers (never, if the release is not sent again)")
     assert not locks.exists(key), "the lock freed by the same release"
     return True
+
+
+# -- the keeper's side, in this process
+
+
+def busy_lease(make_redis: Callable[..., RedisServer], ttl: float) -> tuple[RedisServer, redis.Redis, Lease]:
+    """A lease of ``ttl`` seconds taken in this process on a redis-server of its own."""
+    server = make_redis()
+    locks = server.client()
+    lease = acquire(locks, "singleton:{retry:k}", LockSpec(task="retry", ttl=ttl), "run-1").lease
+    assert lease is not None
+    return server, locks, lease
+
+
+def test_the_done_marker_is_still_sent_after_the_lease_ended(
+    make_redis: Callable[..., RedisServer], busy_script: Callable[[RedisServer], Callable[[], None]],
+) -> None:
+    """Redis stays busy past the end of the run's lease (1 s): the lock expires by itself,
+    but the done marker is still owed to a copy of the message delivered later, so the
+    keeper goes on sending the release, and writes the marker once Redis answers. It
+    sends it once per lease, however many times it is handed over."""
+    server, locks, lease = busy_lease(make_redis, ttl=1.0)
+    kill = busy_script(server)
+    keeper = LeaseKeeper()
+    pending = keeper.retry_release(lease, done_ttl=60.0)
+    assert keeper.retry_release(lease, done_ttl=60.0) is pending, "one pending release per lease"
+    wait_for(lambda: time.monotonic() > lease.valid_until and pending.attempts >= 3, timeout=20,
+             message="the lease over, the release refused -BUSY several times")
+    assert pending.active, "still sent again after the lease ended (its done marker is owed)"
+    kill()
+    wait_for(lambda: not pending.active, timeout=20, message="the release sent once Redis answers")
+    assert locks.exists(done_key("singleton:{retry:k}", "run-1")), "the done marker written"
+    assert not keeper.pending_releases
+
+
+def test_a_process_that_ends_keeps_sending_its_pending_release_for_a_few_seconds(
+    make_redis: Callable[..., RedisServer], busy_script: Callable[[RedisServer], Callable[[], None]],
+) -> None:
+    """A pool process ends (``worker_process_shutdown``) right after a release answered
+    ``-BUSY``: its last sending is not a single attempt, but tries until Redis answers,
+    for a few seconds at most (here Redis answers once the script is killed, after the
+    second attempt)."""
+    server, locks, lease = busy_lease(make_redis, ttl=30.0)
+    kill = busy_script(server)
+    keeper = LeaseKeeper()
+    pending = keeper.retry_release(lease, done_ttl=60.0)
+    ending = threading.Thread(target=keeper.send_pending_releases, kwargs={"patience": 30.0})
+    ending.start()
+    wait_for(lambda: pending.attempts >= 2, timeout=20, message="the ending process sending it again")
+    kill()
+    ending.join(30)
+    assert not ending.is_alive() and not pending.active
+    assert locks.exists(done_key("singleton:{retry:k}", "run-1")), "the done marker written before the end"
+    assert not locks.exists("singleton:{retry:k}"), "the lock freed"
