@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(variant=args.broker, lock=args.lock, seed=args.seed, broken=args.broken_lock,
                             wait_replicas=args.wait_replicas)
         name = f"{time.strftime('%Y%m%d-%H%M%S')}-{args.broker}-{args.lock}-seed{args.seed}"
-        out = args.out or DEFAULT_OUT / name
+        out = (args.out or DEFAULT_OUT / name).resolve()
         history_dir = run_cluster(settings, out, args.seconds, nemesis=not args.no_faults)
     else:
         history_dir = _history_of(args.directory)
