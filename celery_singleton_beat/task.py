@@ -428,8 +428,10 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         done_ttl = run._done_ttl  # type: ignore[union-attr]  # kept is not None: neither is run
         claim_ttl = None
         if exc is not None:
-            # The same task id runs again after a retry or a requeue: no done marker then.
-            if isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue):
+            # The same task id runs again after a retry or a requeue, and a run cut short
+            # (SystemExit of a cold shutdown or a terminate, KeyboardInterrupt) did not
+            # complete: its message may come back and must run. No done marker then.
+            if isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue) or not isinstance(exc, Exception):
                 done_ttl = None
             if isinstance(exc, Retry) and self.lock_mode == "until_executed":
                 # The retry waits in the queue under the lock, turned into its claim.

@@ -104,15 +104,21 @@ def opening(finding: Finding, *, promoted: bool, aof: bool) -> str | None:
     return None
 
 
-def data_lost(seen: str | None, finding: Finding, run_id: str, *, promoted: bool, aof: bool) -> bool:
+def data_lost(seen: str | None, finding: Finding, run_id: str, *, promoted: bool, aof: bool,
+              window_open: bool = False) -> bool:
     """Whether a process that last saw the server ``seen`` serving its data (None: none) may
     now find that data, served by ``run_id``, without writes it made: its holders put
-    their locks back."""
+    their locks back.
+
+    A server with an append-only file keeps every acknowledged write, unless the file
+    itself is gone (a pod back on a fresh volume): then the first client found no record
+    and opened a window, and ``window_open`` tells every later client of the same new
+    server that the data may be lost, although the record they find names it."""
     if seen is None:
         return False
     if finding is Finding.MISSING:
         return True
-    return (seen != run_id or finding is Finding.OTHER) and (promoted or not aof)
+    return (seen != run_id or finding is Finding.OTHER) and (promoted or not aof or window_open)
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,8 @@ class ServerMemory:
         """Remember what a check's script did, only now that it ran: whether the data may be
         lost (the epoch grew), and the window if this made one newly open for ``prefix``."""
         with self._lock:
-            lost = data_lost(self.serving.get(record), seen.finding, run_id, promoted=promoted, aof=aof)
+            lost = data_lost(self.serving.get(record), seen.finding, run_id, promoted=promoted, aof=aof,
+                             window_open=seen.left > 0)
             self.serving[record] = run_id
             if lost:
                 self.epoch += 1
