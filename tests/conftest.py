@@ -23,6 +23,7 @@ from .support.fixtures import (  # noqa: F401 - registered as this conftest's fi
     locks,
     make_redis,
     ops,
+    order,
     processes,
     rabbitmq,
     rabbitmq_server,

@@ -25,7 +25,6 @@ in front of the lock database only:
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,15 +55,6 @@ class Workers:
     a: CeleryProcess
     b: CeleryProcess
 
-
-@pytest.fixture
-def order(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
-    """``tests.apps.order_app`` on the session's (emptied) redis-server."""
-    os.environ["CSB_TEST_REDIS"] = base = f"redis://127.0.0.1:{redis_server.port}"
-    from .apps import order_app
-
-    assert base == order_app.BASE, "order_app was imported for another server"
-    return order_app
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,14 +38,6 @@ from .support.servers import server_busy
 
 APP = "tests.apps.order_app"
 
-
-@pytest.fixture
-def order(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
-    os.environ["CSB_TEST_REDIS"] = base = f"redis://127.0.0.1:{redis_server.port}"
-    from .apps import order_app
-
-    assert base == order_app.BASE, "order_app was imported for another server"
-    return order_app
 
 
 @pytest.fixture

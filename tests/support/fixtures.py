@@ -33,6 +33,7 @@ Each name means one thing everywhere:
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -183,3 +184,14 @@ def client_apps() -> Iterator[list[Any]]:
     yield made
     for app in made:
         app.close()
+
+
+@pytest.fixture
+def order(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
+    """``tests.apps.order_app`` (runs whose end causes more work on the same key) on the
+    session's (emptied) redis-server."""
+    os.environ["CSB_TEST_REDIS"] = base = f"redis://127.0.0.1:{redis_server.port}"
+    from ..apps import order_app
+
+    assert base == order_app.BASE, "order_app was imported for another server"
+    return order_app
