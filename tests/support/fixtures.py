@@ -90,6 +90,10 @@ def redis_server(harness_session: None) -> Iterator[RedisServer]:
     """One real redis-server for the whole session, on a loopback port checked to be ours."""
     with owning(Owner("session redis-server")) as owner:
         server = RedisServer(name="session-redis").start()
+        # Its records written from the start, as a Redis in use: a test that reaches the
+        # locks' database before any flush (without ``redis_db``) must not open a recovery
+        # window that later tests of the same process would find open.
+        server.flushall()
     yield server
     gc.collect()  # AsyncResults unsubscribe when collected: while the result backend still runs
     owner.close()
