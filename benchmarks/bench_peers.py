@@ -78,8 +78,11 @@ VARIANTS: dict[str, tuple[str, str | None]] = {
     "celery_once": ("celery-once QueueOnce", "once"),
     "ours_acks_late": ("SingletonTask (ours), acks_late", None),
     "plain_acks_late": ("plain Celery Task, acks_late", None),
+    "ours_ignore_result": ("SingletonTask (ours), ignore_result", None),
+    "plain_ignore_result": ("plain Celery Task, ignore_result", None),
 }
-#: What runs on the default server unless told otherwise (``plain_acks_late`` only when asked).
+#: What runs on the default server unless told otherwise (``plain_acks_late`` and the
+#: ``_ignore_result`` variants only when asked).
 DEFAULT_VARIANTS = ("plain", "ours", "ours_acks_late", "celery_singleton", "celery_once")
 #: What runs on the other servers: the library's own cost on each server, ratio to plain there.
 SERVER_VARIANTS = ("plain", "ours", "ours_acks_late")

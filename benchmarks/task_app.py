@@ -2,6 +2,9 @@
 
 Each task bumps one counter in the record Redis and stamps the first start and
 the last end, so throughput is measured inside the worker, publishing excluded.
+Results are ignored (``task_ignore_result``) except by the ``*_result`` tasks,
+which store theirs in the broker's redis-server (db 2): a SingletonTask whose
+result is stored waits for its release's reply before Celery stores the result.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from celery_singleton_beat import SingletonTask
 BROKER = os.environ["BENCH_BROKER"]
 LOCKS = os.environ["BENCH_LOCKS"]
 
-app = Celery("bench", broker=f"{BROKER}/0")
+app = Celery("bench", broker=f"{BROKER}/0", backend=f"{BROKER}/2")
 app.conf.update(
     singleton_redis_url=f"{LOCKS}/0",
     task_ignore_result=True,
@@ -45,6 +48,16 @@ def plain(i: int, target: int) -> None:
 
 @app.task(base=SingletonTask)
 def singleton(i: int, target: int) -> None:
+    stamp(target)
+
+
+@app.task(base=Task, ignore_result=False)
+def plain_result(i: int, target: int) -> None:
+    stamp(target)
+
+
+@app.task(base=SingletonTask, ignore_result=False)
+def singleton_result(i: int, target: int) -> None:
     stamp(target)
 
 

@@ -13,7 +13,10 @@ Configured by environment (set by the benchmark for every process it starts):
   Each library with its default options, only its Redis URL set. A
   ``_acks_late`` suffix (``ours_acks_late``, ``plain_acks_late``) sets
   ``acks_late=True`` on the no-op task: the message is acknowledged after the
-  run, and ours then checks and writes the run's done marker.
+  run, and ours then checks and writes the run's done marker. An
+  ``_ignore_result`` suffix (``ours_ignore_result``, ``plain_ignore_result``)
+  sets ``ignore_result=True``: nothing is stored, so nobody sees the run's end
+  and ours does not wait for its release's reply (read with the next acquire).
 
 ``python -m benchmarks.compare_apps.peers_app publish N`` queues a *gate* task
 and then N no-op tasks with distinct arguments. The worker runs the gate
@@ -44,6 +47,7 @@ BASE = os.environ["CMP_REDIS"]
 CONTROL = os.environ["CMP_CONTROL"]
 VARIANT = os.environ["CMP_VARIANT"]
 ACKS_LATE = VARIANT.endswith("_acks_late")
+IGNORE_RESULT = VARIANT.endswith("_ignore_result")
 LOCKS_URL = f"{BASE}/1"
 QUEUE = "peers"
 GATE_TIMEOUT = 600
@@ -55,7 +59,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 
-base: type[Task] = task_base(app, VARIANT.removesuffix("_acks_late"), LOCKS_URL)
+base: type[Task] = task_base(app, VARIANT.removesuffix("_acks_late").removesuffix("_ignore_result"), LOCKS_URL)
 
 _control: redis.Redis | None = None
 _state: dict[str, Any] = {"done": 0, "first": None}
@@ -78,7 +82,7 @@ def gate() -> None:
     _state.update(done=0, first=None)
 
 
-@app.task(base=base, name="peers.noop", acks_late=ACKS_LATE)
+@app.task(base=base, name="peers.noop", acks_late=ACKS_LATE, ignore_result=IGNORE_RESULT)
 def noop(i: int, target: int) -> None:
     """A no-op that counts itself; the last one notes the time from the first start to its end."""
     now, cpu = time.perf_counter(), time.process_time()
