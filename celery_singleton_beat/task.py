@@ -438,16 +438,16 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 when = exc.when  # the retry's countdown in seconds, or its eta
                 claim_ttl = self._run_context(bool(request.is_eager))[0].queue_lock_ttl + delay_of(
                     {"eta": when} if isinstance(when, datetime) else {"countdown": when})
-        if claim_ttl is None and (exc is None or not isinstance(exc, SystemExit)):
-            # The usual ending: write the release now. Its reply is read at once when
-            # this run's end can be seen once this returns (its result stored, its
-            # task-succeeded/failed event, a chain's next step, callbacks, a chord):
-            # whoever sees it may submit the key again at once, and the release must
-            # have run by then. Otherwise it is read with the next acquire (one
-            # blocking round trip per run instead of two).
+        if claim_ttl is None and (exc is None or not isinstance(exc, SystemExit)) \
+                and not self._end_is_seen(request, exc):
+            # A run whose end no one can see once this returns writes its release and goes
+            # on: its reply is read with the next acquire (one blocking round trip per run
+            # instead of two). A run whose end can be seen (its result stored, its
+            # task-succeeded/failed event, a chain's next step, callbacks, a chord) releases
+            # below, reply read at once: whoever sees the end may submit the key again at
+            # once, and the release must have run by then.
             try:
-                if kept.lease.release_soon(self._release_reported(request, kept, done_ttl), done_ttl=done_ttl,
-                                           wait=self._end_is_seen(request, exc)):
+                if kept.lease.release_soon(self._release_reported(request, kept, done_ttl), done_ttl=done_ttl):
                     return
             except redis.RedisError as error:
                 self._release_again(self.name, request.id, kept, done_ttl, error)
