@@ -32,6 +32,7 @@ from typing import Any
 import redis
 
 from . import native, server
+from .channel import read_all_replies
 from .commands import Renewal
 from .lease import RETRY_EVERY, Lease
 from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
@@ -286,8 +287,11 @@ server.on_data_lost(_renew_all_soon)
 
 
 def send_pending_releases() -> None:
-    """The process ends: send each release that got no answer yet until it runs, for a few
-    seconds at most (the keeper's thread, a daemon, ends with the process)."""
+    """The process ends: read the replies still unread on its lock connections (a release
+    answered ``-BUSY`` becomes a pending one there), then send each release that got no
+    answer until it runs, for a few seconds at most (the keeper's thread, a daemon, ends
+    with the process)."""
+    read_all_replies()
     keeper = _keeper
     if keeper is not None:
         keeper.send_pending_releases()

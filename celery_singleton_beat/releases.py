@@ -35,7 +35,8 @@ MARKER_PATIENCE = 300.0
 #: Longest pause between two sendings once the lease has ended.
 SLOW_RETRY = 5.0
 #: Seconds a process that ends keeps sending its pending releases (a pool process's
-#: exit waits that long at most, and only when one is pending).
+#: exit waits that long at most, plus one socket timeout if Redis does not answer at
+#: all, and only when one is pending).
 EXIT_PATIENCE = 3.0
 
 
@@ -85,13 +86,19 @@ class PendingRelease:
 
 
 def send_until_done(pending: list[PendingRelease], patience: float = EXIT_PATIENCE) -> list[PendingRelease]:
-    """Send each of ``pending`` until it runs, for ``patience`` seconds at most (the process
-    ends); the ones given up on."""
+    """Send each of ``pending`` until it runs, for ``patience`` seconds (the process ends),
+    plus at most one socket timeout when the server does not answer at all; the ones given
+    up on."""
     deadline = time.monotonic() + patience
     errors: dict[int, tuple[PendingRelease, BaseException]] = {}
     while pending:
         left = []
-        for entry in pending:
+        for i, entry in enumerate(pending):
+            if i and time.monotonic() >= deadline:  # a stopped server: one socket timeout per sending
+                for late in pending[i:]:
+                    errors.setdefault(id(late), (late, redis.TimeoutError("no time left: the process ends")))
+                left += pending[i:]
+                break
             error = entry.send()
             if error is None:
                 errors.pop(id(entry), None)

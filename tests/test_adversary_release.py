@@ -1,18 +1,18 @@
 """Adversarial attacks on releases sent again (:mod:`.releases`, the keeper) and on the
 release at a run's end, each against a real redis-server.
 
-A reviewer who did not write the change tried to break its promises. Two broke (strict
-xfails, each naming the exact sequence):
+A reviewer who did not write the change tried to break its promises. Two broke (both
+fixed since; each test failed before):
 
 * a release whose ``-BUSY`` reply is read only as the process ends (a run whose end no
-  one sees writes its release and reads the reply later) is handed to the keeper *after*
-  the exit's sending of pending releases ran: it is never sent, the lock stays until its
-  TTL and the done marker is never written, although a process that ends is promised to
+  one sees writes its release and reads the reply later) was handed to the keeper *after*
+  the exit's sending of pending releases ran: it was never sent, the lock stayed until its
+  TTL and the done marker was never written, although a process that ends is promised to
   keep sending for up to ``EXIT_PATIENCE`` seconds (at ``atexit`` and at a prefork
   child's ``worker_process_shutdown`` alike);
 * an ending process whose lock Redis is stopped (SIGSTOP: a frozen VM, a paused
-  container) blocks its exit a full socket timeout per pending release, past
-  ``EXIT_PATIENCE``: the patience is looked at only between sendings.
+  container) blocked its exit a full socket timeout per pending release, past
+  ``EXIT_PATIENCE``: the patience was looked at only between sendings.
 
 Attacks that held, kept because they reach paths no other test reaches:
 
@@ -120,12 +120,6 @@ sys.exit(0)
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "release_soon writes the release, the lock Redis answers -BUSY; the process ends before the "
-    "flusher reads it: the exit runs send_pending_releases (nothing pending yet) BEFORE "
-    "counters.flush_at_exit reads the -BUSY reply (atexit: LIFO, counters registered first; "
-    "prefork: _flush_at_child_exit's order), whose handler then queues the release on the keeper, "
-    "which the process never runs: the release is neither sent again nor given up"))
 @pytest.mark.parametrize("how", ["atexit", "prefork"])
 def test_a_release_answered_busy_and_read_only_at_exit_is_still_sent_again_before_the_process_ends(
         how: str, make_redis: Callable[..., RedisServer],
@@ -156,10 +150,6 @@ def test_a_release_answered_busy_and_read_only_at_exit_is_still_sent_again_befor
 # -------------------------------------------------------------------- 2. an exit on a stopped server
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "three releases pending, the lock Redis stopped (SIGSTOP), send_pending_releases(patience=0.5): "
-    "send_until_done checks its deadline only between sendings, and each sending blocks a whole "
-    "socket timeout (1 s here, 5 s by default > EXIT_PATIENCE), so the exit waits 3 s, not 0.5 s"))
 def test_an_ending_process_never_waits_past_its_patience_for_a_stopped_lock_redis(
         make_redis: Callable[..., RedisServer]) -> None:
     """Each sending to a stopped server cannot return before its socket timeout: the exit
