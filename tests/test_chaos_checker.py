@@ -216,6 +216,19 @@ def test_a_rerun_after_the_lock_redis_lost_its_data_is_reported_not_failed(tmp_p
     assert kinds(verdict) == [] and "rerun-after-data-loss" in [r.kind for r in verdict.reports]
 
 
+def test_a_rerun_after_the_lock_redis_died_as_the_run_ended_and_came_back_empty_is_reported_not_failed(
+        tmp_path: Path) -> None:
+    """The lock Redis is SIGKILLed (and wiped) between the run's end and its outcome's record:
+    the release found it gone, and the server came back empty, without the done marker or
+    the slot's claim. The data was lost after the run completed (at the restart), although
+    the fault was injected a moment before the completion was recorded."""
+    story = baseline().add("fault", 13.0005, n=1, kind="restart-lock-empty", action="inject")
+    story.add("fault", 14.0, n=1, kind="restart-lock-empty", action="heal")
+    story.run("c", "k", 16.0, 16.2, 600, pid=12)
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == [] and "rerun-after-data-loss" in [r.kind for r in verdict.reports]
+
+
 def test_a_slot_never_sent_while_a_beat_and_redis_were_up_is_a_violation(tmp_path: Path) -> None:
     story = baseline().drop_slot(20.0)
     verdict = story.judge(tmp_path)

@@ -49,6 +49,7 @@ from .model import (
     by_key,
     excerpt,
     fates,
+    fault_spans,
     lock_gone_windows,
     open_submissions,
     runs,
@@ -233,7 +234,9 @@ def _transport_disruptions(history: History) -> list[float]:
 
 
 def _reruns(history: History, all_runs: list[Run], verdict: Verdict) -> None:
-    losses = [e.m for e in history.of("fault") if e.get("kind") in DATA_LOSS and e.get("action") == "inject"]
+    # The lock Redis's data is lost from the fault's start (a SIGKILL, then an empty start)
+    # to its heal: nothing written in between survives, nor anything written before it.
+    losses = [(inject.m, healed) for inject, healed in fault_spans(history) if inject.get("kind") in DATA_LOSS]
     done_ttl = 2 * float(history.meta.get("settings", {}).get("visibility", 12.0))
     ended_in = {(r.pid, r.id) for r in all_runs if r.how is not None}
     completed: dict[str, Event] = {}
@@ -247,7 +250,7 @@ def _reruns(history: History, all_runs: list[Run], verdict: Verdict) -> None:
         what = (f"task {run.id} ({run.key}) ran again on {run.who} {run.start - done.m:.2f}s after it completed "
                 f"on {done.who}")
         evidence = excerpt([done, run.events[0]])
-        if any(done.m < m < run.start for m in losses):
+        if any(start < run.start and done.m < healed for start, healed in losses):
             verdict.reports.append(Finding("rerun-after-data-loss", what + " (the lock Redis lost its done marker "
                                            "in between)", run.start, evidence))
         elif run.start - done.m > done_ttl:

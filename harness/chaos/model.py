@@ -13,7 +13,7 @@ from typing import Any
 
 from .history import Event, History
 
-__all__ = ["TERMINAL", "Run", "Submission", "Window", "beat_down_windows", "fates", "lock_gone_windows",
+__all__ = ["TERMINAL", "Run", "Submission", "Window", "beat_down_windows", "fates", "fault_spans", "lock_gone_windows",
            "open_submissions", "runs"]
 
 #: Postrun outcomes after which nothing more happens to a delivery (``waiting`` and
@@ -166,7 +166,7 @@ class Window:
         return self.start <= m <= self.end
 
 
-def _fault_spans(history: History) -> list[tuple[Event, float]]:
+def fault_spans(history: History) -> list[tuple[Event, float]]:
     """Each injected fault and the time of its heal (end of history if never healed)."""
     last = history.events[-1].m if history.events else 0.0
     heals = {e.get("n"): e.m for e in history.of("fault") if e.get("action") == "heal"}
@@ -182,7 +182,7 @@ def lock_gone_windows(history: History) -> list[Window]:
     """When beats could not claim: the lock Redis down, paused or busy; widened by the
     beat's back-off after it (1 s doubling: up to twice the outage, plus a second)."""
     out = []
-    for inject, healed in _fault_spans(history):
+    for inject, healed in fault_spans(history):
         if inject.get("kind") in LOCK_GONE:
             length = healed - inject.m
             out.append(Window(inject.m - 1.0, healed + min(30.0, 2 * length + 2.0),
