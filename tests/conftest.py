@@ -18,6 +18,7 @@ from .support.fixtures import (  # noqa: F401 - registered as this conftest's fi
     OWNER_KEY,
     backend,
     broker,
+    busy_script,
     client_apps,
     harness_session,
     locks,

@@ -25,14 +25,12 @@ Attacks that held, kept because they reach paths no other test reaches:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -46,7 +44,6 @@ from celery_singleton_beat.server import server_of
 from celery_singleton_beat.window import mark_in_use
 
 from .support import ROOT, RedisServer, wait_for
-from .support.servers import server_busy
 
 KEY = "singleton:{adversary-release:k}"
 
@@ -54,37 +51,6 @@ KEY = "singleton:{adversary-release:k}"
 def quick_client(server: RedisServer, timeout: float = 1.0) -> redis.Redis:
     """A client whose every attempt fails within ``timeout`` (no redis-py retries)."""
     return server.client(socket_connect_timeout=timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0))
-
-
-@pytest.fixture
-def busy_script() -> Iterator[Callable[[RedisServer], Callable[[], None]]]:
-    """``busy_script(server)`` starts a script that runs until killed; it returns the kill."""
-    threads: list[threading.Thread] = []
-
-    def start(server: RedisServer) -> Callable[[], None]:
-        admin = server.client()
-        admin.config_set("lua-time-limit", 10)  # ms before other clients are answered -BUSY
-        runner = server.client()
-        thread = threading.Thread(target=_run_until_killed, args=(runner,), daemon=True)
-        thread.start()
-        threads.append(thread)
-        wait_for(lambda: server_busy(admin), timeout=10, interval=0.01, message="the lock Redis busy with a script")
-
-        def kill() -> None:
-            with contextlib.suppress(redis.ResponseError):  # NOTBUSY: killed already
-                admin.script_kill()
-            thread.join(10)
-
-        return kill
-
-    yield start
-    for thread in threads:
-        thread.join(10)
-
-
-def _run_until_killed(client: redis.Redis) -> None:
-    with contextlib.suppress(redis.ResponseError):  # "Script killed by user with SCRIPT KILL"
-        client.eval("while true do end", 0)
 
 
 # -------------------------------------------------------------------- 1. a -BUSY reply read at exit

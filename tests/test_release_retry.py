@@ -18,14 +18,12 @@ client's script keeps busy while the run ends.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 
-import pytest
 import redis
 
 from celery_singleton_beat.holder import done_key
@@ -34,40 +32,9 @@ from celery_singleton_beat.lease import Lease, LockSpec
 from celery_singleton_beat.lock import acquire, read_holder
 
 from .support import RedisServer, start_worker, wait_for
-from .support.servers import server_busy
 
 APP = "tests.apps.order_app"
 
-
-
-@pytest.fixture
-def busy_script() -> Iterator[Callable[[RedisServer], Callable[[], None]]]:
-    """``busy_script(server)`` starts a script that runs until killed; it returns the kill."""
-    threads: list[threading.Thread] = []
-
-    def start(server: RedisServer) -> Callable[[], None]:
-        admin = server.client()
-        admin.config_set("lua-time-limit", 10)  # ms before other clients are answered -BUSY
-        runner = server.client()
-        thread = threading.Thread(target=_run_until_killed, args=(runner,), daemon=True)
-        thread.start()
-        threads.append(thread)
-        wait_for(lambda: server_busy(admin), timeout=10, interval=0.01, message="the lock Redis busy with a script")
-
-        def kill() -> None:
-            admin.script_kill()
-            thread.join(10)
-
-        return kill
-
-    yield start
-    for thread in threads:
-        thread.join(10)
-
-
-def _run_until_killed(client: redis.Redis) -> None:
-    with contextlib.suppress(redis.ResponseError):  # "Script killed by user with SCRIPT KILL"
-        client.eval("while true do end", 0)
 
 
 def test_a_release_answered_busy_runs_once_the_server_answers(

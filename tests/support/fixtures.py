@@ -32,8 +32,10 @@ Each name means one thing everywhere:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -47,8 +49,9 @@ from celery_singleton_beat.config import clear_settings_cache
 
 from .owners import EVERYTHING, Owner, owning, register
 from .paths import set_scratch_dir
-from .servers import BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, RabbitMQServer, RedisServer
+from .servers import BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, RabbitMQServer, RedisServer, server_busy
 from .tasks import load_ops_app, load_tasks_app
+from .waiting import wait_for
 
 __all__ = [
     "OWNER_KEY", "backend", "broker", "harness_session", "locks", "make_redis", "ops", "processes",
@@ -199,3 +202,34 @@ def order(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
 
     assert base == order_app.BASE, "order_app was imported for another server"
     return order_app
+
+
+@pytest.fixture
+def busy_script() -> Iterator[Callable[[RedisServer], Callable[[], None]]]:
+    """``busy_script(server)`` starts a script that runs until killed; it returns the kill."""
+    threads: list[threading.Thread] = []
+
+    def start(server: RedisServer) -> Callable[[], None]:
+        admin = server.client()
+        admin.config_set("lua-time-limit", 10)  # ms before other clients are answered -BUSY
+        runner = server.client()
+        thread = threading.Thread(target=_run_until_killed, args=(runner,), daemon=True)
+        thread.start()
+        threads.append(thread)
+        wait_for(lambda: server_busy(admin), timeout=10, interval=0.01, message="the lock Redis busy with a script")
+
+        def kill() -> None:
+            with contextlib.suppress(redis.ResponseError):  # NOTBUSY: killed already
+                admin.script_kill()
+            thread.join(10)
+
+        return kill
+
+    yield start
+    for thread in threads:
+        thread.join(10)
+
+
+def _run_until_killed(client: redis.Redis) -> None:
+    with contextlib.suppress(redis.ResponseError):  # "Script killed by user with SCRIPT KILL"
+        client.eval("while true do end", 0)
