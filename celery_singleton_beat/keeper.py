@@ -34,7 +34,7 @@ import redis
 from . import native, server
 from .channel import read_all_replies
 from .commands import Renewal
-from .lease import RETRY_EVERY, Lease
+from .lease import RETRY_EVERY, Lease, retry_pause
 from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper", "send_pending_releases"]
@@ -246,7 +246,7 @@ class LeaseKeeper:
                 logger.error("cannot renew lock %s of %s[%s], retrying until it would expire in %.1fs: %s",
                              lease.key, holder.task if holder else "?", holder.task_id if holder else "?",
                              lease.valid_until - now, exc)
-            return min(now + min(max(lease.ttl / 10, 0.05), RETRY_EVERY), lease.valid_until)
+            return min(now + retry_pause(lease.ttl), lease.valid_until)
         except Exception:  # never let the keeper thread die
             logger.exception("unexpected error renewing lock %s", lease.key)
             return time.monotonic() + lease.renew_every

@@ -46,7 +46,7 @@ from .server import PORTABLE, ServerInfo, server_of
 from .window import WINDOW_SLACK
 from .wire import Request, pack, run_on, run_pooled
 
-__all__ = ["RETRY_EVERY", "TAKEOVER_WAIT", "Lease", "LockSpec", "execute", "replaced_lease"]
+__all__ = ["RETRY_EVERY", "TAKEOVER_WAIT", "Lease", "LockSpec", "execute", "replaced_lease", "retry_pause"]
 
 #: Seconds a worker watches a lock whose holder looks dead (liveness key gone,
 #: renewals missed) before taking it over: a holder that is alive renews within
@@ -56,6 +56,11 @@ __all__ = ["RETRY_EVERY", "TAKEOVER_WAIT", "Lease", "LockSpec", "execute", "repl
 TAKEOVER_WAIT = 1.0
 #: Seconds between renewal attempts while Redis does not answer (at most).
 RETRY_EVERY = 0.25
+
+
+def retry_pause(ttl: float) -> float:
+    """Seconds before Redis is asked again about a lease of ``ttl`` seconds that it did not answer."""
+    return min(max(ttl / 10, 0.05), RETRY_EVERY)
 
 
 @dataclass(frozen=True)

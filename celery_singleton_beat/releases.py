@@ -23,7 +23,7 @@ import time
 import redis
 
 from . import native
-from .lease import RETRY_EVERY, Lease
+from .lease import RETRY_EVERY, Lease, retry_pause
 
 __all__ = ["EXIT_PATIENCE", "MARKER_PATIENCE", "PendingRelease"]
 
@@ -74,7 +74,7 @@ class PendingRelease:
         if now >= self.until:
             return None
         if now < self.lease.valid_until:
-            return min(now + min(max(self.lease.ttl / 10, 0.05), RETRY_EVERY), self.until)
+            return min(now + retry_pause(self.lease.ttl), self.until)
         pause: float = min(SLOW_RETRY, RETRY_EVERY * 2 ** min(self.attempts, 5))
         return min(now + pause, self.until)
 
