@@ -19,10 +19,12 @@ command that may grow its memory, ``SET ... IFEQ`` included, while
 :data:`.scripts.RENEW` (``GET`` and ``PEXPIRE``) still runs: a live lease is
 kept on a full server; only new locks are refused.
 
-The acquire also carries, in the same write, an ``EXISTS`` of the done
-marker (``acks_late`` tasks) and a ``DEL`` of the per-key fencing counter of
-releases before 0.3 (so that workers of both during an upgrade keep issuing
-growing tokens: an old worker's next token is then seeded from the clock).
+The acquire also carries, in the same write, a ``DEL`` of the per-key
+fencing counter of releases before 0.3 (so that workers of both during an
+upgrade keep issuing growing tokens: an old worker's next token is then
+seeded from the clock). An ``acks_late`` run's acquire is one script,
+:data:`.scripts.ACQUIRE_UNLESS_DONE`: it reads the run's done marker first
+and takes nothing when it exists (a copy of a completed message).
 The fencing token is the server's clock in microseconds at the acquisition
 (``TIME`` right behind the ``SET``): it grows with every acquisition of a key,
 across restarts and failovers, whatever counters a server lost.
@@ -47,7 +49,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 
 from .events import logger
 from .holder import text_of
-from .scripts import ADOPT, CLAIM_ON_RETRY, RELEASE, RELEASE_FOR, RENEW, TAKE_OVER
+from .scripts import ACQUIRE_UNLESS_DONE, ADOPT, CLAIM_ON_RETRY, RELEASE, RELEASE_FOR, RENEW, TAKE_OVER
 from .server import ServerInfo
 from .wire import Request
 
@@ -132,19 +134,28 @@ class AcquireReply(NamedTuple):
 
 
 def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
-                    done_key: str | None) -> Request:
+                    done_key: str | None, *, slot_split: bool = False) -> Request:
     """Try to take ``key``: the fencing token (an ``int``) when it was taken, the common
     case, else an :class:`AcquireReply` (held by another, or this task id completed):
     the common path builds no reply object.
 
     One write: ``SET key value NX PX ttl GET`` (6.2: ``SET NX PX`` then
-    ``GET``), ``TIME``, the done marker's ``EXISTS``, the legacy counter's
-    ``DEL``. No ``MULTI``: the token only has to come from the server's clock
-    after the ``SET`` took the key and before anything can free it again, and
-    ``TIME`` runs right behind the ``SET`` on this connection, before this
-    process has read the reply it needs to release the lock (a take-over or an
-    expiry comes seconds later).
+    ``GET``), ``TIME``, the legacy counter's ``DEL``. No ``MULTI``: the token
+    only has to come from the server's clock after the ``SET`` took the key
+    and before anything can free it again, and ``TIME`` runs right behind the
+    ``SET`` on this connection, before this process has read the reply it needs
+    to release the lock (a take-over or an expiry comes seconds later).
+
+    With a ``done_key`` (``acks_late`` runs) it is
+    :data:`.scripts.ACQUIRE_UNLESS_DONE`, which takes nothing when the marker
+    exists. A Cluster slot whose keys stand on two nodes while it migrates
+    refuses a script of several keys (``-TRYAGAIN``): there (``slot_split``)
+    the marker's ``EXISTS`` follows the ``SET`` in the same write, each command
+    answered where its key is, and a copy of a completed message holds the
+    key until its release, one round trip later.
     """
+    if done_key is not None and not slot_split:
+        return _acquire_unless_done(key, value, ttl_ms, done_key)
     k, v = key.encode(), value.encode()
     one_command = info.set_nx_get
     ttl = b"%d" % ttl_ms
@@ -165,15 +176,33 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
         else:
             at, taken = 2, replies[0] is not None
             previous = None if taken else replies[1]
-        token = time_token(*replies[at])
-        completed = done_key is not None and bool(replies[at + 1])
-        if not taken and finds_own(previous, value):
-            taken, previous = True, None
-        if taken and not completed:
-            return token
-        return AcquireReply(token, taken, previous, completed)
+        return _acquired(time_token(*replies[at]), taken, previous,
+                         done_key is not None and bool(replies[at + 1]), value)
 
     return Request(None, finish, data=data, count=count)
+
+
+def _acquired(token: int, taken: bool, previous: Any, completed: bool, value: str) -> int | AcquireReply:
+    """An acquire's replies as its result: the token when the key is ours and the run not
+    completed. Finding its own value means the request ran before (its reply was lost)."""
+    if not taken and finds_own(previous, value):
+        taken, previous = True, None
+    if taken and not completed:
+        return token
+    return AcquireReply(token, taken, previous, completed)
+
+
+def _acquire_unless_done(key: str, value: str, ttl_ms: int, done_key: str) -> Request:
+    """:func:`acquire_request` of an ``acks_late`` run: one script, the done marker read first."""
+    command = ACQUIRE_UNLESS_DONE.command([key, done_key, legacy_fence_key(key)], [value, ttl_ms])
+
+    def finish(replies: list[Any]) -> int | AcquireReply:
+        raise_errors(replies)
+        reply = replies[0]
+        return _acquired(time_token(reply[0], reply[1]), int(reply[2]) == 1,
+                         reply[4] if len(reply) > 4 else None, int(reply[3]) == 1, value)
+
+    return Request([command], finish, scripts=(ACQUIRE_UNLESS_DONE,))
 
 
 #: ``SET key value NX PX ttl GET`` then ``TIME``, as RESP (``%`` fills key, value, ttl).

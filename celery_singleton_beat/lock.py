@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import time
 
+from redis.exceptions import TryAgainError
+
 from . import counters
 from .behalf import read_holder, release_for, release_value
 from .channel import channel_or_none
@@ -98,14 +100,12 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
             reply = channel.call(acquire_request(server.info or PORTABLE, key, value, spec.ttl_ms, done),
                                  server.pause)
         else:
-            reply = execute(client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done),
-                            before_write=server.pause, after=acknowledged(
-                                spec, key, value, _taken) if spec.wait_replicas > 0 else None)
+            reply = _acquire_pooled(client, key, value, spec, done)
         if type(reply) is int:  # taken: its fencing token
             counters.count(client, spec.stats_key, spec.counters[0])
             started = max(started, server.resumed())  # written after a window's wait, if it waited
             return AcquireResult(Lease(client, key, value, spec, reply, task_id, started, epoch))
-        if reply.taken or reply.previous is not None:
+        if reply.taken or reply.completed or reply.previous is not None:
             break
     if reply.completed:
         if reply.taken:
@@ -113,6 +113,27 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
         counters.count(client, spec.stats_key, "completed_copies")
         return AcquireResult(None, completed=True)
     return _held(client, key, spec, task_id, value, parse_holder(reply.previous), adopt_claim_of)
+
+
+def _acquire_pooled(client: RedisClient, key: str, value: str, spec: LockSpec,
+                    done: str | None) -> int | AcquireReply:
+    """The acquire request on a pooled connection (Sentinel, Cluster, waits for replicas).
+
+    A Cluster slot migrating with its keys on two nodes answers an ``acks_late``
+    run's script ``-TRYAGAIN`` (it names the lock and its done marker): the
+    acquire is then sent as separate commands, each answered where its key is.
+    """
+    after = acknowledged(spec, key, value, _taken) if spec.wait_replicas > 0 else None
+    pause = server_of(client).pause
+    try:
+        return execute(client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done),
+                       before_write=pause, after=after)
+    except TryAgainError:
+        if done is None:
+            raise
+        return execute(client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done,
+                                                                 slot_split=True),
+                       before_write=pause, after=after)
 
 
 def _taken(reply: int | AcquireReply) -> bool:

@@ -1,10 +1,11 @@
 """The Lua scripts of the lease: where a server lacks a native command, and the rare paths.
 
 The common path uses no Lua (see :mod:`.commands`): an acquire is one write
-(``SET NX PX GET`` and ``TIME``, no ``MULTI``), a release is ``DELIFEQ`` / ``DELEX ... IFEQ`` and a renewal
-``SET ... IFEQ`` where the server has them. The scripts below stand in for
-those on older servers (:data:`RELEASE`, :data:`RENEW`) and do what no single
-command does, each in one round trip, comparing before it writes, so that a
+(``SET NX PX GET`` and ``TIME``, no ``MULTI``), a release is ``DELIFEQ`` /
+``DELEX ... IFEQ`` and a renewal ``SET ... IFEQ`` where the server has them.
+The scripts below stand in for those on older servers (:data:`RELEASE`,
+:data:`RENEW`) and do what no single command does (an ``acks_late`` run's
+acquire, which must not write when the run's done marker exists), each in one round trip, comparing before it writes, so that a
 repeated call or an attempt whose lease another has taken never changes what
 another attempt wrote. Those that replace a value report the value they found
 instead, and :mod:`.commands` decides: finding the new value itself means the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from .wire import LuaScript
 
-__all__ = ["ADOPT", "CLAIM_ON_RETRY", "RELEASE", "RELEASE_FOR", "RENEW", "STATS_TTL_MS", "TAKE_OVER", "LuaScript"]
+__all__ = ["ACQUIRE_UNLESS_DONE", "ADOPT", "CLAIM_ON_RETRY", "RELEASE", "RELEASE_FOR", "RENEW", "STATS_TTL_MS", "TAKE_OVER", "LuaScript"]
 
 # KEYS: lock. ARGV: value. 1 if it was ours and is deleted, 0 if not.
 RELEASE = LuaScript("""
@@ -25,6 +26,26 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return 1
 end
 return 0
+""")
+
+# KEYS: lock, the done marker of the run's task id, the legacy fencing counter.
+# ARGV: value, ttl ms.
+# The acquire of an ``acks_late`` run: a copy of a message whose run completed
+# must not take the key even for a moment (a caller who saw the result and
+# submits the key again would be skipped as a duplicate of an ended run), so
+# the marker is read before the ``SET``. The ``SET`` is the first write: a
+# server out of memory refuses the script there, as it refuses a plain
+# ``SET`` (once a script has written, its later writes are let through).
+# {seconds, microseconds, taken, completed[, the value found]}: the server's
+# clock is the fencing token.
+ACQUIRE_UNLESS_DONE = LuaScript("""
+local now = redis.call('TIME')
+local current = redis.call('GET', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then return {now[1], now[2], 0, 1, current} end
+if current then return {now[1], now[2], 0, 0, current} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('DEL', KEYS[3])
+return {now[1], now[2], 1, 0}
 """)
 
 # KEYS: lock. ARGV: value, ttl ms.

@@ -137,6 +137,44 @@ def test_done_marker_ends_a_later_copy_and_spares_retries(redis_db: redis.Redis)
     assert other.acquired, "another task id is not affected by a's marker"
 
 
+def test_a_copy_of_a_completed_run_never_holds_the_key_even_for_a_moment(redis_db: redis.Redis) -> None:
+    """A caller who saw the run's result and submits the key again must find it free.
+
+    A redelivered copy of a completed ``acks_late`` message (Redis' visibility
+    timeout ended while the run was still going) arrives when it arrives: if
+    it took the key and then let it go, a submission in between would be
+    skipped as a duplicate of a run that had ended. Redis' own keyspace
+    events record every write the copy's acquire made to the key.
+    """
+    assert take(redis_db, "a", boot="b1").lease.release(done_ttl=60)
+    db = redis_db.connection_pool.connection_kwargs["db"]
+    redis_db.config_set("notify-keyspace-events", "K$g")  # string and generic commands, per key
+    events = redis_db.pubsub(ignore_subscribe_messages=True)
+    try:
+        events.subscribe(f"__keyspace@{db}__:{KEY}", "test:barrier")
+        wait_for(lambda: redis_db.pubsub_numsub("test:barrier")[0][1] == 1, timeout=5,
+                 message="the subscription is in place")
+        copy = take(redis_db, "a", boot="b2", check_done=True)
+        redis_db.publish("test:barrier", "after the copy")  # delivered after every event before it
+        seen: list[str] = []
+
+        def barrier() -> bool:
+            message = events.get_message(timeout=0.1)
+            if message is None:
+                return False
+            if message["channel"] == b"test:barrier":
+                return True
+            seen.append(message["data"].decode())
+            return False
+
+        wait_for(barrier, timeout=10, interval=0, message="the barrier message")
+    finally:
+        events.close()
+        redis_db.config_set("notify-keyspace-events", "")
+    assert copy.completed and not copy.acquired
+    assert seen == [], f"the copy wrote the key: {seen}"
+
+
 def test_release_can_leave_a_claim_for_a_retry(redis_db: redis.Redis) -> None:
     run = take(redis_db, "a", boot="b1")
     assert run.lease.release(claim_ttl=5)
