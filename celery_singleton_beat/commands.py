@@ -37,7 +37,7 @@ A compare-and-delete that finds nothing after a re-send cannot tell whether
 its first attempt ran: its requests are marked ``unsure_when_repeated``, and
 their outcome is then unknown (None), never "the lock was lost".
 
-A done marker is a plain ``SET`` written behind the release in the same write.
+A done marker is a plain ``SET`` written just ahead of the release, in the same write.
 """
 
 from __future__ import annotations
@@ -253,14 +253,17 @@ def take_over_request(key: str, holder: str, pttl: int, server_ms: int, value: s
 
 def release_request(info: ServerInfo, key: str, value: str, done_key: str | None = None,
                     done_ttl_ms: int | None = None) -> Request:
-    """Delete ``key`` if its value is still ``value`` (True), and leave the done marker."""
+    """Delete ``key`` if its value is still ``value`` (True), with the done marker written
+    just before: Redis may run another client's command between the two (a write that
+    reached it in two segments, a proxy forwarding commands one by one), and a copy of
+    the message acquiring there must find the run completed, never a free key."""
     k, v = key.encode(), value.encode()
     kind = info.release_kind
     data = _RELEASES[kind] % (len(k), k, len(v), v)
     count = 1
     if done_key is not None and done_ttl_ms:
         d, ttl = done_key.encode(), b"%d" % done_ttl_ms
-        data += _DONE_MARKER % (len(d), d, len(ttl), ttl)
+        data = _DONE_MARKER % (len(d), d, len(ttl), ttl) + data
         count = 2
     if kind == "lua":
         return Request(None, _released, scripts=(RELEASE,),
@@ -269,20 +272,21 @@ def release_request(info: ServerInfo, key: str, value: str, done_key: str | None
 
 
 def _released(replies: list[Any]) -> bool:
-    """A release's outcome. A done marker the server refused behind it (out of memory) does
-    not undo the release: it is logged (a later copy of the message may then run again)."""
-    outcome = replies[0]
+    """A release's outcome (its last reply). A done marker the server refused ahead of it
+    (out of memory) does not undo the release: it is logged (a later copy of the message
+    may then run again)."""
+    outcome = replies[-1]
     if isinstance(outcome, Exception):
         raise outcome
-    if len(replies) > 1 and isinstance(replies[1], Exception):
+    if len(replies) > 1 and isinstance(replies[0], Exception):
         logger.warning("released a lock, but the lock Redis refused its done marker (%s): a later copy of "
-                       "the same message is not recognised as done", replies[1])
+                       "the same message is not recognised as done", replies[0])
     return bool(outcome)
 
 
 def _native_released(replies: list[Any]) -> bool:
-    if isinstance(replies[0], ResponseError):
-        refused = _refusal(replies[0])
+    if isinstance(replies[-1], ResponseError):
+        refused = _refusal(replies[-1])
         if refused is not None:
             raise refused
     return _released(replies)

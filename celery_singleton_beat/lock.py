@@ -4,7 +4,8 @@
   (:func:`.commands.acquire_request`): ``SET NX PX GET`` (on 6.2: ``SET NX PX``
   then ``GET``), then ``TIME``. The fencing token is the server's clock in
   microseconds right behind the ``SET``: it grows with every acquisition of a
-  key, across restarts and failovers.
+  key, across restarts and failovers. An ``acks_late`` run's acquire is one
+  script that reads its done marker first (:data:`.scripts.ACQUIRE_UNLESS_DONE`).
 * **rare paths**, after the reply named another holder: a run adopting its own
   publish claim (one script), and the take-over of a holder that is provably
   dead (:mod:`.takeover`).

@@ -5,19 +5,21 @@ The common path uses no Lua (see :mod:`.commands`): an acquire is one write
 ``DELEX ... IFEQ`` and a renewal ``SET ... IFEQ`` where the server has them.
 The scripts below stand in for those on older servers (:data:`RELEASE`,
 :data:`RENEW`) and do what no single command does (an ``acks_late`` run's
-acquire, which must not write when the run's done marker exists), each in one round trip, comparing before it writes, so that a
-repeated call or an attempt whose lease another has taken never changes what
-another attempt wrote. Those that replace a value report the value they found
-instead, and :mod:`.commands` decides: finding the new value itself means the
-call ran before (its reply was lost), which is success. ``KEYS``/``ARGV`` are
-listed above each.
+acquire, which must not write when the run's done marker exists), each in one
+round trip, comparing before it writes, so that a repeated call or an attempt
+whose lease another has taken never changes what another attempt wrote. Those
+that replace a value report the value they found instead, and
+:mod:`.commands` decides: finding the new value itself means the call ran
+before (its reply was lost), which is success. ``KEYS``/``ARGV`` are listed
+above each.
 """
 
 from __future__ import annotations
 
 from .wire import LuaScript
 
-__all__ = ["ACQUIRE_UNLESS_DONE", "ADOPT", "CLAIM_ON_RETRY", "RELEASE", "RELEASE_FOR", "RENEW", "STATS_TTL_MS", "TAKE_OVER", "LuaScript"]
+__all__ = ["ACQUIRE_UNLESS_DONE", "ADOPT", "CLAIM_ON_RETRY", "RELEASE", "RELEASE_FOR", "RENEW", "STATS_TTL_MS",
+           "TAKE_OVER", "LuaScript"]
 
 # KEYS: lock. ARGV: value. 1 if it was ours and is deleted, 0 if not.
 RELEASE = LuaScript("""

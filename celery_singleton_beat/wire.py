@@ -2,7 +2,7 @@
 
 The lock operations (:mod:`.commands`) are built as :class:`Request` objects:
 the RESP bytes of one or more commands (a ``MULTI`` block, a native
-compare-and-delete with the done marker's ``SET`` behind it, a Lua script)
+compare-and-delete with the done marker's ``SET`` ahead of it, a Lua script)
 and the function that turns their replies into the operation's result. Two
 executors send them:
 

@@ -16,8 +16,10 @@ from celery_singleton_beat import LockLost, counters
 from celery_singleton_beat.commands import legacy_fence_key
 from celery_singleton_beat.keeper import LeaseKeeper, get_keeper
 from celery_singleton_beat.lock import done_key, read_holder, release_for
+from celery_singleton_beat.redirects import split_commands
 from celery_singleton_beat.run import SingletonRun
-from celery_singleton_beat.server import LockServer, server_of
+from celery_singleton_beat.scripts import RELEASE
+from celery_singleton_beat.server import PORTABLE, LockServer, server_of
 from celery_singleton_beat.wire import SocketLink
 
 from .support import LOCK_DB, RedisServer, soak, wait_for
@@ -173,6 +175,28 @@ def test_a_copy_of_a_completed_run_never_holds_the_key_even_for_a_moment(redis_d
         redis_db.config_set("notify-keyspace-events", "")
     assert copy.completed and not copy.acquired
     assert seen == [], f"the copy wrote the key: {seen}"
+
+
+def test_a_copy_between_the_commands_of_a_release_finds_the_run_completed(redis_db: redis.Redis) -> None:
+    """A release with its done marker is two commands written together; Redis may run
+    another client's command between them (the write reached it in two segments, a
+    proxy forwards commands one by one). A copy of the message acquiring right there
+    must find the run completed, not a free key to run again."""
+    lease = take(redis_db, "a", boot="b1").lease
+    redis_db.script_load(RELEASE.source)  # the raw connection below loads nothing itself
+    request = lease._release_request(server_of(redis_db).info or PORTABLE, 60)
+    first, second = split_commands(request.data, request.count)
+    connection = redis_db.connection_pool.get_connection("release")
+    try:
+        connection.send_packed_command([first])
+        connection.read_response()
+        copy = take(redis_db, "a", boot="b2", check_done=True)
+        connection.send_packed_command([second])
+        connection.read_response()
+    finally:
+        redis_db.connection_pool.release(connection)
+    assert copy.completed and not copy.acquired, "the copy would run the completed task again"
+    assert not redis_db.exists(KEY) and redis_db.exists(done_key(KEY, "a"))
 
 
 def test_release_can_leave_a_claim_for_a_retry(redis_db: redis.Redis) -> None:
