@@ -126,15 +126,19 @@ def _acquire_pooled(client: RedisClient, key: str, value: str, spec: LockSpec,
     """
     after = acknowledged(spec, key, value, _taken) if spec.wait_replicas > 0 else None
     pause = server_of(client).pause
+
+    def send(slot_split: bool) -> int | AcquireReply:
+        reply: int | AcquireReply = execute(
+            client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done, slot_split=slot_split),
+            before_write=pause, after=after)
+        return reply
+
     try:
-        return execute(client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done),
-                       before_write=pause, after=after)
+        return send(False)
     except TryAgainError:
         if done is None:
             raise
-        return execute(client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done,
-                                                                 slot_split=True),
-                       before_write=pause, after=after)
+        return send(True)
 
 
 def _taken(reply: int | AcquireReply) -> bool:
