@@ -37,7 +37,8 @@ A compare-and-delete that finds nothing after a re-send cannot tell whether
 its first attempt ran: its requests are marked ``unsure_when_repeated``, and
 their outcome is then unknown (None), never "the lock was lost".
 
-A done marker is a plain ``SET`` written just ahead of the release, in the same write.
+A done marker is a plain ``SET`` written just ahead of the release, in the same write
+(on Redis Cluster, a request of its own answered first: :meth:`.lease.Lease.release`).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ from .server import ServerInfo
 from .wire import Request
 
 __all__ = ["AcquireReply", "Look", "NativeRefused", "Renewal", "Replaced", "acquire_request", "adopt_request",
-           "claim_on_retry_request", "finds_own", "legacy_fence_key", "look_request", "put_back_request",
-           "raise_errors", "release_for_request", "release_request", "renew_request", "take_over_request",
-           "time_token"]
+           "claim_on_retry_request", "done_marker_request", "finds_own", "legacy_fence_key", "look_request",
+           "put_back_request", "raise_errors", "release_for_request", "release_request", "renew_request",
+           "take_over_request", "time_token"]
 
 
 _LEGACY_FENCE_SUFFIX = b":fence"
@@ -106,8 +107,7 @@ def _refusal(reply: Any) -> NativeRefused | None:
     if ("unknown command" in lowered or "syntax error" in lowered or "unknown subcommand" in lowered
             or lowered.startswith("noperm") or "no permissions" in lowered):
         return NativeRefused(text)
-    # The lock channel's reader keeps the "OOM" prefix; redis-py's parser drops it.
-    if isinstance(reply, OutOfMemoryError) or text.startswith("OOM "):
+    if _out_of_memory(reply):
         return NativeRefused(text, lasting=False)
     return None
 
@@ -273,15 +273,46 @@ def release_request(info: ServerInfo, key: str, value: str, done_key: str | None
 
 def _released(replies: list[Any]) -> bool:
     """A release's outcome (its last reply). A done marker the server refused ahead of it
-    (out of memory) does not undo the release: it is logged (a later copy of the message
-    may then run again)."""
+    because it is out of memory does not undo the release: it is logged (a later copy of
+    the message may then run again). Refused for any other reason (``-BUSY`` for a
+    segment of the write that reached Redis while another client's script ran, the
+    compare-and-delete behind it arriving once the script ended; ``-LOADING``), the
+    marker is raised: the release is then sent again (the keeper) until the marker is
+    written, as when the whole release was refused."""
     outcome = replies[-1]
     if isinstance(outcome, Exception):
         raise outcome
     if len(replies) > 1 and isinstance(replies[0], Exception):
+        marker = replies[0]
+        if not _out_of_memory(marker):
+            raise marker
         logger.warning("released a lock, but the lock Redis refused its done marker (%s): a later copy of "
-                       "the same message is not recognised as done", replies[0])
+                       "the same message is not recognised as done", marker)
     return bool(outcome)
+
+
+def _out_of_memory(reply: Exception) -> bool:
+    """The lock channel's reader keeps the "OOM" prefix; redis-py's parser drops it."""
+    return isinstance(reply, OutOfMemoryError) or str(reply).startswith("OOM ")
+
+
+def done_marker_request(done_key: str, done_ttl_ms: int) -> Request:
+    """The done marker alone (a Cluster's release writes it first, in a request of its own:
+    see :meth:`.lease.Lease.release`). True when written; refused because the server is
+    out of memory, False (logged); any other refusal is raised (the release is sent again)."""
+    d, ttl = done_key.encode(), b"%d" % done_ttl_ms
+    return Request(None, _marker_written, data=_DONE_MARKER % (len(d), d, len(ttl), ttl), count=1)
+
+
+def _marker_written(replies: list[Any]) -> bool:
+    marker = replies[0]
+    if not isinstance(marker, Exception):
+        return True
+    if not _out_of_memory(marker):
+        raise marker
+    logger.warning("the lock Redis refused a done marker (%s): a later copy of the same message is not "
+                   "recognised as done", marker)
+    return False
 
 
 def _native_released(replies: list[Any]) -> bool:

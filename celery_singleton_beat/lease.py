@@ -30,11 +30,12 @@ from typing import Any
 
 from . import counters
 from .channel import channel_or_none
-from .client import RedisClient, ReplicasNotAcknowledged
+from .client import RedisClient, ReplicasNotAcknowledged, is_cluster
 from .commands import (
     NativeRefused,
     Renewal,
     claim_on_retry_request,
+    done_marker_request,
     look_request,
     put_back_request,
     release_request,
@@ -313,7 +314,16 @@ class Lease:
             released = bool(execute(self.client, self.key, lambda info: claim_on_retry_request(
                 self.key, self.value, claim, ms(claim_ttl))))
         else:
-            released = execute(client or self.client, self.key, lambda info: self._release_request(info, done_ttl))
+            via = client or self.client
+            if done_ttl and is_cluster(via):
+                # The marker first, answered before the compare-and-delete is written: in a
+                # slot that migrates, the source answers a new marker -ASK and would run the
+                # delete behind it at once, the marker reaching the target a round trip
+                # later; a copy of the message acquiring in between would run again.
+                marker = done_marker_request(done_key(self.key, self.task_id), ms(done_ttl))
+                execute(via, self.key, lambda info: marker)
+                done_ttl = None
+            released = execute(via, self.key, lambda info: self._release_request(info, done_ttl))
             if again and released is False:
                 released = None
         self.count_release(released)
