@@ -29,7 +29,8 @@ from .support import (
     start_worker,
     wait_for,
 )
-from .support.beat import pause, paused_beat, read_runs, runs_by_slot, slot_counts, start_beat_pair
+from .support.beat import pause, paused_beat, read_runs, runs_by_slot, slot_counts, start_beat, start_beat_pair
+from .support.holding_proxy import HoldingProxy
 from .support.servers import flushdb
 from .support.slots import parse_slot
 
@@ -117,6 +118,32 @@ def test_the_winning_beat_stopped_mid_burst_loses_no_slot(
     for label, counts in runs_by_slot(redis_server, names).items():
         assert max(counts.values()) == 1, f"slot {label} ran twice: {counts}"
     assert "took over" in survivor.output()
+
+
+def test_a_beat_stopped_while_its_publish_waits_for_the_broker_exits_cleanly(
+        redis_server: RedisServer, names: str, tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """SIGTERM (a pod's termination) while the beat waits for the broker's reply to a publish.
+
+    Celery's handler closes the scheduler, then raises ``SystemExit``. Closed at
+    that moment, the scheduler released the broker connection the interrupted
+    read was using: redis-py then raised "I/O operation on closed file" in place
+    of the ``SystemExit``, beat logged the entry as not applied and ran on, until
+    the grace period's SIGKILL. The beat must exit, having logged no error.
+    """
+    entry = f"{names}held"
+    with HoldingProxy(redis_server.port, "broker") as broker:
+        broker.hold(b"LPUSH")  # the publish reaches the broker only when let go
+        beat = start_beat(redis_server, tmp_path, "held", {entry: {"every": 1}},
+                          settings={**SETTINGS, "broker_url": broker.url(0)})
+        processes.append(beat)
+        wait_for(lambda: broker.held_with(b"LPUSH"), timeout=30, message="the beat's publish to be sent")
+        beat.terminate()
+        broker.let_go([])
+        wait_for(lambda: beat.process is not None and beat.process.poll() is not None,
+                 timeout=30, message="the beat to exit after SIGTERM")
+    log = beat.output()
+    assert "ERROR/" not in log and "Traceback" not in log, beat.tail(40)
+    assert beat.returncode == 0, beat.tail(40)
 
 
 def test_a_beat_killed_between_claim_and_publish_loses_no_slot(

@@ -25,6 +25,7 @@ import heapq
 import os
 import secrets
 import socket
+import threading
 import time
 import weakref
 from datetime import datetime, timedelta
@@ -94,6 +95,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
     #: Back-off (seconds) after Redis failed, doubling up to the maximum.
     redis_retry_min: float = 1.0
     redis_retry_max: float = 30.0
+    #: The thread inside :meth:`tick`, if any (see :meth:`close`).
+    _ticking_in: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         app = kwargs["app"] if "app" in kwargs else args[0]
@@ -253,6 +256,13 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         return state
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        self._ticking_in = threading.get_ident()
+        try:
+            return self._tick(*args, **kwargs)
+        finally:
+            self._ticking_in = None
+
+    def _tick(self, *args: Any, **kwargs: Any) -> float:
         if self._server_check.pending:
             self._check_server_again()
         if not self.breaker.is_open():
@@ -315,7 +325,19 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         return equal
 
     def close(self) -> None:
-        """Clean stop: mark what was sent, hand back what was claimed but not sent."""
+        """Clean stop: mark what was sent, hand back what was claimed but not sent.
+
+        Not while this thread is inside :meth:`tick`: that is ``celery beat``'s
+        SIGTERM/SIGINT handler, which closes the scheduler and then raises
+        ``SystemExit``, run in the middle of whatever the tick was doing. Closing
+        there would release connections the interrupted code is reading from (the
+        broker's, during a publish: redis-py then raises "I/O operation on closed
+        file" in place of the ``SystemExit``, and beat logs the entry as not
+        applied and runs on). The ``SystemExit`` unwinds the tick, and beat's
+        service closes the scheduler again on its way out.
+        """
+        if self._ticking_in == threading.get_ident():
+            return
         try:
             self._hand_back_prefetched()
             self._mark_sent()
