@@ -22,9 +22,10 @@ kept on a full server; only new locks are refused.
 The acquire also carries, in the same write, a ``DEL`` of the per-key
 fencing counter of releases before 0.3 (so that workers of both during an
 upgrade keep issuing growing tokens: an old worker's next token is then
-seeded from the clock). An ``acks_late`` run's acquire is one script,
-:data:`.scripts.ACQUIRE_UNLESS_DONE`: it reads the run's done marker first
-and takes nothing when it exists (a copy of a completed message).
+seeded from the clock), and the done marker's ``EXISTS`` for ``acks_late``
+runs. A delivery known to be a copy (redelivered) sends one script instead,
+:data:`.scripts.ACQUIRE_UNLESS_DONE`: it reads the done marker first and takes
+nothing when it exists.
 The fencing token is the server's clock in microseconds at the acquisition
 (``TIME`` right behind the ``SET``): it grows with every acquisition of a key,
 across restarts and failovers, whatever counters a server lost.
@@ -134,7 +135,7 @@ class AcquireReply(NamedTuple):
 
 
 def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
-                    done_key: str | None, *, slot_split: bool = False) -> Request:
+                    done_key: str | None, *, done_first: bool = False) -> Request:
     """Try to take ``key``: the fencing token (an ``int``) when it was taken, the common
     case, else an :class:`AcquireReply` (held by another, or this task id completed):
     the common path builds no reply object.
@@ -146,15 +147,14 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     ``SET`` on this connection, before this process has read the reply it needs
     to release the lock (a take-over or an expiry comes seconds later).
 
-    With a ``done_key`` (``acks_late`` runs) it is
-    :data:`.scripts.ACQUIRE_UNLESS_DONE`, which takes nothing when the marker
-    exists. A Cluster slot whose keys stand on two nodes while it migrates
-    refuses a script of several keys (``-TRYAGAIN``): there (``slot_split``)
-    the marker's ``EXISTS`` follows the ``SET`` in the same write, each command
-    answered where its key is, and a copy of a completed message holds the
-    key until its release, one round trip later.
+    With a ``done_key`` (``acks_late`` runs) the marker's ``EXISTS`` follows
+    the ``SET`` in the same write: a copy of a completed message that took the
+    key gives it back, one round trip later. With ``done_first`` (a delivery
+    known to be a copy) it is :data:`.scripts.ACQUIRE_UNLESS_DONE` instead,
+    which takes nothing when the marker exists (a script costs the server a
+    third more than the plain write, so only copies pay it).
     """
-    if done_key is not None and not slot_split:
+    if done_key is not None and done_first:
         return _acquire_unless_done(key, value, ttl_ms, done_key)
     k, v = key.encode(), value.encode()
     one_command = info.set_nx_get
@@ -193,7 +193,7 @@ def _acquired(token: int, taken: bool, previous: Any, completed: bool, value: st
 
 
 def _acquire_unless_done(key: str, value: str, ttl_ms: int, done_key: str) -> Request:
-    """:func:`acquire_request` of an ``acks_late`` run: one script, the done marker read first."""
+    """:func:`acquire_request` of a copy of an ``acks_late`` message: one script, the done marker read first."""
     command = ACQUIRE_UNLESS_DONE.command([key, done_key, legacy_fence_key(key)], [value, ttl_ms])
 
     def finish(replies: list[Any]) -> int | AcquireReply:

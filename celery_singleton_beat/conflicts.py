@@ -36,7 +36,19 @@ from .exceptions import DuplicateTaskError, TaskSkipped, describe_holder
 from .lock import AcquireResult, Holder
 from .run import SingletonRun
 
-__all__ = ["ConflictOutcomes"]
+__all__ = ["COPY_HEADER", "ConflictOutcomes", "is_copy"]
+
+#: The message header of a copy re-published to wait for its running original.
+COPY_HEADER = "singleton_copy"
+
+
+def is_copy(request: Any) -> bool:
+    """Whether this delivery is known to repeat an earlier one of its message: the broker
+    marked it redelivered (Redis' restore of unacknowledged messages, RabbitMQ), or it is
+    a copy re-published to wait for its original (:data:`COPY_HEADER`). A message sent
+    again under the same id by other means is not known as one."""
+    info = request.delivery_info or {}
+    return bool(info.get("redelivered") or getattr(request, COPY_HEADER, None))
 
 #: Set on the DuplicateTaskError of an eager conflict retry, to tell it from other retries.
 _EAGER_RETRY = "_singleton_eager_retry"
@@ -104,7 +116,7 @@ class ConflictOutcomes(Task):
         logger.warning("%s[%s] is already running on %s (another delivery of the same message); "
                        "looking again in %.1fs", self.name, request.id, describe_holder(holder), countdown)
         try:
-            self.signature_from_request(request, countdown=countdown).apply_async()
+            self.signature_from_request(request, countdown=countdown).apply_async(headers={COPY_HEADER: True})
         except Exception as exc:
             logger.error("%s[%s] could not be re-published (%s); the message goes back to the queue",
                          self.name, request.id, exc)

@@ -4,8 +4,8 @@
   (:func:`.commands.acquire_request`): ``SET NX PX GET`` (on 6.2: ``SET NX PX``
   then ``GET``), then ``TIME``. The fencing token is the server's clock in
   microseconds right behind the ``SET``: it grows with every acquisition of a
-  key, across restarts and failovers. An ``acks_late`` run's acquire is one
-  script that reads its done marker first (:data:`.scripts.ACQUIRE_UNLESS_DONE`).
+  key, across restarts and failovers. A copy of an ``acks_late`` message sends
+  one script that reads its done marker first (:data:`.scripts.ACQUIRE_UNLESS_DONE`).
 * **rare paths**, after the reply named another holder: a run adopting its own
   publish claim (one script), and the take-over of a holder that is provably
   dead (:mod:`.takeover`).
@@ -83,12 +83,16 @@ class AcquireResult:
 
 
 def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, *,
-            node: str | None = None, adopt_claim_of: str | None = None) -> AcquireResult:
+            node: str | None = None, adopt_claim_of: str | None = None, copy: bool = False) -> AcquireResult:
     """Try once to take ``key`` as ``spec`` says (one request when it is free).
 
     ``adopt_claim_of`` lets the run of that task id take over its own
-    publish-time claim instead of conflicting with it. Counted (in batches,
-    see :mod:`.counters`) under ``spec.counters``.
+    publish-time claim instead of conflicting with it. ``copy``: the delivery
+    is known to repeat an earlier one (the broker redelivered it, or it is a
+    copy re-published to wait for its original); with ``spec.check_done`` its
+    done marker is read before the key is written, so a copy of a completed
+    run never holds the key. Counted (in batches, see :mod:`.counters`) under
+    ``spec.counters``.
     """
     server = server_of(client)
     value = lock_value(spec, task_id, node)
@@ -98,10 +102,10 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
         started = time.monotonic()
         epoch = server.epoch
         if channel is not None:  # the common path: this thread's own connection
-            reply = channel.call(acquire_request(server.info or PORTABLE, key, value, spec.ttl_ms, done),
-                                 server.pause)
+            reply = channel.call(acquire_request(server.info or PORTABLE, key, value, spec.ttl_ms, done,
+                                                 done_first=copy), server.pause)
         else:
-            reply = _acquire_pooled(client, key, value, spec, done)
+            reply = _acquire_pooled(client, key, value, spec, done, copy)
         if type(reply) is int:  # taken: its fencing token
             counters.count(client, spec.stats_key, spec.counters[0])
             started = max(started, server.resumed())  # written after a window's wait, if it waited
@@ -117,28 +121,28 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
 
 
 def _acquire_pooled(client: RedisClient, key: str, value: str, spec: LockSpec,
-                    done: str | None) -> int | AcquireReply:
+                    done: str | None, copy: bool) -> int | AcquireReply:
     """The acquire request on a pooled connection (Sentinel, Cluster, waits for replicas).
 
-    A Cluster slot migrating with its keys on two nodes answers an ``acks_late``
-    run's script ``-TRYAGAIN`` (it names the lock and its done marker): the
-    acquire is then sent as separate commands, each answered where its key is.
+    A Cluster slot migrating with its keys on two nodes answers a copy's script
+    ``-TRYAGAIN`` (it names the lock and its done marker): the acquire is then
+    sent as separate commands, each answered where its key is.
     """
     after = acknowledged(spec, key, value, _taken) if spec.wait_replicas > 0 else None
     pause = server_of(client).pause
 
-    def send(slot_split: bool) -> int | AcquireReply:
+    def send(done_first: bool) -> int | AcquireReply:
         reply: int | AcquireReply = execute(
-            client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done, slot_split=slot_split),
+            client, key, lambda info: acquire_request(info, key, value, spec.ttl_ms, done, done_first=done_first),
             before_write=pause, after=after)
         return reply
 
     try:
-        return send(False)
+        return send(copy)
     except TryAgainError:
-        if done is None:
+        if done is None or not copy:
             raise
-        return send(True)
+        return send(False)
 
 
 def _taken(reply: int | AcquireReply) -> bool:

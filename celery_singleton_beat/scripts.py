@@ -4,11 +4,11 @@ The common path uses no Lua (see :mod:`.commands`): an acquire is one write
 (``SET NX PX GET`` and ``TIME``, no ``MULTI``), a release is ``DELIFEQ`` /
 ``DELEX ... IFEQ`` and a renewal ``SET ... IFEQ`` where the server has them.
 The scripts below stand in for those on older servers (:data:`RELEASE`,
-:data:`RENEW`) and do what no single command does (an ``acks_late`` run's
-acquire, which must not write when the run's done marker exists), each in one
-round trip, comparing before it writes, so that a repeated call or an attempt
-whose lease another has taken never changes what another attempt wrote. Those
-that replace a value report the value they found instead, and
+:data:`RENEW`) and do what no single command does (the acquire of a copy of an
+``acks_late`` message, which must not write when its done marker exists), each
+in one round trip, comparing before it writes, so that a repeated call or an
+attempt whose lease another has taken never changes what another attempt
+wrote. Those that replace a value report the value they found instead, and
 :mod:`.commands` decides: finding the new value itself means the call ran
 before (its reply was lost), which is success. ``KEYS``/``ARGV`` are listed
 above each.
@@ -32,8 +32,9 @@ return 0
 
 # KEYS: lock, the done marker of the run's task id, the legacy fencing counter.
 # ARGV: value, ttl ms.
-# The acquire of an ``acks_late`` run: a copy of a message whose run completed
-# must not take the key even for a moment (a caller who saw the result and
+# The acquire of a delivery known to be a copy of an ``acks_late`` message (a
+# first delivery checks the marker right behind its plain ``SET``): a copy of a
+# message whose run completed must not take the key even for a moment (a caller who saw the result and
 # submits the key again would be skipped as a duplicate of an ended run), so
 # the marker is read before the ``SET``. The ``SET`` is the first write: a
 # server out of memory refuses the script there, as it refuses a plain

@@ -63,7 +63,7 @@ from . import config
 from . import worker as worker_support
 from .client import get_redis
 from .config import SingletonSettings, get_settings
-from .conflicts import ConflictOutcomes
+from .conflicts import ConflictOutcomes, is_copy
 from .events import TASK_LOCK_LOST, logger, send_task_event_soon
 from .exceptions import describe_holder
 from .keeper import KeptLease, get_keeper
@@ -331,15 +331,16 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         settings, client, spec, _ = self._run_context(bool(request.is_eager))
         key = self._key(settings, args, kwargs)
         adopt = request.id if self.lock_mode == "until_executed" else None
+        copy = spec.check_done and is_copy(request)  # its done marker is read before the key is written
         started = time.monotonic()
         try:
-            result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt)
+            result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt, copy=copy)
         except redis.RedisError as exc:
             if settings.fail_open:
                 return self._run_unlocked(key, exc)
             result = wait_for_redis(
                 self, key, exc, lambda: acquire(client, key, spec, request.id, node=request.hostname,
-                                                adopt_claim_of=adopt), started=started, client=client)
+                                                adopt_claim_of=adopt, copy=copy), started=started, client=client)
         if self.lock_mode == "until_executing":
             self._release_queue_claim(client, key)
         if result.completed:

@@ -56,9 +56,10 @@ _tags = itertools.count()
 
 def take(client: Any, task_id: str = "a", ttl: float = 30.0, *, boot: str = "b1", key: str = KEY,
          **spec: Any) -> AcquireResult:
-    """An ``acks_late`` run's acquire (``check_done``)."""
+    """An ``acks_late`` run's acquire (``check_done``), as a delivery known to be a copy
+    (``copy``: the script that reads the done marker first)."""
     return take_lock(client, key, ttl, task="demo.task", task_id=task_id, node="w1@host", boot=boot,
-                     check_done=True, **spec)
+                     check_done=True, copy=True, **spec)
 
 
 class BusyProxy(FaultProxy):

@@ -109,10 +109,10 @@ def test_a_lease_keeps_renewing_and_new_locks_follow_ask_while_their_slot_migrat
         # The lock on the source, its done marker on the target: each command answered where its key is.
         copy = take(client, done_owner, "finished", check_done=True)
         assert copy.completed and task_id_in(move.source.get(done_owner)) == "finished"
-        # An acks_late run's acquire names the lock and its done marker: the migrating slot
-        # answers that script -TRYAGAIN, and the acquire is sent as separate commands.
+        # A copy's acquire (acks_late, redelivered) names the lock and its done marker: the
+        # migrating slot answers that script -TRYAGAIN, and it is sent as separate commands.
         late_key = f"singleton:late:{{{t}}}"
-        late = take(client, late_key, "late", check_done=True)
+        late = take(client, late_key, "late", check_done=True, copy=True)
         assert late.acquired and task_id_in(move.on_target("GET", late_key)) == "late"
         assert late.lease is not None and late.lease.release()
 

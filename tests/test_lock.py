@@ -23,6 +23,7 @@ from celery_singleton_beat.server import PORTABLE, LockServer, server_of
 from celery_singleton_beat.wire import SocketLink
 
 from .support import LOCK_DB, RedisServer, soak, wait_for
+from .support.keyspace import keyspace_events
 from .support.locking import take_lock
 from .support.proxy import DelayProxy
 
@@ -149,32 +150,11 @@ def test_a_copy_of_a_completed_run_never_holds_the_key_even_for_a_moment(redis_d
     events record every write the copy's acquire made to the key.
     """
     assert take(redis_db, "a", boot="b1").lease.release(done_ttl=60)
-    db = redis_db.connection_pool.connection_kwargs["db"]
-    redis_db.config_set("notify-keyspace-events", "K$g")  # string and generic commands, per key
-    events = redis_db.pubsub(ignore_subscribe_messages=True)
-    try:
-        events.subscribe(f"__keyspace@{db}__:{KEY}", "test:barrier")
-        wait_for(lambda: redis_db.pubsub_numsub("test:barrier")[0][1] == 1, timeout=5,
-                 message="the subscription is in place")
-        copy = take(redis_db, "a", boot="b2", check_done=True)
-        redis_db.publish("test:barrier", "after the copy")  # delivered after every event before it
-        seen: list[str] = []
-
-        def barrier() -> bool:
-            message = events.get_message(timeout=0.1)
-            if message is None:
-                return False
-            if message["channel"] == b"test:barrier":
-                return True
-            seen.append(message["data"].decode())
-            return False
-
-        wait_for(barrier, timeout=10, interval=0, message="the barrier message")
-    finally:
-        events.close()
-        redis_db.config_set("notify-keyspace-events", "")
+    with keyspace_events(redis_db, KEY) as events:
+        copy = take(redis_db, "a", boot="b2", check_done=True, copy=True)  # redelivered
+        written = events()
     assert copy.completed and not copy.acquired
-    assert seen == [], f"the copy wrote the key: {seen}"
+    assert written == [], f"the copy wrote the key: {written}"
 
 
 def test_a_copy_between_the_commands_of_a_release_finds_the_run_completed(redis_db: redis.Redis) -> None:

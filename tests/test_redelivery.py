@@ -24,6 +24,7 @@ from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.lock import read_holder
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
+from .support.keyspace import keyspace_events
 from .support.tasks import lock_keys
 
 APP = "tests.apps.delivery_app"
@@ -126,9 +127,28 @@ def assert_completed_once_on_survivor(redis_server: RedisServer, result: Any, su
 def test_copy_of_a_live_original_waits_and_the_original_result_stands(
     redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]
 ) -> None:
-    """The visibility timeout (2 s) ends while the original (5 s) still runs: the copy arrives."""
+    """The visibility timeout (2 s) ends while the original (5 s) still runs: the copy arrives.
+
+    The copy (redelivered by the broker, then re-published to wait) never writes
+    the lock key, not even once the original completed: Redis' keyspace events
+    show one ``set``, the original's.
+    """
     delivery_env.update(CSB_VISIBILITY="2")
     app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    locks = redis_server.client(LOCK_DB)
+    with keyspace_events(locks, "singleton:{tests.apps.delivery_app.strict:*") as events:
+        copy_worker = copy_of_a_live_original(redis_server, processes, delivery_env, app)
+        written = events()
+    [key] = {key for key, _ in written if ":done:" not in key}
+    assert [event for name, event in written if name == key].count("set") == 1, written
+    assert len(entries(records, "runs:k")) == 1
+    copy_worker.wait_for_line("already completed", timeout=5)
+
+
+def copy_of_a_live_original(redis_server: RedisServer, processes: list[CeleryProcess],
+                            delivery_env: dict[str, str], app: ModuleType) -> CeleryProcess:
+    """Run the key for 5 s on ``orig``; its copy reaches ``copy`` and waits; the worker ``copy``."""
     records = redis_server.client(RECORD_DB)
     worker(redis_server, processes, "orig", delivery_env)
     result = app.strict.delay("k", 5)  # on_conflict="raise": a wrong duplicate would store FAILURE
@@ -150,6 +170,7 @@ def test_copy_of_a_live_original_waits_and_the_original_result_stands(
     # Once the original completed, the waiting copy ends without running.
     copy_worker.wait_for_line("already completed", timeout=30)
     assert len(entries(records, "runs:k")) == 1
+    return copy_worker
 
 
 def test_live_workers_with_one_node_name_never_free_each_others_locks(

@@ -134,7 +134,7 @@ def _slot_of(request: Any) -> dict[str, Any]:
             "instance": getattr(request, INSTANCE_HEADER, None)}
 
 
-@app.task(bind=True, base=SingletonTask, unique_on=_broken_identity if BROKEN else ["key"])  # type: ignore[untyped-decorator]
+@app.task(shared=False, bind=True, base=SingletonTask, unique_on=_broken_identity if BROKEN else ["key"])  # type: ignore[untyped-decorator]
 def work(self: SingletonTask, key: str, seconds: float, note: str | None = None) -> str:
     """A run of ``key`` lasting ``seconds``, checking its lease before each step."""
     run = self.singleton_run

@@ -8,7 +8,7 @@ from celery_singleton_beat.lock import AcquireResult, LockSpec, acquire
 
 
 def take_lock(client: Any, key: str, ttl: float, *, task: str, task_id: str | None = None, node: str | None = None,
-              adopt_claim_of: str | None = None, **spec: Any) -> AcquireResult:
+              adopt_claim_of: str | None = None, copy: bool = False, **spec: Any) -> AcquireResult:
     """``acquire(client, key, LockSpec(task=task, ttl=ttl, **spec), task_id, ...)``."""
     return acquire(client, key, LockSpec(task=task, ttl=ttl, **spec), task_id, node=node,
-                   adopt_claim_of=adopt_claim_of)
+                   adopt_claim_of=adopt_claim_of, copy=copy)
