@@ -88,17 +88,9 @@ class _SilentServer:
             connection.close()
 
 
-#: A script that keeps the server busy for ``ARGV[1]`` ms (other clients are answered -BUSY).
-BUSY_SCRIPT = """
-local t = redis.call('TIME')
-local until_ms = t[1] * 1000 + t[2] / 1000 + tonumber(ARGV[1])
-repeat t = redis.call('TIME') until t[1] * 1000 + t[2] / 1000 >= until_ms
-return 1
-"""
-
-
 @pytest.mark.parametrize("outage", ["timeout", "loading", "busy", "sentinel", "unresolvable"])
-def test_start_up_outages_are_retried_not_refused(outage: str, make_redis: Callable[..., RedisServer]) -> None:
+def test_start_up_outages_are_retried_not_refused(outage: str, make_redis: Callable[..., RedisServer],
+                                                   busy_script: Callable[[RedisServer], Callable[[], None]]) -> None:
     """The start-up check sorts each of these as an outage (``LockRedisDown``: the worker and
     the beat start and check again), not as a configuration error (exit code 78)."""
     silent: _SilentServer | None = None
@@ -119,12 +111,10 @@ def test_start_up_outages_are_retried_not_refused(outage: str, make_redis: Calla
         url = server.url()
         wait_for(lambda: _loading(server.port), timeout=20, interval=0.02, message="the server loading its data")
     elif outage == "busy":
-        # Another client's long script (-BUSY once it ran 100 ms): the server answers, it is not misconfigured.
-        server = make_redis("--busy-reply-threshold", "100")
+        # Another client's script (-BUSY): the server answers, it is not misconfigured.
+        server = make_redis()
         url = server.url()
-        busy = threading.Thread(target=lambda: server.client().eval(BUSY_SCRIPT, 0, 3000), daemon=True)
-        busy.start()
-        wait_for(lambda: _busy(server.port), timeout=10, interval=0.02, message="the server busy with a script")
+        busy_script(server)  # killed when the test ends
     elif outage == "sentinel":
         url = f"sentinel://127.0.0.1:{free_port()};sentinel://127.0.0.1:{free_port()}?master_name=mymaster"
     else:
@@ -142,16 +132,6 @@ def test_start_up_outages_are_retried_not_refused(outage: str, make_redis: Calla
         if silent is not None:
             silent.close()
         clear_settings_cache(app)
-
-
-def _busy(port: int) -> bool:
-    """True while the server on ``port`` answers -BUSY (a script runs)."""
-    with redis.Redis(port=port, socket_timeout=1) as client:
-        try:
-            client.ping()
-        except redis.ResponseError as exc:
-            return str(exc).startswith("BUSY")
-    return False
 
 
 def _loading(port: int) -> bool:

@@ -206,8 +206,9 @@ def order(redis_db: redis.Redis, redis_server: RedisServer) -> ModuleType:
 
 @pytest.fixture
 def busy_script() -> Iterator[Callable[[RedisServer], Callable[[], None]]]:
-    """``busy_script(server)`` starts a script that runs until killed; it returns the kill."""
-    threads: list[threading.Thread] = []
+    """``busy_script(server)`` starts a script that runs until killed; it returns the kill.
+    Scripts still running when the test ends are killed then."""
+    kills: list[Callable[[], None]] = []
 
     def start(server: RedisServer) -> Callable[[], None]:
         admin = server.client()
@@ -215,21 +216,23 @@ def busy_script() -> Iterator[Callable[[RedisServer], Callable[[], None]]]:
         runner = server.client()
         thread = threading.Thread(target=_run_until_killed, args=(runner,), daemon=True)
         thread.start()
-        threads.append(thread)
-        wait_for(lambda: server_busy(admin), timeout=10, interval=0.01, message="the lock Redis busy with a script")
 
         def kill() -> None:
-            with contextlib.suppress(redis.ResponseError):  # NOTBUSY: killed already
+            # NOTBUSY: killed already; refused: the server was stopped (the script ended with it).
+            with contextlib.suppress(redis.ResponseError, redis.ConnectionError):
                 admin.script_kill()
             thread.join(10)
 
+        kills.append(kill)
+        wait_for(lambda: server_busy(admin), timeout=10, interval=0.01, message="the lock Redis busy with a script")
         return kill
 
     yield start
-    for thread in threads:
-        thread.join(10)
+    for kill in kills:
+        kill()
 
 
 def _run_until_killed(client: redis.Redis) -> None:
-    with contextlib.suppress(redis.ResponseError):  # "Script killed by user with SCRIPT KILL"
+    # "Script killed by user with SCRIPT KILL"; or the server was stopped under it.
+    with contextlib.suppress(redis.ResponseError, redis.ConnectionError):
         client.eval("while true do end", 0)
