@@ -20,6 +20,8 @@ from .support.fixtures import (  # noqa: F401 - registered as this conftest's fi
     broker,
     busy_script,
     client_apps,
+    cluster,
+    cluster_client,
     harness_session,
     locks,
     make_redis,

@@ -30,21 +30,20 @@ import redis
 from redis.cluster import RedisCluster
 
 from benchmarks.servers import available_servers
-from celery_singleton_beat.client import acl_rules, redis_from_url
-from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.keeper import get_keeper
 from celery_singleton_beat.lock import AcquireResult, done_key
 from celery_singleton_beat.redirects import AskFollower
 from celery_singleton_beat.scripts import ACQUIRE_UNLESS_DONE
 from celery_singleton_beat.window import mark_in_use
 
-from .support import Owner, RedisServer, owning, wait_for
+from .support import RedisServer, wait_for
 from .support.cutting_proxy import CuttingProxy
 from .support.fault_proxy import FaultProxy, Rates
 from .support.locking import take_lock
 from .support.owners import register
 from .support.resharding import SlotMove
-from .support.topologies import ACL_PASSWORD, ACL_USER, Topology, set_acl_user, start_cluster
+from .support.servers import fill_up
+from .support.topologies import Topology
 
 KEY = "singleton:{adversary-acquire:k}"
 NO_FAULTS = Rates(refuse=0, delay=0, close_before=0, close_after=0, cut=0, silence=0)
@@ -74,28 +73,6 @@ def busy_proxy(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[Fau
     mark_in_use(redis_db)  # db 0 serves the locks here: no recovery window
     with BusyProxy(redis_server.port, NO_FAULTS, seed=0) as proxy:
         yield proxy
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Topology]:
-    """A 3-primary Cluster, with the documented ACL user (``acl_rules(cluster=True)``) on every node."""
-    with owning(Owner("module cluster")) as owner:
-        topology = start_cluster()
-    for node in topology.primaries():
-        set_acl_user(node, acl_rules(cluster=True))
-        mark_in_use(node)  # a new Cluster of the test's own: no recovery window
-    yield topology
-    topology.stop()
-    owner.close()
-
-
-@pytest.fixture
-def cluster_client(cluster: Topology) -> Iterator[Any]:
-    """The library's client of the Cluster, as the limited user."""
-    clear_settings_cache()
-    client = redis_from_url(cluster.url.replace("://", f"://{ACL_USER}:{ACL_PASSWORD}@"))
-    yield client
-    client.close()
 
 
 # -------------------------------------------------------------------- 1. the marker refused, the delete run
@@ -232,19 +209,6 @@ def test_an_acks_late_acquire_sent_again_after_its_reply_was_cut_keeps_its_outco
 
 
 # -------------------------------------------------------------------- 4. every server, full or not
-
-
-def fill_up(admin: redis.Redis) -> None:
-    """Set ``maxmemory`` below what the server uses, ``noeviction``: writes that may grow
-    memory are refused (checked with a plain ``SET``)."""
-    with admin.pipeline(transaction=False) as fill:
-        for i in range(2000):
-            fill.set(f"fill:{i}", "x" * 1000)
-        fill.execute()
-    admin.config_set("maxmemory-policy", "noeviction")
-    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - 1_000_000)
-    with pytest.raises(redis.exceptions.OutOfMemoryError):
-        admin.set("probe", "x")
 
 
 def test_the_acks_late_acquire_and_the_marker_first_release_on_every_server() -> None:

@@ -12,44 +12,19 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from redis.cluster import RedisCluster
 
-from celery_singleton_beat.client import acl_rules, redis_from_url
-from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.keeper import KeptLease, get_keeper
 from celery_singleton_beat.lock import AcquireResult, done_key
 
-from .support import Owner, owning, wait_for
+from .support import wait_for
 from .support.locking import take_lock
 from .support.resharding import SlotMove, monitored
-from .support.topologies import ACL_PASSWORD, ACL_USER, Topology, set_acl_user, start_cluster
+from .support.topologies import Topology
 
 _tags = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Topology]:
-    """The Cluster, with the documented ACL user (``acl_rules(cluster=True)``) on every node."""
-    with owning(Owner("module cluster")) as owner:
-        topology = start_cluster()
-    for node in topology.primaries():
-        set_acl_user(node, acl_rules(cluster=True))
-    yield topology
-    topology.stop()
-    owner.close()
-
-
-@pytest.fixture
-def client(cluster: Topology) -> Iterator[Any]:
-    """The library's client of the Cluster, as the limited user."""
-    clear_settings_cache()
-    lock_client = redis_from_url(cluster.url.replace("://", f"://{ACL_USER}:{ACL_PASSWORD}@"))
-    yield lock_client
-    lock_client.close()
 
 
 def tag() -> str:
@@ -71,7 +46,8 @@ def kept_renewing(kept: KeptLease, at_least: int) -> bool:
 
 
 def test_a_lease_keeps_renewing_and_new_locks_follow_ask_while_their_slot_migrates(
-        cluster: Topology, client: RedisCluster) -> None:
+        cluster: Topology, cluster_client: RedisCluster) -> None:
+    client = cluster_client
     admin = cluster.admin
     assert isinstance(admin, RedisCluster)
     t = tag()

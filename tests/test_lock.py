@@ -26,6 +26,7 @@ from .support import LOCK_DB, RedisServer, soak, wait_for
 from .support.keyspace import keyspace_events
 from .support.locking import take_lock
 from .support.proxy import DelayProxy
+from .support.servers import fill_up
 
 KEY = "t:{demo.task:abc}"
 
@@ -431,22 +432,6 @@ def test_a_flush_at_exit_waits_for_the_batch_being_written(redis_server: RedisSe
 # -------------------------------------------------------------------- a full server
 
 
-def fill_up(server: RedisServer) -> redis.Redis:
-    """Fill ``server`` and set ``maxmemory`` below what it uses, with ``noeviction`` (the policy
-    the docs require): every command that may grow memory is refused (``-OOM``) from now on.
-    Returns a client of it, having checked that a plain ``SET`` is refused."""
-    admin = server.client()
-    with admin.pipeline(transaction=False) as fill:
-        for i in range(2000):
-            fill.set(f"fill:{i}", "x" * 1000)
-        fill.execute()
-    admin.config_set("maxmemory-policy", "noeviction")
-    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - 1_000_000)
-    with pytest.raises(redis.exceptions.OutOfMemoryError):
-        admin.set("probe", "x")
-    return admin
-
-
 def test_a_full_server_keeps_renewing_a_live_lease(make_redis: Callable[..., RedisServer]) -> None:
     """Under ``maxmemory`` with ``noeviction`` a write that may grow memory is refused: the
     native renewal (``SET ... IFEQ``, Valkey 8.1+, Redis 8.4+) too, while a renewal that
@@ -459,7 +444,8 @@ def test_a_full_server_keeps_renewing_a_live_lease(make_redis: Callable[..., Red
     client = server.client()
     lease = take(client, ttl=1.0).lease
     assert lease is not None and lease.renew()
-    admin = fill_up(server)
+    admin = server.client()
+    fill_up(admin)
     kept = LeaseKeeper().keep(lease)
 
     def still_held() -> bool:
@@ -479,7 +465,8 @@ def test_a_release_on_a_full_server_reports_what_it_did(make_redis: Callable[...
     client = server.client()
     lease = take(client, ttl=5.0).lease
     assert lease is not None
-    admin = fill_up(server)
+    admin = server.client()
+    fill_up(admin)
     try:
         released = lease.release(done_ttl=60)
     except redis.RedisError as exc:

@@ -51,11 +51,12 @@ from .owners import EVERYTHING, Owner, owning, register
 from .paths import set_scratch_dir
 from .servers import BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, RabbitMQServer, RedisServer, server_busy
 from .tasks import load_ops_app, load_tasks_app
+from .topologies import ACL_PASSWORD, ACL_USER, Topology, set_acl_user, start_cluster
 from .waiting import wait_for
 
 __all__ = [
-    "OWNER_KEY", "backend", "broker", "harness_session", "locks", "make_redis", "ops", "processes",
-    "rabbitmq", "rabbitmq_server", "records", "redis_db", "redis_server", "tasks", "test_owner",
+    "OWNER_KEY", "backend", "broker", "cluster", "cluster_client", "harness_session", "locks", "make_redis", "ops",
+    "processes", "rabbitmq", "rabbitmq_server", "records", "redis_db", "redis_server", "tasks", "test_owner",
 ]
 
 #: Where a test item keeps its owner (for the failure report in conftest.py).
@@ -236,3 +237,32 @@ def _run_until_killed(client: redis.Redis) -> None:
     # "Script killed by user with SCRIPT KILL"; or the server was stopped under it.
     with contextlib.suppress(redis.ResponseError, redis.ConnectionError):
         client.eval("while true do end", 0)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Topology]:
+    """A 3-primary Redis Cluster for a test module, with the documented ACL user
+    (``acl_rules(cluster=True)``) on every node, each marked in use (a new Cluster of the
+    tests' own: no recovery window)."""
+    from celery_singleton_beat.client import acl_rules
+    from celery_singleton_beat.window import mark_in_use
+
+    with owning(Owner("module cluster")) as owner:
+        topology = start_cluster()
+    for node in topology.primaries():
+        set_acl_user(node, acl_rules(cluster=True))
+        mark_in_use(node)
+    yield topology
+    topology.stop()
+    owner.close()
+
+
+@pytest.fixture
+def cluster_client(cluster: Topology) -> Iterator[Any]:
+    """The library's client of :func:`cluster`, as the limited user."""
+    from celery_singleton_beat.client import redis_from_url
+
+    clear_settings_cache()
+    client = redis_from_url(cluster.url.replace("://", f"://{ACL_USER}:{ACL_PASSWORD}@"))
+    yield client
+    client.close()

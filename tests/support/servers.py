@@ -28,7 +28,7 @@ from .paths import scratch
 from .skips import skip_or_fail
 
 __all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "RabbitMQServer",
-           "RedisServer", "flushdb", "free_port", "keep_server_records", "old_redis_server_binary",
+           "RedisServer", "fill_up", "flushdb", "free_port", "keep_server_records", "old_redis_server_binary",
            "rabbitmq_server_binary", "redis_server_binary", "server_records"]
 
 #: Databases of a test redis-server.
@@ -276,3 +276,20 @@ def server_busy(probe: redis.Redis) -> bool:
     except redis.ResponseError as exc:
         return str(exc).startswith("BUSY")
     return False
+
+
+def fill_up(admin: redis.Redis) -> None:
+    """Fill ``admin``'s server and set ``maxmemory`` below what it uses, with ``noeviction``
+    (the policy the docs require): every command that may grow memory is refused
+    (``-OOM``) from now on; checked with a plain ``SET``."""
+    with admin.pipeline(transaction=False) as fill:
+        for i in range(2000):
+            fill.set(f"fill:{i}", "x" * 1000)
+        fill.execute()
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - 1_000_000)
+    try:
+        admin.set("probe", "x")
+    except redis.exceptions.OutOfMemoryError:
+        return
+    raise AssertionError("a plain SET was not refused on the full server")
