@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import linecache
 import logging
 import os
 import shutil
@@ -142,6 +143,16 @@ def innermost(exc: BaseException) -> str:
     return f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_frame.f_code.co_name}"
 
 
+def blocked_in_recv(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is blocked in the lock connection's socket read (its innermost
+    frame is ``wire.py``'s ``_receive``, on the line of the ``recv`` call)."""
+    assert thread.ident is not None
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None or frame.f_code.co_name != "_receive" or not frame.f_code.co_filename.endswith("wire.py"):
+        return False
+    return "recv(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
 def raise_in(thread: threading.Thread, error: type[BaseException]) -> None:
     assert thread.ident is not None
     done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(error))
@@ -187,6 +198,10 @@ def test_an_async_exception_landing_after_the_reply_arrived_leaves_no_reply_to_t
         paused.set()
         wait_for(lambda: any(c.get("cmd") == "set" and "b" in c.get("flags", "") for c in admin.client_list()),
                  timeout=10, interval=0.005, message="the acquire held back by the pause")
+        # The server holding the command back does not mean the thread has reached its read
+        # (on a loaded machine it may still be in the bytecode behind the write).
+        wait_for(lambda: blocked_in_recv(thread), timeout=10, interval=0.005,
+                 message="the acquiring thread blocked in its socket read")
         raise_in(thread, Interrupted)  # pending: lands once recv returns
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")
