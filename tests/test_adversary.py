@@ -205,12 +205,14 @@ def test_an_async_exception_landing_after_the_reply_arrived_leaves_no_reply_to_t
         raise_in(thread, Interrupted)  # pending: lands once recv returns
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")
-    wait_for(lambda: outcomes, timeout=10, message="the interrupted acquire to end")
+    try:
+        wait_for(lambda: outcomes, timeout=10, message="the interrupted acquire to end")
+    finally:
+        go_on.set()  # the thread ends within the test, whatever happened
+        thread.join(30)
     # It landed in the lock connection's read, the reply's bytes received: in the socket
     # read itself, or in the parsing right behind it (with hiredis, a C parser: no bytecode).
     assert outcomes[0] in ("wire.py:_receive", "wire.py:read_many"), f"landed elsewhere: {outcomes[0]}"
-    go_on.set()
-    thread.join(30)
     assert outcomes[1] == (False, "theirs"), f"the next acquire read a reply that was not its own: {outcomes}"
     assert outcomes[2] == 0
 
