@@ -1,0 +1,183 @@
+"""Adversarial review of copy detection and of the beat's SIGTERM during a tick.
+
+Attacks that held, each kept for the promise it checks (docs/guarantees.md):
+
+* a copy re-published to wait (header ``singleton_copy``, the marker-first script)
+  becomes the real run when its original's worker is SIGKILLed: it takes the lock
+  over and completes once, and no other delivery writes the key;
+* ``celery beat`` SIGTERMed while its slot claim waits for the lock Redis, and
+  signalled twice while a request with a sent slot's mark is held: exit 0, no
+  error, no claim marked sent that was not published;
+* django-celery-beat's scheduler SIGTERMed while its publish or its claim waits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from .apps.django_settings import settings_for
+from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, importorskip, wait_for
+from .support.beat import claims_of, start_beat
+from .support.dbbeat import DJANGO_APP, SCHEDULER, add_entry, clear_schedule
+from .support.holding_proxy import HoldingProxy
+from .support.keyspace import keyspace_events
+from .support.processes import child_env
+from .support.servers import flushdb
+from .test_redelivery import entries, load_app, worker
+
+SETTINGS = {"singleton_beat_pending_lease": 1.0, "singleton_beat_catch_up": "none",
+            "beat_max_loop_interval": 1}
+
+
+@pytest.fixture
+def names(redis_server: RedisServer) -> Iterator[str]:
+    for db in (0, LOCK_DB, RECORD_DB):
+        flushdb(redis_server.client(db))
+    yield f"k{uuid.uuid4().hex[:6]}-"
+
+
+@pytest.fixture
+def delivery_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
+    """As in tests/test_redelivery.py: the delivery app's environment, cleared after."""
+    env: dict[str, str] = {}
+    yield env
+    for name in ("CSB_VISIBILITY", "CSB_BROKER", "CSB_LOCK_REDIS", "CSB_LIVENESS_TTL"):
+        os.environ.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def django_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As in tests/test_django_beat.py: a migrated SQLite file, Django configured on it."""
+    importorskip("django_celery_beat")
+    import django
+    from django.conf import settings
+    from django.core.management import call_command
+
+    if settings.configured:
+        path = Path(settings.DATABASES["default"]["NAME"])
+    else:
+        path = tmp_path_factory.mktemp("django") / "beat.sqlite3"
+        settings.configure(**settings_for(str(path)))
+        django.setup()
+    call_command("migrate", verbosity=0)
+    with sqlite3.connect(path) as connection:
+        connection.execute("PRAGMA journal_mode=WAL")
+    return path
+
+
+def exited(beat: CeleryProcess) -> bool:
+    return beat.process is not None and beat.process.poll() is not None
+
+
+@pytest.mark.slow
+def test_a_beat_stopped_while_its_claim_waits_for_the_lock_redis_exits_cleanly(
+        redis_server: RedisServer, names: str, tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """SIGTERM while the slot claim's reply is held: close() is skipped mid-tick, the
+    SystemExit unwinds the claim's read; the beat exits 0 and logs no error."""
+    entry = f"{names}claim"
+    with HoldingProxy(redis_server.port, "claims") as claims:
+        claims.hold(b"NX")  # the slot claim (SET NX PX) reaches Redis only when let go
+        beat = start_beat(redis_server, tmp_path, "claim", {entry: {"every": 1}},
+                          settings={**SETTINGS, "singleton_redis_url": claims.url(LOCK_DB)})
+        processes.append(beat)
+        wait_for(lambda: claims.held_with(b"NX"), timeout=30, message="the beat's claim to be sent")
+        beat.terminate()
+        claims.let_go([])
+        wait_for(lambda: exited(beat), timeout=30, message="the beat to exit after SIGTERM")
+    log = beat.output()
+    assert "ERROR/" not in log and "Traceback" not in log, beat.tail(40)
+    assert beat.returncode == 0, beat.tail(40)
+    # The claim it never read the reply of is not marked sent: the others take it over.
+    states = {claim["state"] for claim in claims_of(redis_server, entry).values()}
+    assert states <= {"pending", "released"}, states
+
+
+@pytest.mark.slow
+def test_a_beat_signalled_twice_while_it_marks_its_sent_slot_exits_cleanly(
+        redis_server: RedisServer, names: str, tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """SIGTERM then SIGINT while a request carrying the mark of a sent slot is held: the
+    second handler's close runs inside the unwinding of the first; still exit 0, no error."""
+    entry = f"{names}twice"
+    with HoldingProxy(redis_server.port, "claims") as claims:
+        beat = start_beat(redis_server, tmp_path, "twice", {entry: {"every": 1}},
+                          settings={**SETTINGS, "singleton_redis_url": claims.url(LOCK_DB)})
+        processes.append(beat)
+        wait_for(lambda: any(c.get("state") == "sent" for c in claims_of(redis_server, entry).values()),
+                 timeout=30, message="a first slot marked sent")
+        claims.hold(b"EVALSHA")
+        wait_for(lambda: claims.held_with(b"EVALSHA"), timeout=30, message="a mark to be held")
+        beat.terminate()
+        beat.signal(signal.SIGINT)
+        claims.let_go([])
+        wait_for(lambda: exited(beat), timeout=30, message="the beat to exit")
+    log = beat.output()
+    assert "ERROR/" not in log and "Traceback" not in log, beat.tail(40)
+    assert beat.returncode == 0, beat.tail(40)
+
+
+@pytest.mark.slow
+def test_a_republished_copy_whose_original_dies_takes_over_and_runs_once(
+    redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]
+) -> None:
+    """The copy re-published to wait (header ``singleton_copy``, its acquire the
+    marker-first script) becomes the real run once the original's whole worker is
+    SIGKILLed: it takes the dead run's lock over and completes once. No other
+    delivery writes the key: one ``set`` for the original, one for the take-over."""
+    delivery_env.update(CSB_VISIBILITY="2")
+    app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    locks = redis_server.client(LOCK_DB)
+    with keyspace_events(locks, "singleton:{tests.apps.delivery_app.strict:*") as events:
+        orig = worker(redis_server, processes, "orig", delivery_env)
+        records.set("hold:k", "1")  # the original runs until its worker is killed
+        result = app.strict.delay("k", 0)
+        wait_for(lambda: entries(records, "started:k"), timeout=30, message="the original started")
+        copy = worker(redis_server, processes, "copy", delivery_env)
+        copy.wait_for_line("already running on", timeout=30)  # re-published with the header
+        orig.kill_group()
+        records.delete("inflight:k", "hold:k")
+        assert result.get(timeout=60).startswith("copy@"), "the copy completed the task"
+        line = copy.wait_for_line("took over", timeout=5)
+        assert result.id in line and "orig" in line, line
+        wait_for(lambda: not locks.keys("singleton:{*}"), timeout=30, message="the lock released")
+        written = events()
+    assert len(entries(records, "runs:k")) == 1
+    [key] = {key for key, _ in written if ":done:" not in key}
+    assert [event for name, event in written if name == key].count("set") == 2, written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("held", [b"LPUSH", b"NX"], ids=["publish", "claim"])
+def test_a_django_beat_stopped_mid_tick_exits_cleanly(
+        redis_server: RedisServer, names: str, django_db: Path, tmp_path: Path,
+        processes: list[CeleryProcess], held: bytes) -> None:
+    """django-celery-beat's scheduler (where the publish-time SIGTERM flaked): SIGTERM while
+    the publish waits for the broker, or the slot claim for the lock Redis."""
+    clear_schedule()
+    entry = f"{names}db"
+    add_entry(entry, 1)
+    with HoldingProxy(redis_server.port, "held") as proxy:
+        proxy.hold(held)
+        url = "broker_url" if held == b"LPUSH" else "singleton_redis_url"
+        env = child_env(redis_server, CSB_DJANGO_DB=str(django_db),
+                        DJANGO_SETTINGS_MODULE="tests.apps.django_settings",
+                        CSB_BEAT_SETTINGS=json.dumps({**SETTINGS, url: proxy.url(0 if held == b"LPUSH" else LOCK_DB)}))
+        beat = CeleryProcess(["-A", DJANGO_APP, "beat", "-S", SCHEDULER, "-l", "info"], env,
+                             name="dbbeat-held").start()
+        processes.append(beat)
+        wait_for(lambda: proxy.held_with(held), timeout=30, message="the beat's request to be held")
+        beat.terminate()
+        proxy.let_go([])
+        wait_for(lambda: exited(beat), timeout=30, message="the beat to exit after SIGTERM")
+    log = beat.output()
+    assert "ERROR/" not in log and "Traceback" not in log, beat.tail(40)
+    assert beat.returncode == 0, beat.tail(40)
