@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from .support.dbbeat import django_db  # noqa: F401 - registered as this conftest's fixture
 from .support.fixtures import (  # noqa: F401 - registered as this conftest's fixtures
     OWNER_KEY,
     backend,
@@ -22,9 +23,11 @@ from .support.fixtures import (  # noqa: F401 - registered as this conftest's fi
     client_apps,
     cluster,
     cluster_client,
+    delivery_env,
     harness_session,
     locks,
     make_redis,
+    names,
     ops,
     order,
     processes,

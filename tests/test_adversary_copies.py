@@ -14,68 +14,19 @@ Attacks that held, each kept for the promise it checks (docs/guarantees.md):
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sqlite3
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
-from .apps.django_settings import settings_for
-from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, importorskip, wait_for
-from .support.beat import claims_of, start_beat
+from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, wait_for
+from .support.beat import assert_stopped_cleanly, claims_of, start_beat
 from .support.dbbeat import DJANGO_APP, SCHEDULER, add_entry, clear_schedule
 from .support.holding_proxy import HoldingProxy
 from .support.keyspace import keyspace_events
 from .support.processes import child_env
-from .support.servers import flushdb
+from .test_beat_kills import SETTINGS
 from .test_redelivery import entries, load_app, worker
-
-SETTINGS = {"singleton_beat_pending_lease": 1.0, "singleton_beat_catch_up": "none",
-            "beat_max_loop_interval": 1}
-
-
-@pytest.fixture
-def names(redis_server: RedisServer) -> Iterator[str]:
-    for db in (0, LOCK_DB, RECORD_DB):
-        flushdb(redis_server.client(db))
-    yield f"k{uuid.uuid4().hex[:6]}-"
-
-
-@pytest.fixture
-def delivery_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
-    """As in tests/test_redelivery.py: the delivery app's environment, cleared after."""
-    env: dict[str, str] = {}
-    yield env
-    for name in ("CSB_VISIBILITY", "CSB_BROKER", "CSB_LOCK_REDIS", "CSB_LIVENESS_TTL"):
-        os.environ.pop(name, None)
-
-
-@pytest.fixture(scope="module")
-def django_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """As in tests/test_django_beat.py: a migrated SQLite file, Django configured on it."""
-    importorskip("django_celery_beat")
-    import django
-    from django.conf import settings
-    from django.core.management import call_command
-
-    if settings.configured:
-        path = Path(settings.DATABASES["default"]["NAME"])
-    else:
-        path = tmp_path_factory.mktemp("django") / "beat.sqlite3"
-        settings.configure(**settings_for(str(path)))
-        django.setup()
-    call_command("migrate", verbosity=0)
-    with sqlite3.connect(path) as connection:
-        connection.execute("PRAGMA journal_mode=WAL")
-    return path
-
-
-def exited(beat: CeleryProcess) -> bool:
-    return beat.process is not None and beat.process.poll() is not None
 
 
 @pytest.mark.slow
@@ -92,10 +43,7 @@ def test_a_beat_stopped_while_its_claim_waits_for_the_lock_redis_exits_cleanly(
         wait_for(lambda: claims.held_with(b"NX"), timeout=30, message="the beat's claim to be sent")
         beat.terminate()
         claims.let_go([])
-        wait_for(lambda: exited(beat), timeout=30, message="the beat to exit after SIGTERM")
-    log = beat.output()
-    assert "ERROR/" not in log and "Traceback" not in log, beat.tail(40)
-    assert beat.returncode == 0, beat.tail(40)
+        assert_stopped_cleanly(beat)
     # The claim it never read the reply of is not marked sent: the others take it over.
     states = {claim["state"] for claim in claims_of(redis_server, entry).values()}
     assert states <= {"pending", "released"}, states
@@ -118,10 +66,7 @@ def test_a_beat_signalled_twice_while_it_marks_its_sent_slot_exits_cleanly(
         beat.terminate()
         beat.signal(signal.SIGINT)
         claims.let_go([])
-        wait_for(lambda: exited(beat), timeout=30, message="the beat to exit")
-    log = beat.output()
-    assert "ERROR/" not in log and "Traceback" not in log, beat.tail(40)
-    assert beat.returncode == 0, beat.tail(40)
+        assert_stopped_cleanly(beat)
 
 
 @pytest.mark.slow
@@ -177,7 +122,4 @@ def test_a_django_beat_stopped_mid_tick_exits_cleanly(
         wait_for(lambda: proxy.held_with(held), timeout=30, message="the beat's request to be held")
         beat.terminate()
         proxy.let_go([])
-        wait_for(lambda: exited(beat), timeout=30, message="the beat to exit after SIGTERM")
-    log = beat.output()
-    assert "ERROR/" not in log and "Traceback" not in log, beat.tail(40)
-    assert beat.returncode == 0, beat.tail(40)
+        assert_stopped_cleanly(beat)

@@ -18,7 +18,6 @@ fix-up); the beats use ``tests.apps.django_settings``.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,7 +27,6 @@ from typing import Any
 
 import pytest
 
-from .apps.django_settings import settings_for
 from .support import (
     LOCK_DB,
     RECORD_DB,
@@ -66,26 +64,6 @@ importorskip("django_celery_beat")
 
 
 # ----------------------------------------------------------------- database
-
-@pytest.fixture(scope="module")
-def django_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A migrated SQLite file; Django in this process is configured on it (once)."""
-    import django
-    from django.conf import settings
-    from django.core.management import call_command
-
-    if settings.configured:
-        path = Path(settings.DATABASES["default"]["NAME"])
-    else:
-        path = tmp_path_factory.mktemp("django") / "beat.sqlite3"
-        settings.configure(**settings_for(str(path)))
-        django.setup()
-    call_command("migrate", verbosity=0)
-    # WAL lets the beats read while the test (or another beat) writes; it stays set in the file.
-    with sqlite3.connect(path) as connection:
-        connection.execute("PRAGMA journal_mode=WAL")
-    return path
-
 
 # ----------------------------------------------------------------- in-process
 

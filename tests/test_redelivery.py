@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -42,15 +41,6 @@ def load_app(redis_server: RedisServer, **env: str) -> ModuleType:
     clear_settings_cache()
     reset_clients()
     return importlib.import_module("tests.apps.delivery_app")
-
-
-@pytest.fixture
-def delivery_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
-    """Environment of the delivery app's workers; the client side reads the same."""
-    env: dict[str, str] = {}
-    yield env
-    for name in ("CSB_VISIBILITY", "CSB_BROKER", "CSB_LOCK_REDIS", "CSB_LIVENESS_TTL"):
-        os.environ.pop(name, None)
 
 
 def entries(records: redis.Redis, name: str) -> list[dict[str, Any]]:

@@ -28,7 +28,8 @@ from .waiting import wait_for
 
 __all__ = [
     "BEAT_APP", "RUNS_KEY", "ClockApp", "ManualClock", "RecordingScheduler",
-    "RecordingSingletonScheduler", "SendRecorder", "already_scheduled", "assert_once_per_slot", "beat_app",
+    "RecordingSingletonScheduler", "SendRecorder", "already_scheduled", "assert_once_per_slot",
+    "assert_stopped_cleanly", "beat_app",
     "claims_of", "logged_sends", "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots",
     "slot_counts", "start_beat", "start_beat_pair", "wait_for_slot",
 ]
@@ -61,6 +62,15 @@ def start_beat(redis_server: RedisServer, workdir: Path, name: str, schedule: di
     if wait:
         beat.wait_for_log("beat: Starting...", timeout=60)
     return beat
+
+
+def assert_stopped_cleanly(beat: CeleryProcess, timeout: float = 30.0) -> None:
+    """``beat`` (signalled to stop) exits, with code 0 and no error or traceback logged."""
+    wait_for(lambda: beat.process is not None and beat.process.poll() is not None, timeout=timeout,
+             message=f"{beat.name} to exit after its signal")
+    log = beat.output()
+    assert "ERROR/" not in log and "Traceback" not in log, beat.tail(40)
+    assert beat.returncode == 0, beat.tail(40)
 
 
 def start_beat_pair(redis_server: RedisServer, workdir: Path, schedule: dict[str, Any],

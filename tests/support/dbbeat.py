@@ -8,23 +8,64 @@ Django must be configured before these helpers touch the ORM (the tests'
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from .beat import SendRecorder, beat_app, read_runs, slot_counts
 from .processes import CeleryProcess, child_env
 from .servers import LOCK_DB, RedisServer, queue_drained
+from .skips import importorskip
 from .slots import UTC, expected_slots, parse_slot
 from .waiting import wait_for
 
 __all__ = [
-    "DJANGO_APP", "QUEUE", "SCHEDULER", "TASK", "add_entry", "all_running", "assert_follows_edit",
-    "assert_no_errors", "assert_took_part", "clear_schedule", "recording_scheduler", "runs_of",
-    "sent_names", "set_every", "start_db_beat", "stop_and_drain",
+    "DJANGO_APP",
+    "QUEUE",
+    "SCHEDULER",
+    "TASK",
+    "add_entry",
+    "all_running",
+    "assert_follows_edit",
+    "assert_no_errors",
+    "assert_took_part",
+    "clear_schedule",
+    "django_db",
+    "recording_scheduler",
+    "runs_of",
+    "sent_names",
+    "set_every",
+    "start_db_beat",
+    "stop_and_drain",
 ]
+
+@pytest.fixture(scope="module")
+def django_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated SQLite file; Django in this process is configured on it (once)."""
+    importorskip("django_celery_beat")
+    import django
+    from django.conf import settings
+    from django.core.management import call_command
+
+    from ..apps.django_settings import settings_for
+
+    if settings.configured:
+        path = Path(settings.DATABASES["default"]["NAME"])
+    else:
+        path = tmp_path_factory.mktemp("django") / "beat.sqlite3"
+        settings.configure(**settings_for(str(path)))
+        django.setup()
+    call_command("migrate", verbosity=0)
+    # WAL lets the beats read while the test (or another beat) writes; it stays set in the file.
+    with sqlite3.connect(path) as connection:
+        connection.execute("PRAGMA journal_mode=WAL")
+    return path
+
 
 SCHEDULER = "celery_singleton_beat.contrib.django:SingletonDatabaseScheduler"
 DJANGO_APP = "tests.apps.django_beat_app"

@@ -36,6 +36,7 @@ import contextlib
 import gc
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -49,14 +50,15 @@ from celery_singleton_beat.config import clear_settings_cache
 
 from .owners import EVERYTHING, Owner, owning, register
 from .paths import set_scratch_dir
-from .servers import BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, RabbitMQServer, RedisServer, server_busy
+from .servers import BACKEND_DB, BROKER_DB, LOCK_DB, RECORD_DB, RabbitMQServer, RedisServer, flushdb, server_busy
 from .tasks import load_ops_app, load_tasks_app
 from .topologies import ACL_PASSWORD, ACL_USER, Topology, set_acl_user, start_cluster
 from .waiting import wait_for
 
 __all__ = [
-    "OWNER_KEY", "backend", "broker", "cluster", "cluster_client", "harness_session", "locks", "make_redis", "ops",
-    "processes", "rabbitmq", "rabbitmq_server", "records", "redis_db", "redis_server", "tasks", "test_owner",
+    "OWNER_KEY", "backend", "broker", "cluster", "cluster_client", "delivery_env", "harness_session", "locks",
+    "make_redis", "names", "ops", "processes", "rabbitmq", "rabbitmq_server", "records", "redis_db", "redis_server",
+    "tasks", "test_owner",
 ]
 
 #: Where a test item keeps its owner (for the failure report in conftest.py).
@@ -266,3 +268,21 @@ def cluster_client(cluster: Topology) -> Iterator[Any]:
     client = redis_from_url(cluster.url.replace("://", f"://{ACL_USER}:{ACL_PASSWORD}@"))
     yield client
     client.close()
+
+
+@pytest.fixture
+def names(redis_server: RedisServer) -> Iterator[str]:
+    """Fresh claims, records and queue for a beat test; yields a unique entry-name prefix."""
+    for db in (BROKER_DB, LOCK_DB, RECORD_DB):
+        flushdb(redis_server.client(db))
+    yield f"k{uuid.uuid4().hex[:6]}-"
+
+
+@pytest.fixture
+def delivery_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
+    """Environment of ``tests/apps/delivery_app.py``'s workers; the client side reads the
+    same (from ``os.environ``), cleared after the test."""
+    env: dict[str, str] = {}
+    yield env
+    for name in ("CSB_VISIBILITY", "CSB_BROKER", "CSB_LOCK_REDIS", "CSB_LIVENESS_TTL"):
+        os.environ.pop(name, None)
