@@ -283,12 +283,8 @@ def _released(replies: list[Any]) -> bool:
     outcome = replies[-1]
     if isinstance(outcome, Exception):
         raise outcome
-    if len(replies) > 1 and isinstance(replies[0], Exception):
-        marker = replies[0]
-        if not _out_of_memory(marker):
-            raise marker
-        logger.warning("released a lock, but the lock Redis refused its done marker (%s): a later copy of "
-                       "the same message is not recognised as done", marker)
+    if len(replies) > 1:
+        _marker_written(replies[:1])
     return bool(outcome)
 
 
@@ -306,6 +302,8 @@ def done_marker_request(done_key: str, done_ttl_ms: int) -> Request:
 
 
 def _marker_written(replies: list[Any]) -> bool:
+    """The done marker's reply: True when written; out of memory, False (logged); any other
+    refusal raised (the release is sent again until the marker is written)."""
     marker = replies[0]
     if not isinstance(marker, Exception):
         return True
