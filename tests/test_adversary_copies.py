@@ -69,6 +69,36 @@ def test_a_beat_signalled_twice_while_it_marks_its_sent_slot_exits_cleanly(
         assert_stopped_cleanly(beat)
 
 
+def signal_handled(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` catches ``signum`` (its bit in /proc's SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    raise AssertionError(f"no SigCgt line for pid {pid}")
+
+
+@pytest.mark.slow
+def test_a_second_signal_reaching_a_beat_as_its_interpreter_exits_is_ignored(
+        redis_server: RedisServer, names: str, tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """A rolling deploy's second SIGINT/SIGTERM can land after the beat closed its scheduler,
+    while the interpreter tears down: Python has then given the signals back to their
+    default action, so the beat died by the signal (exit -2, nothing logged) where it had
+    stopped cleanly. The beat holds its process (teardown hook ``CSB_LINGER_DIR``) at that
+    moment; the second signal is ignored and the exit code stays 0."""
+    linger = tmp_path / "linger"
+    linger.mkdir()
+    beat = start_beat(redis_server, tmp_path, "linger", {f"{names}linger": {"every": 1}},
+                      settings=SETTINGS, env={"CSB_LINGER_DIR": str(linger)})
+    processes.append(beat)
+    beat.wait_for_log("Sending due task", timeout=30)
+    beat.terminate()
+    wait_for(lambda: (linger / "lingering").exists(), timeout=30, message="the beat's interpreter to tear down")
+    assert not signal_handled(beat.pid, signal.SIGINT), "Python no longer runs a handler for SIGINT"
+    beat.signal(signal.SIGINT)
+    (linger / "go").touch()
+    assert_stopped_cleanly(beat)
+
+
 @pytest.mark.slow
 def test_a_republished_copy_whose_original_dies_takes_over_and_runs_once(
     redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]

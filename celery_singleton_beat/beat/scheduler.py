@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 import celery
 import redis
-from celery import schedules
+from celery import schedules, signals
 from celery.beat import PersistentScheduler
 from celery.exceptions import ImproperlyConfigured
 
@@ -138,6 +139,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         # The claims Redis at start; after an outage there, checked again from tick.
         self._server_check = StartupCheck(f"beat {self.instance_id}", lambda: get_redis(app), settings)
         self._fatal: int | None = None
+        # Set by _own_stop_signals: this scheduler's close() is the end of a `celery beat` process.
+        self._ends_process = False
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------------------- set-up
@@ -344,6 +347,13 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         except redis.RedisError as exc:  # the pending lease covers it
             logger.warning("beat: could not settle claims at stop (others take them over): %s", exc)
         super().close()
+        if self._ends_process and threading.current_thread() is threading.main_thread():
+            # Nothing is left but the interpreter's exit. Python gives its handled signals
+            # back to their default action as it tears down, so a second SIGTERM/SIGINT
+            # (a rolling deploy, a supervisor, Ctrl-C twice) arriving then killed the beat
+            # by the signal. Ignored signals stay ignored: the exit code stays 0 (or 78).
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_IGN)
         if self._fatal is not None:  # raised again after the schedule was saved: exit code 78
             raise SystemExit(self._fatal)
 
@@ -399,6 +409,23 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             if heap[0][0] <= now:
                 return 0.0
         return delay
+
+
+@signals.beat_init.connect  # type: ignore[untyped-decorator]  # celery is untyped
+def _own_stop_signals(sender: Any = None, **_: Any) -> None:
+    """In a ``celery beat`` process, mark its scheduler as the one whose close ends it.
+
+    ``celery beat`` installs its stop handler (a Python function) for SIGTERM and
+    SIGINT on the main thread before the service starts; a worker's embedded beat
+    (its own process, SIGTERM left to the default action, or a thread) and a
+    scheduler driven by other code do not qualify.
+    """
+    scheduler = getattr(sender, "scheduler", None)
+    handler = signal.getsignal(signal.SIGTERM)
+    if (isinstance(scheduler, SingletonSchedulerMixin)
+            and threading.current_thread() is threading.main_thread()
+            and callable(handler) and handler is not signal.default_int_handler):
+        scheduler._ends_process = True
 
 
 class SingletonScheduler(SingletonSchedulerMixin, PersistentScheduler):

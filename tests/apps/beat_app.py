@@ -12,6 +12,10 @@
   (record db, ``SET NX``) and then blocks for good, ``before`` the message is
   published (claimed, not sent) or ``after`` it (sent, not yet marked sent).
   Signals still interrupt the block.
+* ``CSB_LINGER_DIR``: a folder. At interpreter teardown (after Python stopped running
+  its signal handlers, before the process ends) the process writes ``lingering``
+  there and waits until ``go`` appears (30 s at most): a test can signal a beat
+  that is exiting at exactly that moment.
 * ``CSB_CLOCK``: JSON ``{"offset": s, "speed": x, "anchor": real_epoch, "start": fake_epoch}``:
   this process's clock reads ``start + (real - anchor) * speed + offset``. It
   is the injectable clock for skew and fast-forward tests: Celery's beat reads
@@ -136,3 +140,24 @@ def _pause_hook() -> None:
 
 
 _pause_hook()
+
+
+class _Linger:
+    """The ``CSB_LINGER_DIR`` hook: its ``__del__`` runs when this module's globals are
+    cleared at interpreter teardown, after Python reset its signal handlers."""
+
+    def __init__(self, folder: str) -> None:
+        # Kept on the instance: module globals may already be gone when __del__ runs.
+        self.lingering, self.go = os.path.join(folder, "lingering"), os.path.join(folder, "go")
+        self.open, self.exists, self.sleep, self.monotonic = open, os.path.exists, time.sleep, time.monotonic
+
+    def __del__(self) -> None:
+        with self.open(self.lingering, "w") as marker:
+            marker.write("1")
+        deadline = self.monotonic() + 30
+        while not self.exists(self.go) and self.monotonic() < deadline:
+            self.sleep(0.01)
+
+
+if os.environ.get("CSB_LINGER_DIR"):
+    _linger = _Linger(os.environ["CSB_LINGER_DIR"])

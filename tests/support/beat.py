@@ -43,16 +43,19 @@ RUNS_KEY = "beat:runs"
 
 def start_beat(redis_server: RedisServer, workdir: Path, name: str, schedule: dict[str, Any], *,
                settings: dict[str, Any] | None = None, clock: dict[str, float] | None = None,
-               scheduler: str = "singleton", wait: bool = True) -> CeleryProcess:
+               scheduler: str = "singleton", wait: bool = True,
+               env: dict[str, str] | None = None) -> CeleryProcess:
     """Start ``celery beat -S <scheduler>`` with its own schedule file; wait until it starts.
 
-    ``schedule``, ``settings`` and ``clock`` are described in ``tests/apps/beat_app.py``.
+    ``schedule``, ``settings``, ``clock`` and the hooks ``env`` may set are described
+    in ``tests/apps/beat_app.py``.
     """
     env = child_env(
         redis_server,
         CSB_BEAT_SCHEDULE=json.dumps(schedule),
         CSB_BEAT_SETTINGS=json.dumps(settings or {}),
         CSB_CLOCK=json.dumps(clock or {}),
+        **(env or {}),
     )
     beat = CeleryProcess(
         ["-A", BEAT_APP, "beat", "-S", scheduler, "-s", str(workdir / f"{name}-schedule"),
