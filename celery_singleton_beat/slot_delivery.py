@@ -35,12 +35,20 @@ Redis when kombu restores it (at once if the worker can still reach the broker
 as it closes the channel, else after ``visibility_timeout``). A message held
 past the Redis broker's ``visibility_timeout`` is delivered again by kombu while
 the worker still holds it; the worker keeps one of the two deliveries.
+
+**A delivery of a slot message this connection already ran** (kombu's restore
+read a held message just before the worker ran and acknowledged it, and put a
+copy back; or the same beat published it twice) is not run again: it is
+acknowledged and dropped once the run's message was acknowledged, and left
+alone while that message is still unacknowledged with the same delivery tag
+(``acks_late``: its acknowledgement settles both). A message the worker gave
+back (rejected, requeued) is run again when it returns, as any message.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +70,8 @@ __all__ = ["RETRY_MAX", "RETRY_MIN", "SlotDeliveryStep", "SlotGate"]
 _GUARDED = "_singleton_slot_guard"
 #: Seconds between checks of held slot messages while Redis does not answer (doubling).
 RETRY_MIN, RETRY_MAX = 1.0, 30.0
+#: Slot messages a connection remembers having run (the latest; one per slot and sender).
+RAN_REMEMBERED = 1024
 
 
 class SlotDeliveryStep(bootsteps.StartStopStep):
@@ -136,9 +146,13 @@ class SlotGate:
         self._timer: Any = None
         self._delay = 0.0
         self._closed = False
+        # Slot messages this connection ran: identity -> the delivery's message.
+        self._ran: OrderedDict[tuple[Any, Any], Any] = OrderedDict()
 
     def on_message(self, delivery: _Delivery) -> Any:
         with self._lock:
+            if self._ran_here(delivery):
+                return None
             if self._held:  # Redis did not answer: wait behind them, ask nothing now
                 self._hold(delivery, None)
                 return None
@@ -152,6 +166,8 @@ class SlotGate:
                 else:
                     self._hold(delivery, exc)
                     return None
+            if run:
+                self._remember_run(delivery)
         return delivery.run() if run else self._drop(delivery)
 
     def close(self) -> None:
@@ -240,12 +256,49 @@ class SlotGate:
         if not run:
             self._drop(delivery)
             return
+        with self._lock:
+            self._remember_run(delivery)
         try:
             delivery.run()
         except (InvalidTaskError, ContentDisallowed) as exc:
             self.c.on_invalid_task(None, delivery.message, exc)
         except DecodeError as exc:
             self.c.on_decode_error(delivery.message, exc)
+
+    # ----------------------------------------------------------------- deliveries of a message that ran
+
+    def _remember_run(self, delivery: _Delivery) -> None:
+        identity = _identity(delivery.headers)
+        self._ran[identity] = delivery.message
+        self._ran.move_to_end(identity)
+        if len(self._ran) > RAN_REMEMBERED:
+            self._ran.popitem(last=False)
+
+    def _ran_here(self, delivery: _Delivery) -> bool:
+        """True (and the delivery settled) for another delivery of a message this connection ran.
+
+        Its state decides: acknowledged, the delivery is a leftover (kombu restored the
+        message just before the ack, or the beat published it twice): acknowledged and
+        dropped. Unacknowledged with the same delivery tag (``acks_late``, still running):
+        the run's acknowledgement settles this delivery too, so it is left alone. Given
+        back (rejected or requeued): it runs again, as Celery would.
+        """
+        ran = self._ran.get(_identity(delivery.headers))
+        if ran is None:
+            return False
+        state = getattr(ran, "_state", None)
+        if state in ("REJECTED", "REQUEUED"):
+            del self._ran[_identity(delivery.headers)]
+            return False
+        same_tag = getattr(ran, "delivery_tag", None) == getattr(delivery.message, "delivery_tag", None)
+        if state != "ACK" and same_tag:
+            logger.info("%s[%s]: beat slot %s delivered again while its run's message is "
+                        "unacknowledged; that acknowledgement settles this delivery", *_names(delivery.headers))
+            return True
+        logger.info("%s[%s]: beat slot %s delivered again after this worker ran it; dropped",
+                    *_names(delivery.headers))
+        self._drop(delivery)
+        return True
 
     # ----------------------------------------------------------------- the check
 

@@ -18,6 +18,9 @@ from typing import Any
 
 import kombu
 import pytest
+import redis
+
+from celery_singleton_beat.beat.entries import CLAIM_HEADER
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
 from .support.beat import BEAT_APP, claims_of, pause, paused_beat, read_runs, slot_counts, start_beat_pair
@@ -42,6 +45,14 @@ def names(redis_server: RedisServer) -> Iterator[str]:
 def holder_pid(claim: dict[str, Any]) -> int:
     """The pid in a claim's instance id (``<host>:<pid>:<random>``)."""
     return int(str(claim.get("instance", "::")).split(":")[1] or 0)
+
+
+def first_claim(server: RedisServer, entry: str, db: int | None = None) -> tuple[str, dict[str, Any]]:
+    """The entry's earliest slot claim: the one its paused winner holds. On a slow machine
+    the other beat can have claimed the next slot by the time the test looks."""
+    claims = claims_of(server, entry, db=LOCK_DB if db is None else db)
+    slot = min(claims)
+    return slot, claims[slot]
 
 
 # ----------------------------------------------------------------- point 3: a beat's re-send fails
@@ -88,7 +99,7 @@ def failed_take_over(redis_server: RedisServer, make_redis: Callable[..., RedisS
     processes.extend(beats)
     victim = paused_beat(redis_server, beats, marker)
     survivor = next(beat for beat in beats if beat is not victim)
-    [(slot, claim)] = claims_of(redis_server, entry).items()
+    slot, claim = first_claim(redis_server, entry)
     assert holder_pid(claim) == victim.pid, claim
     wait_for(lambda: survivor.output().count(f"Sending due task {warm}") >= 2, timeout=LEASE / 2,
              message="the survivor to have published (its broker connection is open)")
@@ -159,6 +170,7 @@ def test_a_slot_no_beat_could_publish_is_sent_once_the_broker_is_back(
 # ----------------------------------------------------------------- point 4: the claims Redis down at the worker
 
 HOLDING = "holding the message until Redis answers (fail closed)"
+RAN_HERE = "delivered again after this worker ran it"
 HELD_BEHIND = "waits for Redis behind"
 
 
@@ -177,6 +189,8 @@ class TwoCopies:
     slot: str
     settings: dict[str, Any]
     others: int = 0
+    #: The pids of the two beats that sent the slot (the killed one and the survivor).
+    senders: frozenset[int] = frozenset()
 
     def start_worker(self, redis_server: RedisServer, name: str, pool: str = "solo") -> CeleryProcess:
         return start_worker(redis_server, BEAT_APP, name, pool=pool, concurrency=1,
@@ -194,6 +208,11 @@ class TwoCopies:
 
     def runs(self, redis_server: RedisServer) -> int:
         return slot_counts(read_runs(redis_server), self.entry).get(self.slot, 0)
+
+    def drained(self) -> bool:
+        """No message of the queue waits or is delivered unacknowledged (Redis broker)."""
+        with redis.Redis.from_url(self.broker_url) as broker:
+            return queue_drained(broker, self.queue)
 
     def dropped(self) -> int:
         stats = self.lock.client(0).hget(f"singleton:{{stats}}:beat:{self.entry}", "duplicates_dropped")
@@ -217,10 +236,11 @@ def hold_lines(worker: CeleryProcess, slot: str | None = None) -> int:
 
 
 def two_copies(redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
-               tmp_path: Path, processes: list[CeleryProcess], broker_url: str,
+               tmp_path: Path, processes: list[CeleryProcess], broker_url: str, later: int = 0,
                **settings: Any) -> TwoCopies:
     """Beat A publishes the first slot and is killed before marking it sent; beat B takes
-    the slot over and sends it again, then stops. The claims live on a redis-server of the
+    the slot over and sends it again, then stops (after sending ``later`` slots more, where
+    asked: on a slow machine it may anyway). The claims live on a redis-server of the
     test's own (append-only file), so the test can stop it and start it again."""
     lock = make_redis("--appendonly", "yes")
     entry, queue = f"{names}slot", f"late-{names}"
@@ -233,11 +253,14 @@ def two_copies(redis_server: RedisServer, make_redis: Callable[..., RedisServer]
     processes.extend(beats)
     victim = paused_beat(redis_server, beats, marker)
     survivor = next(beat for beat in beats if beat is not victim)
-    [slot] = claims_of(lock, entry, db=0)
+    slot, claim = first_claim(lock, entry, db=0)
+    assert holder_pid(claim) == victim.pid, claim
     victim.kill_group()
-    case = TwoCopies(broker_url, lock, entry, queue, slot, settings)
+    case = TwoCopies(broker_url, lock, entry, queue, slot, settings,
+                     senders=frozenset({victim.pid, survivor.pid}))
     survivor.wait_for_log("took over", timeout=60)
-    wait_for(lambda: case.ready() >= 2, timeout=30, message="both copies of the slot queued")
+    wait_for(lambda: case.ready() >= 2 + later, timeout=30 + later * PERIOD,
+             message=f"both copies of the slot and {later} later slot(s) queued")
     survivor.stop()
     claims = claims_of(lock, entry, db=0)
     assert holder_pid(claims[slot]) == survivor.pid
@@ -307,19 +330,35 @@ def test_a_slot_message_held_past_the_visibility_timeout_is_kept_once(
     case.ran_once(redis_server, worker)
 
 
+FAIL_OPEN = "running it (fail open)"
+
+
+@pytest.mark.parametrize("later", [0, 1], ids=["survivor-stops", "survivor-sends-one-more"])
 def test_with_fail_open_a_slot_message_the_worker_cannot_check_runs(
         redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
-        tmp_path: Path, processes: list[CeleryProcess]) -> None:
+        tmp_path: Path, processes: list[CeleryProcess], later: int) -> None:
     """Fail open (``singleton_beat_fail_open``, which follows ``singleton_fail_open`` when
     unset, as here: beats then send unclaimed slots too): with the claims Redis down, the
-    worker runs each copy unchecked, both of them here."""
+    worker runs every delivery it cannot check, unchecked: both copies of the slot (one
+    run each), and each later slot's message once. The surviving beat may send a later
+    slot before it stops (on a slow machine); ``survivor-sends-one-more`` makes it so.
+    Before, the test counted every fail-open line as a copy of the slot (3 where 2)."""
     case = two_copies(redis_server, make_redis, names, tmp_path, processes, redis_server.url(0),
-                      singleton_fail_open=True)
+                      later=later, singleton_fail_open=True)
+    assert case.others >= later
     case.lock.stop()
     worker = case.start_worker(redis_server, f"w-{names}")
     processes.append(worker)
     wait_for(lambda: case.runs(redis_server) == 2, timeout=60, message="both copies to run")
-    assert worker.output().count("running it (fail open)") == 2
+    wait_for(lambda: worker.output().count(FAIL_OPEN) >= 2 + case.others, timeout=60,
+             message="every message to run")
+    wait_for(case.drained, timeout=30, message="the queue drained")
+    lines = [line for line in worker.output().splitlines() if FAIL_OPEN in line]
+    assert sum(1 for line in lines if f"}}:{case.slot}" in line) == 2, lines
+    assert len(lines) == 2 + case.others, lines
+    senders = [holder_pid(run) for run in read_runs(redis_server)
+               if run["entry"] == case.entry and run["slot"] == case.slot]
+    assert sorted(senders) == sorted(case.senders), "each copy ran once: the dead beat's and the survivor's"
     assert hold_lines(worker) == 0
 
 
@@ -362,3 +401,49 @@ def test_a_held_slot_message_goes_back_to_the_broker_when_its_worker_goes(
     assert case.runs(redis_server) == 0
     case.lock.start()
     case.ran_once(redis_server, second)
+
+
+def held_payloads(broker: redis.Redis, case: TwoCopies) -> list[list[Any]]:
+    """The ``[message, exchange, routing key]`` entries of kombu's ``unacked`` hash that are
+    copies of ``case.slot`` (what kombu's restore reads and pushes back)."""
+    entries = [json.loads(raw) for raw in broker.hvals("unacked")]
+    return [entry for entry in entries
+            if entry[2] == case.queue and f"}}:{case.slot}" in str(entry[0]["headers"].get(CLAIM_HEADER))]
+
+
+@pytest.mark.parametrize("acks_late", [False, True], ids=["early-ack", "acks-late"])
+def test_a_held_slot_message_the_broker_restores_after_it_ran_is_dropped(
+        redis_server: RedisServer, make_redis: Callable[..., RedisServer], names: str,
+        tmp_path: Path, processes: list[CeleryProcess], acks_late: bool) -> None:
+    """kombu's Redis transport gives back a message held past ``visibility_timeout`` by reading
+    it from its ``unacked`` hash and pushing it back to the queue. A restore that read a held
+    copy just before the worker ran it (and acknowledged it) puts back a copy, with the same
+    delivery tag, that the worker receives after the run: the held-past-the-visibility-timeout
+    test's second run. The race is forced here: the test reads the held copies' entries while
+    they are held and, once the slot ran, pushes them back as kombu's restore does. The worker
+    drops both; the slot ran once. Before the fix it ran the copy of the message it had run
+    again (its sender is the claim's ``received`` instance)."""
+    case = two_copies(redis_server, make_redis, names, tmp_path, processes, redis_server.url(0),
+                      task_acks_late=acks_late)
+    case.lock.stop()
+    worker = case.start_worker(redis_server, f"w-{names}")
+    processes.append(worker)
+    wait_for(lambda: hold_lines(worker, case.slot) == 2, timeout=60, message="both copies held")
+    broker = redis_server.client(0)
+    restored = held_payloads(broker, case)
+    assert len(restored) == 2, restored
+    case.lock.start()
+    case.ran_once(redis_server, worker)
+
+    for message, _exchange, _routing_key in restored:  # kombu's restore, after the run
+        message["headers"]["redelivered"] = True
+        message["properties"]["delivery_info"]["redelivered"] = True
+        broker.lpush(case.queue, json.dumps(message))
+
+    def handled() -> int:
+        return (case.dropped() - 1) + worker.output().count(RAN_HERE) + (case.runs(redis_server) - 1)
+
+    wait_for(lambda: handled() >= 2, timeout=30, message="both restored copies handled")
+    wait_for(case.drained, timeout=30, message="the queue drained")
+    assert case.runs(redis_server) == 1, "the restored copy of the message that ran is not run again"
+    assert worker.output().count(RAN_HERE) == 1 and case.dropped() == 2
