@@ -262,11 +262,11 @@ def test_a_copy_restored_during_its_run_and_received_after_it_is_not_run(
     wait_for(lambda: slots.waiting() == 1, timeout=10 * VISIBILITY,
              message="kombu's restore to put a copy back while the run runs")
     slots.release("after")
-    wait_for(lambda: slots.ended("after") == 1, timeout=30, message="the run to end")
+    wait_for(lambda: slots.ended("after") >= 1, timeout=30, message="the run to end")
     wait_for(lambda: lines(worker, RAN_HERE, task_id) + len(slots.started("after")) >= 2, timeout=30,
              message="the restored copy to be handled")
     wait_for(slots.drained, timeout=10, message="the queue drained")
-    assert len(slots.started("after")) == 1, slots.started("after")
+    assert len(slots.started("after")) == 1, f"started {len(slots.started('after'))} times, 1 expected"
     assert lines(worker, RAN_HERE, task_id) == 1
 
 
