@@ -291,8 +291,9 @@ def test_a_slot_message_redelivered_after_a_reconnection_runs(
     pytest.param("reject", marks=pytest.mark.xfail(strict=True, reason=(
         "kombu's Message.reject() sets state REJECTED whether or not it requeues, and the gate "
         "runs every delivery whose run is REJECTED: the restored copy of a message its acks_late "
-        "run rejected WITHOUT requeue (Reject(requeue=False); likewise a failure with "
-        "task_acks_on_failure_or_timeout=False) is run a second time (started 2 times, 1 expected)"))),
+        "run rejected WITHOUT requeue (Reject(requeue=False) here; Celery rejects the same way for a "
+        "failure under task_acks_on_failure_or_timeout=False, not run here) is run a second time "
+        "(started 2 times, 1 expected)"))),
 ])
 def test_a_copy_restored_during_its_run_and_received_after_it_is_not_run(
         slots: Slots, processes: list[CeleryProcess], mode: str) -> None:
