@@ -1,8 +1,9 @@
-"""Check a built documentation site: ``python -m tests.check_site site`` (``make docs`` runs it).
+"""Check a built documentation site: ``python -m tests.check_site site [mkdocs.yml]`` (``make docs`` runs it).
 
 MkDocs' strict build already fails on a broken link in the Markdown; this reads what
 was actually written: every page of the nav in ``mkdocs.yml`` was built, has a title and
-content, and every link from one page of the site to another (``href`` and ``src``)
+content, every Markdown page of the docs folder is in the nav (a page left out is built
+but nothing links to it), and every link from one page of the site to another (``href`` and ``src``)
 names a file that exists and, with ``#anchor``, an element id on that page. The API
 pages must show the documented names (the docstrings were found).
 """
@@ -85,9 +86,17 @@ def built_path(site: Path, page: str) -> Path:
     return site / "index.html" if stem == "index" else site / stem / "index.html"
 
 
-def check(site: Path) -> list[str]:
-    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
-    problems: list[str] = []
+def left_out(config: dict[str, Any], config_dir: Path) -> list[str]:
+    """The Markdown pages of the docs folder that the nav does not name."""
+    docs = (config_dir / config.get("docs_dir", "docs")).resolve()
+    named = set(nav_pages(config))
+    pages = (str(path.relative_to(docs)) for path in docs.rglob("*.md"))
+    return sorted(page for page in pages if page not in named)
+
+
+def check(site: Path, config_file: Path = ROOT / "mkdocs.yml") -> list[str]:
+    config = yaml.safe_load(config_file.read_text())
+    problems = [f"{page}: not in the nav of {config_file.name}" for page in left_out(config, config_file.parent)]
     pages: dict[Path, _Page] = {}
     for html in sorted(site.rglob("*.html")):
         parser = _Page()
@@ -132,7 +141,7 @@ def check(site: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     site = Path(argv[0] if argv else "site")
-    problems = check(site)
+    problems = check(site, Path(argv[1]) if len(argv) > 1 else ROOT / "mkdocs.yml")
     for problem in problems:
         print(problem, file=sys.stderr)
     pages = len(list(site.rglob("index.html")))

@@ -14,6 +14,7 @@ day and time), a real worker that records every execution, one real redis-server
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -25,7 +26,7 @@ import pytest
 from celery_singleton_beat.beat import entry_record_key
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, queue_drained, wait_for
-from .support.beat import fresh_beat_state, module_beat_worker, read_runs, start_beat
+from .support.beat import assert_stopped_cleanly, fresh_beat_state, module_beat_worker, read_runs, start_beat
 from .support.slots import UTC
 
 pytestmark = pytest.mark.slow
@@ -146,3 +147,43 @@ def test_banner_names_the_instance_that_runs(redis_server: RedisServer, names: s
     assert banner and logged, output[-3000:]
     sent_by = {run["instance"] for run in runs_by_entry(redis_server)[control]}
     assert banner[1] == logged[1] and sent_by == {logged[1]}, (banner[1], logged[1], sent_by)
+
+
+# ----------------------------------------------------------------- the schedule file's folder
+
+
+def test_a_schedule_file_in_a_folder_not_made_yet_starts_the_beat(
+        redis_server: RedisServer, tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """``celery beat -S singleton --schedule /var/lib/proj/beat-1`` where /var/lib/proj does not
+    exist: the beat makes the folder (as ``mkdir -p``), says so once, and runs."""
+    folder = tmp_path / "var" / "lib" / "proj"
+    beat = start_beat(redis_server, tmp_path, "new-folder", {"s-folder-hourly": {"every": 3600}},
+                      schedule_file=folder / "beat-1")
+    processes.append(beat)
+    beat.wait_for_log("singleton scheduler", timeout=60)
+    assert folder.is_dir() and any(folder.iterdir()), sorted(tmp_path.rglob("*"))
+    output = beat.output()
+    assert f"beat: made the folder {folder} for the schedule file" in output, output[-3000:]
+    assert "Traceback" not in output and "ERROR/" not in output and "WARNING/" not in output, output[-3000:]
+    beat.signal(signal.SIGTERM)
+    assert_stopped_cleanly(beat)
+
+
+def test_a_schedule_folder_that_cannot_be_made_stops_the_beat_with_one_line(
+        redis_server: RedisServer, tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """A schedule file whose folder cannot be made (a file stands in its way): one
+    ``CRITICAL`` line naming the path and why, exit code 78 (a configuration error: a
+    supervisor should not restart it), no traceback."""
+    (tmp_path / "proj").write_text("a file, not a folder\n")
+    beat = start_beat(redis_server, tmp_path, "no-folder", {"s-folder-hourly": {"every": 3600}}, wait=False,
+                      schedule_file=tmp_path / "proj" / "beat-1")
+    processes.append(beat)
+    assert beat.process is not None
+    code = beat.process.wait(60)
+    output = beat.output()
+    assert code == 78, f"exited {code}\n{output[-3000:]}"
+    critical = [line for line in output.splitlines() if "CRITICAL" in line]
+    assert len(critical) == 1, output[-3000:]
+    assert str(tmp_path / "proj" / "beat-1") in critical[0], critical[0]
+    assert "cannot open the schedule file" in critical[0] and "--schedule" in critical[0], critical[0]
+    assert "Traceback" not in output and "WARNING/" not in output, output[-3000:]

@@ -44,11 +44,12 @@ RUNS_KEY = "beat:runs"
 def start_beat(redis_server: RedisServer, workdir: Path, name: str, schedule: dict[str, Any], *,
                settings: dict[str, Any] | None = None, clock: dict[str, float] | None = None,
                scheduler: str = "singleton", wait: bool = True,
-               env: dict[str, str] | None = None) -> CeleryProcess:
+               env: dict[str, str] | None = None, schedule_file: Path | None = None) -> CeleryProcess:
     """Start ``celery beat -S <scheduler>`` with its own schedule file; wait until it starts.
 
     ``schedule``, ``settings``, ``clock`` and the hooks ``env`` may set are described
-    in ``tests/apps/beat_app.py``.
+    in ``tests/apps/beat_app.py``. The schedule file is ``workdir/<name>-schedule``
+    unless ``schedule_file`` says where.
     """
     env = child_env(
         redis_server,
@@ -58,7 +59,7 @@ def start_beat(redis_server: RedisServer, workdir: Path, name: str, schedule: di
         **(env or {}),
     )
     beat = CeleryProcess(
-        ["-A", BEAT_APP, "beat", "-S", scheduler, "-s", str(workdir / f"{name}-schedule"),
+        ["-A", BEAT_APP, "beat", "-S", scheduler, "-s", str(schedule_file or workdir / f"{name}-schedule"),
          "-l", "info"],
         env, name=f"beat-{name}",
     ).start()
