@@ -39,10 +39,11 @@ the worker still holds it; the worker keeps one of the two deliveries.
 **A delivery of a slot message this connection already ran** (kombu's restore
 read a held message just before the worker ran and acknowledged it, and put a
 copy back; or the same beat published it twice) is not run again: it is
-acknowledged and dropped once the run's message was acknowledged, and left
-alone while that message is still unacknowledged with the same delivery tag
-(``acks_late``: its acknowledgement settles both). A message the worker gave
-back (rejected, requeued) is run again when it returns, as any message.
+acknowledged and dropped once the run's message was acknowledged or rejected
+for good, and left alone while that message is still unacknowledged with the
+same delivery tag (``acks_late``: its settling settles both). A message the
+worker gave back (rejected with requeue) is run again when it returns, as any
+message.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class SlotGate:
         self._delay = 0.0
         self._closed = False
         # Slot messages this connection ran: identity -> the delivery's message.
-        self._ran: OrderedDict[tuple[Any, Any], Any] = OrderedDict()
+        self._ran: OrderedDict[tuple[Any, Any], _Ran] = OrderedDict()
 
     def on_message(self, delivery: _Delivery) -> Any:
         with self._lock:
@@ -268,30 +269,49 @@ class SlotGate:
     # ----------------------------------------------------------------- deliveries of a message that ran
 
     def _remember_run(self, delivery: _Delivery) -> None:
+        """Remember ``delivery`` as run here, and whether Celery gives its message back.
+
+        Celery rejects through the ``reject`` callback it was handed, with
+        ``requeue=True`` only when the message goes back to the queue (kombu's
+        message state says REJECTED either way). Settled runs beyond
+        :data:`RAN_REMEMBERED` are forgotten, oldest first; a run whose message is
+        still unacknowledged is kept (the pool's size bounds those).
+        """
+        ran = _Ran(delivery.message)
+        reject = delivery.reject
+
+        def reject_noting_requeue(*args: Any, **kwargs: Any) -> Any:
+            ran.requeued = bool(kwargs.get("requeue", args[2] if len(args) > 2 else False))
+            return reject(*args, **kwargs)
+
+        delivery.reject = reject_noting_requeue
         identity = _identity(delivery.headers)
-        self._ran[identity] = delivery.message
+        self._ran[identity] = ran
         self._ran.move_to_end(identity)
         if len(self._ran) > RAN_REMEMBERED:
-            self._ran.popitem(last=False)
+            settled = next((key for key, old in self._ran.items() if old.settled), None)
+            if settled is not None:
+                del self._ran[settled]
 
     def _ran_here(self, delivery: _Delivery) -> bool:
         """True (and the delivery settled) for another delivery of a message this connection ran.
 
-        Its state decides: acknowledged, the delivery is a leftover (kombu restored the
-        message just before the ack, or the beat published it twice): acknowledged and
-        dropped. Unacknowledged with the same delivery tag (``acks_late``, still running):
-        the run's acknowledgement settles this delivery too, so it is left alone. Given
-        back (rejected or requeued): it runs again, as Celery would.
+        The run decides: given back to the queue (rejected with requeue), the delivery
+        runs again, as Celery would. Acknowledged, or rejected for good, the delivery
+        is a leftover (kombu restored the message just before it was settled, or the
+        beat published it twice): acknowledged and dropped. Unsettled with the same
+        delivery tag (``acks_late``, still running): the run's acknowledgement settles
+        this delivery too, so it is left alone.
         """
-        ran = self._ran.get(_identity(delivery.headers))
+        identity = _identity(delivery.headers)
+        ran = self._ran.get(identity)
         if ran is None:
             return False
-        state = getattr(ran, "_state", None)
-        if state in ("REJECTED", "REQUEUED"):
-            del self._ran[_identity(delivery.headers)]
+        if ran.requeued:
+            del self._ran[identity]
             return False
-        same_tag = getattr(ran, "delivery_tag", None) == getattr(delivery.message, "delivery_tag", None)
-        if state != "ACK" and same_tag:
+        same_tag = getattr(ran.message, "delivery_tag", None) == getattr(delivery.message, "delivery_tag", None)
+        if not ran.settled and same_tag:
             logger.info("%s[%s]: beat slot %s delivered again while its run's message is "
                         "unacknowledged; that acknowledgement settles this delivery", *_names(delivery.headers))
             return True
@@ -330,6 +350,19 @@ class SlotGate:
 
     def _drop(self, delivery: _Delivery) -> None:
         delivery.ack(logger, self.c.connection_errors)
+
+
+@dataclass
+class _Ran:
+    """A slot message this connection ran, and whether Celery gave it back to the queue."""
+
+    message: Any
+    requeued: bool = False
+
+    @property
+    def settled(self) -> bool:
+        """Acknowledged or rejected (kombu's ACK_STATES): its delivery tag is no longer held."""
+        return bool(getattr(self.message, "acknowledged", False))
 
 
 def _identity(headers: dict[str, Any]) -> tuple[Any, Any]:

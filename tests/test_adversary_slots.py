@@ -5,7 +5,7 @@ with the kombu message). A later delivery of one of them is acknowledged and dro
 the run's message was acknowledged; left alone while the run's message is unacknowledged
 with the same delivery tag (``acks_late``, still running: kombu's Redis restore keeps the
 tag, so the run's acknowledgement settles both); run again when the run's message was
-given back (rejected or requeued).
+given back (rejected with requeue).
 
 Every scenario runs real ``celery worker`` processes on the session's redis-server. The
 test publishes the slot messages itself, with the headers a beat sends (claim key, sending
@@ -28,13 +28,16 @@ Attacks that held, kept as tests of the promise they check:
   connection loss): the message kombu restores runs again on the new connection (new
   gate), to the end, once; the gate does not drop it as "already ran".
 
-Breaks, kept as strict xfails:
+Breaks found, each fixed (both failed before their fix):
 
 * a restored copy that reaches the worker after its acks_late run *rejected its message
-  without requeue* (``Reject(requeue=False)``) runs a second time;
-* the memory bound (``RAN_REMEMBERED``) evicts an unacknowledged, still running acks_late
-  run: kombu's next restored copy runs a second time, concurrently with the first (the
+  without requeue* (``Reject(requeue=False)``) ran a second time: kombu's message state
+  says REJECTED with or without requeue; the gate now learns the requeue from the reject
+  callback Celery calls, and drops the copy of a message rejected for good;
+* the memory bound (``RAN_REMEMBERED``) evicted an unacknowledged, still running acks_late
+  run: kombu's next restored copy ran a second time, concurrently with the first (the
   bound lowered to 2 in the worker; the default bound in the same scenario is the control).
+  Only settled runs are forgotten now.
 
 The gevent pool's worker never runs kombu's ``restore_visible`` sweep itself (its consumer
 loop does not call it): there the test runs kombu's sweep, as another consumer of the
@@ -288,12 +291,7 @@ def test_a_slot_message_redelivered_after_a_reconnection_runs(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [
     "ok",
-    pytest.param("reject", marks=pytest.mark.xfail(strict=True, reason=(
-        "kombu's Message.reject() sets state REJECTED whether or not it requeues, and the gate "
-        "runs every delivery whose run is REJECTED: the restored copy of a message its acks_late "
-        "run rejected WITHOUT requeue (Reject(requeue=False) here; Celery rejects the same way for a "
-        "failure under task_acks_on_failure_or_timeout=False, not run here) is run a second time "
-        "(started 2 times, 1 expected)"))),
+    "reject",
 ])
 def test_a_copy_restored_during_its_run_and_received_after_it_is_not_run(
         slots: Slots, processes: list[CeleryProcess], mode: str) -> None:
@@ -322,19 +320,10 @@ def test_a_copy_restored_during_its_run_and_received_after_it_is_not_run(
 # ----------------------------------------------------------------- attack 5: the memory bound
 
 
-EVICTED = (
-    "SlotGate._remember_run evicts the oldest remembered run (popitem(last=False)) whatever its "
-    "state: with RAN_REMEMBERED (here 2; 1024 in production, e.g. an every-second entry over a "
-    "visibility timeout of an hour) later slot runs during one long acks_late run, its entry is "
-    "gone while its message is unacknowledged; kombu's next restored copy (same tag) is checked "
-    "against Redis, whose claim names the same instance, and runs a second time, in the other "
-    "child, concurrently with the first (started 2 times, 1 expected)")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("ran_remembered", [
     None,
-    pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=EVICTED)),
+    2,
 ], ids=["default-bound", "bound-2"])
 def test_a_long_acks_late_run_is_remembered_past_later_slot_runs(
         slots: Slots, processes: list[CeleryProcess], ran_remembered: int | None) -> None:
