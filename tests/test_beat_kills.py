@@ -24,12 +24,12 @@ from .support import (
     Owner,
     RedisServer,
     owning,
-    queue_drained,
     start_worker,
     wait_for,
 )
 from .support.beat import (
     assert_stopped_cleanly,
+    drain_worker,
     pause,
     paused_beat,
     read_runs,
@@ -56,10 +56,7 @@ def wait_for_all(redis_server: RedisServer, prefix: str, slot: str, entries: lis
              timeout=timeout, message=f"every entry to run for slot {slot}")
 
 
-def drain(redis_server: RedisServer, queue: str = QUEUE) -> None:
-    broker = redis_server.client(0)
-    wait_for(lambda: queue_drained(broker, queue),
-             timeout=60, message="the worker to drain the queue")
+
 
 
 def start_beats(redis_server: RedisServer, tmp_path: Path, schedule: dict[str, Any],
@@ -110,7 +107,7 @@ def test_the_winning_beat_stopped_mid_burst_loses_no_slot(
     wait_for_all(redis_server, names, slot, list(schedule), timeout=60)
     survivor.check_running()
     survivor.stop()
-    drain(redis_server)
+    drain_worker(redis_server, worker, QUEUE)
     per_entry = runs_by_slot(redis_server, names)[slot]
     assert sorted(per_entry) == sorted(schedule)
     assert {n for n in per_entry.values()} == {1}, {e: n for e, n in per_entry.items() if n != 1}
@@ -160,7 +157,7 @@ def test_a_beat_killed_between_claim_and_publish_loses_no_slot(
     wait_for(lambda: runs_by_slot(redis_server, names).get(slot), timeout=60,
              message=f"slot {slot} to run after the claim holder died")
     survivor.stop()
-    drain(redis_server)
+    drain_worker(redis_server, worker, QUEUE)
     assert runs_by_slot(redis_server, names)[slot] == {entry: 1}
     for label, counts in runs_by_slot(redis_server, names).items():
         assert counts == {entry: 1}, f"slot {label}: {counts}"
@@ -193,7 +190,7 @@ def test_a_slot_published_twice_runs_once(
     worker = start_worker(redis_server, "tests.apps.beat_app", f"late-{uuid.uuid4().hex[:6]}",
                           pool="solo", concurrency=1, extra=["-Q", queue])
     processes.append(worker)
-    drain(redis_server, queue)
+    drain_worker(redis_server, worker, queue)  # the run recorded, not only its message acknowledged
     wait_for(lambda: "dropped" in worker.output(), timeout=30, message="the drop to be logged")
     assert slot_counts(read_runs(redis_server), entry) == {slots[0]: 1}
     stats = redis_server.client(LOCK_DB).hgetall(f"singleton:{{stats}}:beat:{entry}")

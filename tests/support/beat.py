@@ -22,16 +22,36 @@ from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMix
 
 from .owners import Owner, owning
 from .processes import CeleryProcess, child_env, start_worker
-from .servers import LOCK_DB, RECORD_DB, RedisServer, flushdb
+from .servers import LOCK_DB, RECORD_DB, RedisServer, flushdb, queue_drained
 from .slots import UTC, expected_slots, parse_slot
 from .waiting import wait_for
 
 __all__ = [
-    "BEAT_APP", "RUNS_KEY", "ClockApp", "ManualClock", "RecordingScheduler",
-    "RecordingSingletonScheduler", "SendRecorder", "already_scheduled", "assert_once_per_slot",
-    "assert_stopped_cleanly", "beat_app",
-    "claims_of", "logged_sends", "pause", "paused_beat", "read_runs", "run_ticks", "runs_by_slot", "sent_slots",
-    "slot_counts", "start_beat", "start_beat_pair", "wait_for_slot",
+    "BEAT_APP",
+    "RUNS_KEY",
+    "ClockApp",
+    "ManualClock",
+    "RecordingScheduler",
+    "RecordingSingletonScheduler",
+    "SendRecorder",
+    "already_scheduled",
+    "assert_once_per_slot",
+    "assert_stopped_cleanly",
+    "beat_app",
+    "claims_of",
+    "drain_worker",
+    "logged_sends",
+    "pause",
+    "paused_beat",
+    "read_runs",
+    "run_ticks",
+    "runs_by_slot",
+    "sent_slots",
+    "slot_counts",
+    "start_beat",
+    "start_beat_pair",
+    "wait_for_slot",
+    "worker_idle",
 ]
 
 BEAT_APP = "tests.apps.beat_app"
@@ -281,6 +301,25 @@ def sent_slots(*schedulers: Any, task: str | None = None) -> Counter[str]:
     """How many times each slot was sent, over ``schedulers`` (only ``task``'s if given)."""
     return Counter(sent["slot"] for scheduler in schedulers for sent in scheduler.sent
                    if task is None or sent["task"] == task)
+
+
+_RECEIVED = re.compile(r"Task \S+\[([0-9a-f-]+)\] received")
+_ENDED = re.compile(r"Task \S+\[([0-9a-f-]+)\] (?:succeeded|raised|failed|retry|ignored)")
+
+
+def worker_idle(worker: CeleryProcess) -> bool:
+    """Every task ``worker`` received has ended, by its log. An empty queue alone does not
+    say so: a task acknowledged early (the default) leaves the broker before it runs."""
+    worker.check_running()
+    log = worker.output()
+    return set(_RECEIVED.findall(log)) <= set(_ENDED.findall(log))
+
+
+def drain_worker(redis_server: RedisServer, worker: CeleryProcess, queue: str) -> None:
+    """Wait until ``worker`` has executed every message of ``queue`` sent so far (Redis broker)."""
+    broker = redis_server.client(0)
+    wait_for(lambda: queue_drained(broker, queue) and worker_idle(worker),
+             timeout=60, message=f"{worker.name} to drain {queue} and finish its tasks")
 
 
 def module_beat_worker(redis_server: RedisServer, label: str) -> Iterator[CeleryProcess]:
