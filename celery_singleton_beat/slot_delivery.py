@@ -36,9 +36,10 @@ as it closes the channel, else after ``visibility_timeout``). A message held
 past the Redis broker's ``visibility_timeout`` is delivered again by kombu while
 the worker still holds it; the worker keeps one of the two deliveries.
 
-**A delivery of a slot message this connection already ran** (kombu's restore
-read a held message just before the worker ran and acknowledged it, and put a
-copy back; or the same beat published it twice) is not run again: it is
+**A delivery of a slot message this connection already ran or dropped**
+(kombu's restore read a held message just before the worker settled it, and
+put a copy back; or the same beat published it twice) is not run again, nor
+counted again as a duplicate send: it is
 acknowledged and dropped once the run's message was acknowledged or rejected
 for good, and left alone while that message is still unacknowledged with the
 same delivery tag (``acks_late``: its settling settles both). A message the
@@ -71,7 +72,7 @@ __all__ = ["RETRY_MAX", "RETRY_MIN", "SlotDeliveryStep", "SlotGate"]
 _GUARDED = "_singleton_slot_guard"
 #: Seconds between checks of held slot messages while Redis does not answer (doubling).
 RETRY_MIN, RETRY_MAX = 1.0, 30.0
-#: Slot messages a connection remembers having run (the latest; one per slot and sender).
+#: Settled slot messages a connection remembers having run or dropped (the latest).
 RAN_REMEMBERED = 1024
 
 
@@ -147,12 +148,12 @@ class SlotGate:
         self._timer: Any = None
         self._delay = 0.0
         self._closed = False
-        # Slot messages this connection ran: identity -> the delivery's message.
-        self._ran: OrderedDict[tuple[Any, Any], _Ran] = OrderedDict()
+        # Slot messages this connection ran or dropped, by identity.
+        self._seen: OrderedDict[tuple[Any, Any], _Seen] = OrderedDict()
 
     def on_message(self, delivery: _Delivery) -> Any:
         with self._lock:
-            if self._ran_here(delivery):
+            if self._seen_here(delivery):
                 return None
             if self._held:  # Redis did not answer: wait behind them, ask nothing now
                 self._hold(delivery, None)
@@ -167,8 +168,7 @@ class SlotGate:
                 else:
                     self._hold(delivery, exc)
                     return None
-            if run:
-                self._remember_run(delivery)
+            self._remember(delivery, ran=run)
         return delivery.run() if run else self._drop(delivery)
 
     def close(self) -> None:
@@ -254,11 +254,11 @@ class SlotGate:
 
     def _dispatch(self, delivery: _Delivery, run: bool) -> None:
         """Run or drop a message that was held; Celery's errors for a bad message apply."""
+        with self._lock:
+            self._remember(delivery, ran=run)
         if not run:
             self._drop(delivery)
             return
-        with self._lock:
-            self._remember_run(delivery)
         try:
             delivery.run()
         except (InvalidTaskError, ContentDisallowed) as exc:
@@ -266,57 +266,60 @@ class SlotGate:
         except DecodeError as exc:
             self.c.on_decode_error(delivery.message, exc)
 
-    # ----------------------------------------------------------------- deliveries of a message that ran
+    # ----------------------------------------------------------------- deliveries of a message seen before
 
-    def _remember_run(self, delivery: _Delivery) -> None:
-        """Remember ``delivery`` as run here, and whether Celery gives its message back.
+    def _remember(self, delivery: _Delivery, ran: bool) -> None:
+        """Remember ``delivery`` as run (or dropped) here, and whether Celery gives it back.
 
-        Celery rejects through the ``reject`` callback it was handed, with
-        ``requeue=True`` only when the message goes back to the queue (kombu's
-        message state says REJECTED either way). Settled runs beyond
+        Celery rejects a run's message through the ``reject`` callback it was handed,
+        with ``requeue=True`` only when the message goes back to the queue (kombu's
+        message state says REJECTED either way). Settled messages beyond
         :data:`RAN_REMEMBERED` are forgotten, oldest first; a run whose message is
         still unacknowledged is kept (the pool's size bounds those).
         """
-        ran = _Ran(delivery.message)
-        reject = delivery.reject
+        seen = _Seen(delivery.message, ran)
+        if ran:
+            reject = delivery.reject
 
-        def reject_noting_requeue(*args: Any, **kwargs: Any) -> Any:
-            ran.requeued = bool(kwargs.get("requeue", args[2] if len(args) > 2 else False))
-            return reject(*args, **kwargs)
+            def reject_noting_requeue(*args: Any, **kwargs: Any) -> Any:
+                seen.requeued = bool(kwargs.get("requeue", args[2] if len(args) > 2 else False))
+                return reject(*args, **kwargs)
 
-        delivery.reject = reject_noting_requeue
+            delivery.reject = reject_noting_requeue
         identity = _identity(delivery.headers)
-        self._ran[identity] = ran
-        self._ran.move_to_end(identity)
-        if len(self._ran) > RAN_REMEMBERED:
-            settled = next((key for key, old in self._ran.items() if old.settled), None)
+        self._seen[identity] = seen
+        self._seen.move_to_end(identity)
+        if len(self._seen) > RAN_REMEMBERED:
+            settled = next((key for key, old in self._seen.items() if old.settled), None)
             if settled is not None:
-                del self._ran[settled]
+                del self._seen[settled]
 
-    def _ran_here(self, delivery: _Delivery) -> bool:
-        """True (and the delivery settled) for another delivery of a message this connection ran.
+    def _seen_here(self, delivery: _Delivery) -> bool:
+        """True (and the delivery settled) for another delivery of a message this
+        connection ran or dropped.
 
-        The run decides: given back to the queue (rejected with requeue), the delivery
-        runs again, as Celery would. Acknowledged, or rejected for good, the delivery
-        is a leftover (kombu restored the message just before it was settled, or the
-        beat published it twice): acknowledged and dropped. Unsettled with the same
-        delivery tag (``acks_late``, still running): the run's acknowledgement settles
-        this delivery too, so it is left alone.
+        What became of that message decides: given back to the queue (rejected with
+        requeue), the delivery runs again, as Celery would. Acknowledged, or rejected
+        for good, the delivery is a leftover (kombu restored the message just before
+        it was settled, or the beat published it twice): acknowledged and dropped, and
+        not counted again as a duplicate send. Unsettled with the same delivery tag
+        (``acks_late``, still running): the run's settling settles this delivery too,
+        so it is left alone.
         """
         identity = _identity(delivery.headers)
-        ran = self._ran.get(identity)
-        if ran is None:
+        seen = self._seen.get(identity)
+        if seen is None:
             return False
-        if ran.requeued:
-            del self._ran[identity]
+        if seen.requeued:
+            del self._seen[identity]
             return False
-        same_tag = getattr(ran.message, "delivery_tag", None) == getattr(delivery.message, "delivery_tag", None)
-        if not ran.settled and same_tag:
+        same_tag = getattr(seen.message, "delivery_tag", None) == getattr(delivery.message, "delivery_tag", None)
+        if not seen.settled and same_tag:
             logger.info("%s[%s]: beat slot %s delivered again while its run's message is "
                         "unacknowledged; that acknowledgement settles this delivery", *_names(delivery.headers))
             return True
-        logger.info("%s[%s]: beat slot %s delivered again after this worker ran it; dropped",
-                    *_names(delivery.headers))
+        logger.info("%s[%s]: beat slot %s delivered again after this worker %s it; dropped",
+                    *_names(delivery.headers), "ran" if seen.ran else "dropped")
         self._drop(delivery)
         return True
 
@@ -353,10 +356,11 @@ class SlotGate:
 
 
 @dataclass
-class _Ran:
-    """A slot message this connection ran, and whether Celery gave it back to the queue."""
+class _Seen:
+    """A slot message this connection ran or dropped, and whether Celery gave it back."""
 
     message: Any
+    ran: bool
     requeued: bool = False
 
     @property

@@ -23,7 +23,16 @@ import redis
 from celery_singleton_beat.beat.entries import CLAIM_HEADER
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
-from .support.beat import BEAT_APP, claims_of, pause, paused_beat, read_runs, slot_counts, start_beat_pair
+from .support.beat import (
+    BEAT_APP,
+    claims_of,
+    pause,
+    paused_beat,
+    read_runs,
+    slot_counts,
+    start_beat_pair,
+    worker_idle,
+)
 from .support.servers import flushdb
 
 pytestmark = pytest.mark.slow
@@ -84,7 +93,10 @@ def failed_take_over(redis_server: RedisServer, make_redis: Callable[..., RedisS
     """Beat A wins the first slot and blocks ``when`` ("before" / "after") its publish; the
     broker (a redis-server with an append-only file) is stopped and A killed; beat B takes
     the slot over one lease later, cannot publish, and hands it back (``released``, B's name).
-    Returns with the broker still down."""
+    Returns with the broker still down.
+
+    B's take-over publish waits (the pause hook's ``hold``) until the broker is down: the
+    order comes from the test, not from B being slower than the test on a loaded machine."""
     broker = make_redis("--appendonly", "yes")
     entry, warm, queue = f"{names}slot", f"{names}warm", f"late-{names}"
     schedule = {entry: {"every": PERIOD, "options": {"queue": queue}},
@@ -93,18 +105,24 @@ def failed_take_over(redis_server: RedisServer, make_redis: Callable[..., RedisS
                 warm: {"every": 1, "options": {"singleton": False, "queue": f"warm-{names}"}}}
     settings = {"broker_url": broker.url(0), "singleton_beat_pending_lease": LEASE,
                 "singleton_beat_catch_up": "none", "beat_max_loop_interval": 1}
-    marker = f"pause:{names}"
+    marker, hold = f"pause:{names}", f"hold:{names}"
+    records = redis_server.client(RECORD_DB)
+    records.set(hold, 1)
     beats = start_beat_pair(redis_server, tmp_path, schedule, settings,
-                            pause(marker, 1, when, entry), PERIOD)
+                            pause(marker, 1, when, entry, hold=hold), PERIOD)
     processes.extend(beats)
     victim = paused_beat(redis_server, beats, marker)
     survivor = next(beat for beat in beats if beat is not victim)
     slot, claim = first_claim(redis_server, entry)
     assert holder_pid(claim) == victim.pid, claim
-    wait_for(lambda: survivor.output().count(f"Sending due task {warm}") >= 2, timeout=LEASE / 2,
-             message="the survivor to have published (its broker connection is open)")
-    broker.stop()  # before the survivor's take-over, one lease after the slot
+    wait_for(lambda: records.get(f"{hold}:held") is not None, timeout=60,
+             message="the survivor's take-over publish to wait for the test")
+    assert int(records.get(f"{hold}:held") or 0) == survivor.pid
+    # The warm entry comes due every second, before the take-over one lease after the slot.
+    assert f"Sending due task {warm}" in survivor.output(), "the survivor's broker connection is open"
+    broker.stop()
     victim.kill_group()
+    records.delete(hold)
     wait_for(lambda: claims_of(redis_server, entry)[slot].get("state") == "released", timeout=60,
              message="the survivor to hand the slot back after its failed publish")
     assert holder_pid(claims_of(redis_server, entry)[slot]) == survivor.pid
@@ -137,13 +155,15 @@ def test_a_dead_beats_queued_copy_is_not_lost_when_the_take_over_cannot_publish(
     assert case.broker.client(0).llen(case.queue) == 1
     # Slots claimed so far: the first, and any later one B could not publish either.
     outage = sorted(claims_of(redis_server, case.entry))
-    processes.append(case.start_worker(redis_server, names))
+    worker = case.start_worker(redis_server, names)
+    processes.append(worker)
 
     expected = outage if survivor_after_hand_back == "keeps-running" else [case.slot]
     wait_for(lambda: all(claims_of(redis_server, case.entry)[slot].get("state") == "received"
                          for slot in expected), timeout=90,
              message=f"a worker to accept slots {expected}")
-    wait_for(case.drained, timeout=60, message="the worker to drain the queue")
+    wait_for(lambda: case.drained() and worker_idle(worker), timeout=60,
+             message="the worker to drain the queue and finish its runs")
     ran_once_each(redis_server, case.entry, expected)
 
 
@@ -157,13 +177,15 @@ def test_a_slot_no_beat_could_publish_is_sent_once_the_broker_is_back(
     case.broker.start()
     assert case.broker.client(0).llen(case.queue) == 0  # no copy of the slot anywhere
     outage = sorted(claims_of(redis_server, case.entry))
-    processes.append(case.start_worker(redis_server, names))
+    worker = case.start_worker(redis_server, names)
+    processes.append(worker)
 
     wait_for(lambda: all(claims_of(redis_server, case.entry)[slot].get("state") == "received"
                          for slot in outage), timeout=90,
              message=f"slots {outage} to be sent once the broker is back, and run")
     assert holder_pid(claims_of(redis_server, case.entry)[case.slot]) == case.survivor.pid
-    wait_for(case.drained, timeout=60, message="the worker to drain the queue")
+    wait_for(lambda: case.drained() and worker_idle(worker), timeout=60,
+             message="the worker to drain the queue and finish its runs")
     ran_once_each(redis_server, case.entry, outage)
 
 
@@ -171,6 +193,7 @@ def test_a_slot_no_beat_could_publish_is_sent_once_the_broker_is_back(
 
 HOLDING = "holding the message until Redis answers (fail closed)"
 RAN_HERE = "delivered again after this worker ran it"
+DROPPED_HERE = "delivered again after this worker dropped it"
 HELD_BEHIND = "waits for Redis behind"
 
 
@@ -352,7 +375,8 @@ def test_with_fail_open_a_slot_message_the_worker_cannot_check_runs(
     wait_for(lambda: case.runs(redis_server) == 2, timeout=60, message="both copies to run")
     wait_for(lambda: worker.output().count(FAIL_OPEN) >= 2 + case.others, timeout=60,
              message="every message to run")
-    wait_for(case.drained, timeout=30, message="the queue drained")
+    wait_for(lambda: case.drained() and worker_idle(worker), timeout=30,
+             message="the queue drained and the worker's runs finished")
     lines = [line for line in worker.output().splitlines() if FAIL_OPEN in line]
     assert sum(1 for line in lines if f"}}:{case.slot}" in line) == 2, lines
     assert len(lines) == 2 + case.others, lines
@@ -421,8 +445,9 @@ def test_a_held_slot_message_the_broker_restores_after_it_ran_is_dropped(
     delivery tag, that the worker receives after the run: the held-past-the-visibility-timeout
     test's second run. The race is forced here: the test reads the held copies' entries while
     they are held and, once the slot ran, pushes them back as kombu's restore does. The worker
-    drops both; the slot ran once. Before the fix it ran the copy of the message it had run
-    again (its sender is the claim's ``received`` instance)."""
+    drops both, and counts neither as a duplicate send (the dropped copy was counted once);
+    the slot ran once. Before the fix it ran the copy of the message it had run again (its
+    sender is the claim's ``received`` instance)."""
     case = two_copies(redis_server, make_redis, names, tmp_path, processes, redis_server.url(0),
                       task_acks_late=acks_late)
     case.lock.stop()
@@ -441,9 +466,13 @@ def test_a_held_slot_message_the_broker_restores_after_it_ran_is_dropped(
         broker.lpush(case.queue, json.dumps(message))
 
     def handled() -> int:
-        return (case.dropped() - 1) + worker.output().count(RAN_HERE) + (case.runs(redis_server) - 1)
+        log = worker.output()
+        return (case.dropped() - 1) + log.count(RAN_HERE) + log.count(DROPPED_HERE) + (case.runs(redis_server) - 1)
 
     wait_for(lambda: handled() >= 2, timeout=30, message="both restored copies handled")
-    wait_for(case.drained, timeout=30, message="the queue drained")
+    wait_for(lambda: case.drained() and worker_idle(worker), timeout=30,
+             message="the queue drained and the worker's runs finished")
     assert case.runs(redis_server) == 1, "the restored copy of the message that ran is not run again"
-    assert worker.output().count(RAN_HERE) == 1 and case.dropped() == 2
+    log = worker.output()
+    assert log.count(RAN_HERE) == 1 and log.count(DROPPED_HERE) == 1
+    assert case.dropped() == 1, "a redelivery of the dropped copy is not counted as another duplicate send"

@@ -11,7 +11,10 @@
   process; only of entry ``name`` when given) writes its pid to ``marker``
   (record db, ``SET NX``) and then blocks for good, ``before`` the message is
   published (claimed, not sent) or ``after`` it (sent, not yet marked sent).
-  Signals still interrupt the block.
+  Signals still interrupt the block. With ``"hold": key`` as well, every other
+  process's publish of the entry, once ``marker`` names another pid, waits while
+  ``key`` exists (record db), after writing its pid to ``<key>:held``: the test
+  lets the survivor's take-over go when the world is as it wants it.
 * ``CSB_LINGER_DIR``: a folder. At interpreter teardown (after Python stopped running
   its signal handlers, before the process ends) the process writes ``lingering``
   there and waits until ``go`` appears (30 s at most): a test can signal a beat
@@ -137,6 +140,20 @@ def _pause_hook() -> None:
     signal = signals.before_task_publish if pause.get("when", "before") == "before" \
         else signals.after_task_publish
     signal.connect(maybe_pause, weak=False)
+    if pause.get("hold"):
+        hold = pause["hold"]
+
+        def maybe_hold(body: Any = None, **_: Any) -> None:
+            if pause.get("entry") is not None and not _publishes_entry(body, pause["entry"]):
+                return
+            winner = records.get(pause["marker"])
+            if winner is None or int(winner) == os.getpid() or not records.exists(hold):
+                return
+            records.set(f"{hold}:held", os.getpid())
+            while records.exists(hold):  # signals still end the process
+                time.sleep(0.05)
+
+        signals.before_task_publish.connect(maybe_hold, weak=False)
 
 
 _pause_hook()

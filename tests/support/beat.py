@@ -124,12 +124,15 @@ def start_beat_pair(redis_server: RedisServer, workdir: Path, schedule: dict[str
     return beats
 
 
-def pause(marker: str, at: int, when: str, entry: str | None = None) -> dict[str, str]:
+def pause(marker: str, at: int, when: str, entry: str | None = None, hold: str | None = None) -> dict[str, str]:
     """The ``CSB_PAUSE`` environment of ``tests/apps/beat_app.py``: block the first beat
-    that reaches its ``at``-th publish (of ``entry`` only, if given), ``when`` = before/after."""
+    that reaches its ``at``-th publish (of ``entry`` only, if given), ``when`` = before/after;
+    with ``hold``, the other beats' publishes of the entry wait while that record exists."""
     spec: dict[str, Any] = {"at": at, "when": when, "marker": marker}
     if entry is not None:
         spec["entry"] = entry
+    if hold is not None:
+        spec["hold"] = hold
     return {"CSB_PAUSE": json.dumps(spec)}
 
 
