@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CYCLES = """
 import gc, sys
 import redis
-import celery_singleton_beat.channel as channel
-from celery_singleton_beat.lock import LockSpec, acquire
+import celery_singleton_beat.connection.channel as channel
+from celery_singleton_beat.lease.lock import LockSpec, acquire
 channel.IDLE_CHECK = channel.FLUSH_AFTER = 1e9
 gc.disable()
 port, cycles = int(sys.argv[1]), int(sys.argv[2])

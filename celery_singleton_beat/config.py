@@ -24,7 +24,7 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 from redis.connection import SSLConnection
 
-from .redis_url import (
+from .connection.url import (
     CLUSTER,
     CLUSTER_SCHEMES,
     REDIS_SCHEMES,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import ImproperlyConfigured, TaskRevokedError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .lock import Holder
+    from .lease.lock import Holder
 
 __all__ = [
     "DuplicateTaskError",

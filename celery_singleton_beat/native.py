@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .server import server_of
+from .recovery.server import server_of
 
 __all__ = ["Wakeup", "allocate_lock", "get_ident", "green", "start_thread", "thread_client"]
 

@@ -26,10 +26,10 @@ from types import ModuleType
 
 import redis
 
-from celery_singleton_beat.holder import done_key
-from celery_singleton_beat.keeper import LeaseKeeper
-from celery_singleton_beat.lease import Lease, LockSpec
-from celery_singleton_beat.lock import acquire, read_holder
+from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.keeper import LeaseKeeper
+from celery_singleton_beat.lease.lease import Lease, LockSpec
+from celery_singleton_beat.lease.lock import acquire, read_holder
 
 from .support import RedisServer, start_worker, wait_for
 

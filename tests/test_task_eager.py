@@ -16,10 +16,10 @@ from celery_singleton_beat import (
     SingletonKeyError,
     SingletonTask,
     TaskSkipped,
-    counters,
 )
-from celery_singleton_beat.client import reset_clients
-from celery_singleton_beat.lock import Lease, read_holder
+from celery_singleton_beat.connection.client import reset_clients
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.lock import Lease, read_holder
 
 from .support import LOCK_DB, RedisServer, free_port
 from .support.locking import take_lock

@@ -28,8 +28,18 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 from redis.cluster import RedisCluster
 
-from celery_singleton_beat import LockUnavailable, SingletonTask, counters
-from celery_singleton_beat.client import (
+from celery_singleton_beat import LockUnavailable, SingletonTask
+from celery_singleton_beat.config import (
+    CLUSTER,
+    SENTINEL,
+    STANDALONE,
+    clear_settings_cache,
+    get_settings,
+    parse_redis_url,
+    sanitize_redis_url,
+    validate_settings,
+)
+from celery_singleton_beat.connection.client import (
     ReplicasNotAcknowledged,
     acl_rules,
     call_acknowledged,
@@ -41,18 +51,9 @@ from celery_singleton_beat.client import (
     reset_clients,
     scan_all,
 )
-from celery_singleton_beat.config import (
-    CLUSTER,
-    SENTINEL,
-    STANDALONE,
-    clear_settings_cache,
-    get_settings,
-    parse_redis_url,
-    sanitize_redis_url,
-    validate_settings,
-)
-from celery_singleton_beat.lock import read_holder, release_value
-from celery_singleton_beat.window import mark_in_use
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.lock import read_holder, release_value
+from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
 from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots

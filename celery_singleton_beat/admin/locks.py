@@ -13,8 +13,8 @@ from typing import Any, Literal, cast
 
 from celery import Celery
 
-from ..keys import QUEUED_SUFFIX, task_stats_key
-from ..lock import Holder, parse_holder, release_value
+from ..lease.lock import Holder, parse_holder, release_value
+from ..task.keys import QUEUED_SUFFIX, task_stats_key
 from ._common import AdminError, KeySpace, NotALockKey, Target, connect, glob_escape, read, scan
 
 __all__ = [

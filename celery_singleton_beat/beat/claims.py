@@ -41,12 +41,12 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from ..client import ReplicasNotAcknowledged, group_by_node, is_cluster
-from ..events import logger
-from ..keys import beat_stats_key
-from ..lock import release_value
-from ..scripts import STATS_TTL_MS, LuaScript
-from ..server import server_of
+from ..connection.client import ReplicasNotAcknowledged, group_by_node, is_cluster
+from ..lease.lock import release_value
+from ..lease.scripts import STATS_TTL_MS, LuaScript
+from ..recovery.server import server_of
+from ..task.events import logger
+from ..task.keys import beat_stats_key
 from .entries import history_key, stats_key
 from .recovery import KeptClaims
 from .slots import Slot

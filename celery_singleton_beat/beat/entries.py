@@ -81,7 +81,7 @@ def history_key(prefix: str) -> str:
 def stats_key(prefix: str) -> str:
     """Hash of counters over all entries and instances: ``won`` and ``lost`` slot claims.
 
-    Per-entry counters are in :func:`celery_singleton_beat.keys.beat_stats_key`.
+    Per-entry counters are in :func:`celery_singleton_beat.task.keys.beat_stats_key`.
     """
     return f"{prefix}:{{beat}}:stats"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_singleton_beat.lock import AcquireResult, LockSpec, acquire
+from celery_singleton_beat.lease.lock import AcquireResult, LockSpec, acquire
 
 
 def take_lock(client: Any, key: str, ttl: float, *, task: str, task_id: str | None = None, node: str | None = None,

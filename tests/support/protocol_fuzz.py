@@ -54,11 +54,11 @@ from typing import Any
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from celery_singleton_beat.channel import channel_for
-from celery_singleton_beat.commands import release_request
-from celery_singleton_beat.lock import Lease, LockSpec, Renewal, acquire
-from celery_singleton_beat.server import PORTABLE
-from celery_singleton_beat.wire import run_pooled
+from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.wire import run_pooled
+from celery_singleton_beat.lease.commands import release_request
+from celery_singleton_beat.lease.lock import Lease, LockSpec, Renewal, acquire
+from celery_singleton_beat.recovery.server import PORTABLE
 
 from .fault_proxy import FaultProxy, Rates
 

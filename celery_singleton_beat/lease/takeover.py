@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 
+from ..connection.client import RedisClient
 from . import counters
-from .client import RedisClient
 from .commands import look_request, take_over_request
 from .holder import Holder, text_of
 from .lease import TAKEOVER_WAIT, Lease, LockSpec, execute, replaced_lease

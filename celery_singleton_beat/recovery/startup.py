@@ -35,12 +35,12 @@ import redis
 from celery.exceptions import ImproperlyConfigured
 from redis.exceptions import RedisClusterException
 
-from .client import RedisClient, primaries
-from .config import SingletonSettings
-from .events import logger
-from .exceptions import SingletonError
-from .redis_url import sanitize_redis_url
-from .scripts import LuaScript
+from ..config import SingletonSettings
+from ..connection.client import RedisClient, primaries
+from ..connection.url import sanitize_redis_url
+from ..exceptions import SingletonError
+from ..lease.scripts import LuaScript
+from ..task.events import logger
 from .server import UnsupportedServer, version_text
 
 __all__ = [
@@ -161,7 +161,7 @@ def is_outage(exc: BaseException) -> bool:
     if isinstance(exc, redis.ResponseError) and str(exc).startswith(_BUSY_REPLIES):
         return True  # another client's script, a full server, a failover under way: it passes
     if isinstance(exc, RedisClusterException):
-        from .client import _is_outage  # the Cluster client's own rule
+        from ..connection.client import _is_outage  # the Cluster client's own rule
 
         return _is_outage(exc)
     return False
@@ -187,7 +187,7 @@ def explain(exc: BaseException) -> str:
     if (isinstance(exc, redis.exceptions.NoPermissionError) or message.startswith("NOPERM")
             or "user executing the script can't run this command" in message):  # a command inside a script
         return (f"the ACL user may not do what the library needs ({name}); give it the rules of "
-                "celery_singleton_beat.client.acl_rules() (docs/deployment.md)")
+                "celery_singleton_beat.connection.client.acl_rules() (docs/deployment.md)")
     if isinstance(exc, redis.ResponseError) and re.search(r"invalid DB index|DB index is out of range", message):
         return (f"the database in singleton_redis_url does not exist on this server ({name}); use an "
                 "index below the server's `databases` setting (16 by default)")

@@ -22,7 +22,7 @@ import time
 
 import redis
 
-from . import native
+from .. import native
 from .lease import RETRY_EVERY, Lease, retry_pause
 
 __all__ = ["EXIT_PATIENCE", "MARKER_PATIENCE", "PendingRelease"]

@@ -14,7 +14,7 @@ The lock is taken in ``__call__``, which Celery's tracer calls for every run
 (worker and eager), so a ``finally`` there sees every ending a process
 survives. Endings it cannot see (the pool child killed, a hard time limit, a
 revoke with terminate) are handled by the worker's main process through
-:class:`~celery_singleton_beat.worker.SingletonRequest`, and a node that died
+:class:`~celery_singleton_beat.task.worker.SingletonRequest`, and a node that died
 altogether has its locks taken over by the next run that wants them, once
 its liveness key is gone and the locks missed their renewals (:mod:`.liveness`).
 
@@ -58,18 +58,18 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
 from kombu.utils.functional import maybe_list
 
-from . import client as client_module
-from . import config
+from .. import config
+from ..config import SingletonSettings, get_settings
+from ..connection import client as client_module
+from ..connection.client import get_redis
+from ..exceptions import describe_holder
+from ..lease.keeper import KeptLease, get_keeper
+from ..lease.liveness import boot_id, publishes_liveness
+from ..lease.lock import AcquireResult, LockSpec, acquire
 from . import worker as worker_support
-from .client import get_redis
-from .config import SingletonSettings, get_settings
 from .conflicts import ConflictOutcomes, is_copy
 from .events import TASK_LOCK_LOST, logger, send_task_event_soon
-from .exceptions import describe_holder
-from .keeper import KeptLease, get_keeper
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
-from .liveness import boot_id, publishes_liveness
-from .lock import AcquireResult, LockSpec, acquire
 from .outage import wait_for_redis
 from .publish import PublishClaims, delay_of
 from .run import SingletonRun
@@ -141,7 +141,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
 
     #: The worker's main process uses this request class to free the locks of
     #: pool children that died (SIGKILL, hard time limit, revoke+terminate).
-    Request = "celery_singleton_beat.worker:SingletonRequest"
+    Request = "celery_singleton_beat.task.worker:SingletonRequest"
 
     # -- registration -----------------------------------------------------
 

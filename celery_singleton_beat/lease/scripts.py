@@ -16,7 +16,7 @@ above each.
 
 from __future__ import annotations
 
-from .wire import LuaScript
+from ..connection.wire import LuaScript
 
 __all__ = ["ACQUIRE_UNLESS_DONE", "ADOPT", "CLAIM_ON_RETRY", "RELEASE", "RELEASE_FOR", "RENEW", "STATS_TTL_MS",
            "TAKE_OVER", "LuaScript"]

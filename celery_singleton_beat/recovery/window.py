@@ -63,7 +63,7 @@ from typing import Any
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from .log import logger
+from ..log import logger
 
 __all__ = ["NEW_OR_EMPTIED", "PROMOTED", "RESTARTED", "WINDOW_SLACK", "Finding", "Notice", "Recovery",
            "ServerMemory", "data_lost", "mark_in_use", "memory_for", "notice", "opening", "records_of",

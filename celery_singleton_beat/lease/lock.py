@@ -28,14 +28,14 @@ import time
 
 from redis.exceptions import TryAgainError
 
+from ..connection.channel import channel_or_none
+from ..connection.client import RedisClient
+from ..recovery.server import PORTABLE, server_of
 from . import counters
 from .behalf import read_holder, release_for, release_value
-from .channel import channel_or_none
-from .client import RedisClient
 from .commands import AcquireReply, Renewal, acquire_request, adopt_request, release_request
 from .holder import VALUE_FORMAT, Holder, done_key, lock_value, parse_holder
 from .lease import RETRY_EVERY, TAKEOVER_WAIT, Lease, LockSpec, acknowledged, execute, replaced_lease
-from .server import PORTABLE, server_of
 from .takeover import looks_dead, take_over
 
 __all__ = [

@@ -55,9 +55,9 @@ from typing import Any, TypeGuard
 
 import redis
 
-from . import native
-from .events import logger
-from .server import server_of
+from .. import native
+from ..recovery.server import server_of
+from ..task.events import logger
 from .wire import BROKEN, RETRIED, Request, SocketLink, Written, _NoScript, ensure_checked, read_own, write_request
 
 __all__ = ["Channel", "channel_for", "channel_or_none", "read_all_replies", "supports_channel"]

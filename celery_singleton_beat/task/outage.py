@@ -41,15 +41,15 @@ import redis
 from celery import signals
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 
-from .config import DEFAULT_REDIS_OPTIONS
+from ..config import DEFAULT_REDIS_OPTIONS
+from ..exceptions import LockUnavailable
 from .events import logger
-from .exceptions import LockUnavailable
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ..lease.lock import AcquireResult
     from .conflicts import ConflictOutcomes
-    from .lock import AcquireResult
 
 __all__ = ["SHUTDOWN_LOOK", "OutageWait", "accepted_at", "retry_uncapped", "shutting_down", "time_limit_of",
            "wait_for_redis", "worker_starts", "worker_stops"]

@@ -31,7 +31,7 @@ from typing import Any
 
 import redis
 
-from . import native
+from .. import native
 
 __all__ = ["Heartbeat", "boot_id", "is_alive", "live_key", "publishes_liveness"]
 
@@ -104,7 +104,7 @@ class Heartbeat:
         it uses before the pool forks, and its pool processes inherit that
         (how they tell a restart of that server, see :mod:`.server`).
         """
-        from .wire import Request, run_pooled
+        from ..connection.wire import Request, run_pooled
 
         previous = run_pooled(client or self.client, self.key,
                               Request([(b"SET", self.key, self.value, b"PX", self.ttl_ms, b"GET")], _first_reply))

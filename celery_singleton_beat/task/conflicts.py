@@ -1,4 +1,4 @@
-"""What a run of :class:`~celery_singleton_beat.task.SingletonTask` does when it cannot take its lock.
+"""What a run of :class:`~celery_singleton_beat.task.task.SingletonTask` does when it cannot take its lock.
 
 * Another run holds it: ``on_conflict`` says skip (stored ``REVOKED`` with
   :class:`~.exceptions.TaskSkipped`, a Flower event), raise
@@ -30,10 +30,10 @@ from celery import Task, states
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import EagerResult
 
-from .config import get_settings
+from ..config import get_settings
+from ..exceptions import DuplicateTaskError, TaskSkipped, describe_holder
+from ..lease.lock import AcquireResult, Holder
 from .events import TASK_SKIPPED, logger, send_task_event
-from .exceptions import DuplicateTaskError, TaskSkipped, describe_holder
-from .lock import AcquireResult, Holder
 from .run import SingletonRun
 
 __all__ = ["COPY_HEADER", "ConflictOutcomes", "is_copy"]

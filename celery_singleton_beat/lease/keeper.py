@@ -31,8 +31,9 @@ from typing import Any
 
 import redis
 
-from . import native, server
-from .channel import read_all_replies
+from .. import native
+from ..connection.channel import read_all_replies
+from ..recovery import server
 from .commands import Renewal
 from .lease import RETRY_EVERY, Lease, retry_pause
 from .releases import EXIT_PATIENCE, PendingRelease, send_until_done

@@ -58,10 +58,10 @@ from celery import bootsteps
 from celery.exceptions import InvalidTaskError
 from kombu.exceptions import ContentDisallowed, DecodeError
 
-from .beat.claims import receive_slot
-from .beat.entries import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
-from .client import get_redis
-from .config import SingletonSettings, get_settings
+from ..beat.claims import receive_slot
+from ..beat.entries import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
+from ..config import SingletonSettings, get_settings
+from ..connection.client import get_redis
 from .events import TASK_SKIPPED, logger
 from .keys import beat_stats_key
 

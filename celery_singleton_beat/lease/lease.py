@@ -28,9 +28,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..connection.channel import channel_or_none
+from ..connection.client import RedisClient, ReplicasNotAcknowledged, is_cluster
+from ..connection.wire import Request, pack, run_on, run_pooled
+from ..recovery.server import PORTABLE, ServerInfo, server_of
+from ..recovery.window import WINDOW_SLACK
+from ..task.events import logger
 from . import counters
-from .channel import channel_or_none
-from .client import RedisClient, ReplicasNotAcknowledged, is_cluster
 from .commands import (
     NativeRefused,
     Renewal,
@@ -41,11 +45,7 @@ from .commands import (
     release_request,
     renew_request,
 )
-from .events import logger
 from .holder import Holder, claim_value, done_key, ms, parse_holder
-from .server import PORTABLE, ServerInfo, server_of
-from .window import WINDOW_SLACK
-from .wire import Request, pack, run_on, run_pooled
 
 __all__ = ["RETRY_EVERY", "TAKEOVER_WAIT", "Lease", "LockSpec", "execute", "replaced_lease", "retry_pause"]
 

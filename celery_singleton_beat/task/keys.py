@@ -47,7 +47,7 @@ from typing import Any, Union
 
 from kombu.utils import json as kombu_json
 
-from .exceptions import SingletonKeyError
+from ..exceptions import SingletonKeyError
 
 __all__ = [
     "QUEUED_SUFFIX",

@@ -49,7 +49,7 @@ from redis.exceptions import MovedError, RedisClusterException, SlotNotCoveredEr
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from .config import (
+from ..config import (
     CLUSTER,
     DEFAULT_REDIS_OPTIONS,
     SENTINEL,
@@ -57,8 +57,8 @@ from .config import (
     get_settings,
     parse_redis_url,
 )
+from ..recovery.server import LockServer, memory_for
 from .sentinel import FollowingSentinelPool
-from .server import LockServer, memory_for
 
 __all__ = [
     "ACL_COMMANDS",

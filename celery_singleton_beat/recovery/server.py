@@ -33,7 +33,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from .log import logger
+from ..log import logger
 from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice, records_of
 
 __all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "memory_for",

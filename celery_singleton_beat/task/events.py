@@ -18,8 +18,8 @@ from typing import Any
 
 from celery import Celery, Task
 
-from . import native
-from .log import logger
+from .. import native
+from ..log import logger
 
 __all__ = [
     "SKIPPED",

@@ -4,7 +4,7 @@
   ``singleton_*`` settings (a mistake stops the worker with a clear error),
   checks the lock Redis (:mod:`.startup`: a configuration error stops the
   worker with one line and exit code 78, an outage is retried) and starts the
-  :class:`~celery_singleton_beat.liveness.Heartbeat` that proves this
+  :class:`~celery_singleton_beat.lease.liveness.Heartbeat` that proves this
   incarnation alive. Locks of incarnations that stopped proving it are
   taken over by the next run that wants them (see :mod:`.liveness`), so no
   start-up sweep and no trust in node names is needed.
@@ -43,16 +43,17 @@ from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
-from . import counters, outage
-from .client import get_redis
-from .config import get_settings
+from ..config import get_settings
+from ..connection.client import get_redis
+from ..exceptions import describe_holder
+from ..lease import counters
+from ..lease.keeper import send_pending_releases
+from ..lease.liveness import Heartbeat, boot_id
+from ..lease.lock import Holder, read_holder, release_for
+from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck
+from . import outage
 from .events import logger
-from .exceptions import describe_holder
-from .keeper import send_pending_releases
 from .keys import QUEUED_SUFFIX
-from .liveness import Heartbeat, boot_id
-from .lock import Holder, read_holder, release_for
-from .startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 
 __all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install",
            "sends_task_events"]
@@ -93,7 +94,7 @@ def install(app: Celery) -> None:
     """Give ``app``'s workers the library's worker side (idempotent).
 
     :class:`SingletonWorkerStep` (settings check, liveness) and
-    :class:`~celery_singleton_beat.slot_delivery.SlotDeliveryStep` (a beat
+    :class:`~celery_singleton_beat.task.slot_delivery.SlotDeliveryStep` (a beat
     slot's message runs once, for every task). Apps with a singleton task get
     it automatically; apps that use only the scheduler call it once in their
     app module.
@@ -332,7 +333,7 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
     """Validates settings and the lock Redis when the worker starts; keeps its liveness key.
 
     A lock Redis that cannot be used as configured stops the worker before it
-    consumes anything (:func:`~celery_singleton_beat.startup.refuse_to_start`);
+    consumes anything (:func:`~celery_singleton_beat.recovery.startup.refuse_to_start`);
     one that does not answer yet is checked again until it does. The heartbeat
     starts while the worker is being built, before the pool forks or any
     message is consumed, and is never stopped before the process ends: during

@@ -13,8 +13,8 @@ so it reports the lock freed.
 
 from __future__ import annotations
 
+from ..connection.client import RedisClient
 from . import counters
-from .client import RedisClient
 from .commands import release_for_request, release_request
 from .holder import Holder, parse_holder, text_of
 from .lease import execute

@@ -1,11 +1,11 @@
-"""``task.singleton_run``: what a running :class:`~celery_singleton_beat.task.SingletonTask` knows of its lock."""
+"""``task.singleton_run``: what a running :class:`~celery_singleton_beat.task.task.SingletonTask` knows of its lock."""
 
 from __future__ import annotations
 
 import time
 
-from .exceptions import LockLost
-from .keeper import KeptLease
+from ..exceptions import LockLost
+from ..lease.keeper import KeptLease
 
 __all__ = ["SingletonRun"]
 

@@ -49,11 +49,11 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from .events import logger
+from ..connection.wire import Request
+from ..recovery.server import ServerInfo
+from ..task.events import logger
 from .holder import text_of
 from .scripts import ACQUIRE_UNLESS_DONE, ADOPT, CLAIM_ON_RETRY, RELEASE, RELEASE_FOR, RENEW, TAKE_OVER
-from .server import ServerInfo
-from .wire import Request
 
 __all__ = ["AcquireReply", "Look", "NativeRefused", "Renewal", "Replaced", "acquire_request", "adopt_request",
            "claim_on_retry_request", "done_marker_request", "finds_own", "legacy_fence_key", "look_request",

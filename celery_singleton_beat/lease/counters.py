@@ -26,12 +26,12 @@ from typing import Any
 
 import redis
 
-from . import native
-from .channel import channel_or_none, read_all_replies
+from .. import native
+from ..connection.channel import channel_or_none, read_all_replies
+from ..connection.wire import Request
+from ..task.events import logger
 from .commands import raise_errors
-from .events import logger
 from .scripts import STATS_TTL_MS
-from .wire import Request
 
 __all__ = ["FLUSH_EVERY", "count", "flush", "flush_at_exit"]
 

@@ -1,4 +1,4 @@
-"""The publish side of :class:`~celery_singleton_beat.task.SingletonTask`: claims in ``apply_async``.
+"""The publish side of :class:`~celery_singleton_beat.task.task.SingletonTask`: claims in ``apply_async``.
 
 In the publish-time modes a publish claims the task's key before the message is
 sent (see the :mod:`.task` docstring):
@@ -23,12 +23,12 @@ from celery import Task, states
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from .client import RedisClient, get_redis
-from .config import get_settings
+from ..config import get_settings
+from ..connection.client import RedisClient, get_redis
+from ..exceptions import DuplicateTaskError, LockUnavailable, describe_holder
+from ..lease.lock import AcquireResult, Holder, release_for, release_value
 from .events import logger
-from .exceptions import DuplicateTaskError, LockUnavailable, describe_holder
 from .keys import QUEUED_SUFFIX
-from .lock import AcquireResult, Holder, release_for, release_value
 
 __all__ = ["PublishClaims", "delay_of"]
 

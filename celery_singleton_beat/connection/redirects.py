@@ -126,7 +126,7 @@ class AskFollower:
         return replies
 
     def _target(self, ask: AskError) -> PoolLink:
-        from .server import server_of
+        from ..recovery.server import server_of
 
         node = self._client.get_node(host=ask.host, port=ask.port)
         if node is None:  # a node this client has not seen yet: read the layout

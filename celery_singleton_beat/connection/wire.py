@@ -475,9 +475,9 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     back. On Cluster, ``-MOVED`` and ``-ASK`` are followed (see the module
     docstring).
     """
+    from ..recovery.server import server_of
     from .client import cluster_moved, is_cluster
     from .redirects import AskFollower
-    from .server import server_of
 
     cluster = is_cluster(client)
     repeated = False
