@@ -32,7 +32,7 @@ from celery.beat import PersistentScheduler
 
 from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin, entry_record_key
 from celery_singleton_beat.config import clear_settings_cache
-from celery_singleton_beat.connection.client import get_redis, reset_clients
+from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 
 from .common import Server, bench_cli, markdown_table, progress, summary
 

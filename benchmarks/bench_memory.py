@@ -20,7 +20,8 @@ from typing import Any
 
 import redis
 
-from celery_singleton_beat.lease.lock import LockSpec, acquire
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.window import server_key
 from celery_singleton_beat.task.keys import task_stats_key
 

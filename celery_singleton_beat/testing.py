@@ -65,8 +65,8 @@ import redis
 from celery import Task, states
 from celery.contrib.testing.worker import test_worker_stopped
 
-from .connection.client import get_redis
 from .exceptions import TaskSkipped
+from .recovery.lock_redis import get_redis
 from .recovery.window import mark_in_use
 from .task.worker import SingletonWorkerStep
 

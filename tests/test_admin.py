@@ -27,9 +27,9 @@ from celery.exceptions import ImproperlyConfigured
 
 from celery_singleton_beat import SingletonError, admin
 from celery_singleton_beat.beat.entries import ENTRY_HEADER
-from celery_singleton_beat.connection.client import get_redis
 from celery_singleton_beat.lease.liveness import Heartbeat
 from celery_singleton_beat.lease.lock import AcquireResult, Lease, done_key
+from celery_singleton_beat.recovery.lock_redis import get_redis
 
 from .support import (
     LOCK_DB,

@@ -43,9 +43,10 @@ from redis.retry import Retry
 
 from celery_singleton_beat.connection.channel import channel_for
 from celery_singleton_beat.lease.commands import look_request
+from celery_singleton_beat.lease.executor import execute
 from celery_singleton_beat.lease.keeper import LeaseKeeper
-from celery_singleton_beat.lease.lease import execute
-from celery_singleton_beat.lease.lock import LockSpec, acquire, read_holder
+from celery_singleton_beat.lease.lock import acquire, read_holder
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import server_of
 from celery_singleton_beat.recovery.window import NEW_OR_EMPTIED, mark_in_use
 
@@ -258,7 +259,8 @@ def test_a_release_sent_again_while_redis_is_down_gives_up_at_the_leases_end_and
 CONTENDER = """
 import json, sys, time
 import redis
-from celery_singleton_beat.lease.lock import LockSpec, acquire
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 client = redis.Redis.from_url(sys.argv[1])
 spec = LockSpec(task="adversary", ttl=30.0, boot="skewed", live=True, liveness_ttl=3.0,
                 liveness_prefix="singleton")

@@ -39,7 +39,8 @@ from redis.retry import Retry
 
 from celery_singleton_beat.lease.holder import done_key
 from celery_singleton_beat.lease.keeper import LeaseKeeper
-from celery_singleton_beat.lease.lock import LockSpec, acquire, read_holder
+from celery_singleton_beat.lease.lock import acquire, read_holder
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
@@ -66,7 +67,7 @@ import celery_singleton_beat.connection.channel as channel
 channel.FLUSH_AFTER = 3600.0
 from celery_singleton_beat.task import worker
 from celery_singleton_beat.lease.keeper import get_keeper
-from celery_singleton_beat.lease.lease import LockSpec
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.task.task import SingletonTask
 import redis

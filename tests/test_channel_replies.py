@@ -23,7 +23,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_singleton_beat.connection import channel as channel_module
 from celery_singleton_beat.connection.channel import channel_for
-from celery_singleton_beat.connection.wire import Request, pack, run_pooled
+from celery_singleton_beat.connection.pooled import run_pooled
+from celery_singleton_beat.connection.wire import Request, pack
 from celery_singleton_beat.lease.commands import raise_errors, release_request
 from celery_singleton_beat.lease.lock import AcquireResult, read_holder
 from celery_singleton_beat.lease.scripts import RELEASE

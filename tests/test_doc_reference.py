@@ -22,7 +22,8 @@ from celery import Celery
 import celery_singleton_beat
 from celery_singleton_beat import SingletonTask, admin
 from celery_singleton_beat.cli import singleton
-from celery_singleton_beat.config import DEFAULT_REDIS_OPTIONS, SingletonSettings
+from celery_singleton_beat.config import SingletonSettings
+from celery_singleton_beat.connection.url import DEFAULT_REDIS_OPTIONS
 from celery_singleton_beat.recovery import startup
 from celery_singleton_beat.task.task import LOCK_MODES, ON_CONFLICT
 

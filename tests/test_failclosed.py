@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from celery_singleton_beat.config import clear_settings_cache
-from celery_singleton_beat.connection.client import reset_clients
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import RedisServer, start_worker, wait_for
 from .support.tasks import lock_keys, runs

@@ -18,7 +18,8 @@ import redis
 from celery_singleton_beat.exceptions import LockLost
 from celery_singleton_beat.lease.holder import done_key
 from celery_singleton_beat.lease.keeper import LeaseKeeper
-from celery_singleton_beat.lease.lock import LockSpec, acquire
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.task.run import SingletonRun
 
 from .support import LOCK_DB, RedisServer, wait_for

@@ -42,7 +42,7 @@ from redis.retry import Retry
 
 from celery_singleton_beat import SingletonTask
 from celery_singleton_beat.config import clear_settings_cache
-from celery_singleton_beat.connection.client import get_redis, reset_clients
+from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key, shard_records
 

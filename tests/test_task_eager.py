@@ -17,9 +17,9 @@ from celery_singleton_beat import (
     SingletonTask,
     TaskSkipped,
 )
-from celery_singleton_beat.connection.client import reset_clients
 from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease.lock import Lease, read_holder
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import LOCK_DB, RedisServer, free_port
 from .support.locking import take_lock

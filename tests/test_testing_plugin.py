@@ -21,7 +21,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_beat import SingletonTask
-from celery_singleton_beat.connection.client import reset_clients
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.testing import Held, assert_skipped, hold
 
 from .support import LOCK_DB, ROOT, RedisServer, importorskip, run_command, wait_for

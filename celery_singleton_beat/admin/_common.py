@@ -22,12 +22,14 @@ from redis.exceptions import RedisClusterException
 
 from ..beat import history_key as beat_history_key
 from ..beat import stats_key as beat_totals_key
-from ..config import SingletonSettings, get_settings, sanitize_redis_url
-from ..connection.client import RedisClient, get_redis, scan_all
+from ..config import SingletonSettings, get_settings
+from ..connection.client import RedisClient, scan_all
+from ..connection.url import sanitize_redis_url
 from ..exceptions import SingletonError
 from ..lease.commands import legacy_fence_key as fence_key
 from ..lease.liveness import live_key
 from ..lease.lock import done_key
+from ..recovery.lock_redis import get_redis
 from ..recovery.window import recovery_key, server_key
 from ..task.keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
 

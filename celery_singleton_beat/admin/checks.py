@@ -19,7 +19,8 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
 from ..config import SingletonSettings, get_settings
-from ..connection.client import RedisClient, get_redis, primaries
+from ..connection.client import RedisClient, primaries
+from ..recovery.lock_redis import get_redis
 from ..recovery.startup import (
     EX_CONFIG,
     MIN_REDIS,

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 
 from ..config import SingletonSettings
-from ..task.events import logger
+from ..log import logger
 from .breaker import Breaker
 from .claims import PENDING, RELEASED, SENT, UNSENT, Claim, ClaimStore, claim_value, parse_claim
 from .entries import SlotSpec, entry_spec

@@ -42,10 +42,12 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..connection.client import ReplicasNotAcknowledged, group_by_node, is_cluster
+from ..connection.pooled import run_script
+from ..connection.wire import LuaScript
 from ..lease.lock import release_value
-from ..lease.scripts import STATS_TTL_MS, LuaScript
+from ..lease.scripts import STATS_TTL_MS
+from ..log import logger
 from ..recovery.server import server_of
-from ..task.events import logger
 from ..task.keys import beat_stats_key
 from .entries import history_key, stats_key
 from .recovery import KeptClaims
@@ -178,7 +180,7 @@ def receive_slot(client: Any, key: str, instance: str, worker: str, create_ttl_m
     this slot was (or will be) the one executed; drop this one.
     """
     keys = [key] + ([stats_key] if stats_key else [])
-    reply = RECEIVE_SCRIPT(client, keys, [instance, worker, create_ttl_ms, STATS_TTL_MS])
+    reply = run_script(client, RECEIVE_SCRIPT, keys, [instance, worker, create_ttl_ms, STATS_TTL_MS])
     verdict = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if verdict == "drop":
         return False, parse_claim(reply[1]) or {}

@@ -34,10 +34,11 @@ from typing import Any
 import redis
 from celery import signals
 
-from ..config import get_settings, sanitize_redis_url
-from ..connection.client import get_redis
+from ..config import get_settings
+from ..connection.url import sanitize_redis_url
+from ..log import logger
+from ..recovery.lock_redis import get_redis
 from ..recovery.startup import EX_CONFIG
-from ..task.events import logger
 from .entries import entry_spec, history_key
 from .records import REFRESH, entry_record_key
 

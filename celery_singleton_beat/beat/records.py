@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..connection.client import is_cluster
-from ..lease.scripts import LuaScript
+from ..connection.wire import LuaScript
 from .claims import _evalsha_pipelined  # the multi-key script runner of the claims
 
 __all__ = ["REFRESH", "EntryRecords", "entry_record_key"]

@@ -38,11 +38,12 @@ from celery import schedules, signals
 from celery.beat import PersistentScheduler
 from celery.exceptions import ImproperlyConfigured
 
-from ..config import SingletonSettings, get_settings, sanitize_redis_url
-from ..connection.client import get_redis
+from ..config import SingletonSettings, get_settings
 from ..connection.sentinel import FOLLOW_EVERY
+from ..connection.url import sanitize_redis_url
+from ..log import logger
+from ..recovery.lock_redis import get_redis
 from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck
-from ..task.events import logger
 from .anchoring import Provisional, SlotAnchoring
 from .breaker import Breaker
 from .claims import Claim, ClaimStore

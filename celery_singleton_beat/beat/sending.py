@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..task.events import logger
+from ..log import logger
 from .claiming import ClaimRounds
 from .claims import Claim
 from .entries import (

@@ -56,9 +56,19 @@ from typing import Any, TypeGuard
 import redis
 
 from .. import native
-from ..recovery.server import server_of
-from ..task.events import logger
-from .wire import BROKEN, RETRIED, Request, SocketLink, Written, _NoScript, ensure_checked, read_own, write_request
+from ..log import logger
+from .wire import (
+    BROKEN,
+    RETRIED,
+    Request,
+    SocketLink,
+    Written,
+    _NoScript,
+    ensure_checked,
+    looker_of,
+    read_own,
+    write_request,
+)
 
 __all__ = ["Channel", "channel_for", "channel_or_none", "read_all_replies", "supports_channel"]
 
@@ -268,7 +278,7 @@ class Channel:
             self._connection = pool.connection_class(**pool.connection_kwargs)
         self._used = False
         self._last_read = time.monotonic()
-        ensure_checked(self._connection, server_of(self._client))
+        ensure_checked(self._connection, looker_of(self._client))
         link = self._link = SocketLink(self._connection._sock)
         if self._pending:  # written on a connection dropped before their replies were read
             if not self._unsent:  # an interruption cut _lost short: the same outcome

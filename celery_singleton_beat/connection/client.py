@@ -1,7 +1,7 @@
 """The Redis client used for locks and beat slots, for every topology.
 
-:func:`get_redis` gives one client (and so one connection pool) per app and per
-process, built by :func:`redis_from_url` from ``singleton_redis_url``. On a single
+:func:`redis_from_url` builds a client for any form of ``singleton_redis_url``
+(one per app and process: :func:`.recovery.lock_redis.get_redis`). On a single
 server each thread that takes locks also keeps a dedicated connection of its own
 (:mod:`.channel`), made from the pool's settings but outside the pool (so
 ``max_connections`` does not bound it). The topologies:
@@ -18,14 +18,6 @@ server each thread that takes locks also keeps a dedicated connection of its own
   :class:`ClusterUnavailable`, a :class:`redis.ConnectionError`, as every other
   topology reports an outage.
 
-Fork safety: redis-py pools remember the pid that made them and start afresh in
-a child (``ConnectionPool._checkpid``), and that holds for the pools inside a
-Sentinel and a Cluster client too. On top of that, a forked child (a prefork
-pool process) never touches its parent's client: the cache is keyed by pid,
-and an ``os.register_at_fork`` hook moves inherited clients aside (never closed
-from the child, so no inherited socket is shut down) and replaces the cache's
-lock, which the parent may have held at the moment of the fork.
-
 The helpers below hide what differs on Cluster: :func:`scan_all` and
 :func:`mget_any` for tools that walk keys, :func:`primary_clients` for
 per-server commands, and :func:`call_acknowledged` for ``WAIT``, which must run
@@ -34,31 +26,19 @@ on the very connection (and node) that made the write.
 
 from __future__ import annotations
 
-import os
-import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, Union
 
 import redis
-from celery import Celery
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.exceptions import MovedError, RedisClusterException, SlotNotCoveredError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from ..config import (
-    CLUSTER,
-    DEFAULT_REDIS_OPTIONS,
-    SENTINEL,
-    SENTINEL_OPTIONS,
-    get_settings,
-    parse_redis_url,
-)
-from ..recovery.server import LockServer, memory_for
 from .sentinel import FollowingSentinelPool
+from .url import CLUSTER, DEFAULT_REDIS_OPTIONS, SENTINEL, SENTINEL_OPTIONS, parse_redis_url
 
 __all__ = [
     "ACL_COMMANDS",
@@ -69,19 +49,18 @@ __all__ = [
     "acl_rules",
     "call_acknowledged",
     "cluster_moved",
-    "get_redis",
     "group_by_node",
     "is_cluster",
+    "is_cluster_outage",
     "mget_any",
     "pinned",
     "primaries",
     "primary_clients",
     "redis_from_url",
-    "reset_clients",
     "scan_all",
 ]
 
-#: What :func:`get_redis` returns: a one-server (or Sentinel-managed) client, or a Cluster client.
+#: What :func:`redis_from_url` returns: a one-server (or Sentinel-managed) client, or a Cluster client.
 RedisClient = Union[redis.Redis, RedisCluster]  # noqa: UP007 (a runtime alias: `|` needs 3.10 objects)
 
 T = TypeVar("T")
@@ -158,7 +137,7 @@ class ClusterUnavailable(redis.exceptions.ConnectionError):
     """
 
 
-def _is_outage(exc: RedisClusterException) -> bool:
+def is_cluster_outage(exc: RedisClusterException) -> bool:
     """Tell "the cluster cannot be reached or is not covering a slot" from misuse."""
     if isinstance(exc, SlotNotCoveredError) or "not covered" in str(exc):
         return True
@@ -170,7 +149,7 @@ def _outage_as_connection_error() -> Iterator[None]:
     try:
         yield
     except RedisClusterException as exc:
-        if _is_outage(exc):
+        if is_cluster_outage(exc):
             raise ClusterUnavailable(str(exc)) from exc
         raise
 
@@ -239,67 +218,6 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
     client = redis.Redis(connection_pool=redis.ConnectionPool(**connection))
     client.auto_close_connection_pool = True  # as Redis.from_url: close() closes the pool
     return client
-
-
-# -------------------------------------------------------------------- one per app and process
-
-_clients: weakref.WeakKeyDictionary[Celery, tuple[int, RedisClient]] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-#: Clients a forked child inherited: kept referenced so that no finalizer in the
-#: child ever closes them (their sockets belong to the parent).
-_inherited: list[RedisClient] = []
-
-
-def get_redis(app: Celery) -> RedisClient:
-    """The Redis client of ``app`` in this process, created on first use."""
-    pid = os.getpid()
-    cached = _clients.get(app)
-    if cached is not None and cached[0] == pid:
-        return cached[1]
-    with _lock:
-        cached = _clients.get(app)
-        if cached is None or cached[0] != pid:
-            settings = get_settings(app)
-            assert settings.redis_url is not None
-            # What this process learns of the server, per connection (see .server): every
-            # connection of the client (locks, claims, liveness, counters) is looked at as it
-            # connects, so a restart or a failover is noticed by whichever use comes first.
-            url = settings.redis_url
-            server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
-                                factory=lambda: redis_from_url(url, **options))
-            options = dict(settings.redis_options)
-            options["redis_connect_func"] = server.on_connect  # on Cluster: each node's connections
-            client = redis_from_url(url, **options)
-            client.csb_server = server  # type: ignore[union-attr]
-            _clients[app] = cached = (pid, client)
-    return cached[1]
-
-
-#: Bumped when cached clients are dropped (:func:`reset_clients`, a fork): references kept elsewhere are stale.
-GENERATION = [0]
-
-
-def reset_clients() -> None:
-    """Drop every cached client (tests, or after changing settings at run time)."""
-    GENERATION[0] += 1
-    with _lock:
-        pid = os.getpid()
-        for owner, client in list(_clients.values()):
-            if owner == pid:
-                client.close()
-        _clients.clear()
-
-
-def _after_fork_in_child() -> None:
-    global _lock
-    GENERATION[0] += 1
-    _lock = threading.Lock()  # the parent may have held it while forking
-    _inherited.extend(client for _, client in _clients.values())
-    _clients.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -------------------------------------------------------------------- topology helpers

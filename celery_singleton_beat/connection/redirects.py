@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.exceptions import AskError
 
-from .wire import PoolLink, Request, ensure_checked, give_back, pack, run_on
+from .wire import PoolLink, Request, ensure_checked, give_back, looker_of, pack, run_on
 
 __all__ = ["AskFollower", "asked_units", "command_name", "split_commands"]
 
@@ -126,7 +126,6 @@ class AskFollower:
         return replies
 
     def _target(self, ask: AskError) -> PoolLink:
-        from ..recovery.server import server_of
 
         node = self._client.get_node(host=ask.host, port=ask.port)
         if node is None:  # a node this client has not seen yet: read the layout
@@ -138,7 +137,7 @@ class AskFollower:
         connection = pool.get_connection("_")
         link = PoolLink(connection)
         self._borrowed = (pool, connection, link)
-        ensure_checked(connection, server_of(self._client))
+        ensure_checked(connection, looker_of(self._client))
         return link
 
     def close(self) -> None:

@@ -20,8 +20,10 @@ from redis.connection import parse_url
 __all__ = [
     "CLUSTER",
     "CLUSTER_SCHEMES",
+    "DEFAULT_REDIS_OPTIONS",
     "REDIS_SCHEMES",
     "SENTINEL",
+    "SENTINEL_OPTIONS",
     "SENTINEL_SCHEME",
     "STANDALONE",
     "SUPPORTED_SCHEMES",
@@ -31,6 +33,19 @@ __all__ = [
     "topology_of",
     "url_scheme",
 ]
+
+#: Keys of ``singleton_redis_options`` that configure Sentinel itself (the same
+#: names as kombu's transport options); every other key goes to redis-py connections.
+SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
+
+#: Connection options applied unless the URL or ``singleton_redis_options`` say
+#: otherwise. Fail fast: a lock that cannot be asked for within a few seconds is
+#: "Redis unavailable" (fail closed), not a hung worker.
+DEFAULT_REDIS_OPTIONS: dict[str, Any] = {
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+    "health_check_interval": 30,
+}
 
 #: URL schemes that point at a single Redis server.
 REDIS_SCHEMES = ("redis", "rediss", "unix")

@@ -30,7 +30,7 @@ connection with replies outstanding ends that connection, and a pooled one
 never goes back to its pool with them. Otherwise the next request on it would
 read them as its own.
 
-On Redis Cluster, :func:`run_pooled` follows ``-MOVED`` (the layout is read
+On Redis Cluster, :func:`.pooled.run_pooled` follows ``-MOVED`` (the layout is read
 again, the request sent to the new owner) and ``-ASK`` (a slot migrating: each
 command the source answered with ``ASK`` is sent to the target behind
 ``ASKING``; what the source served stays served: see :mod:`.redirects`).
@@ -45,8 +45,9 @@ from typing import Any, Protocol
 import redis
 from redis.exceptions import AskError, NoScriptError
 
-__all__ = ["Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked", "give_back",
-           "pack", "read_own", "read_replies", "reply_reader", "run_on", "run_pooled", "write_request"]
+__all__ = [
+    "Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked", "give_back",
+           "looker_of", "pack", "read_own", "read_replies", "reply_reader", "run_on", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
 RETRIED = (redis.ConnectionError, OSError)
@@ -64,18 +65,6 @@ class LuaScript:
     def command(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
         """The ``EVALSHA`` command of a call of this script."""
         return (b"EVALSHA", self.sha, len(keys), *keys, *args)
-
-    def __call__(self, client: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """Run on ``client`` through its pool (tools and tests; the run path uses requests)."""
-        return run_pooled(client, keys[0] if keys else "", Request([self.command(keys, args)], _first,
-                                                                    scripts=(self,)))
-
-
-def _first(replies: list[Any]) -> Any:
-    reply = replies[0]
-    if isinstance(reply, Exception):
-        raise reply
-    return reply
 
 
 class Request:
@@ -203,8 +192,15 @@ def loaded_on(connection: Any) -> set[str]:
     return known[1]
 
 
+def looker_of(client: Any) -> Any:
+    """What looks at each new connection of ``client``: the server record that
+    :func:`.recovery.server.server_of` attached to it (None before that)."""
+    return getattr(client, "csb_server", None)
+
+
 def ensure_checked(connection: Any, server: Any) -> None:
-    """Connect if needed, and let ``server`` (a :class:`~.server.LockServer`) look at a new connection once."""
+    """Connect if needed, and let ``server`` (what :func:`looker_of` gives: a
+    :class:`~.recovery.server.LockServer`, or None) look at a new connection once."""
     try:
         if getattr(connection, "_sock", None) is None:
             connection.connect()  # the handshake, and the check where it is redis_connect_func
@@ -446,70 +442,8 @@ def run_on(link: Link, request: Request,
     return request.finish(replies)
 
 
-def _node_client(client: Any, key: str) -> Any:
-    from redis.cluster import RedisCluster
-
-    if isinstance(client, RedisCluster):
-        return client.get_redis_connection(client.get_node_from_key(key))
-    return client
-
-
 def give_back(pool: Any, connection: Any, link: PoolLink) -> None:
     """Return a borrowed connection to its pool, dropped first if replies on it are unread."""
     if link.outstanding:
         connection.disconnect()
     pool.release(connection)
-
-
-def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any, Any], Any] | None = None,
-               before_write: Callable[[], Any] | None = None) -> Any:
-    """Run ``request`` on a connection borrowed from the pool of the server holding ``key``.
-
-    ``after(link, result)``, if given, runs on the same connection before it
-    goes back (``WAIT`` counts the replicas of that connection's writes; on a
-    slot that migrates, the connection to the target when the request's first
-    command went there). ``before_write`` runs once the connection is up (a
-    recovery window's wait). A connection that fails with a connection error
-    is dropped and the request is sent once more on a new one; one whose
-    replies were not all read (whatever the exception) is dropped, never put
-    back. On Cluster, ``-MOVED`` and ``-ASK`` are followed (see the module
-    docstring).
-    """
-    from ..recovery.server import server_of
-    from .client import cluster_moved, is_cluster
-    from .redirects import AskFollower
-
-    cluster = is_cluster(client)
-    repeated = False
-    for attempt in (1, 2):
-        server = _node_client(client, key)
-        pool = server.connection_pool
-        connection = pool.get_connection("_")
-        link = PoolLink(connection)
-        follow = AskFollower(client) if cluster else None
-        try:
-            ensure_checked(connection, server_of(client))
-            if before_write is not None:
-                before_write()
-            result = run_on(link, request, follow)
-            if after is not None:
-                result = after(follow.link if follow is not None and follow.link is not None else link, result)
-            if repeated and not result and request.unsure_when_repeated:
-                return None  # its first attempt may have run: unknown, not "not ours"
-            return result
-        except RETRIED:
-            repeated = link.outstanding > 0  # written (maybe in part) before the connection failed
-            connection.disconnect()
-            if attempt == 2:
-                raise
-        except BROKEN:
-            connection.disconnect()
-            raise
-        except redis.ResponseError as exc:
-            if attempt == 2 or not cluster_moved(client, exc):
-                raise
-        finally:
-            give_back(pool, connection, link)
-            if follow is not None:
-                follow.close()
-    raise AssertionError("unreachable")

@@ -16,8 +16,8 @@ from __future__ import annotations
 from ..connection.client import RedisClient
 from . import counters
 from .commands import release_for_request, release_request
+from .executor import execute
 from .holder import Holder, parse_holder, text_of
-from .lease import execute
 
 __all__ = ["read_holder", "release_for", "release_value"]
 

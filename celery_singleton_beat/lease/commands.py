@@ -50,8 +50,8 @@ from typing import Any, NamedTuple
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from ..connection.wire import Request
+from ..log import logger
 from ..recovery.server import ServerInfo
-from ..task.events import logger
 from .holder import text_of
 from .scripts import ACQUIRE_UNLESS_DONE, ADOPT, CLAIM_ON_RETRY, RELEASE, RELEASE_FOR, RENEW, TAKE_OVER
 

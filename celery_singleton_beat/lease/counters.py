@@ -29,7 +29,8 @@ import redis
 from .. import native
 from ..connection.channel import channel_or_none, read_all_replies
 from ..connection.wire import Request
-from ..task.events import logger
+from ..log import logger
+from ..recovery.lock_redis import thread_client
 from .commands import raise_errors
 from .scripts import STATS_TTL_MS
 
@@ -111,7 +112,7 @@ class _Batch:
                 # has one (standalone Redis): a redis-py pipeline on a pooled connection
                 # cost ~295k instructions per batch, this ~94k. Sentinel, Cluster and
                 # greenlet pools keep redis-py's pipeline (its failover handling).
-                client = native.thread_client(clients[client_id])
+                client = thread_client(clients[client_id])
                 channel = channel_or_none(client)
                 if channel is not None:
                     channel.call(Request(commands, raise_errors))

@@ -25,12 +25,11 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .lease import LockSpec
+from .spec import LockSpec, ms
 
-__all__ = ["VALUE_FORMAT", "Holder", "claim_value", "done_key", "lock_value", "ms", "parse_holder", "text_of"]
+__all__ = ["VALUE_FORMAT", "Holder", "claim_value", "done_key", "lock_value", "parse_holder", "text_of"]
 
 VALUE_FORMAT = 2
 
@@ -43,11 +42,6 @@ def done_key(key: str, task_id: str | None) -> str:
     message finds it and ends without running.
     """
     return f"{key}:done:{task_id or ''}"
-
-
-def ms(seconds: float) -> int:
-    """Whole milliseconds, at least 1 (a ``PX`` of 0 is refused)."""
-    return max(1, round(seconds * 1000))
 
 
 def text_of(value: Any) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import heapq
 import itertools
-import logging
 import os
 import threading
 import time
@@ -33,14 +32,14 @@ import redis
 
 from .. import native
 from ..connection.channel import read_all_replies
+from ..log import logger
 from ..recovery import server
+from ..recovery.lock_redis import thread_client
 from .commands import Renewal
 from .lease import RETRY_EVERY, Lease, retry_pause
 from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper", "send_pending_releases"]
-
-logger = logging.getLogger("celery_singleton_beat")
 
 #: Seconds an idle keeper (nothing to renew) waits before it looks at its queue again.
 #: A new lease due later than that needs no wake-up: short runs cost no thread switch.
@@ -226,7 +225,7 @@ class LeaseKeeper:
         """Renew once; the monotonic time of the next attempt, or None when done."""
         lease = kept.lease
         try:
-            if self._renewed(kept, native.thread_client(lease.client)):
+            if self._renewed(kept, thread_client(lease.client)):
                 kept.renewals += 1
                 if kept.next_complaint:
                     kept.next_complaint = 0.0

@@ -22,18 +22,16 @@ for a lease only until the earliest moment either could have happened.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from ..connection.channel import channel_or_none
 from ..connection.client import RedisClient, ReplicasNotAcknowledged, is_cluster
-from ..connection.wire import Request, pack, run_on, run_pooled
+from ..connection.pooled import run_pooled
+from ..connection.wire import Request, pack, run_on
+from ..log import logger
 from ..recovery.server import PORTABLE, ServerInfo, server_of
-from ..recovery.window import WINDOW_SLACK
-from ..task.events import logger
 from . import counters
 from .commands import (
     NativeRefused,
@@ -45,16 +43,12 @@ from .commands import (
     release_request,
     renew_request,
 )
-from .holder import Holder, claim_value, done_key, ms, parse_holder
+from .executor import execute, refused
+from .holder import Holder, claim_value, done_key, parse_holder
+from .spec import LockSpec, ms
 
-__all__ = ["RETRY_EVERY", "TAKEOVER_WAIT", "Lease", "LockSpec", "execute", "replaced_lease", "retry_pause"]
+__all__ = ["RETRY_EVERY", "Lease", "acknowledged", "replaced_lease", "retry_pause"]
 
-#: Seconds a worker watches a lock whose holder looks dead (liveness key gone,
-#: renewals missed) before taking it over: a holder that is alive renews within
-#: it (its keeper retries every quarter second while Redis does not answer: four
-#: tries), so a lock that merely could not be renewed during an outage is never
-#: taken. It is what a dead pod's lock costs on top of the liveness TTL.
-TAKEOVER_WAIT = 1.0
 #: Seconds between renewal attempts while Redis does not answer (at most).
 RETRY_EVERY = 0.25
 
@@ -62,119 +56,6 @@ RETRY_EVERY = 0.25
 def retry_pause(ttl: float) -> float:
     """Seconds before Redis is asked again about a lease of ``ttl`` seconds that it did not answer."""
     return min(max(ttl / 10, 0.05), RETRY_EVERY)
-
-
-@dataclass(frozen=True)
-class LockSpec:
-    """How a task takes its lock: what is the same for every run (built once per task and settings).
-
-    ``live``: the process publishes liveness (a worker), so its locks may be
-    taken over once its worker is provably dead. ``liveness_ttl``: every
-    holder, worker or not, renews at least every third of it (the recovery
-    window after a restart lasts a third of it plus
-    :data:`.window.WINDOW_SLACK`). ``liveness_prefix``: take over dead holders
-    (None: never). ``check_done``: refuse when this task id's done marker
-    exists (``acks_late``). ``claim``: a publish-time claim (held for a
-    queued message, not renewed). ``counters``: the counter for "taken" and
-    the one for "held by another". ``wait_replicas``: a taken lock must reach
-    that many replicas within ``wait_timeout`` (``WAIT``), else it is given
-    back and :class:`~.client.ReplicasNotAcknowledged` raised.
-    """
-
-    task: str
-    ttl: float
-    boot: str | None = None
-    live: bool = False
-    liveness_ttl: float = 10.0
-    liveness_prefix: str | None = None
-    check_done: bool = False
-    claim: bool = False
-    stats_key: str | None = None
-    counters: tuple[str, str] = ("acquired", "skipped")
-    wait_replicas: int = 0
-    wait_timeout: float = 1.0
-    ttl_ms: int = field(init=False, repr=False)
-    #: Seconds between two renewals by the keeper.
-    renew_every: float = field(init=False, repr=False)
-    #: Seconds after a renewal's start for which the holder vouches for its lease:
-    #: until the earliest moment another could have it (see :meth:`__post_init__`).
-    grace: float = field(init=False, repr=False)
-    #: The end of its lock values per (node, pid): the same for every run (see :func:`.holder.lock_value`).
-    tails: dict[tuple[str, int], str] = field(init=False, repr=False, compare=False, hash=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ttl_ms", ms(self.ttl))
-        # Every holder renews within a third of the liveness TTL: after a restart or a
-        # failover that lost its lock, it puts the lock back before the window closes.
-        every = min(self.ttl, self.liveness_ttl) / 3
-        object.__setattr__(self, "renew_every", every)
-        # Another may hold the key from the earliest of: the lease's end; a recovery window
-        # closing (the server lost the lock right after it was confirmed, and a client
-        # noticed at once); for a worker's run, a take-over (two missed renewals and the watch).
-        window = self.liveness_ttl / 3 + WINDOW_SLACK
-        take_over = 2 * every + TAKEOVER_WAIT if self.live else self.ttl
-        object.__setattr__(self, "grace", min(self.ttl, window, take_over))
-        object.__setattr__(self, "tails", {})
-
-
-# -------------------------------------------------------------------- running requests
-
-
-def execute(client: RedisClient, key: str, build: Callable[[ServerInfo], Request], *,
-            pooled: bool = False, before_write: Callable[[], Any] | None = None,
-            after: Callable[[Any, Any], Any] | None = None) -> Any:
-    """Run the request ``build`` makes for the server: on this thread's channel where it has
-    one (and ``pooled`` and ``after`` are not asked for), else on a pooled connection.
-
-    A native command the server refuses is sent again in its portable spelling
-    (from now on; for this call only when the server was out of memory). A
-    request marked ``unsure_when_repeated`` (a compare-and-delete) that was
-    written a second time -- its connection broke after the first write, which
-    may have run -- and found nothing reports None: unknown, not "not ours".
-    """
-    server = server_of(client)
-    info = server.info or PORTABLE
-    for attempt in (1, 2):
-        request = build(info)
-        # The executors call before_write before each write of the request: count them
-        # (a C-level counter where nothing else is to be called: a release's path).
-        writes = itertools.count() if request.unsure_when_repeated else None
-        hook = (before_write if writes is None else writes.__next__ if before_write is None
-                else _counting(writes, before_write))
-        try:
-            channel = None if pooled or after is not None else channel_or_none(client)
-            if channel is not None:
-                result = channel.call(request, hook)
-            else:
-                result = run_pooled(client, key, request, after=after, before_write=hook)
-        except NativeRefused as exc:
-            if attempt == 2:
-                raise
-            _refused(server, exc)
-            info = PORTABLE
-            continue
-        if writes is not None and next(writes) > 1 and not result:
-            return None
-        return result
-    raise AssertionError("unreachable")
-
-
-def _counting(writes: Iterator[int], before_write: Callable[[], Any]) -> Callable[[], Any]:
-    """``before_write``, also counting its calls in ``writes``."""
-    def counted() -> Any:
-        next(writes)
-        return before_write()
-
-    return counted
-
-
-def _refused(server: Any, exc: NativeRefused) -> None:
-    """A native command was refused: use the portable ones from now on, unless only for memory."""
-    if exc.lasting:
-        logger.warning("the lock Redis refused a native command (%s); using the portable ones", exc)
-        server.downgrade()
-    else:
-        logger.debug("the lock Redis refused a native command for memory (%s); its portable form instead", exc)
 
 
 def acknowledged(spec: LockSpec, key: str, value: str, taken: Callable[[Any], bool]) -> Callable[[Any, Any], Any]:
@@ -352,7 +233,7 @@ class Lease:
 
         def handle(reply: Any, error: BaseException | None) -> None:
             if isinstance(error, NativeRefused):  # refused, so not run: the portable form, at once
-                _refused(server, error)
+                refused(server, error)
                 reply, error = run_pooled(self.client, self.key, self._release_request(PORTABLE, done_ttl)), None
             # None: unknown (sent again after its reply was lost: see .commands), never a loss
             released = None if error is not None or reply is None else bool(reply)

@@ -22,7 +22,6 @@ or by the lease TTL.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import time
@@ -32,10 +31,13 @@ from typing import Any
 import redis
 
 from .. import native
+from ..connection.pooled import run_pooled
+from ..connection.wire import Request
+from ..log import logger
+from ..recovery.lock_redis import thread_client
+from ..recovery.server import server_of
 
 __all__ = ["Heartbeat", "boot_id", "is_alive", "live_key", "publishes_liveness"]
-
-logger = logging.getLogger("celery_singleton_beat")
 
 _boot_id = uuid.uuid4().hex
 _publishing = False
@@ -99,14 +101,14 @@ class Heartbeat:
     def beat(self, client: Any = None) -> bool:
         """Write the key once; False when an earlier write of it had lapsed.
 
-        Sent like the lock requests (:mod:`.wire`), so that the connection is
+        Sent like the lock requests (:mod:`.connection.pooled`), so that the connection is
         checked as theirs are: the worker's main process learns which server
         it uses before the pool forks, and its pool processes inherit that
         (how they tell a restart of that server, see :mod:`.server`).
         """
-        from ..connection.wire import Request, run_pooled
-
-        previous = run_pooled(client or self.client, self.key,
+        client = client or self.client
+        server_of(client)  # the record that looks at the connection (a default one for a plain client)
+        previous = run_pooled(client, self.key,
                               Request([(b"SET", self.key, self.value, b"PX", self.ttl_ms, b"GET")], _first_reply))
         lapsed = self.beats > 0 and previous is None
         self.beats += 1
@@ -137,7 +139,7 @@ class Heartbeat:
             if self._stopped:
                 return
             try:
-                if not self.beat(native.thread_client(self.client)):
+                if not self.beat(thread_client(self.client)):
                     logger.error("liveness key %s had expired: this worker counted as dead for a "
                                  "while; other workers may have taken over its locks", self.key)
                 wait = self.interval

@@ -34,8 +34,10 @@ from ..recovery.server import PORTABLE, server_of
 from . import counters
 from .behalf import read_holder, release_for, release_value
 from .commands import AcquireReply, Renewal, acquire_request, adopt_request, release_request
+from .executor import execute
 from .holder import VALUE_FORMAT, Holder, done_key, lock_value, parse_holder
-from .lease import RETRY_EVERY, TAKEOVER_WAIT, Lease, LockSpec, acknowledged, execute, replaced_lease
+from .lease import RETRY_EVERY, Lease, acknowledged, replaced_lease
+from .spec import TAKEOVER_WAIT, LockSpec
 from .takeover import looks_dead, take_over
 
 __all__ = [

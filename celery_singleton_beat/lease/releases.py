@@ -17,17 +17,15 @@ the lease lasts, then, for the done marker only, with a growing pause for up to
 
 from __future__ import annotations
 
-import logging
 import time
 
 import redis
 
-from .. import native
+from ..log import logger
+from ..recovery.lock_redis import thread_client
 from .lease import RETRY_EVERY, Lease, retry_pause
 
 __all__ = ["EXIT_PATIENCE", "MARKER_PATIENCE", "PendingRelease"]
-
-logger = logging.getLogger("celery_singleton_beat")
 
 #: Seconds after the lease's end that a done marker is still sent again: a copy of the
 #: message delivered again must find it (the lock itself has expired by then).
@@ -59,7 +57,7 @@ class PendingRelease:
         lease = self.lease
         self.attempts += 1
         try:
-            released = lease.release(done_ttl=self.done_ttl, client=native.thread_client(lease.client), again=True)
+            released = lease.release(done_ttl=self.done_ttl, client=thread_client(lease.client), again=True)
         except redis.RedisError as exc:
             return exc
         except Exception:  # never let the keeper thread die

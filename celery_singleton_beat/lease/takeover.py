@@ -19,9 +19,11 @@ import time
 from ..connection.client import RedisClient
 from . import counters
 from .commands import look_request, take_over_request
+from .executor import execute
 from .holder import Holder, text_of
-from .lease import TAKEOVER_WAIT, Lease, LockSpec, execute, replaced_lease
+from .lease import Lease, replaced_lease
 from .liveness import boot_id, is_alive
+from .spec import TAKEOVER_WAIT, LockSpec
 
 __all__ = ["looks_dead", "missed_renewals", "take_over"]
 

@@ -36,11 +36,12 @@ from celery.exceptions import ImproperlyConfigured
 from redis.exceptions import RedisClusterException
 
 from ..config import SingletonSettings
-from ..connection.client import RedisClient, primaries
+from ..connection.client import RedisClient, is_cluster_outage, primaries
+from ..connection.pooled import run_script
 from ..connection.url import sanitize_redis_url
+from ..connection.wire import LuaScript
 from ..exceptions import SingletonError
-from ..lease.scripts import LuaScript
-from ..task.events import logger
+from ..log import logger
 from .server import UnsupportedServer, version_text
 
 __all__ = [
@@ -161,9 +162,7 @@ def is_outage(exc: BaseException) -> bool:
     if isinstance(exc, redis.ResponseError) and str(exc).startswith(_BUSY_REPLIES):
         return True  # another client's script, a full server, a failover under way: it passes
     if isinstance(exc, RedisClusterException):
-        from ..connection.client import _is_outage  # the Cluster client's own rule
-
-        return _is_outage(exc)
+        return is_cluster_outage(exc)  # the Cluster client's own rule
     return False
 
 
@@ -275,7 +274,7 @@ def probe_set_get(client: RedisClient, prefix: str, url: str) -> None:
 
 def probe_lua(client: RedisClient, url: str) -> None:
     """Run a script using Lua and cjson, as the lock scripts do (``EVALSHA``, loaded on ``NOSCRIPT``)."""
-    reply = LUA_PROBE(client, [], ['{"lua":"ok"}'])
+    reply = run_script(client, LUA_PROBE, [], ['{"lua":"ok"}'])
     if (reply.decode() if isinstance(reply, bytes) else reply) != "ok":
         raise LockRedisUnusable(url, f"a Lua script returned {reply!r} instead of 'ok': "
                                      "the lock scripts cannot run on this server")

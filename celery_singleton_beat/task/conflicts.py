@@ -33,7 +33,8 @@ from celery.result import EagerResult
 from ..config import get_settings
 from ..exceptions import DuplicateTaskError, TaskSkipped, describe_holder
 from ..lease.lock import AcquireResult, Holder
-from .events import TASK_SKIPPED, logger, send_task_event
+from ..log import logger
+from .events import TASK_SKIPPED, send_task_event
 from .run import SingletonRun
 
 __all__ = ["COPY_HEADER", "ConflictOutcomes", "is_copy"]

@@ -1,4 +1,4 @@
-"""Making decisions visible: task events for Flower, and the library's logger.
+"""Making decisions visible: task events for Flower (the log lines are :mod:`..log`'s).
 
 A skipped duplicate sends a ``task-skipped`` task event: Celery's event state
 (and so Flower) turns ``task-<name>`` events into the state ``<NAME>``, so the
@@ -25,7 +25,6 @@ __all__ = [
     "SKIPPED",
     "TASK_LOCK_LOST",
     "TASK_SKIPPED",
-    "logger",
     "send_task_event",
     "send_task_event_soon",
     "skip_summary",

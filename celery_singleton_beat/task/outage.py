@@ -41,9 +41,9 @@ import redis
 from celery import signals
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 
-from ..config import DEFAULT_REDIS_OPTIONS
+from ..connection.url import DEFAULT_REDIS_OPTIONS
 from ..exceptions import LockUnavailable
-from .events import logger
+from ..log import logger
 
 if TYPE_CHECKING:
     from collections.abc import Callable

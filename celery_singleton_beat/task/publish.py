@@ -24,10 +24,11 @@ from celery.result import AsyncResult
 from celery.utils import uuid
 
 from ..config import get_settings
-from ..connection.client import RedisClient, get_redis
+from ..connection.client import RedisClient
 from ..exceptions import DuplicateTaskError, LockUnavailable, describe_holder
 from ..lease.lock import AcquireResult, Holder, release_for, release_value
-from .events import logger
+from ..log import logger
+from ..recovery.lock_redis import get_redis
 from .keys import QUEUED_SUFFIX
 
 __all__ = ["PublishClaims", "delay_of"]

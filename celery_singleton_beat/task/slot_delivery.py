@@ -61,8 +61,9 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from ..beat.claims import receive_slot
 from ..beat.entries import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 from ..config import SingletonSettings, get_settings
-from ..connection.client import get_redis
-from .events import TASK_SKIPPED, logger
+from ..log import logger
+from ..recovery.lock_redis import get_redis
+from .events import TASK_SKIPPED
 from .keys import beat_stats_key
 
 __all__ = ["RETRY_MAX", "RETRY_MIN", "SlotDeliveryStep", "SlotGate"]

@@ -60,15 +60,17 @@ from kombu.utils.functional import maybe_list
 
 from .. import config
 from ..config import SingletonSettings, get_settings
-from ..connection import client as client_module
-from ..connection.client import get_redis
 from ..exceptions import describe_holder
 from ..lease.keeper import KeptLease, get_keeper
 from ..lease.liveness import boot_id, publishes_liveness
-from ..lease.lock import AcquireResult, LockSpec, acquire
+from ..lease.lock import AcquireResult, acquire
+from ..lease.spec import LockSpec
+from ..log import logger
+from ..recovery import lock_redis
+from ..recovery.lock_redis import get_redis
 from . import worker as worker_support
 from .conflicts import ConflictOutcomes, is_copy
-from .events import TASK_LOCK_LOST, logger, send_task_event_soon
+from .events import TASK_LOCK_LOST, send_task_event_soon
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .outage import wait_for_redis
 from .publish import PublishClaims, delay_of
@@ -318,7 +320,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         """Settings, lock client, spec of a run and whether the app stores results, kept on
         the task until a cache is reset (settings cleared, clients dropped, a fork): four
         look-ups a run would repeat."""
-        generation = (config.GENERATION[0], client_module.GENERATION[0], eager, publishes_liveness())
+        generation = (config.GENERATION[0], lock_redis.GENERATION[0], eager, publishes_liveness())
         cached = self.__dict__.get("_singleton_context")
         if cached is not None and cached[0] == generation:
             return cached[1]  # type: ignore[no-any-return]

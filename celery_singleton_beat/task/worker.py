@@ -44,15 +44,15 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
 from ..config import get_settings
-from ..connection.client import get_redis
 from ..exceptions import describe_holder
 from ..lease import counters
 from ..lease.keeper import send_pending_releases
 from ..lease.liveness import Heartbeat, boot_id
 from ..lease.lock import Holder, read_holder, release_for
+from ..log import logger
+from ..recovery.lock_redis import get_redis
 from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 from . import outage
-from .events import logger
 from .keys import QUEUED_SUFFIX
 
 __all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install",

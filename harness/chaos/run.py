@@ -106,7 +106,7 @@ def _fresh_app() -> Any:
     import sys
 
     from celery_singleton_beat.config import clear_settings_cache
-    from celery_singleton_beat.connection.client import reset_clients
+    from celery_singleton_beat.recovery.lock_redis import reset_clients
 
     clear_settings_cache()
     reset_clients()

@@ -46,7 +46,7 @@ import pytest
 import redis
 
 from celery_singleton_beat.config import clear_settings_cache
-from celery_singleton_beat.connection.client import reset_clients
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .owners import EVERYTHING, Owner, owning, register
 from .paths import set_scratch_dir

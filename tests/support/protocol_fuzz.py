@@ -55,9 +55,10 @@ import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_singleton_beat.connection.channel import channel_for
-from celery_singleton_beat.connection.wire import run_pooled
+from celery_singleton_beat.connection.pooled import run_pooled
 from celery_singleton_beat.lease.commands import release_request
-from celery_singleton_beat.lease.lock import Lease, LockSpec, Renewal, acquire
+from celery_singleton_beat.lease.lock import Lease, Renewal, acquire
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import PORTABLE
 
 from .fault_proxy import FaultProxy, Rates

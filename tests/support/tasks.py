@@ -19,7 +19,7 @@ from celery.result import AsyncResult
 
 from celery_singleton_beat import TaskSkipped
 from celery_singleton_beat.config import clear_settings_cache
-from celery_singleton_beat.connection.client import reset_clients
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .servers import LOCK_DB, RECORD_DB, RedisServer
 from .waiting import wait_for
