@@ -29,7 +29,8 @@ from typing import Any
 
 from .spec import LockSpec, ms
 
-__all__ = ["VALUE_FORMAT", "Holder", "claim_value", "done_key", "lock_value", "parse_holder", "text_of"]
+__all__ = ["VALUE_FORMAT", "Holder", "claim_value", "describe_holder", "done_key", "lock_value", "parse_holder",
+           "text_of"]
 
 VALUE_FORMAT = 2
 
@@ -188,3 +189,10 @@ def _json_str(text: str | None) -> str:
 
 
 _encode_str: Callable[[str], str] = json.encoder.encode_basestring
+
+
+def describe_holder(holder: Holder | None) -> str:
+    """A short human description of a lock holder for log lines."""
+    if holder is None:
+        return "an unknown holder"
+    return f"task {holder.task_id} on {holder.node} (pid {holder.pid})"

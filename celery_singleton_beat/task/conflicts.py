@@ -31,7 +31,8 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.result import EagerResult
 
 from ..config import get_settings
-from ..exceptions import DuplicateTaskError, TaskSkipped, describe_holder
+from ..exceptions import DuplicateTaskError, TaskSkipped
+from ..lease.holder import describe_holder
 from ..lease.lock import AcquireResult, Holder
 from ..log import logger
 from .events import TASK_SKIPPED, send_task_event

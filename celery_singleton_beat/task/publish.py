@@ -25,7 +25,8 @@ from celery.utils import uuid
 
 from ..config import get_settings
 from ..connection.client import RedisClient
-from ..exceptions import DuplicateTaskError, LockUnavailable, describe_holder
+from ..exceptions import DuplicateTaskError, LockUnavailable
+from ..lease.holder import describe_holder
 from ..lease.lock import AcquireResult, Holder, release_for, release_value
 from ..log import logger
 from ..recovery.lock_redis import get_redis

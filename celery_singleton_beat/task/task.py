@@ -60,7 +60,7 @@ from kombu.utils.functional import maybe_list
 
 from .. import config
 from ..config import SingletonSettings, get_settings
-from ..exceptions import describe_holder
+from ..lease.holder import describe_holder
 from ..lease.keeper import KeptLease, get_keeper
 from ..lease.liveness import boot_id, publishes_liveness
 from ..lease.lock import AcquireResult, acquire

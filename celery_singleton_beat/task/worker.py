@@ -44,8 +44,8 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
 from ..config import get_settings
-from ..exceptions import describe_holder
 from ..lease import counters
+from ..lease.holder import describe_holder
 from ..lease.keeper import send_pending_releases
 from ..lease.liveness import Heartbeat, boot_id
 from ..lease.lock import Holder, read_holder, release_for
