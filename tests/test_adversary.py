@@ -42,10 +42,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.commands import look_request
 from celery_singleton_beat.lease.executor import execute
 from celery_singleton_beat.lease.keeper import LeaseKeeper
-from celery_singleton_beat.lease.lock import acquire, read_holder
+from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import server_of
 from celery_singleton_beat.recovery.window import NEW_OR_EMPTIED, mark_in_use

@@ -37,9 +37,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.holder import done_key
 from celery_singleton_beat.lease.keeper import LeaseKeeper
-from celery_singleton_beat.lease.lock import acquire, read_holder
+from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import server_of
 from celery_singleton_beat.recovery.window import mark_in_use

@@ -25,8 +25,9 @@ from celery_singleton_beat.connection import channel as channel_module
 from celery_singleton_beat.connection.channel import channel_for
 from celery_singleton_beat.connection.pooled import run_pooled
 from celery_singleton_beat.connection.wire import Request, pack
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.commands import raise_errors, release_request
-from celery_singleton_beat.lease.lock import AcquireResult, read_holder
+from celery_singleton_beat.lease.lock import AcquireResult
 from celery_singleton_beat.lease.scripts import RELEASE
 from celery_singleton_beat.recovery.server import PORTABLE
 

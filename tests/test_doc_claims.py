@@ -24,7 +24,7 @@ import redis
 from celery_singleton_beat.beat import read_history, stats_key
 from celery_singleton_beat.connection.client import acl_rules
 from celery_singleton_beat.exceptions import TaskSkipped
-from celery_singleton_beat.lease.lock import VALUE_FORMAT
+from celery_singleton_beat.lease.holder import VALUE_FORMAT
 from celery_singleton_beat.task.keys import beat_stats_key
 
 from .support import LOCK_DB, ROOT, RedisServer, wait_for
@@ -390,8 +390,8 @@ def test_keys_table_lists_every_kind_of_key_the_library_writes() -> None:
     liveness keys and the start-up probe, not only locks, claims and counters."""
     from celery_singleton_beat.admin import KeySpace
     from celery_singleton_beat.lease.commands import legacy_fence_key as fence_key
+    from celery_singleton_beat.lease.holder import done_key
     from celery_singleton_beat.lease.liveness import live_key
-    from celery_singleton_beat.lease.lock import done_key
     from celery_singleton_beat.recovery.window import recovery_key, server_key
 
     lock = "singleton:{t.x:" + "0" * 64 + "}"

@@ -30,7 +30,7 @@ from celery import Celery
 from celery_singleton_beat import LockUnavailable, SingletonTask
 from celery_singleton_beat.config import clear_settings_cache, get_settings
 from celery_singleton_beat.connection.client import redis_from_url
-from celery_singleton_beat.lease.lock import read_holder
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.recovery.startup import LockRedisDown, check_lock_redis
 

@@ -17,8 +17,8 @@ import redis
 from celery_singleton_beat import LockLost
 from celery_singleton_beat.lease import liveness
 from celery_singleton_beat.lease import lock as lock_module
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.keeper import LeaseKeeper
-from celery_singleton_beat.lease.lock import read_holder
 from celery_singleton_beat.lease.spec import TAKEOVER_WAIT
 from celery_singleton_beat.task.run import SingletonRun
 

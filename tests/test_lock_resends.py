@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from celery_singleton_beat.lease import counters
-from celery_singleton_beat.lease.lock import read_holder
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.scripts import ADOPT, CLAIM_ON_RETRY, RELEASE, TAKE_OVER
 from celery_singleton_beat.recovery.server import parse_info, server_of
 

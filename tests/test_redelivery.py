@@ -19,7 +19,7 @@ import redis
 
 from celery_singleton_beat import TaskSkipped
 from celery_singleton_beat.config import clear_settings_cache
-from celery_singleton_beat.lease.lock import read_holder
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for

@@ -18,7 +18,8 @@ from celery_singleton_beat import (
     TaskSkipped,
 )
 from celery_singleton_beat.lease import counters
-from celery_singleton_beat.lease.lock import Lease, read_holder
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import LOCK_DB, RedisServer, free_port

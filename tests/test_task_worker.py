@@ -10,8 +10,8 @@ from types import ModuleType
 
 import redis
 
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.liveness import live_key
-from celery_singleton_beat.lease.lock import read_holder
 from celery_singleton_beat.task.keys import task_stats_key
 
 from .support import LOCK_DB, RedisServer, start_worker, wait_for

@@ -42,7 +42,7 @@ from celery_singleton_beat.connection.client import (
 )
 from celery_singleton_beat.connection.url import CLUSTER, SENTINEL, STANDALONE, parse_redis_url, sanitize_redis_url
 from celery_singleton_beat.lease import counters
-from celery_singleton_beat.lease.lock import read_holder, release_value
+from celery_singleton_beat.lease.behalf import read_holder, release_value
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.recovery.window import mark_in_use
 

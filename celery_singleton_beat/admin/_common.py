@@ -27,8 +27,8 @@ from ..connection.client import RedisClient, scan_all
 from ..connection.url import sanitize_redis_url
 from ..exceptions import SingletonError
 from ..lease.commands import legacy_fence_key as fence_key
+from ..lease.holder import done_key
 from ..lease.liveness import live_key
-from ..lease.lock import done_key
 from ..recovery.lock_redis import get_redis
 from ..recovery.window import recovery_key, server_key
 from ..task.keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key

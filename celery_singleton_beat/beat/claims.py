@@ -43,7 +43,7 @@ from redis.exceptions import NoScriptError
 
 from ..connection.client import ReplicasNotAcknowledged, group_by_node, is_cluster
 from ..connection.wire import LuaScript
-from ..lease.lock import release_value
+from ..lease.behalf import release_value
 from ..lease.scripts import STATS_TTL_MS
 from ..log import logger
 from ..recovery.server import server_of

@@ -32,30 +32,14 @@ from ..connection.channel import channel_or_none
 from ..connection.client import RedisClient
 from ..recovery.server import PORTABLE, server_of
 from . import counters
-from .behalf import read_holder, release_for, release_value
-from .commands import AcquireReply, Renewal, acquire_request, adopt_request, release_request
+from .commands import AcquireReply, acquire_request, adopt_request, release_request
 from .executor import execute
-from .holder import VALUE_FORMAT, Holder, done_key, lock_value, parse_holder
-from .lease import RETRY_EVERY, Lease, acknowledged, replaced_lease
-from .spec import TAKEOVER_WAIT, LockSpec
+from .holder import Holder, done_key, lock_value, parse_holder
+from .lease import Lease, acknowledged, replaced_lease
+from .spec import LockSpec
 from .takeover import looks_dead, take_over
 
-__all__ = [
-    "RETRY_EVERY",
-    "TAKEOVER_WAIT",
-    "VALUE_FORMAT",
-    "AcquireResult",
-    "Holder",
-    "Lease",
-    "LockSpec",
-    "Renewal",
-    "acquire",
-    "done_key",
-    "parse_holder",
-    "read_holder",
-    "release_for",
-    "release_value",
-]
+__all__ = ["AcquireResult", "acquire"]
 
 
 class AcquireResult:

@@ -32,8 +32,8 @@ from celery.result import EagerResult
 
 from ..config import get_settings
 from ..exceptions import DuplicateTaskError, TaskSkipped
-from ..lease.holder import describe_holder
-from ..lease.lock import AcquireResult, Holder
+from ..lease.holder import Holder, describe_holder
+from ..lease.lock import AcquireResult
 from ..log import logger
 from .events import TASK_SKIPPED, send_task_event
 from .run import SingletonRun

@@ -26,8 +26,9 @@ from celery.utils import uuid
 from ..config import get_settings
 from ..connection.client import RedisClient
 from ..exceptions import DuplicateTaskError, LockUnavailable
-from ..lease.holder import describe_holder
-from ..lease.lock import AcquireResult, Holder, release_for, release_value
+from ..lease.behalf import release_for, release_value
+from ..lease.holder import Holder, describe_holder
+from ..lease.lock import AcquireResult
 from ..log import logger
 from ..recovery.lock_redis import get_redis
 from .keys import QUEUED_SUFFIX

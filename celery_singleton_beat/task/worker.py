@@ -45,10 +45,10 @@ from celery.worker.request import Request
 
 from ..config import get_settings
 from ..lease import counters
-from ..lease.holder import describe_holder
+from ..lease.behalf import read_holder, release_for
+from ..lease.holder import Holder, describe_holder
 from ..lease.keeper import send_pending_releases
 from ..lease.liveness import Heartbeat, boot_id
-from ..lease.lock import Holder, read_holder, release_for
 from ..log import logger
 from ..recovery.lock_redis import get_redis
 from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck

@@ -56,8 +56,9 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_singleton_beat.connection.channel import channel_for
 from celery_singleton_beat.connection.pooled import run_pooled
-from celery_singleton_beat.lease.commands import release_request
-from celery_singleton_beat.lease.lock import Lease, Renewal, acquire
+from celery_singleton_beat.lease.commands import Renewal, release_request
+from celery_singleton_beat.lease.lease import Lease
+from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import PORTABLE
 
