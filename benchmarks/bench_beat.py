@@ -31,8 +31,8 @@ from celery import Celery
 from celery.beat import PersistentScheduler
 
 from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin, entry_record_key
-from celery_singleton_beat.client import get_redis, reset_clients
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 
 from .common import Server, bench_cli, markdown_table, progress, summary
 

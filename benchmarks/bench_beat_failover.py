@@ -26,8 +26,8 @@ import time
 from typing import Any
 
 from celery_singleton_beat.beat import SingletonScheduler
-from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .bench_beat import QUEUE, build, make_app
 from .common import Server, progress, summary

@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CYCLES = """
 import gc, sys
 import redis
-import celery_singleton_beat.channel as channel
-from celery_singleton_beat.lock import LockSpec, acquire
+import celery_singleton_beat.connection.channel as channel
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 channel.IDLE_CHECK = channel.FLUSH_AFTER = 1e9
 gc.disable()
 port, cycles = int(sys.argv[1]), int(sys.argv[2])

@@ -20,9 +20,10 @@ from typing import Any
 
 import redis
 
-from celery_singleton_beat.keys import task_stats_key
-from celery_singleton_beat.lock import LockSpec, acquire
-from celery_singleton_beat.window import server_key
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.recovery.window import server_key
+from celery_singleton_beat.task.keys import task_stats_key
 
 from .common import Server, bench_cli, markdown_table, progress, wait_until
 

@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Any
 
-from celery_singleton_beat.lock import LockSpec, acquire
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 
 from .common import Server, bench_cli, markdown_table, progress, summary
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from celery_singleton_beat.window import mark_in_use
+from celery_singleton_beat.recovery.window import mark_in_use
 from harness.processes import ChildProcess
 from harness.redis_server import RedisServerProcess, find_redis_server, free_port
 from harness.waiting import wait_until as _wait_until

@@ -2,7 +2,7 @@
 
 The lock's cost on the server depends on which commands the server has (Lua
 on Redis 6.2-8.2, ``DELIFEQ`` on Valkey 9: see
-``celery_singleton_beat/server.py``), so the benchmarks that count it run on
+``celery_singleton_beat/recovery/server.py``), so the benchmarks that count it run on
 every server this machine has, side by side:
 
 * ``default``: ``$REDIS_SERVER``, else ``redis-server`` on ``PATH`` (Debian's 7.0 here);

@@ -50,8 +50,8 @@ from .exceptions import (
     SingletonKeyError,
     TaskSkipped,
 )
-from .task import SingletonRun, SingletonTask
-from .worker import install
+from .task.task import SingletonRun, SingletonTask
+from .task.worker import install
 
 __all__ = [
     "DuplicateTaskError",

@@ -53,7 +53,8 @@ from .admin import (
     NotALockKey,
     SlotClaim,
 )
-from .config import SingletonSettings, sanitize_redis_url
+from .config import SingletonSettings
+from .connection.url import sanitize_redis_url
 
 __all__ = ["singleton"]
 

@@ -24,53 +24,26 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 from redis.connection import SSLConnection
 
-from .redis_url import (
+from .connection.url import (
     CLUSTER,
-    CLUSTER_SCHEMES,
+    DEFAULT_REDIS_OPTIONS,
     REDIS_SCHEMES,
     SENTINEL,
+    SENTINEL_OPTIONS,
     SENTINEL_SCHEME,
-    STANDALONE,
     SUPPORTED_SCHEMES,
     RedisTarget,
     parse_redis_url,
-    sanitize_redis_url,
     topology_of,
     url_scheme,
 )
 
 __all__ = [
-    "CLUSTER",
-    "CLUSTER_SCHEMES",
-    "DEFAULT_REDIS_OPTIONS",
-    "REDIS_SCHEMES",
-    "SENTINEL",
-    "SENTINEL_OPTIONS",
-    "SENTINEL_SCHEME",
-    "STANDALONE",
-    "SUPPORTED_SCHEMES",
-    "RedisTarget",
     "SingletonSettings",
     "clear_settings_cache",
     "get_settings",
-    "parse_redis_url",
-    "sanitize_redis_url",
-    "topology_of",
     "validate_settings",
 ]
-
-#: Keys of ``singleton_redis_options`` that configure Sentinel itself (the same
-#: names as kombu's transport options); every other key goes to redis-py connections.
-SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
-
-#: Connection options applied unless the URL or ``singleton_redis_options`` say
-#: otherwise. Fail fast: a lock that cannot be asked for within a few seconds is
-#: "Redis unavailable" (fail closed), not a hung worker.
-DEFAULT_REDIS_OPTIONS: dict[str, Any] = {
-    "socket_timeout": 5.0,
-    "socket_connect_timeout": 5.0,
-    "health_check_interval": 30,
-}
 
 SETTING_PREFIX = "singleton_"
 

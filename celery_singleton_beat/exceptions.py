@@ -8,14 +8,11 @@ Celery set-up error.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # Every exception keeps its constructor arguments in ``args`` (plain strings) so
 # Celery's JSON result serializer can rebuild it in the caller's process.
 from celery.exceptions import ImproperlyConfigured, TaskRevokedError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .lock import Holder
 
 __all__ = [
     "DuplicateTaskError",
@@ -115,10 +112,3 @@ class LockUnavailable(SingletonError):
 
     def __str__(self) -> str:
         return f"cannot reach Redis for lock {self.key}: {self.cause}"
-
-
-def describe_holder(holder: Holder | None) -> str:
-    """A short human description of a lock holder for log lines."""
-    if holder is None:
-        return "an unknown holder"
-    return f"task {holder.task_id} on {holder.node} (pid {holder.pid})"

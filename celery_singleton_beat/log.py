@@ -1,8 +1,7 @@
 """The library's single logger: every decision is one line on it.
 
-A module of its own, under everything else: the lowest layers (what the lock
-Redis is, :mod:`.server`) log without importing Celery's task events
-(:mod:`.events`, which re-exports it).
+A module of its own, under everything else: every layer, from the connection
+up, imports it from here (and only from here).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ used instead: :func:`start_thread` starts a real OS thread, :func:`allocate_lock
 and :class:`Wakeup` block only the thread that waits.
 
 Such a thread talks to Redis through a client of its own
-(:func:`thread_client`): a connection made on the hub of one thread must not
-be used from another. In a process without gevent or eventlet all of this is
-the plain ``threading``/``_thread`` module and the client itself.
+(:func:`.recovery.lock_redis.thread_client`): a connection made on the hub of
+one thread must not be used from another. In a process without gevent or
+eventlet all of this is the plain ``threading``/``_thread`` module.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .server import server_of
-
-__all__ = ["Wakeup", "allocate_lock", "get_ident", "green", "start_thread", "thread_client"]
+__all__ = ["Wakeup", "allocate_lock", "get_ident", "green", "start_thread"]
 
 
 def green() -> bool:
@@ -89,22 +87,3 @@ class Wakeup:
     def notify(self) -> None:
         with contextlib.suppress(RuntimeError):  # already released: a wake-up is pending
             self._signal.release()
-
-
-_clients: dict[tuple[int, int], Any] = {}
-_clients_lock = threading.Lock()
-
-
-def thread_client(client: Any) -> Any:
-    """``client``, or in a greenlet process a copy of it owned by the calling OS thread.
-
-    The copy has the same settings and shares what the library knows of the
-    server (see :func:`.server.server_of`).
-    """
-    if not green():
-        return client
-    key = (get_ident(), id(client))
-    own = _clients.get(key)
-    if own is None:
-        own = _clients[key] = server_of(client).copy_of(client)
-    return own

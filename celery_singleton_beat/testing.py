@@ -19,7 +19,7 @@ Fixtures:
 ``singleton_redis``
     A client of that URL for the test; on the session's own server every key but
     the workers' liveness keys and the record of the server serving the locks (see
-    :func:`~celery_singleton_beat.window.mark_in_use`) is deleted first, so a test
+    :func:`~celery_singleton_beat.recovery.window.mark_in_use`) is deleted first, so a test
     starts without locks and without a recovery window.
     On a Redis of your own it deletes nothing.
 
@@ -65,10 +65,10 @@ import redis
 from celery import Task, states
 from celery.contrib.testing.worker import test_worker_stopped
 
-from .client import get_redis
 from .exceptions import TaskSkipped
-from .window import mark_in_use
-from .worker import SingletonWorkerStep
+from .recovery.lock_redis import get_redis
+from .recovery.window import mark_in_use
+from .task.worker import SingletonWorkerStep
 
 __all__ = [
     "Held",
@@ -238,7 +238,7 @@ def singleton_redis(singleton_redis_url: str) -> Iterator[redis.Redis]:
     if server is not None and server.is_ours():
         # Liveness keys stay: a running worker without one counts as dead for a while. So
         # does the record of the server serving the locks: without it, the next lock would
-        # wait a recovery window (see celery_singleton_beat.server).
+        # wait a recovery window (see celery_singleton_beat.recovery.server).
         doomed = [key for key in client.scan_iter(count=1000)
                   if b":live:" not in key and not _SERVER_RECORD.search(key)]
         for start in range(0, len(doomed), 1000):

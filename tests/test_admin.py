@@ -26,10 +26,12 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
 from celery_singleton_beat import SingletonError, admin
-from celery_singleton_beat.beat.entries import ENTRY_HEADER
-from celery_singleton_beat.client import get_redis
-from celery_singleton_beat.liveness import Heartbeat
-from celery_singleton_beat.lock import AcquireResult, Lease, done_key
+from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.lease import Lease
+from celery_singleton_beat.lease.liveness import Heartbeat
+from celery_singleton_beat.lease.lock import AcquireResult
+from celery_singleton_beat.recovery.lock_redis import get_redis
+from celery_singleton_beat.task.slot_delivery import ENTRY_HEADER
 
 from .support import (
     LOCK_DB,

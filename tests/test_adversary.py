@@ -41,13 +41,15 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_singleton_beat.channel import channel_for
-from celery_singleton_beat.commands import look_request
-from celery_singleton_beat.keeper import LeaseKeeper
-from celery_singleton_beat.lease import execute
-from celery_singleton_beat.lock import LockSpec, acquire, read_holder
-from celery_singleton_beat.server import server_of
-from celery_singleton_beat.window import NEW_OR_EMPTIED, mark_in_use
+from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.commands import look_request
+from celery_singleton_beat.lease.executor import execute
+from celery_singleton_beat.lease.keeper import LeaseKeeper
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.recovery.server import server_of
+from celery_singleton_beat.recovery.window import NEW_OR_EMPTIED, mark_in_use
 
 from .support import ROOT, RedisServer, require, wait_for
 from .support.keeps_lock import entries, knobs, load_app, wait_started, worker
@@ -258,7 +260,8 @@ def test_a_release_sent_again_while_redis_is_down_gives_up_at_the_leases_end_and
 CONTENDER = """
 import json, sys, time
 import redis
-from celery_singleton_beat.lock import LockSpec, acquire
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 client = redis.Redis.from_url(sys.argv[1])
 spec = LockSpec(task="adversary", ttl=30.0, boot="skewed", live=True, liveness_ttl=3.0,
                 liveness_prefix="singleton")

@@ -30,11 +30,12 @@ import redis
 from redis.cluster import RedisCluster
 
 from benchmarks.servers import available_servers
-from celery_singleton_beat.keeper import get_keeper
-from celery_singleton_beat.lock import AcquireResult, done_key
-from celery_singleton_beat.redirects import AskFollower
-from celery_singleton_beat.scripts import ACQUIRE_UNLESS_DONE
-from celery_singleton_beat.window import mark_in_use
+from celery_singleton_beat.connection.redirects import AskFollower
+from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.keeper import get_keeper
+from celery_singleton_beat.lease.lock import AcquireResult
+from celery_singleton_beat.lease.scripts import ACQUIRE_UNLESS_DONE
+from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, wait_for
 from .support.cutting_proxy import CuttingProxy

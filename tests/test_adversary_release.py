@@ -37,11 +37,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_singleton_beat.holder import done_key
-from celery_singleton_beat.keeper import LeaseKeeper
-from celery_singleton_beat.lock import LockSpec, acquire, read_holder
-from celery_singleton_beat.server import server_of
-from celery_singleton_beat.window import mark_in_use
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.keeper import LeaseKeeper
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.recovery.server import server_of
+from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import ROOT, RedisServer, wait_for
 
@@ -62,13 +64,13 @@ def quick_client(server: RedisServer, timeout: float = 1.0) -> redis.Redis:
 ENDING = """
 import logging, os, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-import celery_singleton_beat.channel as channel
+import celery_singleton_beat.connection.channel as channel
 channel.FLUSH_AFTER = 3600.0
-from celery_singleton_beat import worker
-from celery_singleton_beat.keeper import get_keeper
-from celery_singleton_beat.lease import LockSpec
-from celery_singleton_beat.lock import acquire
-from celery_singleton_beat.task import SingletonTask
+from celery_singleton_beat.task import worker
+from celery_singleton_beat.lease.keeper import get_keeper
+from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.task.task import SingletonTask
 import redis
 url, key, how = sys.argv[1:]
 lease = acquire(redis.Redis.from_url(url), key, LockSpec(task="t", ttl=30.0), "run-1").lease

@@ -24,7 +24,7 @@ from celery import Celery, signals
 from celery_singleton_beat.beat.embedded import _check_worker as check_worker
 from celery_singleton_beat.beat.embedded import names_this_library, singleton_beats_here
 from celery_singleton_beat.beat.records import REFRESH
-from celery_singleton_beat.slot_delivery import SlotDeliveryStep
+from celery_singleton_beat.task.slot_delivery import SlotDeliveryStep
 
 from .support import (
     LOCK_DB,

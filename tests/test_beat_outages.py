@@ -20,7 +20,7 @@ import kombu
 import pytest
 import redis
 
-from celery_singleton_beat.beat.entries import CLAIM_HEADER
+from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
 from .support.beat import (

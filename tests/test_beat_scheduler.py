@@ -35,8 +35,8 @@ from celery_singleton_beat.beat import (
     slot_task_id,
     stats_key,
 )
-from celery_singleton_beat.keys import beat_stats_key
-from celery_singleton_beat.window import mark_in_use
+from celery_singleton_beat.recovery.window import mark_in_use
+from celery_singleton_beat.task.keys import beat_stats_key
 
 from .support import LOCK_DB, RedisServer, wait_for
 from .support.beat import (

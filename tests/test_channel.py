@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat import channel as channel_module
-from celery_singleton_beat.channel import channel_for
+from celery_singleton_beat.connection import channel as channel_module
+from celery_singleton_beat.connection.channel import channel_for
 
 from .support import RedisServer, wait_for
 from .support.locking import take_lock

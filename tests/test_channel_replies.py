@@ -21,13 +21,15 @@ import pytest
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from celery_singleton_beat import channel as channel_module
-from celery_singleton_beat.channel import channel_for
-from celery_singleton_beat.commands import raise_errors, release_request
-from celery_singleton_beat.lock import AcquireResult, read_holder
-from celery_singleton_beat.scripts import RELEASE
-from celery_singleton_beat.server import PORTABLE
-from celery_singleton_beat.wire import Request, pack, run_pooled
+from celery_singleton_beat.connection import channel as channel_module
+from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.pooled import run_pooled
+from celery_singleton_beat.connection.wire import Request, pack
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.commands import raise_errors, release_request
+from celery_singleton_beat.lease.lock import AcquireResult
+from celery_singleton_beat.lease.scripts import RELEASE
+from celery_singleton_beat.recovery.server import PORTABLE
 
 from .support import RedisServer, wait_for
 from .support.fault_proxy import FaultProxy, Rates

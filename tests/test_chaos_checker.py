@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from harness.chaos.checker import Verdict, check, slot_label
+from harness.chaos.checker import check, slot_label
 from harness.chaos.history import load, write
+from harness.chaos.verdict import Verdict
 
 from .support.paths import ROOT
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.chaos.checker import Verdict, check
+from harness.chaos.checker import check
 from harness.chaos.cluster import Settings
 from harness.chaos.history import load
 from harness.chaos.report import render, save
 from harness.chaos.run import run
+from harness.chaos.verdict import Verdict
 
 #: The short run's seed and seconds of faults.
 SEED = 1

@@ -19,9 +19,9 @@ from typing import Any
 
 import redis
 
-from celery_singleton_beat import counters
-from celery_singleton_beat.client import get_redis
-from celery_singleton_beat.lock import AcquireResult
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.lock import AcquireResult
+from celery_singleton_beat.recovery.lock_redis import get_redis
 
 from .support import CeleryProcess, RedisServer, child_env, free_port, run_command, start_worker, wait_for
 from .support.beat import start_beat

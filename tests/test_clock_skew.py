@@ -27,9 +27,10 @@ from .support.locking import take_lock
 SCRIPT = """
 import json, sys, threading, time
 import redis
-from celery_singleton_beat.keeper import LeaseKeeper
-from celery_singleton_beat.lock import LockSpec, acquire
-from celery_singleton_beat.run import SingletonRun
+from celery_singleton_beat.lease.keeper import LeaseKeeper
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.task.run import SingletonRun
 client = redis.Redis.from_url(sys.argv[1])
 spec = LockSpec(task="skew", ttl=2.0, boot="skewed-boot", live=True, liveness_ttl=3.0, liveness_prefix="singleton")
 result = acquire(client, sys.argv[2], spec, "skewed-task")

@@ -16,8 +16,9 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
-from celery_singleton_beat.keeper import KeptLease, get_keeper
-from celery_singleton_beat.lock import AcquireResult, done_key
+from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.keeper import KeptLease, get_keeper
+from celery_singleton_beat.lease.lock import AcquireResult
 
 from .support import wait_for
 from .support.locking import take_lock

@@ -22,10 +22,10 @@ import pytest
 import redis
 
 from celery_singleton_beat.beat import read_history, stats_key
-from celery_singleton_beat.client import acl_rules
+from celery_singleton_beat.connection.client import acl_rules
 from celery_singleton_beat.exceptions import TaskSkipped
-from celery_singleton_beat.keys import beat_stats_key
-from celery_singleton_beat.lock import VALUE_FORMAT
+from celery_singleton_beat.lease.holder import VALUE_FORMAT
+from celery_singleton_beat.task.keys import beat_stats_key
 
 from .support import LOCK_DB, ROOT, RedisServer, wait_for
 from .support.beat import ClockApp, ManualClock, RecordingScheduler, already_scheduled
@@ -246,7 +246,7 @@ def test_with_redis_unreachable_a_loss_is_reported_once_when_the_lease_would_hav
     """docs/monitoring.md: while Redis does not answer, the renewal thread keeps trying
     and reports the loss (what sends ``task-lock-lost``) only when the lease would have
     expired, once."""
-    from celery_singleton_beat.keeper import LeaseKeeper
+    from celery_singleton_beat.lease.keeper import LeaseKeeper
 
     server = RedisServer().start()
     try:
@@ -389,10 +389,10 @@ def test_keys_table_lists_every_kind_of_key_the_library_writes() -> None:
     """docs/monitoring.md's key table (and so doctor's expiry check) covers done markers,
     liveness keys and the start-up probe, not only locks, claims and counters."""
     from celery_singleton_beat.admin import KeySpace
-    from celery_singleton_beat.commands import legacy_fence_key as fence_key
-    from celery_singleton_beat.liveness import live_key
-    from celery_singleton_beat.lock import done_key
-    from celery_singleton_beat.window import recovery_key, server_key
+    from celery_singleton_beat.lease.commands import legacy_fence_key as fence_key
+    from celery_singleton_beat.lease.holder import done_key
+    from celery_singleton_beat.lease.liveness import live_key
+    from celery_singleton_beat.recovery.window import recovery_key, server_key
 
     lock = "singleton:{t.x:" + "0" * 64 + "}"
     samples = {

@@ -20,10 +20,12 @@ import redis
 from celery import Celery
 
 import celery_singleton_beat
-from celery_singleton_beat import SingletonTask, admin, startup
+from celery_singleton_beat import SingletonTask, admin
 from celery_singleton_beat.cli import singleton
-from celery_singleton_beat.config import DEFAULT_REDIS_OPTIONS, SingletonSettings
-from celery_singleton_beat.task import LOCK_MODES, ON_CONFLICT
+from celery_singleton_beat.config import SingletonSettings
+from celery_singleton_beat.connection.url import DEFAULT_REDIS_OPTIONS
+from celery_singleton_beat.recovery import startup
+from celery_singleton_beat.task.task import LOCK_MODES, ON_CONFLICT
 
 from .support import CeleryProcess, RedisServer, child_env, start_worker, wait_for
 from .support.paths import ROOT

@@ -20,8 +20,8 @@ from types import ModuleType
 import pytest
 import redis
 
-from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import RedisServer, start_worker, wait_for
 from .support.tasks import lock_keys, runs

@@ -28,10 +28,11 @@ import redis
 from celery import Celery
 
 from celery_singleton_beat import LockUnavailable, SingletonTask
-from celery_singleton_beat.client import redis_from_url, reset_clients
 from celery_singleton_beat.config import clear_settings_cache, get_settings
-from celery_singleton_beat.lock import read_holder
-from celery_singleton_beat.startup import LockRedisDown, check_lock_redis
+from celery_singleton_beat.connection.client import redis_from_url
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.recovery.lock_redis import reset_clients
+from celery_singleton_beat.recovery.startup import LockRedisDown, check_lock_redis
 
 from .support import RedisServer, free_port, start_worker, wait_for
 from .support.keeps_lock import (

@@ -44,7 +44,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat.keys import task_stats_key
+from celery_singleton_beat.task.keys import task_stats_key
 
 from .support import RedisServer, soak, wait_for
 from .support.keeps_lock import (

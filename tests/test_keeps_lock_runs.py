@@ -37,7 +37,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from celery_singleton_beat.lock import parse_holder
+from celery_singleton_beat.lease.holder import parse_holder
 
 from .support import LOCK_DB, CeleryProcess, RedisServer, soak, wait_for
 from .support.holding_proxy import HoldingProxy

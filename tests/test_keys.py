@@ -12,7 +12,7 @@ from celery import Celery
 from kombu.utils.json import dumps, loads
 
 from celery_singleton_beat import SingletonKeyError, SingletonTask
-from celery_singleton_beat.keys import canonical, lock_key, task_signature
+from celery_singleton_beat.task.keys import canonical, lock_key, task_signature
 
 
 def sync(customer_id, region="eu", verbose=False, *rest, **extra):
@@ -142,7 +142,7 @@ def test_task_signature_excludes_self_of_bound_tasks() -> None:
 
 
 def test_run_lock_keys_are_told_apart_from_every_other_key() -> None:
-    from celery_singleton_beat.keys import beat_stats_key, is_run_lock_key, task_stats_key
+    from celery_singleton_beat.task.keys import beat_stats_key, is_run_lock_key, task_stats_key
 
     lock = key(1)
     assert is_run_lock_key("p", lock)
@@ -165,7 +165,7 @@ def _reference_bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> 
 
 def test_fast_binding_agrees_with_inspect_on_every_call_shape() -> None:
     """The per-run binder (no ``Signature.bind``) gives inspect's result, or its error."""
-    from celery_singleton_beat.keys import _binder, call_arguments
+    from celery_singleton_beat.task.keys import _binder, call_arguments
 
     def simple(a, b=2, *, c, d=4):
         pass

@@ -26,7 +26,7 @@ import redis
 from kombu.utils.json import dumps, loads
 
 from celery_singleton_beat import SingletonKeyError
-from celery_singleton_beat.keys import canonical, lock_key
+from celery_singleton_beat.task.keys import canonical, lock_key
 
 from .support import LOCK_DB, CeleryProcess, RedisServer, start_worker, wait_for
 

@@ -14,11 +14,13 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat import LockLost, liveness
-from celery_singleton_beat import lock as lock_module
-from celery_singleton_beat.keeper import LeaseKeeper
-from celery_singleton_beat.lock import TAKEOVER_WAIT, read_holder
-from celery_singleton_beat.run import SingletonRun
+from celery_singleton_beat import LockLost
+from celery_singleton_beat.lease import liveness
+from celery_singleton_beat.lease import lock as lock_module
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.keeper import LeaseKeeper
+from celery_singleton_beat.lease.spec import TAKEOVER_WAIT
+from celery_singleton_beat.task.run import SingletonRun
 
 from .support import wait_for
 from .support.locking import take_lock

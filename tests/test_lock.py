@@ -12,15 +12,17 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat import LockLost, counters
-from celery_singleton_beat.commands import legacy_fence_key
-from celery_singleton_beat.keeper import LeaseKeeper, get_keeper
-from celery_singleton_beat.lock import done_key, read_holder, release_for
-from celery_singleton_beat.redirects import split_commands
-from celery_singleton_beat.run import SingletonRun
-from celery_singleton_beat.scripts import RELEASE
-from celery_singleton_beat.server import PORTABLE, LockServer, server_of
-from celery_singleton_beat.wire import SocketLink
+from celery_singleton_beat import LockLost
+from celery_singleton_beat.connection.redirects import split_commands
+from celery_singleton_beat.connection.wire import SocketLink
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.behalf import read_holder, release_for
+from celery_singleton_beat.lease.commands import legacy_fence_key
+from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.keeper import LeaseKeeper, get_keeper
+from celery_singleton_beat.lease.scripts import RELEASE
+from celery_singleton_beat.recovery.server import PORTABLE, LockServer, server_of
+from celery_singleton_beat.task.run import SingletonRun
 
 from .support import LOCK_DB, RedisServer, soak, wait_for
 from .support.keyspace import keyspace_events

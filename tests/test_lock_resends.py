@@ -1,7 +1,7 @@
 """A lock request sent again after its reply was lost changes no outcome and reports none falsely.
 
 A request whose connection breaks after the server ran it, before its reply
-arrived, is sent again on a new connection (see :mod:`celery_singleton_beat.wire`).
+arrived, is sent again on a new connection (see :mod:`celery_singleton_beat.connection.wire`).
 The second attempt meets the first one's effect. The rule: every compare-and-set
 takes finding its own value as success, and a compare-and-delete that finds
 nothing after a re-send reports an unknown outcome, never a lost lock.
@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat import counters
-from celery_singleton_beat.lock import read_holder
-from celery_singleton_beat.scripts import ADOPT, CLAIM_ON_RETRY, RELEASE, TAKE_OVER
-from celery_singleton_beat.server import parse_info, server_of
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.scripts import ADOPT, CLAIM_ON_RETRY, RELEASE, TAKE_OVER
+from celery_singleton_beat.recovery.server import parse_info, server_of
 
 from .support import LOCK_DB, RedisServer, wait_for
 from .support.cutting_proxy import CuttingProxy

@@ -16,10 +16,11 @@ import pytest
 import redis
 
 from celery_singleton_beat.exceptions import LockLost
-from celery_singleton_beat.holder import done_key
-from celery_singleton_beat.keeper import LeaseKeeper
-from celery_singleton_beat.lock import LockSpec, acquire
-from celery_singleton_beat.run import SingletonRun
+from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.keeper import LeaseKeeper
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.task.run import SingletonRun
 
 from .support import LOCK_DB, RedisServer, wait_for
 

@@ -22,7 +22,7 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
-from celery_singleton_beat.lock import read_holder
+from celery_singleton_beat.lease.behalf import read_holder
 
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
 from .support.tasks import check_one_run_at_a_time, clear_runs, counts_when, lock_keys, runs, skipped, submit_spread

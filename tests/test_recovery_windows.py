@@ -41,10 +41,10 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from celery_singleton_beat import SingletonTask
-from celery_singleton_beat.client import get_redis, reset_clients
 from celery_singleton_beat.config import clear_settings_cache
-from celery_singleton_beat.server import LockServer, server_of
-from celery_singleton_beat.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key, shard_records
+from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
+from celery_singleton_beat.recovery.server import LockServer, server_of
+from celery_singleton_beat.recovery.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key, shard_records
 
 from .support import RedisServer, wait_for
 from .support.keeps_lock import (

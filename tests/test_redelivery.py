@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from celery_singleton_beat import TaskSkipped
-from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
-from celery_singleton_beat.lock import read_holder
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
 from .support.keyspace import keyspace_events

@@ -37,7 +37,7 @@ from celery import Celery, chain, chord
 from celery.result import AsyncResult
 
 from celery_singleton_beat import SingletonTask
-from celery_singleton_beat.lock import read_holder
+from celery_singleton_beat.lease.behalf import read_holder
 
 from .support import LOCK_DB, CeleryProcess, RedisServer, soak, start_worker, wait_for
 from .support.proxy import DelayProxy

@@ -26,10 +26,12 @@ from types import ModuleType
 
 import redis
 
-from celery_singleton_beat.holder import done_key
-from celery_singleton_beat.keeper import LeaseKeeper
-from celery_singleton_beat.lease import Lease, LockSpec
-from celery_singleton_beat.lock import acquire, read_holder
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.keeper import LeaseKeeper
+from celery_singleton_beat.lease.lease import Lease
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 
 from .support import RedisServer, start_worker, wait_for
 

@@ -29,8 +29,8 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
-from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import CeleryProcess, RedisServer, start_worker, wait_for
 from .support.beat import sent_slots

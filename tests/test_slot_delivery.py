@@ -10,7 +10,8 @@ import json
 
 import redis
 
-from celery_singleton_beat.beat.claims import PENDING, RELEASED, claim_value, receive_slot
+from celery_singleton_beat.beat.claims import PENDING, RELEASED, claim_value
+from celery_singleton_beat.task.slot_delivery import receive_slot
 
 KEY = "singleton:{beat:e}:2024-05-01T12:00:00Z"
 STATS = "singleton:{stats}:beat:e"

@@ -27,7 +27,7 @@ import pytest
 import redis
 from redis._parsers.helpers import parse_info
 
-from celery_singleton_beat.client import acl_rules
+from celery_singleton_beat.connection.client import acl_rules
 
 from .support import CeleryProcess, RedisServer, child_env, free_port, run_command, wait_for
 from .support.beat import start_beat

@@ -16,10 +16,11 @@ from celery_singleton_beat import (
     SingletonKeyError,
     SingletonTask,
     TaskSkipped,
-    counters,
 )
-from celery_singleton_beat.client import reset_clients
-from celery_singleton_beat.lock import Lease, read_holder
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.lease import Lease
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import LOCK_DB, RedisServer, free_port
 from .support.locking import take_lock

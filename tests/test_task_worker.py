@@ -10,9 +10,9 @@ from types import ModuleType
 
 import redis
 
-from celery_singleton_beat.keys import task_stats_key
-from celery_singleton_beat.liveness import live_key
-from celery_singleton_beat.lock import read_holder
+from celery_singleton_beat.lease.behalf import read_holder
+from celery_singleton_beat.lease.liveness import live_key
+from celery_singleton_beat.task.keys import task_stats_key
 
 from .support import LOCK_DB, RedisServer, start_worker, wait_for
 from .support.locking import take_lock

@@ -21,7 +21,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_beat import SingletonTask
-from celery_singleton_beat.client import reset_clients
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.testing import Held, assert_skipped, hold
 
 from .support import LOCK_DB, ROOT, RedisServer, importorskip, run_command, wait_for
@@ -93,7 +93,7 @@ def test_without_celerys_worker_fixture_pytest_celery_asks_for_docker(project: P
 
 def test_the_plugin_is_opt_in_and_keeps_pytest_out_of_the_package(tmp_path: Path) -> None:
     imported = run_command(
-        [sys.executable, "-c", "import sys, celery_singleton_beat, celery_singleton_beat.task, "
+        [sys.executable, "-c", "import sys, celery_singleton_beat, celery_singleton_beat.task.task, "
          "celery_singleton_beat.beat, celery_singleton_beat.admin, celery_singleton_beat.cli; "
          "print(sorted(m for m in sys.modules if m == 'pytest' or m.startswith('_pytest')))"],
         timeout=60, capture_output=True, text=True)

@@ -28,31 +28,23 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 from redis.cluster import RedisCluster
 
-from celery_singleton_beat import LockUnavailable, SingletonTask, counters
-from celery_singleton_beat.client import (
+from celery_singleton_beat import LockUnavailable, SingletonTask
+from celery_singleton_beat.config import clear_settings_cache, get_settings, validate_settings
+from celery_singleton_beat.connection.client import (
     ReplicasNotAcknowledged,
     acl_rules,
     call_acknowledged,
-    get_redis,
     group_by_node,
     mget_any,
     primary_clients,
     redis_from_url,
-    reset_clients,
     scan_all,
 )
-from celery_singleton_beat.config import (
-    CLUSTER,
-    SENTINEL,
-    STANDALONE,
-    clear_settings_cache,
-    get_settings,
-    parse_redis_url,
-    sanitize_redis_url,
-    validate_settings,
-)
-from celery_singleton_beat.lock import read_holder, release_value
-from celery_singleton_beat.window import mark_in_use
+from celery_singleton_beat.connection.url import CLUSTER, SENTINEL, STANDALONE, parse_redis_url, sanitize_redis_url
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.behalf import read_holder, release_value
+from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
+from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
 from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots

@@ -82,8 +82,8 @@ def test_the_readme_body_pattern_passes_mypy_strict(tmp_path: Path) -> None:
     assert not [line for line in lines if line.startswith("user_tasks.py") and ": error:" in line], lines
     revealed = [line.split("Revealed type is ")[1] for line in lines if "Revealed type is" in line]
     # Not Any: a SingletonTask's unknown attributes are Any to mypy (Celery's Task is untyped).
-    assert revealed == ['"celery_singleton_beat.run.SingletonRun"', '"int"',
-                        '"celery_singleton_beat.run.SingletonRun | None"'], lines
+    assert revealed == ['"celery_singleton_beat.task.run.SingletonRun"', '"int"',
+                        '"celery_singleton_beat.task.run.SingletonRun | None"'], lines
     # self.singleton stays SingletonRun | None (None outside a run): unchecked use fails,
     # which is why the body has singleton_run.
     assert any(line.startswith("optional_run.py") and '"None" of "SingletonRun | None" has no attribute '

@@ -2,7 +2,7 @@
 
 Each public admin function takes the Celery ``app`` and reads the Redis of its
 ``singleton_redis_url`` (the one the workers and beats use) with the client
-the library itself uses (:func:`~celery_singleton_beat.client.get_redis`).
+the library itself uses (:func:`~celery_singleton_beat.connection.client.get_redis`).
 Failures come out as :class:`AdminError` subclasses, never as raw redis-py
 exceptions, so a caller (a health endpoint, an admin page) catches one family.
 """
@@ -22,14 +22,16 @@ from redis.exceptions import RedisClusterException
 
 from ..beat import history_key as beat_history_key
 from ..beat import stats_key as beat_totals_key
-from ..client import RedisClient, get_redis, scan_all
-from ..commands import legacy_fence_key as fence_key
-from ..config import SingletonSettings, get_settings, sanitize_redis_url
+from ..config import SingletonSettings, get_settings
+from ..connection.client import RedisClient, scan_all
+from ..connection.url import sanitize_redis_url
 from ..exceptions import SingletonError
-from ..keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
-from ..liveness import live_key
-from ..lock import done_key
-from ..window import recovery_key, server_key
+from ..lease.commands import legacy_fence_key as fence_key
+from ..lease.holder import done_key
+from ..lease.liveness import live_key
+from ..recovery.lock_redis import get_redis
+from ..recovery.window import recovery_key, server_key
+from ..task.keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
 
 __all__ = [
     "AdminError",
@@ -193,7 +195,7 @@ class KeySpace:
       and its counter totals;
     * ``<p>:server`` the server last seen serving the data, ``<p>:recovery`` an
       open recovery window (on Redis Cluster one of each per shard,
-      ``<p>:server:{<n>}`` and ``<p>:recovery:{<n>}``; see :mod:`~celery_singleton_beat.window`).
+      ``<p>:server:{<n>}`` and ``<p>:recovery:{<n>}``; see :mod:`~celery_singleton_beat.recovery.window`).
 
     Keys are matched whole (a task named ``beats.x`` is not a beat key).
     """
@@ -216,7 +218,7 @@ class KeySpace:
             server_key(prefix): "server-record",
             recovery_key(prefix): "recovery-window",
         }
-        #: One per Redis Cluster shard (see :func:`~celery_singleton_beat.window.records_of`).
+        #: One per Redis Cluster shard (see :func:`~celery_singleton_beat.recovery.window.records_of`).
         self._shard_record = re.compile(rf"{p}:(?P<kind>server|recovery):\{{[0-9]+\}}\Z", re.S)
         self._task_stats = task_stats_key(prefix, "")
         self._beat_stats = beat_stats_key(prefix, "")

@@ -18,9 +18,10 @@ import redis
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
-from ..client import RedisClient, get_redis, primaries
 from ..config import SingletonSettings, get_settings
-from ..startup import (
+from ..connection.client import RedisClient, primaries
+from ..recovery.lock_redis import get_redis
+from ..recovery.startup import (
     EX_CONFIG,
     MIN_REDIS,
     TESTED_REDIS,

@@ -32,8 +32,8 @@ from typing import Any, cast
 
 from celery import Celery
 
-from ..keys import task_stats_key
-from ..lock import release_value
+from ..lease.behalf import release_value
+from ..task.keys import task_stats_key
 from ._common import connect
 from .locks import HeldLock, ReleaseResult, list_locks
 

@@ -13,8 +13,9 @@ from typing import Any, Literal, cast
 
 from celery import Celery
 
-from ..keys import QUEUED_SUFFIX, task_stats_key
-from ..lock import Holder, parse_holder, release_value
+from ..lease.behalf import release_value
+from ..lease.holder import Holder, parse_holder
+from ..task.keys import QUEUED_SUFFIX, task_stats_key
 from ._common import AdminError, KeySpace, NotALockKey, Target, connect, glob_escape, read, scan
 
 __all__ = [

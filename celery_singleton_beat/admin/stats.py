@@ -9,9 +9,9 @@ from typing import Any
 from celery import Celery
 
 from ..beat import stats_key as beat_totals_key
-from ..client import RedisClient
-from ..counters import flush as flush_counters
-from ..keys import beat_stats_key, task_stats_key
+from ..connection.client import RedisClient
+from ..lease.counters import flush as flush_counters
+from ..task.keys import beat_stats_key, task_stats_key
 from ._common import connect, glob_escape, read, scan, text
 
 __all__ = ["BEAT_COUNTERS", "TASK_COUNTERS", "Counters", "read_counters"]
@@ -84,7 +84,7 @@ def read_counters(app: Celery) -> Counters:
     :data:`BEAT_COUNTERS` are always present (0 when never bumped).
 
     Workers count in their own process and write every second (see
-    :mod:`~celery_singleton_beat.counters`); this process's own counts are
+    :mod:`~celery_singleton_beat.lease.counters`); this process's own counts are
     written first. Raises :class:`InvalidSettings`, :class:`RedisUnavailable`
     or :class:`AdminRedisError`.
     """

@@ -18,21 +18,10 @@ See ``docs/beat.md`` for the rules and guarantees.
 
 from __future__ import annotations
 
+from ..task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 from . import embedded  # noqa: F401 (connects the worker's start-up checks)
 from .claims import read_history
-from .entries import (
-    CLAIM_HEADER,
-    ENTRY_HEADER,
-    ENTRY_OPTION,
-    INSTANCE_HEADER,
-    SLOT_HEADER,
-    SlotSpec,
-    entry_spec,
-    history_key,
-    slot_key,
-    slot_task_id,
-    stats_key,
-)
+from .entries import ENTRY_OPTION, SlotSpec, entry_spec, history_key, slot_key, slot_task_id, stats_key
 from .records import entry_record_key
 from .scheduler import SingletonScheduler, SingletonSchedulerMixin
 from .slots import (

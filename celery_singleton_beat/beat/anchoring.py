@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from ..config import SingletonSettings
-from ..events import logger
+from ..log import logger
 from .breaker import Breaker
 from .claims import Claim
 from .entries import entry_spec

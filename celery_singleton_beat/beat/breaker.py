@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..events import logger
+from ..log import logger
 from .slots import Slot
 
 __all__ = ["Breaker"]

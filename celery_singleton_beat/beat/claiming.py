@@ -23,9 +23,10 @@ from typing import Any
 import redis
 
 from ..config import SingletonSettings
-from ..events import logger
+from ..log import logger
+from ..task.slot_delivery import parse_claim
 from .breaker import Breaker
-from .claims import PENDING, RELEASED, SENT, UNSENT, Claim, ClaimStore, claim_value, parse_claim
+from .claims import PENDING, RELEASED, SENT, UNSENT, Claim, ClaimStore, claim_value
 from .entries import SlotSpec, entry_spec
 from .handover import Handover
 from .slots import Slot, current_slot

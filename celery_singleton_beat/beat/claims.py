@@ -17,7 +17,7 @@ value ``{"instance": <beat>, "at": <epoch s>, "state": <state>}``:
     published before the take-over and died) and pins the claim to it.
 ``received``
     a worker accepted a message of this slot from the claim's instance
-    (:data:`RECEIVE_SCRIPT`); messages of the slot from any other instance are
+    (:data:`.task.slot_delivery.RECEIVE_SCRIPT`); messages of the slot from any other instance are
     dropped from then on.
 
 A beat that lost a slot to a ``pending`` (or ``released``) claim looks again
@@ -41,12 +41,14 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from ..client import ReplicasNotAcknowledged, group_by_node, is_cluster
-from ..events import logger
-from ..keys import beat_stats_key
-from ..lock import release_value
-from ..scripts import STATS_TTL_MS, LuaScript
-from ..server import server_of
+from ..connection.client import ReplicasNotAcknowledged, group_by_node, is_cluster
+from ..connection.wire import LuaScript
+from ..lease.behalf import release_value
+from ..lease.scripts import STATS_TTL_MS
+from ..log import logger
+from ..recovery.server import server_of
+from ..task.keys import beat_stats_key
+from ..task.slot_delivery import parse_claim
 from .entries import history_key, stats_key
 from .recovery import KeptClaims
 from .slots import Slot
@@ -59,9 +61,7 @@ __all__ = [
     "Claim",
     "ClaimStore",
     "claim_value",
-    "parse_claim",
     "read_history",
-    "receive_slot",
 ]
 
 PENDING, SENT, RELEASED, RECEIVED = "pending", "sent", "released", "received"
@@ -72,18 +72,6 @@ UNSENT = (PENDING, RELEASED)
 def claim_value(instance: str, at: float, state: str) -> str:
     """The JSON value of a claim (compact, fixed key order: compared byte for byte)."""
     return json.dumps({"instance": instance, "at": at, "state": state}, separators=(",", ":"))
-
-
-def parse_claim(raw: bytes | str | None) -> dict[str, Any] | None:
-    """A claim value as a dict; None for no value or one this library did not write."""
-    if raw is None:
-        return None
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 @dataclass
@@ -131,59 +119,6 @@ return out
 """)
 #: Claims per :data:`SWAP_SCRIPT` call (Redis runs nothing else meanwhile: ~1 ms).
 SWAP_CHUNK = 500
-
-#: A worker received a slot message. KEYS: claim, [counter hash]. ARGV: the
-#: message's instance, the worker, TTL in ms for a claim the worker creates,
-#: stats TTL ms. Returns {'run'} or {'drop', holder value}. A missing claim
-#: (expired, Redis restarted, beat failed open) is created in the message's
-#: name: the first delivery of a slot wins, later ones from others are dropped.
-#: A ``released`` claim says its beat did not publish: a copy from another beat
-#: (one that published and died before the take-over) is the one to run, and
-#: the claim is pinned to it.
-RECEIVE_SCRIPT = LuaScript("""
-local current = redis.call('GET', KEYS[1])
-if not current then
-  redis.call('SET', KEYS[1], cjson.encode({instance = ARGV[1], state = 'received',
-             worker = ARGV[2]}), 'PX', tonumber(ARGV[3]))
-  return {'run'}
-end
-local ok, claim = pcall(cjson.decode, current)
-if not ok or type(claim) ~= 'table' then return {'run'} end
-if claim['instance'] ~= ARGV[1] then
-  if claim['state'] ~= 'released' then
-    if KEYS[2] then
-      redis.call('HINCRBY', KEYS[2], 'duplicates_dropped', 1)
-      redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
-    end
-    return {'drop', current}
-  end
-  claim['instance'] = ARGV[1]  -- pinned below, as the claim's own copy would be
-end
-if claim['state'] ~= 'received' then
-  claim['state'] = 'received'
-  claim['worker'] = ARGV[2]
-  local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 then redis.call('SET', KEYS[1], cjson.encode(claim), 'PX', ttl)
-  else redis.call('SET', KEYS[1], cjson.encode(claim)) end
-end
-return {'run'}
-""")
-
-
-def receive_slot(client: Any, key: str, instance: str, worker: str, create_ttl_ms: int,
-                 stats_key: str | None) -> tuple[bool, dict[str, Any] | None]:
-    """Record that ``worker`` accepts the slot message sent by ``instance``.
-
-    ``(True, None)``: run it. ``(False, holder)``: another instance's message of
-    this slot was (or will be) the one executed; drop this one.
-    """
-    keys = [key] + ([stats_key] if stats_key else [])
-    reply = RECEIVE_SCRIPT(client, keys, [instance, worker, create_ttl_ms, STATS_TTL_MS])
-    verdict = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-    if verdict == "drop":
-        return False, parse_claim(reply[1]) or {}
-    return True, None
-
 
 def swap_many(client: Any, swaps: Sequence[tuple[str, bytes | str, str, int]]) -> list[tuple[bool, bytes | None]]:
     """Run :data:`SWAP_SCRIPT` for each ``(key, expected, new, min_ttl_ms)`` in one round trip.

@@ -8,7 +8,7 @@ would silently send every slot from every worker, so they are caught here:
   worker's state file), not the scheduler, and the embedded beat runs Celery's
   own scheduler. A worker whose ``--statedb`` (``worker_state_db``) names this
   library's scheduler refuses to start with one line and exit code 78
-  (:data:`~celery_singleton_beat.startup.EX_CONFIG`), like the library's other
+  (:data:`~celery_singleton_beat.recovery.startup.EX_CONFIG`), like the library's other
   start-up refusals.
 * an embedded beat running another scheduler while the library's beats claim
   slots in the same Redis (the same ``singleton_key_prefix``): the worker's
@@ -34,10 +34,11 @@ from typing import Any
 import redis
 from celery import signals
 
-from ..client import get_redis
-from ..config import get_settings, sanitize_redis_url
-from ..events import logger
-from ..startup import EX_CONFIG
+from ..config import get_settings
+from ..connection.url import sanitize_redis_url
+from ..log import logger
+from ..recovery.lock_redis import get_redis
+from ..recovery.startup import EX_CONFIG
 from .entries import entry_spec, history_key
 from .records import REFRESH, entry_record_key
 
@@ -102,7 +103,7 @@ def _check_worker(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     options = getattr(sender, "options", None) or {}
     if app is not None and options.get("beat") and names_this_library(getattr(sender, "scheduler", None)):
-        from ..worker import install
+        from ..task.worker import install
 
         install(app)
 

@@ -20,11 +20,7 @@ from typing import Any
 from .slots import Slot, format_slot
 
 __all__ = [
-    "CLAIM_HEADER",
-    "ENTRY_HEADER",
     "ENTRY_OPTION",
-    "INSTANCE_HEADER",
-    "SLOT_HEADER",
     "SlotSpec",
     "entry_spec",
     "history_key",
@@ -32,15 +28,6 @@ __all__ = [
     "slot_task_id",
     "stats_key",
 ]
-
-#: Message headers of a sent slot: the task can read ``self.request.singleton_beat_slot``.
-SLOT_HEADER = "singleton_beat_slot"
-#: The beat instance that sent the message.
-INSTANCE_HEADER = "singleton_beat_instance"
-#: The slot's claim key, which the worker checks before it runs the message.
-CLAIM_HEADER = "singleton_beat_claim"
-#: The entry (claim) name, for the worker's counters.
-ENTRY_HEADER = "singleton_beat_entry"
 
 #: The entry option (``options={"singleton": ...}``) read by the scheduler.
 ENTRY_OPTION = "singleton"
@@ -81,7 +68,7 @@ def history_key(prefix: str) -> str:
 def stats_key(prefix: str) -> str:
     """Hash of counters over all entries and instances: ``won`` and ``lost`` slot claims.
 
-    Per-entry counters are in :func:`celery_singleton_beat.keys.beat_stats_key`.
+    Per-entry counters are in :func:`celery_singleton_beat.task.keys.beat_stats_key`.
     """
     return f"{prefix}:{{beat}}:stats"
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import schedules
 
-from ..events import logger
+from ..log import logger
 
 __all__ = ["ScheduleFollower"]
 

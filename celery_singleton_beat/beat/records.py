@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from ..client import is_cluster
-from ..scripts import LuaScript
+from ..connection.client import is_cluster
+from ..connection.wire import LuaScript
 from .claims import _evalsha_pipelined  # the multi-key script runner of the claims
 
 __all__ = ["REFRESH", "EntryRecords", "entry_record_key"]

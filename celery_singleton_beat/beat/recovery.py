@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..events import logger
-from ..scripts import LuaScript
+from ..connection.wire import LuaScript
+from ..log import logger
 
 __all__ = ["PUT_BACK_SCRIPT", "KeptClaims"]
 

@@ -6,7 +6,7 @@ instance works out the entry's slot (:mod:`.slots`) and claims it in Redis
 from the slot. A claim is ``pending`` until the winner marks it ``sent``; the
 beats that lost it look again when the pending lease would have ended and send
 what a dead (or stopped) winner did not (:mod:`.handover`). Workers execute a
-slot's first delivery only (:mod:`celery_singleton_beat.slot_delivery`).
+slot's first delivery only (:mod:`celery_singleton_beat.task.slot_delivery`).
 
 Local schedule state (``last_run_at`` in the shelve file) never decides: a beat
 that starts sets each entry's ``last_run_at`` from the slots (see
@@ -40,11 +40,12 @@ from celery import schedules, signals
 from celery.beat import PersistentScheduler
 from celery.exceptions import ImproperlyConfigured
 
-from ..client import get_redis
-from ..config import SingletonSettings, get_settings, sanitize_redis_url
-from ..events import logger
-from ..sentinel import FOLLOW_EVERY
-from ..startup import EX_CONFIG, LockRedisUnusable, StartupCheck
+from ..config import SingletonSettings, get_settings
+from ..connection.sentinel import FOLLOW_EVERY
+from ..connection.url import sanitize_redis_url
+from ..log import logger
+from ..recovery.lock_redis import get_redis
+from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck
 from .anchoring import Provisional, SlotAnchoring
 from .breaker import Breaker
 from .claims import Claim, ClaimStore

@@ -15,19 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..events import logger
+from ..log import logger
+from ..task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 from .claiming import ClaimRounds
 from .claims import Claim
-from .entries import (
-    CLAIM_HEADER,
-    ENTRY_HEADER,
-    ENTRY_OPTION,
-    INSTANCE_HEADER,
-    SLOT_HEADER,
-    SlotSpec,
-    entry_spec,
-    slot_task_id,
-)
+from .entries import ENTRY_OPTION, SlotSpec, entry_spec, slot_task_id
 from .slots import Slot, SlotError, current_slot, slot_before
 
 __all__ = ["SlotSending"]

@@ -54,9 +54,9 @@ from celery_singleton_beat.beat.claims import Claim, _evalsha_pipelined
 from celery_singleton_beat.beat.entries import entry_spec
 from celery_singleton_beat.beat.following import ScheduleFollower
 from celery_singleton_beat.beat.slots import Slot, SlotError, current_slot
-from celery_singleton_beat.events import logger
-from celery_singleton_beat.redis_url import sanitize_redis_url
-from celery_singleton_beat.scripts import LuaScript
+from celery_singleton_beat.connection.url import sanitize_redis_url
+from celery_singleton_beat.connection.wire import LuaScript
+from celery_singleton_beat.log import logger
 
 __all__ = ["META_SLOT_FIELD", "SingletonRedBeatEntry", "SingletonRedBeatScheduler"]
 

@@ -31,8 +31,8 @@ from celery import Celery, signals
 from celery.schedules import crontab
 
 from celery_singleton_beat import LockLost, SingletonTask
-from celery_singleton_beat.beat.entries import ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
-from celery_singleton_beat.liveness import boot_id
+from celery_singleton_beat.lease.liveness import boot_id
+from celery_singleton_beat.task.slot_delivery import ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 
 from .history import recorder
 

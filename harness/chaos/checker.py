@@ -36,7 +36,6 @@ from __future__ import annotations
 import bisect
 import re
 from collections import Counter
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -54,40 +53,12 @@ from .model import (
     open_submissions,
     runs,
 )
+from .report import figures
+from .verdict import Finding, Verdict
 
-__all__ = ["Finding", "Verdict", "check", "open_submissions"]
+__all__ = ["check", "open_submissions"]
 
 TASK = "harness.chaos.app.work"
-
-
-@dataclass
-class Finding:
-    """A violation or a report: its kind, one line, when, and the history lines behind it."""
-
-    kind: str
-    what: str
-    at: float
-    evidence: list[dict[str, Any]] = field(default_factory=list)
-
-    def as_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "what": self.what, "at": round(self.at, 3), "evidence": self.evidence}
-
-
-@dataclass
-class Verdict:
-    """Everything the checker found, and the run's figures."""
-
-    violations: list[Finding] = field(default_factory=list)
-    reports: list[Finding] = field(default_factory=list)
-    figures: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
-
-    def as_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "figures": self.figures, "violations": [v.as_json() for v in self.violations],
-                "reports": [r.as_json() for r in self.reports]}
 
 
 def check(history: History) -> Verdict:
@@ -103,8 +74,6 @@ def check(history: History) -> Verdict:
     _hangs(history, verdict)
     _keys(history, verdict)
     _counters(history, all_runs, verdict)
-    from .report import figures
-
     verdict.figures = figures(history, all_runs, verdict)
     return verdict
 

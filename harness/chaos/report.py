@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .history import History
 from .model import Run, fates
-
-if TYPE_CHECKING:
-    from .checker import Verdict
+from .verdict import Verdict
 
 __all__ = ["ROW_HEADER", "figures", "kinds_table", "render", "row", "row_of", "save", "total_row"]
 

@@ -105,8 +105,8 @@ def _fresh_app() -> Any:
     import importlib
     import sys
 
-    from celery_singleton_beat.client import reset_clients
     from celery_singleton_beat.config import clear_settings_cache
+    from celery_singleton_beat.recovery.lock_redis import reset_clients
 
     clear_settings_cache()
     reset_clients()

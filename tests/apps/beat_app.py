@@ -37,7 +37,7 @@ import redis
 from celery import Celery, signals
 from celery.schedules import crontab
 
-from celery_singleton_beat.worker import install
+from celery_singleton_beat.task.worker import install
 
 BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 RUNS_KEY = "beat:runs"

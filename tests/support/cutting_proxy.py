@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery_singleton_beat.wire import reply_reader
+from celery_singleton_beat.connection.wire import reply_reader
 
 from .owners import register
 from .paths import scratch_file

@@ -45,8 +45,8 @@ import kombu
 import pytest
 import redis
 
-from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .owners import EVERYTHING, Owner, owning, register
 from .paths import set_scratch_dir
@@ -246,8 +246,8 @@ def cluster() -> Iterator[Topology]:
     """A 3-primary Redis Cluster for a test module, with the documented ACL user
     (``acl_rules(cluster=True)``) on every node, each marked in use (a new Cluster of the
     tests' own: no recovery window)."""
-    from celery_singleton_beat.client import acl_rules
-    from celery_singleton_beat.window import mark_in_use
+    from celery_singleton_beat.connection.client import acl_rules
+    from celery_singleton_beat.recovery.window import mark_in_use
 
     with owning(Owner("module cluster")) as owner:
         topology = start_cluster()
@@ -262,7 +262,7 @@ def cluster() -> Iterator[Topology]:
 @pytest.fixture
 def cluster_client(cluster: Topology) -> Iterator[Any]:
     """The library's client of :func:`cluster`, as the limited user."""
-    from celery_singleton_beat.client import redis_from_url
+    from celery_singleton_beat.connection.client import redis_from_url
 
     clear_settings_cache()
     client = redis_from_url(cluster.url.replace("://", f"://{ACL_USER}:{ACL_PASSWORD}@"))

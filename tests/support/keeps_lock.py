@@ -24,8 +24,8 @@ from typing import Any
 import redis
 from celery.result import AsyncResult
 
-from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .processes import CeleryProcess, start_worker
 from .servers import RedisServer

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_singleton_beat.lock import AcquireResult, LockSpec, acquire
+from celery_singleton_beat.lease.lock import AcquireResult, acquire
+from celery_singleton_beat.lease.spec import LockSpec
 
 
 def take_lock(client: Any, key: str, ttl: float, *, task: str, task_id: str | None = None, node: str | None = None,

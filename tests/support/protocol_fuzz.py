@@ -54,11 +54,13 @@ from typing import Any
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from celery_singleton_beat.channel import channel_for
-from celery_singleton_beat.commands import release_request
-from celery_singleton_beat.lock import Lease, LockSpec, Renewal, acquire
-from celery_singleton_beat.server import PORTABLE
-from celery_singleton_beat.wire import run_pooled
+from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.pooled import run_pooled
+from celery_singleton_beat.lease.commands import Renewal, release_request
+from celery_singleton_beat.lease.lease import Lease
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.recovery.server import PORTABLE
 
 from .fault_proxy import FaultProxy, Rates
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from celery_singleton_beat.window import mark_in_use
+from celery_singleton_beat.recovery.window import mark_in_use
 from harness.old_redis import DEFAULT_PATH as OLD_REDIS_PATH
 from harness.old_redis import SDIST as OLD_REDIS_SDIST
 from harness.rabbitmq_server import RabbitMQServerProcess, find_rabbitmq_server
@@ -35,7 +35,7 @@ __all__ = ["BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "NotOurServer", "R
 BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
 
 #: Keys naming the server that serves the lock data (``<prefix>:server``, one per shard on
-#: Cluster: see celery_singleton_beat.server): flushes between tests keep them.
+#: Cluster: see celery_singleton_beat.recovery.server): flushes between tests keep them.
 SERVER_RECORDS = ("*:server", "*:server:{*}")
 
 

@@ -18,8 +18,8 @@ from celery import states
 from celery.result import AsyncResult
 
 from celery_singleton_beat import TaskSkipped
-from celery_singleton_beat.client import reset_clients
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .servers import LOCK_DB, RECORD_DB, RedisServer
 from .waiting import wait_for

@@ -29,8 +29,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from celery_singleton_beat.client import RedisClient
-from celery_singleton_beat.window import mark_in_use
+from celery_singleton_beat.connection.client import RedisClient
+from celery_singleton_beat.recovery.window import mark_in_use
 from harness.redis_server import RedisServerProcess, free_port, probe_options
 from harness.sentinel import MASTER_NAME, group_ready, master_address, sentinel_args
 

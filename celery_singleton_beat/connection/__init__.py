@@ -1,0 +1,1 @@
+"""Talking to Redis: URLs, Sentinel and Cluster clients, the wire protocol, per-thread channels, redirects."""

@@ -1,0 +1,568 @@
+"""One Redis connection per process and thread for the lock commands of runs.
+
+A run's critical path has two lock requests: the acquire (its reply decides
+whether the body runs) and the release. The channel writes a release at once
+-- Redis executes it as soon as it reads it, so other processes see the key
+free without delay -- and reads its reply later, in the same round trip as the
+next request it waits for (the next acquire, under steady load). A run
+therefore waits for one round trip, not two, and requests stay in order on the
+connection: a run of the same key right after its predecessor always finds the
+predecessor's release already executed. A run whose end others wait on (a
+chain's next step, callbacks) calls :meth:`Channel.flush` after writing its
+release, so that the release has executed before its end is published.
+
+When no next request comes, a background thread reads the pending replies
+:data:`FLUSH_AFTER` seconds after they were written, so the outcome of a
+release (was the lock still ours?) is always reported within that bound.
+
+A connection the server closed (a restart, a proxy's idle timeout) is found
+out when it is next used: the requests whose replies were pending are written
+again on a new connection (each is safe to run twice: see :mod:`.wire`) and
+their outcomes reported, and the request at hand is sent there too, so a
+stale connection costs a run neither its release nor a retry.
+
+**A request reads every reply it wrote, or its connection is dropped.** The
+connection counts the replies it owes (:attr:`.wire.Link.outstanding`). An
+error reply is read like any other (a refused ``SCRIPT LOAD`` ahead of a
+script included). Any exception that leaves the channel while replies are
+owed -- a timeout, or what a signal handler raises into a thread waiting for
+Redis (``SoftTimeLimitExceeded``, ``SystemExit``, ``KeyboardInterrupt``) --
+drops the connection: the replies on it belong to nobody now, and the next
+request, on a new connection, reads only its own. The interrupted request's
+outcome is unknown to its caller (it got the exception); the releases whose
+replies were pending are written again on the new connection. An idle
+connection with bytes to read is broken the same way.
+
+Used for standalone Redis clients without ``singleton_wait_replicas``, in
+processes whose sockets are not green (Sentinel, Cluster, ``WAIT`` and the
+gevent / eventlet pools keep the pooled path). The connection is made from
+the client's own pool settings, belongs to one thread and process (a forked
+child makes its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import ssl
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeGuard
+
+import redis
+
+from .. import native
+from ..log import logger
+from .wire import (
+    BROKEN,
+    RETRIED,
+    Request,
+    SocketLink,
+    Written,
+    _NoScript,
+    ensure_checked,
+    looker_of,
+    read_own,
+    write_request,
+)
+
+__all__ = ["Channel", "channel_for", "channel_or_none", "read_all_replies", "supports_channel"]
+
+#: Called with the result of a request sent without waiting (or the error it got).
+ReplyHandler = Callable[[Any, BaseException | None], None]
+
+#: Seconds after which a pending reply is read even if no next request comes.
+FLUSH_AFTER = 0.5
+#: A connection idle for this long is checked (one ``select``, a system call) before it
+#: is written to; closed by the server, or holding bytes nobody asked for, it is
+#: replaced. A release written onto a connection the server closed (a restart during
+#: the run) would only be found out, and sent again, when its reply is read -- up to
+#: FLUSH_AFTER later, while others see the lock held. Runs shorter than this skip the
+#: check; the flusher still sends their release again.
+IDLE_CHECK = 0.02
+
+
+class _Pending:
+    """A request written without waiting, and who wants its result."""
+
+    __slots__ = ("on_reply", "resent", "written")
+
+    def __init__(self, written: Written, on_reply: ReplyHandler) -> None:
+        #: The request, and how it was written on the channel's connection (replaced when
+        #: it is written again).
+        self.written = written
+        self.on_reply = on_reply
+        #: It was on a connection dropped before its reply was read: written once more
+        #: (it may have run twice), and never a third time.
+        self.resent = False
+
+
+class Channel:
+    """A dedicated connection: blocking calls, and sends whose replies are read later.
+
+    Replies are read strictly in the order the requests were written. The
+    connection's state is its link's :attr:`~.wire.Link.outstanding` count and
+    the :class:`_Pending` sends: idle (nothing outstanding, nothing pending),
+    busy (replies outstanding: the sends' and, during a call, the call's), or
+    none. Whatever exception leaves a method while replies are outstanding (or
+    sends listed) drops the connection; the sends whose replies were not read
+    are written again, in order, ahead of the next request on a new one.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._pool = client.connection_pool
+        self._client = client
+        # Held by the owning thread for each call, and by the flusher thread.
+        self._lock = threading.Lock()
+        #: Monotonic time the oldest unread reply was written (None: nothing pending).
+        self.oldest: float | None = None
+        self._connection: Any = None
+        #: The connection's socket, read without redis-py's layers once it is set up.
+        self._link: SocketLink | None = None
+        #: The connection has carried a request (so the server may have closed it since).
+        self._used = False
+        #: Monotonic time of the last reply read (or of connecting).
+        self._last_read = 0.0
+        self._pending: deque[_Pending] = deque()
+        #: The pending sends are to be written (again) before anything else: their
+        #: connection was dropped, or they met ``NOSCRIPT``. Always all of them at once.
+        self._unsent = False
+        #: True while the flusher thread watches this channel (set and cleared by it).
+        self.watched = False
+
+    # ----------------------------------------------------------------- public
+
+    def call(self, request: Request, before_write: Callable[[], Any] | None = None) -> Any:
+        """Send ``request`` and return its result; earlier sends' replies are read first.
+
+        One round trip: the request is written before the pending replies are
+        read. ``before_write`` runs once the connection is up, before anything
+        is written (a recovery window's wait, see :mod:`.server`).
+        """
+        with self._lock:
+            try:
+                for attempt in (1, 2):
+                    stale = self._used
+                    written = None
+                    try:
+                        link = self._connect()
+                        if before_write is not None:
+                            before_write()
+                        written = write_request(link, request)
+                        self._used = True
+                        again = self._read_pending(link) if self._pending else None
+                        try:
+                            replies = read_own(link, written)
+                        except _NoScript:  # a SCRIPT FLUSH: every send that met it, then this again
+                            replies = self._redo(link, request, None)
+                        else:
+                            if again:  # sends that met it ran after this one: both again, in order
+                                replies = self._redo(link, request, replies)
+                        self._last_read = time.monotonic()
+                        return request.finish(replies)
+                    except RETRIED as exc:
+                        self._lost(exc, resend=True)
+                        if attempt == 2 or not stale:
+                            raise
+                        if written is not None and request.unsure_when_repeated:
+                            request = _repeated(request)
+                    except BROKEN as exc:
+                        self._lost(exc, resend=False)
+                        raise
+            except BaseException:
+                self._drop_if_unread()
+                raise
+        raise AssertionError("unreachable")
+
+    def send(self, request: Request, on_reply: ReplyHandler) -> None:
+        """Write ``request`` now; ``on_reply`` gets its result when it is read.
+
+        Raises ``redis.RedisError`` if it could not be written (after one more
+        try on a new connection when the old one had been closed by the server).
+        """
+        with self._lock:
+            try:
+                for attempt in (1, 2):
+                    stale = self._used
+                    try:
+                        written = write_request(self._connect(), request)
+                        self._used = True
+                        break
+                    except RETRIED as exc:
+                        self._lost(exc, resend=True)
+                        if attempt == 2 or not stale:
+                            raise
+                    except BROKEN as exc:
+                        self._lost(exc, resend=False)
+                        raise
+                self._pending.append(_Pending(written, on_reply))
+                if self.oldest is None:
+                    self.oldest = time.monotonic()
+                watched = self.watched
+            except BaseException:
+                self._drop_if_unread()
+                raise
+        if not watched:  # under steady load the flusher keeps watching: no lock, no wake-up
+            _flusher().watch(self)
+
+    def flush(self) -> None:
+        """Read every pending reply now (blocks one round trip at most, two after a lost connection)."""
+        with self._lock:
+            try:
+                for attempt in (1, 2):
+                    if not self._pending:
+                        return
+                    try:
+                        link = self._connect()
+                        if self._read_pending(link):
+                            self._write_unsent(link)
+                            self._read_pending(link, last=True)
+                        self._last_read = time.monotonic()
+                        return
+                    except RETRIED as exc:
+                        self._lost(exc, resend=attempt == 1)
+                    except BROKEN as exc:
+                        self._lost(exc, resend=False)
+                        raise
+            except BaseException:
+                self._drop_if_unread()
+                raise
+
+    def unwatch_if_idle(self) -> bool:
+        """The flusher's check: nothing pending, so stop being watched (True), else False.
+
+        Under the channel's lock, so a send either sees ``watched`` cleared (and
+        asks to be watched again) or is seen pending here. Never waits: a busy
+        channel stays watched.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.oldest is None:
+                self.watched = False
+                return True
+            return False
+        finally:
+            self._lock.release()
+
+    @property
+    def pending(self) -> int:
+        """Requests written whose reply has not been read yet."""
+        return len(self._pending)
+
+    @property
+    def outstanding(self) -> int:
+        """Replies written on the connection and not read yet (0 when idle or unconnected)."""
+        link = self._link
+        return 0 if link is None else link.outstanding
+
+    # ----------------------------------------------------------------- internals
+
+    def _connect(self) -> SocketLink:
+        link = self._link
+        if link is not None:
+            # An idle connection (no reply outstanding) unused for a while may have been closed
+            # by the server meanwhile; bytes on it that no request asked for break it too.
+            if link.outstanding or time.monotonic() - self._last_read <= IDLE_CHECK or not _unusable(link):
+                return link
+            self._lost(None, resend=True)
+        if self._connection is None:
+            # One connection object for the channel's life, reconnected after each drop. Made
+            # from the pool's settings but not by the pool: the pool's make_connection() counts
+            # against max_connections (100 by default in redis-py 8) and never counts down.
+            pool = self._pool
+            self._connection = pool.connection_class(**pool.connection_kwargs)
+        self._used = False
+        self._last_read = time.monotonic()
+        ensure_checked(self._connection, looker_of(self._client))
+        link = self._link = SocketLink(self._connection._sock)
+        if self._pending:  # written on a connection dropped before their replies were read
+            if not self._unsent:  # an interruption cut _lost short: the same outcome
+                for entry in self._pending:
+                    entry.resent = True
+            self._write_unsent(link)
+            logger.info("lock connection replaced; %d request(s) whose reply was not read sent again",
+                        len(self._pending))
+        return link
+
+    def _write_unsent(self, link: SocketLink) -> None:
+        """Write every pending request again on ``link``, in order (see :attr:`_unsent`)."""
+        for entry in self._pending:
+            entry.written = write_request(link, entry.written.request)
+        self._unsent = False
+        self._used = True
+
+    def _read_pending(self, link: SocketLink, *, last: bool = False) -> list[_Pending]:
+        """Read every pending reply, delivering each; those that met ``NOSCRIPT`` (returned).
+
+        Those stay pending, to be written again (:meth:`_write_unsent`) once
+        every reply written before has been read (written now, they would run
+        after requests already on the wire); ``last``: the second time in a
+        row, delivered as the error instead.
+        """
+        self.oldest = None
+        pending = self._pending
+        again: list[_Pending] = []
+        while pending:
+            entry = pending[0]
+            try:
+                replies = read_own(link, entry.written)
+            except _NoScript as exc:  # a SCRIPT FLUSH: load and run it again, in order
+                pending.popleft()
+                if last:
+                    _deliver(entry.on_reply, None, exc)
+                else:
+                    again.append(entry)
+                continue
+            except redis.ResponseError as exc:  # its SCRIPT LOAD refused; every reply was read
+                pending.popleft()
+                _deliver(entry.on_reply, None, exc)
+                continue
+            # Popped only once read: an exception before leaves it to be sent again.
+            pending.popleft()
+            try:
+                result = entry.written.request.finish(replies)
+            except Exception as exc:  # an error reply: the request's outcome
+                _deliver(entry.on_reply, None, exc)
+                continue
+            if entry.resent and not result and entry.written.request.unsure_when_repeated:
+                result = None  # its first attempt may have run: unknown, not "not ours"
+            _deliver(entry.on_reply, result, None)
+        if again:
+            pending.extend(again)  # every other reply was read: they are all that is pending
+            self._unsent = True
+            self.oldest = time.monotonic()
+        return again
+
+    def _redo(self, link: SocketLink, request: Request, replies: list[Any] | None) -> list[Any]:
+        """After a ``SCRIPT FLUSH``: run the sends that met ``NOSCRIPT`` again, then ``request``
+        (its replies: None if it met ``NOSCRIPT`` too) unless it ran and is a compare-and-delete
+        (run again, it would find nothing; nothing it does depends on the sends before)."""
+        self._write_unsent(link)
+        self._read_pending(link, last=True)
+        if replies is None or not request.unsure_when_repeated:
+            replies = read_own(link, write_request(link, request))
+        return replies
+
+    def _drop_if_unread(self) -> None:
+        """After an exception: drop the connection if a reply on it is still unread
+        (or a send still listed), so that no later request reads it as its own."""
+        link = self._link
+        if link is not None and (link.outstanding or self._pending):
+            self._lost(None, resend=True)
+
+    def _lost(self, error: BaseException | None, *, resend: bool) -> None:
+        """Drop the connection, which failed (``error``) or was left with unread replies.
+
+        The requests whose replies were pending were written, but whether Redis
+        ran them is unknown. With ``resend`` (the server closed the connection:
+        a restart, a proxy; or an exception cut a request short), each is
+        written once more ahead of the next request, on a new connection, and
+        its outcome reported then; otherwise, or if it was written again
+        already, its handler gets the error (the lock then lapses at its TTL).
+        """
+        self._drop()
+        kept: deque[_Pending] = deque()
+        failure = error or redis.ConnectionError("the lock connection was dropped with replies unread")
+        for entry in self._pending:
+            if resend and not entry.resent:
+                entry.resent = True
+                kept.append(entry)
+            else:
+                _deliver(entry.on_reply, None, failure)
+        self._pending = kept
+        self._unsent = bool(kept)
+        self.oldest = (self.oldest or time.monotonic()) if kept else None
+
+    def _drop(self) -> None:
+        """Close the connection (its object stays, to connect again)."""
+        self._link = None
+        self._used = False
+        if self._connection is not None:
+            with contextlib.suppress(Exception):  # already broken
+                self._connection.disconnect()
+
+
+def _unusable(link: SocketLink) -> bool:
+    """An idle connection (no reply expected): True if anything can be read from it.
+
+    Either the server closed it (EOF, an error) or bytes came that no request
+    asked for: both break it. One ``select`` (a system call); only when data is
+    there, a read of one byte (TLS: records that carry no data are not bytes).
+    """
+    if link.unread():
+        return True
+    sock = link.sock
+    if getattr(sock, "pending", None) is not None and sock.pending():
+        return True  # TLS: data already decrypted
+    try:
+        # select first: a socket with a timeout waits that long in recv, flags or not.
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False  # nothing to read: open and clean
+        timeout = sock.gettimeout()
+        sock.setblocking(False)
+        try:
+            sock.recv(1)  # EOF or a byte: either way the connection is done
+        finally:
+            sock.settimeout(timeout)
+        return True
+    except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+        return False  # readable, yet no data (TLS bookkeeping): open
+    except (OSError, ValueError):
+        return True
+
+
+def _repeated(request: Request) -> Request:
+    """``request`` to be sent again after its connection failed: a falsy outcome of a
+    compare-and-delete is then unknown (None), its first attempt may have run."""
+    def finish(replies: list[Any]) -> Any:
+        return request.finish(replies) or None
+
+    return Request(None, finish, request.scripts, unsure_when_repeated=True, data=request.data,
+                   count=request.count)
+
+
+def _deliver(on_reply: ReplyHandler, reply: Any, error: BaseException | None) -> None:
+    try:
+        on_reply(reply, error)
+    except Exception as exc:  # a handler must not break the next run's acquire
+        logger.warning("a deferred lock reply handler failed: %s", exc)
+
+
+class _Flusher:
+    """A daemon thread that reads replies left pending for :data:`FLUSH_AFTER` seconds."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._channels: list[weakref.ref[Channel]] = []
+        threading.Thread(target=self._run, name="singleton-flush", daemon=True).start()
+
+    def watch(self, channel: Channel) -> None:
+        with self._cond:
+            if not channel.watched:
+                channel.watched = True
+                self._channels.append(weakref.ref(channel))
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._channels:
+                    self._cond.wait()
+                channels = [c for c in (ref() for ref in self._channels) if c is not None]
+            now = time.monotonic()
+            due = [c for c in channels if c.oldest is not None and now - c.oldest >= FLUSH_AFTER]
+            for channel in due:
+                try:
+                    channel.flush()
+                except Exception as exc:  # reported to the handlers; keep flushing others
+                    logger.debug("flushing lock replies failed: %s", exc)
+            waits = [c.oldest + FLUSH_AFTER - now for c in channels if c.oldest is not None and c not in due]
+            with self._cond:
+                kept = []
+                for ref in self._channels:
+                    alive = ref()
+                    if alive is None:
+                        continue
+                    if alive.unwatch_if_idle():
+                        continue  # its next send asks again
+                    kept.append(ref)
+                self._channels = kept
+                self._cond.wait(timeout=max(min(waits, default=FLUSH_AFTER), 0.005))
+
+
+_flusher_of: dict[int, _Flusher] = {}
+_flusher_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # A lock copied while another thread held it would stay held in the child.
+    global _flusher_lock
+    _flusher_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _flusher() -> _Flusher:
+    """This process's flusher thread (a forked child starts its own)."""
+    pid = os.getpid()
+    flusher = _flusher_of.get(pid)
+    if flusher is None:
+        with _flusher_lock:
+            flusher = _flusher_of.get(pid)
+            if flusher is None:
+                _flusher_of.clear()
+                flusher = _flusher_of[pid] = _Flusher()
+    return flusher
+
+
+def read_all_replies() -> None:
+    """Read the pending replies of every channel of this process now: it is about to end
+    (a prefork child ends with ``os._exit``, where the flusher thread would never run)."""
+    flusher = _flusher_of.get(os.getpid())
+    if flusher is None:
+        return
+    with flusher._cond:
+        channels = [channel for channel in (ref() for ref in flusher._channels) if channel is not None]
+    for channel in channels:
+        try:
+            channel.flush()
+        except Exception as exc:  # reported to the handlers; read the others
+            logger.debug("reading lock replies at exit failed: %s", exc)
+
+
+def supports_channel(client: Any) -> TypeGuard[redis.Redis]:
+    """True for clients whose lock requests go through a :class:`Channel`.
+
+    Standalone Redis (a plain connection pool) in a process with real threads;
+    Sentinel and Cluster clients, and greenlet pools, keep the pooled path.
+    """
+    return (isinstance(client, redis.Redis)
+            and type(client.connection_pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
+            and not native.green())
+
+
+_local = threading.local()
+#: Bumped in a forked child: every thread-local cache of the parent is stale there.
+_generation = 0
+
+
+def _new_generation_in_child() -> None:
+    global _generation
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_new_generation_in_child)
+
+
+def channel_for(client: redis.Redis) -> Channel:
+    """This thread's channel for ``client`` (a new one after a fork)."""
+    channel = channel_or_none(client)
+    if channel is None:
+        raise TypeError(f"{client!r} has no lock channel (see supports_channel)")
+    return channel
+
+
+def channel_or_none(client: Any) -> Channel | None:
+    """This thread's channel for ``client``, or None when it has none (:func:`supports_channel`).
+
+    One dictionary look-up per lock request: the verdict is cached with the channel.
+    """
+    channels: dict[int, tuple[weakref.ref[Any], Channel | None]] | None = getattr(_local, "channels", None)
+    if channels is not None and _local.generation == _generation:
+        known = channels.get(id(client))
+        if known is not None and known[0]() is client:
+            return known[1]
+    else:
+        channels = _local.channels = {}
+        _local.generation = _generation
+    # A new client, an id reused, or a new process.
+    channel = Channel(client) if supports_channel(client) else None
+    channels[id(client)] = (weakref.ref(client), channel)
+    return channel

@@ -1,0 +1,91 @@
+"""A request on a connection borrowed from the pool of the server that holds its key.
+
+For requests that do not go through a thread's own channel (:mod:`.channel`):
+Sentinel and Cluster clients, requests that need their connection afterwards
+(``WAIT``), and callers without a channel. The connection is looked at by the
+client's server record first (:func:`.wire.ensure_checked`); on Cluster,
+``-MOVED`` and ``-ASK`` are followed (:mod:`.redirects`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+
+from .client import cluster_moved, is_cluster
+from .redirects import AskFollower
+from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, ensure_checked, give_back, looker_of, run_on
+
+__all__ = ["run_pooled", "run_script"]
+
+
+def _node_client(client: Any, key: str) -> Any:
+    if is_cluster(client):
+        return client.get_redis_connection(client.get_node_from_key(key))
+    return client
+
+
+
+def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any, Any], Any] | None = None,
+               before_write: Callable[[], Any] | None = None) -> Any:
+    """Run ``request`` on a connection borrowed from the pool of the server holding ``key``.
+
+    ``after(link, result)``, if given, runs on the same connection before it
+    goes back (``WAIT`` counts the replicas of that connection's writes; on a
+    slot that migrates, the connection to the target when the request's first
+    command went there). ``before_write`` runs once the connection is up (a
+    recovery window's wait). A connection that fails with a connection error
+    is dropped and the request is sent once more on a new one; one whose
+    replies were not all read (whatever the exception) is dropped, never put
+    back. On Cluster, ``-MOVED`` and ``-ASK`` are followed (see the module
+    docstring).
+    """
+    cluster = is_cluster(client)
+    repeated = False
+    for attempt in (1, 2):
+        server = _node_client(client, key)
+        pool = server.connection_pool
+        connection = pool.get_connection("_")
+        link = PoolLink(connection)
+        follow = AskFollower(client) if cluster else None
+        try:
+            ensure_checked(connection, looker_of(client))
+            if before_write is not None:
+                before_write()
+            result = run_on(link, request, follow)
+            if after is not None:
+                result = after(follow.link if follow is not None and follow.link is not None else link, result)
+            if repeated and not result and request.unsure_when_repeated:
+                return None  # its first attempt may have run: unknown, not "not ours"
+            return result
+        except RETRIED:
+            repeated = link.outstanding > 0  # written (maybe in part) before the connection failed
+            connection.disconnect()
+            if attempt == 2:
+                raise
+        except BROKEN:
+            connection.disconnect()
+            raise
+        except redis.ResponseError as exc:
+            if attempt == 2 or not cluster_moved(client, exc):
+                raise
+        finally:
+            give_back(pool, connection, link)
+            if follow is not None:
+                follow.close()
+    raise AssertionError("unreachable")
+
+
+def run_script(client: Any, script: LuaScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """Run ``script`` on ``client`` through its pool (tools and tests; the run path uses requests)."""
+    return run_pooled(client, keys[0] if keys else "", Request([script.command(keys, args)], _first,
+                                                                scripts=(script,)))
+
+
+def _first(replies: list[Any]) -> Any:
+    reply = replies[0]
+    if isinstance(reply, Exception):
+        raise reply
+    return reply

@@ -1,0 +1,312 @@
+"""Renewal of running leases.
+
+One daemon thread per process renews every lease held in that process every
+:attr:`~.lease.Lease.renew_every` seconds (a third of its TTL, and at most a
+third of ``singleton_liveness_ttl``: a dead worker's missed renewals show
+within seconds, and every holder puts its lock back within a recovery window
+after a restart), so a run may last any multiple of ``lock_ttl``; a lease that
+stops being renewable is marked lost and its owner is told through a callback.
+
+When Redis does not answer, the keeper tries again every
+:data:`~.lease.RETRY_EVERY` seconds until the lease would have expired; only
+then does it report the loss (the lock may still exist, but no one can vouch
+for it any more). A renewal whose answer comes after its run ended (the run
+released the lock meanwhile) reports nothing.
+
+The same thread sends again a run's release that got no answer (``-BUSY``, a
+timeout, a cut connection; :meth:`LeaseKeeper.retry_release`, :mod:`.releases`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import heapq
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from .. import native
+from ..connection.channel import read_all_replies
+from ..log import logger
+from ..recovery import server
+from ..recovery.lock_redis import thread_client
+from .commands import Renewal
+from .lease import RETRY_EVERY, Lease, retry_pause
+from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
+
+__all__ = ["KeptLease", "LeaseKeeper", "get_keeper", "send_pending_releases"]
+
+#: Seconds an idle keeper (nothing to renew) waits before it looks at its queue again.
+#: A new lease due later than that needs no wake-up: short runs cost no thread switch.
+IDLE_LOOK = 1.0
+#: Seconds between two log lines about the same lease while Redis does not answer.
+LOG_EVERY = 5.0
+
+
+class KeptLease:
+    """A lease under renewal; ``lost`` tells whether it still protects the run."""
+
+    __slots__ = ("active", "lease", "lost_reason", "next_complaint", "on_lost", "renewals")
+
+    def __init__(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None) -> None:
+        self.lease = lease
+        self.on_lost = on_lost
+        self.lost_reason: str | None = None
+        self.renewals = 0
+        self.active = True
+        #: Monotonic time before which a failed renewal is not logged again.
+        self.next_complaint = 0.0
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_reason is not None
+
+    def mark_lost(self, reason: str) -> None:
+        if self.lost_reason is None:
+            self.lost_reason = reason
+            if self.on_lost is not None:
+                self.on_lost(self, reason)
+
+
+class LeaseKeeper:
+    """Renews leases from one background OS thread (started on first use).
+
+    In a gevent or eventlet worker it is a real thread with a Redis client of
+    its own (:mod:`.native`): a task that blocks the hub does not stop renewals.
+    """
+
+    def __init__(self) -> None:
+        # Real OS-thread primitives (see .native): under gevent or eventlet the
+        # keeper must renew while the running task blocks the hub.
+        self._mutex = native.allocate_lock()
+        self._wake = native.Wakeup()
+        self._queue: list[tuple[float, int, KeptLease | PendingRelease]] = []
+        self._seq = itertools.count()
+        #: Leases kept and not yet forgotten (the queue also holds forgotten ones).
+        self._active = 0
+        #: Releases sent again, by ``id()`` of their lease (one per lease).
+        self._pending: dict[int, PendingRelease] = {}
+        #: The thread runs (cleared as it ends: only at interpreter exit, its loop catches errors).
+        self._running = False
+        #: Times the thread came back from waiting (diagnostics and tests).
+        self.wakeups = 0
+        #: The thread is waiting (not renewing).
+        self.waiting = False
+        #: Monotonic time the waiting thread looks at the queue by itself (-inf: looking now).
+        self._next_look = float("-inf")
+
+    def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
+        """Start renewing ``lease``; call :meth:`forget` when the run ends."""
+        kept = KeptLease(lease, on_lost)
+        self._add(kept, time.monotonic() + lease.renew_every)
+        return kept
+
+    def retry_release(self, lease: Lease, done_ttl: float | None = None) -> PendingRelease:
+        """Send ``lease``'s release (and its ``done_ttl`` done marker) again soon, and until it
+        runs (see :mod:`.releases`): its first sending got no answer. Once per lease."""
+        with self._mutex:
+            pending = self._pending.get(id(lease))
+            if pending is not None and pending.active:
+                return pending
+            pending = self._pending[id(lease)] = PendingRelease(lease, done_ttl)
+        self._add(pending, time.monotonic() + RETRY_EVERY)
+        return pending
+
+    @property
+    def pending_releases(self) -> list[PendingRelease]:
+        """Releases waiting to be sent again."""
+        with self._mutex:
+            return [entry for entry in self._pending.values() if entry.active]
+
+    def send_pending_releases(self, patience: float = EXIT_PATIENCE) -> None:
+        """The process ends: send every pending release until it runs, ``patience`` seconds at most."""
+        for entry in send_until_done(self.pending_releases, patience) + self.pending_releases:
+            self.forget(entry)
+
+    def _add(self, kept: KeptLease | PendingRelease, due: float) -> None:
+        with self._mutex:
+            self._active += 1
+            if len(self._queue) > 2 * self._active + 32:
+                # Ended runs leave their entry until its renewal time (they are
+                # dropped lazily); a short task ends thousands of runs before
+                # then, so drop them here, amortised over the runs that left them.
+                self._queue = [entry for entry in self._queue if entry[2].active]
+                heapq.heapify(self._queue)
+            self._schedule(kept, due)
+            start = not self._running
+            self._running = True
+            # Only a renewal due before the thread looks again needs it awake:
+            # waking it for every short run cost a thread switch (and ~8
+            # system calls) per run.
+            wake = not start and due < self._next_look
+        if start:
+            native.start_thread(self._run, "singleton-lease-keeper")
+        elif wake:
+            self._wake.notify()
+
+    def forget(self, kept: KeptLease | PendingRelease) -> None:
+        """Stop renewing (the entry is dropped lazily: when it comes due or the queue is compacted)."""
+        with self._mutex:
+            if kept.active:
+                kept.active = False
+                self._active -= 1
+            if isinstance(kept, PendingRelease) and self._pending.get(id(kept.lease)) is kept:
+                del self._pending[id(kept.lease)]
+
+    @property
+    def tracked(self) -> int:
+        """Entries in the renewal queue, forgotten ones included (bounded by the kept ones)."""
+        return len(self._queue)
+
+    def _schedule(self, kept: KeptLease | PendingRelease, when: float) -> None:
+        heapq.heappush(self._queue, (when, next(self._seq), kept))
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._running = False
+
+    def _loop(self) -> None:
+        while True:
+            with self._mutex:
+                self._next_look = float("-inf")  # looking: a keep() needs no notify
+                while self._queue and not self._queue[0][2].active:
+                    heapq.heappop(self._queue)
+                now = time.monotonic()
+                due = self._queue and self._queue[0][0] <= now
+                kept = heapq.heappop(self._queue)[2] if due else None
+                if kept is None:
+                    timeout = self._queue[0][0] - now if self._queue else IDLE_LOOK
+                    self._next_look = now + timeout
+                    self.waiting = True
+            if kept is None:
+                self._wake.wait(timeout)
+                self.waiting = False
+                self.wakeups += 1
+                continue
+            next_time = self._renew(kept) if isinstance(kept, KeptLease) else self._release_again(kept)
+            if next_time is not None:
+                with self._mutex:
+                    if kept.active:
+                        self._schedule(kept, next_time)
+
+    def renew_all_soon(self) -> None:
+        """Renew every kept lease now: the process found its data on a server that may lack
+        its locks (a restart, a promoted replica), and each must be put back before the
+        recovery window closes (see :mod:`.server`)."""
+        with self._mutex:
+            now = time.monotonic()
+            self._queue = [(now, seq, kept) for _, seq, kept in self._queue if kept.active]
+            heapq.heapify(self._queue)
+        self._wake.notify()
+
+    def _renewed(self, kept: KeptLease, client: Any) -> bool:
+        """One renewal of ``kept``, putting its lock back where the server lost it.
+
+        The put-back happens under the keeper's mutex, and only while the run still
+        keeps the lease: a run that ends (:meth:`forget`, then its release) either
+        waits for it or is seen ended, so a renewal on its way when the run released
+        never writes the lock back.
+        """
+        lease = kept.lease
+        outcome = lease.renew_once(client)
+        if outcome is Renewal.GONE and lease.may_put_back(client):
+            with self._mutex:
+                return kept.active and lease.put_back(client)
+        return outcome is Renewal.RENEWED
+
+    def _renew(self, kept: KeptLease) -> float | None:
+        """Renew once; the monotonic time of the next attempt, or None when done."""
+        lease = kept.lease
+        try:
+            if self._renewed(kept, thread_client(lease.client)):
+                kept.renewals += 1
+                if kept.next_complaint:
+                    kept.next_complaint = 0.0
+                    logger.warning("renewed lock %s again: Redis answers", lease.key)
+                return time.monotonic() + lease.renew_every
+            if kept.active:  # else the run ended and released it while this renewal was on its way
+                kept.mark_lost("the lock was deleted, expired or taken by another holder")
+            return None
+        except redis.RedisError as exc:
+            now = time.monotonic()
+            if now >= lease.valid_until:
+                if kept.active:
+                    kept.mark_lost(f"the lease expired while Redis was unreachable ({exc})")
+                return None
+            if now >= kept.next_complaint:  # the first failure, then every LOG_EVERY seconds
+                kept.next_complaint = now + LOG_EVERY
+                holder = lease.holder
+                logger.error("cannot renew lock %s of %s[%s], retrying until it would expire in %.1fs: %s",
+                             lease.key, holder.task if holder else "?", holder.task_id if holder else "?",
+                             lease.valid_until - now, exc)
+            return min(now + retry_pause(lease.ttl), lease.valid_until)
+        except Exception:  # never let the keeper thread die
+            logger.exception("unexpected error renewing lock %s", lease.key)
+            return time.monotonic() + lease.renew_every
+
+
+    def _release_again(self, pending: PendingRelease) -> float | None:
+        """Send a pending release once; the monotonic time of the next attempt, or None when done."""
+        error = pending.send()
+        next_time = None if error is None else pending.next_attempt(time.monotonic())
+        if error is not None and next_time is None:
+            pending.give_up(error)
+        if next_time is None:
+            self.forget(pending)
+        return next_time
+
+
+_keeper: LeaseKeeper | None = None
+_keeper_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's keeper thread does not exist in a forked child; a lock
+    # copied while another thread held it would stay held there.
+    global _keeper, _keeper_lock
+    _keeper, _keeper_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _renew_all_soon() -> None:
+    keeper = _keeper
+    if keeper is not None:
+        keeper.renew_all_soon()
+
+
+server.on_data_lost(_renew_all_soon)
+
+
+def send_pending_releases() -> None:
+    """The process ends: read the replies still unread on its lock connections (a release
+    answered ``-BUSY`` becomes a pending one there), then send each release that got no
+    answer until it runs, for a few seconds at most (the keeper's thread, a daemon, ends
+    with the process)."""
+    read_all_replies()
+    keeper = _keeper
+    if keeper is not None:
+        keeper.send_pending_releases()
+
+
+atexit.register(send_pending_releases)
+
+
+def get_keeper() -> LeaseKeeper:
+    """The keeper of this process (a forked child gets its own)."""
+    global _keeper
+    keeper = _keeper
+    if keeper is not None:  # every run asks: no lock, no system call on this path
+        return keeper
+    with _keeper_lock:
+        if _keeper is None:
+            _keeper = LeaseKeeper()
+        return _keeper

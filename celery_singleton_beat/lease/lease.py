@@ -1,0 +1,266 @@
+"""A lease: a lock this process holds, renewed, put back and released.
+
+* **renew** compares the whole value and extends it (natively where the server
+  can, else in Lua; in Lua also when a full server refuses the native form):
+  only the attempt that wrote it can extend it, so a run whose lease expired
+  and was taken by another never touches the new holder's lease.
+* **put back** writes the lock again into a server that lost it (a restart
+  without persistence, a promoted replica), only while the lease is kept and
+  has not ended on this process's clock (:meth:`Lease.may_put_back`).
+* **release** compares and deletes, at once or with its reply read later
+  (:meth:`Lease.release_soon`).
+
+How often a lease is renewed and how long its holder vouches for it
+(:class:`LockSpec`) follow from the two ways another holder can get the key:
+a take-over of a worker that looks dead, and a new acquisition once a
+recovery window after a restart or a failover has closed (:mod:`.server`).
+Every holder, a worker's run or not, renews within a third of
+``singleton_liveness_ttl``, so within any window; and ``ensure_held()`` vouches
+for a lease only until the earliest moment either could have happened.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..connection.channel import channel_or_none
+from ..connection.client import RedisClient, ReplicasNotAcknowledged, is_cluster
+from ..connection.pooled import run_pooled
+from ..connection.wire import Request, pack, run_on
+from ..log import logger
+from ..recovery.server import PORTABLE, ServerInfo, server_of
+from . import counters
+from .commands import (
+    NativeRefused,
+    Renewal,
+    claim_on_retry_request,
+    done_marker_request,
+    look_request,
+    put_back_request,
+    release_request,
+    renew_request,
+)
+from .executor import execute, refused
+from .holder import Holder, claim_value, done_key, parse_holder
+from .spec import LockSpec, ms
+
+__all__ = ["RETRY_EVERY", "Lease", "acknowledged", "replaced_lease", "retry_pause"]
+
+#: Seconds between renewal attempts while Redis does not answer (at most).
+RETRY_EVERY = 0.25
+
+
+def retry_pause(ttl: float) -> float:
+    """Seconds before Redis is asked again about a lease of ``ttl`` seconds that it did not answer."""
+    return min(max(ttl / 10, 0.05), RETRY_EVERY)
+
+
+def acknowledged(spec: LockSpec, key: str, value: str, taken: Callable[[Any], bool]) -> Callable[[Any, Any], Any]:
+    """``after`` for :func:`execute`: a taken lock must reach ``spec.wait_replicas`` replicas."""
+    def after(link: Any, result: Any) -> Any:
+        if not taken(result):
+            return result
+        link.send(pack(b"WAIT", spec.wait_replicas, ms(spec.wait_timeout)))
+        reply = link.read()
+        if isinstance(reply, Exception):
+            raise reply
+        acknowledged = int(reply)
+        if acknowledged < spec.wait_replicas:
+            run_on(link, release_request(PORTABLE, key, value))
+            raise ReplicasNotAcknowledged(key, acknowledged, spec.wait_replicas, spec.wait_timeout)
+        return result
+
+    return after
+
+
+# -------------------------------------------------------------------- the lease
+
+
+class Lease:
+    """A lock held by this process: renew it, release it, read its fencing token."""
+
+    def __init__(self, client: RedisClient, key: str, value: str, spec: LockSpec, fence: int,
+                 task_id: str | None, started: float, epoch: int) -> None:
+        self.client = client
+        self.key = key
+        self.value = value
+        self.spec = spec
+        self.ttl = spec.ttl
+        self.fence = fence
+        #: The task id in ``value`` (its done marker is released with the lock).
+        self.task_id = task_id
+        self._confirmed(started, epoch)
+
+    def _confirmed(self, started: float, epoch: int) -> None:
+        """The lock was ours (taken or renewed) at ``started`` (monotonic, before the request),
+        under the server's ``epoch`` (read before the request too)."""
+        #: Monotonic time until which the lock exists in Redis, if Redis keeps it.
+        self.valid_until = started + self.spec.ttl
+        #: Monotonic time until which no other holder can have the lock:
+        #: ``ensure_held()`` passes only before it.
+        self.vouched_until = started + self.spec.grace
+        #: :attr:`.server.LockServer.epoch` when the lock was last known to be ours.
+        self.epoch = epoch
+
+    @functools.cached_property
+    def holder(self) -> Holder | None:
+        """The lock's value, decoded (on first use: runs never need it)."""
+        return parse_holder(self.value)
+
+    @property
+    def renew_every(self) -> float:
+        return self.spec.renew_every
+
+    def renew(self, client: RedisClient | None = None) -> bool:
+        """:meth:`renew_once`, and :meth:`put_back` where :meth:`may_put_back`; False if the
+        lock is no longer ours (for tools and tests).
+
+        The keeper runs the two itself (it must not put back the lock of a run that
+        ended meanwhile). Raises ``redis.RedisError`` when Redis cannot be asked.
+        """
+        outcome = self.renew_once(client)
+        if outcome is Renewal.GONE and self.may_put_back(client):
+            return self.put_back(client)
+        return outcome is Renewal.RENEWED
+
+    def renew_once(self, client: RedisClient | None = None) -> Renewal:
+        """Extend the lease by ``ttl`` if the lock is still ours (compare-and-set).
+
+        Raises ``redis.RedisError`` when Redis cannot be asked; the caller decides
+        (the keeper keeps trying until the lease would have expired). ``client``:
+        another client of the same server to send it through (the keeper's own, in
+        greenlet pools).
+        """
+        started = time.monotonic()
+        spec = self.spec
+        via = client or self.client
+        epoch = server_of(via).epoch
+        outcome = execute(via, self.key, lambda info: renew_request(info, self.key, self.value, spec.ttl_ms),
+                          pooled=True)
+        if outcome is None:  # native SET IFEQ does not say why: ask
+            look = execute(via, self.key, lambda info: look_request(self.key), pooled=True)
+            outcome = Renewal.HELD_BY_ANOTHER if look.current is not None else Renewal.GONE
+        if outcome is Renewal.RENEWED:
+            self._confirmed(started, epoch)
+            counters.count(self.client, spec.stats_key, "renewed")
+        return outcome  # type: ignore[no-any-return]
+
+    def may_put_back(self, client: RedisClient | None = None) -> bool:
+        """The lock is gone, and that may be the server's doing, not a holder's: since this
+        lease was last confirmed, the process found the data on a server that may lack
+        it (restarted without an append-only file, a promoted replica), and the lease
+        has not ended on this process's clock."""
+        return server_of(client or self.client).epoch > self.epoch and time.monotonic() < self.valid_until
+
+    def put_back(self, client: RedisClient | None = None) -> bool:
+        """Write the lock back into a server that lost it (``SET NX``); True if it was still
+        free (or already held this very value: the put-back ran before).
+
+        Only for a lease that is still kept, when :meth:`may_put_back` says so.
+        """
+        started = time.monotonic()
+        via = client or self.client
+        server = server_of(via)
+        epoch = server.epoch
+        if not execute(via, self.key, lambda info: put_back_request(info, self.key, self.value, self.spec.ttl_ms),
+                       pooled=True):
+            return False
+        self._confirmed(started, epoch)
+        logger.warning("put lock %s back after the lock Redis lost it (%s)", self.key,
+                       server.recovery_reason or "restarted or failed over")
+        counters.count(self.client, self.spec.stats_key, "put_back")
+        counters.count(self.client, self.spec.stats_key, "renewed")
+        return True
+
+    def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None,
+                client: RedisClient | None = None, again: bool = False) -> bool | None:
+        """Give the lock up if it is still ours: True if it was (else counted as lost), None if
+        unknown (sent again after its reply was lost, and found nothing: the first attempt
+        may have released it; never reported as a loss).
+
+        ``done_ttl``: also leave this task id's done marker for that long.
+        ``claim_ttl``: instead of deleting the lock, turn it into a publish-time
+        claim of the same task id for that long (a retry of an
+        ``until_executed`` task stays covered while it waits in the queue).
+        ``client``: another client of the same server to send it through (the
+        keeper's). ``again``: an earlier sending got no answer (it may have run), so
+        a lock found gone is None, not a loss.
+        """
+        released: bool | None
+        if claim_ttl is not None:
+            claim = claim_value(self.value, claim_ttl)
+            released = bool(execute(self.client, self.key, lambda info: claim_on_retry_request(
+                self.key, self.value, claim, ms(claim_ttl))))
+        else:
+            via = client or self.client
+            if done_ttl and is_cluster(via):
+                # The marker first, answered before the compare-and-delete is written: in a
+                # slot that migrates, the source answers a new marker -ASK and would run the
+                # delete behind it at once, the marker reaching the target a round trip
+                # later; a copy of the message acquiring in between would run again.
+                marker = done_marker_request(done_key(self.key, self.task_id), ms(done_ttl))
+                execute(via, self.key, lambda info: marker)
+                done_ttl = None
+            released = execute(via, self.key, lambda info: self._release_request(info, done_ttl))
+            if again and released is False:
+                released = None
+        self.count_release(released)
+        return released
+
+    def count_release(self, released: bool | None) -> None:
+        if released is not None:
+            counters.count(self.client, self.spec.stats_key, "released" if released else "lost")
+
+    def release_soon(self, on_result: Callable[[bool | None, BaseException | None], None], *,
+                     done_ttl: float | None = None, wait: bool = False) -> bool:
+        """Release without waiting for the reply; False when that is not possible here.
+
+        The release is written at once (Redis frees the key as soon as it reads
+        it); its reply -- was the lock still ours? -- reaches ``on_result`` when
+        this thread next waits for a lock reply (its next acquire), or at the
+        latest :data:`.channel.FLUSH_AFTER` later. ``wait``: read it now, so
+        that the release has run when this returns. Only for clients with a
+        :mod:`.channel` (standalone Redis, real threads); raises
+        ``redis.RedisError`` if the request could not be written.
+        """
+        channel = channel_or_none(self.client)
+        if channel is None:
+            return False
+        server = server_of(self.client)
+
+        def handle(reply: Any, error: BaseException | None) -> None:
+            if isinstance(error, NativeRefused):  # refused, so not run: the portable form, at once
+                refused(server, error)
+                reply, error = run_pooled(self.client, self.key, self._release_request(PORTABLE, done_ttl)), None
+            # None: unknown (sent again after its reply was lost: see .commands), never a loss
+            released = None if error is not None or reply is None else bool(reply)
+            self.count_release(released)
+            on_result(released, error)
+
+        channel.send(self._release_request(server.info or PORTABLE, done_ttl), handle)
+        if wait:
+            channel.flush()
+        return True
+
+    def _release_request(self, info: ServerInfo, done_ttl: float | None) -> Request:
+        done = done_key(self.key, self.task_id) if done_ttl else None
+        return release_request(info, self.key, self.value, done, ms(done_ttl) if done_ttl else None)
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.key} fence={self.fence} ttl={self.ttl}s>"
+
+
+def replaced_lease(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, request: Request,
+                   value: str) -> Lease | None:
+    """Run a compare-and-replace (:func:`.commands.adopt_request`, :func:`.commands.take_over_request`)
+    writing ``value``; the lease if ``value`` holds the key now."""
+    after = acknowledged(spec, key, value, lambda r: r.token is not None) if spec.wait_replicas > 0 else None
+    started = time.monotonic()
+    epoch = server_of(client).epoch
+    replaced = execute(client, key, lambda info: request, after=after)
+    if replaced.token is None:
+        return None
+    return Lease(client, key, value, spec, replaced.token, task_id, started, epoch)

@@ -1,0 +1,110 @@
+"""The lock Redis client of an app: one per app and per process, each of its
+connections looked at by the server record (:mod:`.server`) as it connects.
+
+:func:`get_redis` builds it with :func:`.connection.client.redis_from_url` from
+``singleton_redis_url`` and attaches a :class:`~.server.LockServer`, so a
+restart or a failover is noticed by whichever use of the client comes first.
+:func:`thread_client` gives a background OS thread a copy of its own in a
+greenlet process (see :mod:`.native`).
+
+Fork safety: redis-py pools remember the pid that made them and start afresh in
+a child (``ConnectionPool._checkpid``), and that holds for the pools inside a
+Sentinel and a Cluster client too. On top of that, a forked child (a prefork
+pool process) never touches its parent's client: the cache is keyed by pid,
+and an ``os.register_at_fork`` hook moves inherited clients aside (never closed
+from the child, so no inherited socket is shut down) and replaces the cache's
+lock, which the parent may have held at the moment of the fork.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+from celery import Celery
+
+from .. import native
+from ..config import get_settings
+from ..connection.client import RedisClient, redis_from_url
+from .server import LockServer, memory_for, server_of
+
+__all__ = ["GENERATION", "get_redis", "reset_clients", "thread_client"]
+
+
+_clients: weakref.WeakKeyDictionary[Celery, tuple[int, RedisClient]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+#: Clients a forked child inherited: kept referenced so that no finalizer in the
+#: child ever closes them (their sockets belong to the parent).
+_inherited: list[RedisClient] = []
+
+
+def get_redis(app: Celery) -> RedisClient:
+    """The Redis client of ``app`` in this process, created on first use."""
+    pid = os.getpid()
+    cached = _clients.get(app)
+    if cached is not None and cached[0] == pid:
+        return cached[1]
+    with _lock:
+        cached = _clients.get(app)
+        if cached is None or cached[0] != pid:
+            settings = get_settings(app)
+            assert settings.redis_url is not None
+            # What this process learns of the server, per connection (see .server): every
+            # connection of the client (locks, claims, liveness, counters) is looked at as it
+            # connects, so a restart or a failover is noticed by whichever use comes first.
+            url = settings.redis_url
+            server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
+                                factory=lambda: redis_from_url(url, **options))
+            options = dict(settings.redis_options)
+            options["redis_connect_func"] = server.on_connect  # on Cluster: each node's connections
+            client = redis_from_url(url, **options)
+            client.csb_server = server  # type: ignore[union-attr]
+            _clients[app] = cached = (pid, client)
+    return cached[1]
+
+
+#: Bumped when cached clients are dropped (:func:`reset_clients`, a fork): references kept elsewhere are stale.
+GENERATION = [0]
+
+
+def reset_clients() -> None:
+    """Drop every cached client (tests, or after changing settings at run time)."""
+    GENERATION[0] += 1
+    with _lock:
+        pid = os.getpid()
+        for owner, client in list(_clients.values()):
+            if owner == pid:
+                client.close()
+        _clients.clear()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    GENERATION[0] += 1
+    _lock = threading.Lock()  # the parent may have held it while forking
+    _inherited.extend(client for _, client in _clients.values())
+    _clients.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_thread_clients: dict[tuple[int, int], Any] = {}
+
+
+def thread_client(client: Any) -> Any:
+    """``client``, or in a greenlet process a copy of it owned by the calling OS thread.
+
+    The copy has the same settings and shares what the library knows of the
+    server (see :func:`.server.server_of`).
+    """
+    if not native.green():
+        return client
+    key = (native.get_ident(), id(client))
+    own = _thread_clients.get(key)
+    if own is None:
+        own = _thread_clients[key] = server_of(client).copy_of(client)
+    return own

@@ -1,0 +1,300 @@
+"""What the lock Redis is, learnt once per connection: its version, its native
+commands, and whether it may have lost locks that live runs hold.
+
+Before a lock request first uses a connection (and again after it
+reconnected), :meth:`LockServer.check` runs one ``INFO`` on it, which tells
+
+* the **version** (Redis or Valkey), hence which lock commands the server has
+  natively: ``SET ... NX ... GET`` (7.0+), ``SET ... IFEQ`` (Valkey 8.1+, Redis
+  8.4+), ``DELIFEQ`` (Valkey 9.0+), ``DELEX ... IFEQ`` (Redis 8.4+); Lua stands in
+  where they are missing (see :mod:`.commands`);
+* which **server** this is (its run id, new at every start), whether it keeps
+  every acknowledged write across a restart (an append-only file), and whether
+  it is a replica promoted by a failover (``master_replid2`` set: it may lack the
+  old primary's last writes); held against the record of the server last seen
+  serving the data, that opens or joins a **recovery window** (see
+  :mod:`.window`): :meth:`LockServer.recovery` says whether one is open, until
+  when and why, and new acquisitions wait for it (:meth:`LockServer.pause`).
+
+A connection can't outlive a restart or a failover, so a check per connection
+is a check after every one of them. A server that refuses ``INFO`` (an ACL
+without it) is used with the portable commands only, and no window is opened:
+``doctor`` says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from ..log import logger
+from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice, records_of
+
+__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "memory_for",
+           "on_data_lost", "parse_info", "server_of", "version_text"]
+
+#: The oldest server the library runs on: ``SET ... GET`` (the liveness heartbeat)
+#: arrived in Redis 6.2.
+FLOOR = (6, 2, 0)
+
+
+class UnsupportedServer(ResponseError):
+    """The lock Redis is older than :data:`FLOOR` (a configuration error, not an outage)."""
+
+    def __init__(self, message: str, info: ServerInfo | None = None) -> None:
+        super().__init__(message)
+        #: What the server said of itself.
+        self.info = info
+
+
+def version_text(version: tuple[int, int, int]) -> str:
+    return ".".join(map(str, version))
+
+
+def _version(text: str) -> tuple[int, int, int]:
+    parts = [*(int(p) if p.isdigit() else 0 for p in text.split(".")[:3]), 0, 0, 0]
+    return parts[0], parts[1], parts[2]
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """One server as ``INFO`` describes it, and the lock commands it has natively."""
+
+    #: ``"redis"`` or ``"valkey"``.
+    flavour: str
+    #: The flavour's own version (Valkey reports Redis 7.2.4 compatibility besides).
+    version: tuple[int, int, int]
+    #: Redis-compatible version (``redis_version``): what the command set follows.
+    redis_version: tuple[int, int, int]
+    run_id: str
+    #: The append-only file is on: a restart comes back with every acknowledged write.
+    aof: bool
+    #: A replica promoted by a failover (``master_replid2`` set).
+    promoted: bool
+    #: A Redis Cluster node (``cluster_enabled``): each shard has records of its own.
+    cluster: bool = False
+    #: False when ``INFO`` was refused: nothing is known, the portable commands are used.
+    known: bool = True
+
+    @functools.cached_property
+    def set_nx_get(self) -> bool:
+        """``SET key value NX PX ms GET`` in one command (Redis 7.0+; 6.2 refuses NX with GET)."""
+        return self.redis_version >= (7, 0, 0)
+
+    @functools.cached_property
+    def release_kind(self) -> str:
+        """How a release is spelled here: ``"delifeq"``, ``"delex"`` or ``"lua"`` (asked per run)."""
+        return "delifeq" if self.delifeq else "delex" if self.delex else "lua"
+
+    @property
+    def set_ifeq(self) -> bool:
+        """``SET key value IFEQ old PX ms``: a compare-and-set renewal without Lua."""
+        return (self.flavour == "valkey" and self.version >= (8, 1, 0)) or \
+            (self.flavour == "redis" and self.version >= (8, 4, 0))
+
+    @property
+    def delifeq(self) -> bool:
+        """``DELIFEQ key value`` (Valkey 9.0+)."""
+        return self.flavour == "valkey" and self.version >= (9, 0, 0)
+
+    @property
+    def delex(self) -> bool:
+        """``DELEX key IFEQ value`` (Redis 8.4+)."""
+        return self.flavour == "redis" and self.version >= (8, 4, 0)
+
+    @property
+    def supported(self) -> bool:
+        return not self.known or self.redis_version >= FLOOR
+
+    def describe(self) -> str:
+        if not self.known:
+            return "server version unknown (INFO refused)"
+        return f"{self.flavour.capitalize()} {version_text(self.version)}"
+
+
+#: What is assumed of a server that refuses ``INFO``.
+UNKNOWN = ServerInfo("redis", FLOOR, FLOOR, "", True, False, known=False)
+
+
+def parse_info(raw: Any) -> ServerInfo:
+    """A :class:`ServerInfo` from the text of ``INFO`` (or redis-py's parsed dict)."""
+    if isinstance(raw, dict):
+        fields = {str(k): str(v) for k, v in raw.items()}
+    else:
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        fields = {}
+        for line in text.splitlines():
+            name, sep, value = line.partition(":")
+            if sep and not name.startswith("#"):
+                fields[name.strip()] = value.strip()
+    redis_version = _version(fields.get("redis_version", "0"))
+    valkey = fields.get("server_name") == "valkey" or "valkey_version" in fields
+    version = _version(fields["valkey_version"]) if valkey and "valkey_version" in fields else redis_version
+    replid2 = fields.get("master_replid2", "")
+    return ServerInfo(
+        flavour="valkey" if valkey else "redis",
+        version=version,
+        redis_version=redis_version,
+        run_id=fields.get("run_id", ""),
+        aof=fields.get("aof_enabled") == "1",
+        promoted=fields.get("role", "master") == "master" and bool(replid2.strip("0")),
+        cluster=fields.get("cluster_enabled") == "1",
+    )
+
+
+#: Called (without arguments) when a process finds its data on a server that may lack its
+#: earlier writes: the lease keeper renews every lease at once (see :mod:`.keeper`).
+_data_lost_listeners: list[Callable[[], None]] = []
+
+
+def on_data_lost(listener: Callable[[], None]) -> None:
+    """Call ``listener`` each time :attr:`LockServer.epoch` grows, in any server of this process."""
+    _data_lost_listeners.append(listener)
+
+
+class LockServer:
+    """The lock Redis as one process's client knows it; one per client (see :func:`.client.get_redis`).
+
+    Thread-safe: connections of every thread report to it.
+    """
+
+    def __init__(self, prefix: str, liveness_ttl: float,
+                 memory: ServerMemory | None = None,
+                 factory: Callable[[], Any] | None = None) -> None:
+        self.prefix = prefix
+        #: Builds another client of the same server and settings (see :meth:`copy_of`).
+        self._factory = factory
+        #: What this process saw behind the same URL (see :func:`memory_for`).
+        self._memory = ServerMemory() if memory is None else memory
+        #: Seconds a recovery window keeps new acquisitions waiting.
+        self.window = liveness_ttl / 3 + WINDOW_SLACK
+        #: What the last connection learnt (``None`` before the first one).
+        self.info: ServerInfo | None = None
+        self._lock = threading.Lock()
+        #: This thread's last wait for a window (see :meth:`resumed`).
+        self._paused = threading.local()
+
+    @property
+    def epoch(self) -> int:
+        """Grows each time this process finds its data served by a server that may lack
+        writes it made before (see :func:`.window.data_lost`): a lease last confirmed under an
+        earlier epoch whose lock is gone may put it back (:meth:`.lock.Lease.may_put_back`),
+        whenever its keeper gets there, and a beat writes back its claims (:mod:`.beat.recovery`)."""
+        return self._memory.epoch
+
+    def recovery(self) -> Recovery:
+        """Is a recovery window open for this server, until when, and why: the latest window
+        this process found for this key prefix (on any connection, any Cluster shard), from
+        the records every client shares. New acquisitions and new slot claims wait while
+        it is open."""
+        return self._memory.windows.get(self.prefix, NO_WINDOW)
+
+    @property
+    def recovery_reason(self) -> str:
+        """Why the latest window opened (``recovery().reason``), for log lines."""
+        return self.recovery().reason
+
+    # ----------------------------------------------------------------- connections
+
+    def on_connect(self, connection: Any) -> None:
+        """redis-py's ``redis_connect_func`` for the library's clients: set the new
+        connection up as usual, then :meth:`check` it (once per socket)."""
+        connection.on_connect()
+        self.check(connection)
+        connection.csb_checked = connection._sock
+
+    def check(self, connection: Any) -> ServerInfo:
+        """Learn what the server behind ``connection`` is; open or join a recovery window
+        if it may have lost locks (see :mod:`.window`)."""
+        try:
+            connection.send_command("INFO")
+            info = parse_info(connection.read_response())
+        except ResponseError as exc:  # NOPERM: portable commands, no windows
+            logger.debug("INFO refused on the lock Redis (%s): portable lock commands, no restart detection", exc)
+            info = UNKNOWN
+        if not info.supported:
+            raise UnsupportedServer(
+                f"the lock Redis is {info.describe()}; celery-singleton-beat needs Redis "
+                f"{version_text(FLOOR)} or later (or Valkey)", info)
+        records = records_of(connection, self.prefix, cluster=info.cluster) if info.known else None
+        lost = False
+        if records is not None:
+            seen = notice(connection, records, info.run_id, promoted=info.promoted, aof=info.aof, window=self.window)
+            lost, opened = self._memory.learn(self.prefix, records[0], info.run_id, seen,
+                                              promoted=info.promoted, aof=info.aof)
+            if opened is not None:
+                logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put theirs back",
+                               info.describe(), opened.reason, opened.left())
+        with self._lock:
+            self.info = info
+        if lost:
+            for listener in _data_lost_listeners:
+                listener()
+        return info
+
+    # ----------------------------------------------------------------- decisions
+
+    def pause(self) -> float:
+        """Wait until no recovery window is open (new acquisitions only); seconds waited."""
+        waited = 0.0
+        while (left := self.recovery().left()) > 0:
+            time.sleep(left)
+            waited += left
+        if waited:
+            self._paused.resumed = time.monotonic()
+            logger.info("a new lock waited %.1fs for the lock Redis's recovery window (%s)", waited,
+                        self.recovery_reason)
+        return waited
+
+    def resumed(self) -> float:
+        """When this thread's last :meth:`pause` that waited ended (monotonic; 0.0: never): a
+        request written after it runs from then, e.g. a lease's TTL."""
+        return float(getattr(self._paused, "resumed", 0.0))
+
+    def copy_of(self, client: Any) -> Any:
+        """A new client of the same server and settings as ``client``, sharing this record.
+
+        For threads that must not share connections with others (greenlet pools:
+        see :mod:`.native`). Clients the library did not build are copied from
+        their connection pool's settings (one server; Sentinel and Cluster
+        clients are built from the app's settings by :func:`.client.get_redis`).
+        """
+        if self._factory is not None:
+            copy = self._factory()
+        else:
+            pool = client.connection_pool
+            copy = type(client)(connection_pool=type(pool)(connection_class=pool.connection_class,
+                                                           **pool.connection_kwargs))
+        copy.csb_server = self
+        return copy
+
+    def downgrade(self) -> None:
+        """A native command was refused: use the portable commands from now on."""
+        with self._lock:
+            self.info = UNKNOWN if self.info is None else replace(
+                self.info, flavour="redis", version=min(self.info.redis_version, (8, 0, 0)))
+
+
+#: What requests are built for before a connection told what the server is: the
+#: commands every supported server has.
+PORTABLE = UNKNOWN
+
+_server_lock = threading.Lock()
+
+
+def server_of(client: Any) -> LockServer:
+    """The :class:`LockServer` of ``client`` (set by :func:`.client.get_redis`; defaults otherwise)."""
+    server: LockServer | None = getattr(client, "csb_server", None)
+    if server is None:
+        with _server_lock:
+            server = getattr(client, "csb_server", None)
+            if server is None:
+                server = LockServer("singleton", 10.0)
+                client.csb_server = server
+    return server

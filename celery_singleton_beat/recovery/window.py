@@ -1,0 +1,311 @@
+"""The recovery window: after the lock Redis may have lost locks that live runs hold,
+no key is given to anyone else until every live holder had its chance to put its lock back.
+
+Each connection the library makes is looked at once (:meth:`.server.LockServer.check`):
+``INFO`` says which server it is (its run id, new at every start), whether it keeps
+every acknowledged write across a restart (an append-only file) and whether it is a
+replica promoted by a failover. Then :func:`notice` runs one small script on the same
+connection that holds this server against ``<prefix>:server``, the record of the server
+last seen serving the data (on Redis Cluster one per shard, kept on that shard: see
+:func:`records_of`), and writes this server in. What the record says decides, by
+:func:`opening`:
+
+==========================================  ===========================================
+the record                                  the check
+==========================================  ===========================================
+names this server                           nothing new (reads a window another client
+                                            opened, if one is still open)
+is missing (a new Redis, or emptied data)   opens a window
+names another server, this one promoted     opens a window (a failover)
+names another server, no append-only file   opens a window (a restart that lost data)
+names another server, append-only file      opens none (every write was kept)
+==========================================  ===========================================
+
+A window is the TTL of ``<prefix>:recovery`` (its value says why), written by the same
+script as the record: so it is anchored at the **first client that notices** the new
+server, whenever that happens (after a snapshot that took long to load, once a server
+becomes reachable), and every client, processes started since included, finds it on
+its own connections. Inside it new acquisitions and new slot claims wait, and live
+holders put their locks back: the keeper renews every lease at least every
+``singleton_liveness_ttl / 3``, so every holder gets there within the window.
+
+States of one record (the data of one server, or of one Cluster shard)::
+
+               a check: record missing, or naming another server
+               that is promoted or has no append-only file
+    SERVED  ----------------------------------------------->  OPEN (until, why)
+      ^  |                                                        |
+      |  +-- a check: another server, append-only file            |
+      |      (record rewritten, no window)                        |
+      +-------------------- the window's TTL ends ----------------+
+
+Per process, :class:`ServerMemory` remembers the server it last saw serving each
+record, once that check's script ran (never before: a check cut in between is made
+again on the next connection); its :attr:`~ServerMemory.epoch` grows when the process
+finds its data on a server that may lack writes it made (:func:`data_lost`), which
+makes its holders put their locks back and its beats write back their claims.
+:meth:`.server.LockServer.recovery` answers whether a window is open, until when and why.
+
+A missing record costs one window, once, on a new Redis as on a lost one: the library
+cannot tell them apart, and a window of a few seconds that only the new acquisitions of
+those seconds wait for is cheaper than a duplicate run.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.crc import key_slot
+from redis.exceptions import ResponseError
+
+from ..log import logger
+
+__all__ = ["NEW_OR_EMPTIED", "PROMOTED", "RESTARTED", "WINDOW_SLACK", "Finding", "Notice", "Recovery",
+           "ServerMemory", "data_lost", "mark_in_use", "memory_for", "notice", "opening", "records_of",
+           "recovery_key", "server_key", "shard_records", "shard_tag"]
+
+#: Seconds added to a third of ``singleton_liveness_ttl`` for the recovery window:
+#: a keeper's reconnection and its retry after the failed first attempt.
+WINDOW_SLACK = 1.5
+
+#: Why a window opens (the value of ``<prefix>:recovery``, read by every client).
+NEW_OR_EMPTIED = "no record of the server serving the lock data: a new or emptied Redis"
+PROMOTED = "a replica promoted by a failover"
+RESTARTED = "restarted without an append-only file"
+
+
+class Finding(enum.Enum):
+    """What a check found in the record of the server serving the data."""
+
+    #: The record names this server: nothing new.
+    SAME = "same"
+    #: No record: the data is new, or was lost with it.
+    MISSING = "missing"
+    #: The record names another server: a restart or a failover since.
+    OTHER = "other"
+
+
+def opening(finding: Finding, *, promoted: bool, aof: bool) -> str | None:
+    """Why a check that found ``finding`` on a server (``promoted`` by a failover, with an
+    append-only file or not) opens a recovery window; None when it opens none. The one
+    rule of the window (see the module docstring)."""
+    if finding is Finding.MISSING:
+        return NEW_OR_EMPTIED
+    if finding is Finding.OTHER:
+        if promoted:
+            return PROMOTED
+        if not aof:
+            return RESTARTED
+    return None
+
+
+def data_lost(seen: str | None, finding: Finding, run_id: str, *, promoted: bool, aof: bool,
+              window_open: bool = False) -> bool:
+    """Whether a process that last saw the server ``seen`` serving its data (None: none) may
+    now find that data, served by ``run_id``, without writes it made: its holders put
+    their locks back.
+
+    A server with an append-only file keeps every acknowledged write, unless the file
+    itself is gone (a pod back on a fresh volume): then the first client found no record
+    and opened a window, and ``window_open`` tells every later client of the same new
+    server that the data may be lost, although the record they find names it."""
+    if seen is None:
+        return False
+    if finding is Finding.MISSING:
+        return True
+    return (seen != run_id or finding is Finding.OTHER) and (promoted or not aof or window_open)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A recovery window as this process knows it: open until ``until`` (monotonic
+    seconds), because ``reason`` (the last reason stays once it closed)."""
+
+    until: float = 0.0
+    reason: str = ""
+
+    def left(self) -> float:
+        """Seconds until it closes (0.0 once closed)."""
+        return max(0.0, self.until - time.monotonic())
+
+    @property
+    def open(self) -> bool:
+        return self.until > time.monotonic()
+
+
+#: No window was ever found.
+NO_WINDOW = Recovery()
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What a check's script did: what it found in the server record, and the window's
+    seconds ``left`` (0.0: none open) and ``reason``, as every client now sees them."""
+
+    finding: Finding
+    left: float
+    reason: str
+
+
+# KEYS: the server record, the recovery record. ARGV: this server's run id; the ms and
+# reason of the window opened when the record is missing (ARGV[2], ARGV[3]), and when it
+# names another server (ARGV[4], ARGV[5]; 0 ms: none), as opening() says. Writes this
+# server in; returns what the record held before, and the window's ms left (< 0: none)
+# and reason.
+_NOTICE = """
+local found = redis.call('GET', KEYS[1])
+if found ~= ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1])
+  local ms, why = tonumber(ARGV[2]), ARGV[3]
+  if found then ms, why = tonumber(ARGV[4]), ARGV[5] end
+  if ms > 0 and redis.call('PTTL', KEYS[2]) < ms then
+    redis.call('SET', KEYS[2], why, 'PX', ms)
+  end
+end
+return {found, redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[2])}
+"""
+
+
+def _text(value: Any) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def notice(connection: Any, records: tuple[str, str], run_id: str, *, promoted: bool, aof: bool,
+           window: float) -> Notice:
+    """Hold the server ``run_id`` against its record on ``connection`` (the script above):
+    write it in, open a window of ``window`` seconds where :func:`opening` says so."""
+    missing = opening(Finding.MISSING, promoted=promoted, aof=aof)
+    other = opening(Finding.OTHER, promoted=promoted, aof=aof)
+    ms = round(window * 1000)
+    connection.send_command("EVAL", _NOTICE, 2, *records, run_id,
+                            ms if missing else 0, missing or "", ms if other else 0, other or "")
+    found, left_ms, why = connection.read_response()
+    found = _text(found)
+    finding = Finding.MISSING if found is None else Finding.SAME if found == run_id else Finding.OTHER
+    return Notice(finding, max(0, int(left_ms)) / 1000, _text(why) or "")
+
+
+class ServerMemory:
+    """What this process saw of the servers behind one lock Redis URL, shared by every
+    client of it (inherited by forked children, so that a pool child knows what its
+    parent saw)."""
+
+    def __init__(self) -> None:
+        #: Per server record (see :func:`records_of`): the run id of the server this process
+        #: last saw serving that data, written only once its check's script ran.
+        self.serving: dict[str, str] = {}
+        #: Grows each time the data is found on a server that may lack earlier writes
+        #: (see :attr:`.server.LockServer.epoch`).
+        self.epoch = 0
+        #: Per key prefix, the latest recovery window this process found: apps with
+        #: prefixes of their own on one Redis have records, and windows, of their own.
+        self.windows: dict[str, Recovery] = {}
+        self._lock = threading.Lock()
+
+    def learn(self, prefix: str, record: str, run_id: str, seen: Notice, *, promoted: bool,
+              aof: bool) -> tuple[bool, Recovery | None]:
+        """Remember what a check's script did, only now that it ran: whether the data may be
+        lost (the epoch grew), and the window if this made one newly open for ``prefix``."""
+        with self._lock:
+            lost = data_lost(self.serving.get(record), seen.finding, run_id, promoted=promoted, aof=aof,
+                             window_open=seen.left > 0)
+            self.serving[record] = run_id
+            if lost:
+                self.epoch += 1
+            window = self.windows.get(prefix, NO_WINDOW)
+            until = time.monotonic() + seen.left
+            if seen.left <= 0 or until <= window.until:
+                return lost, None
+            self.windows[prefix] = Recovery(until, seen.reason)
+            return lost, None if window.open else self.windows[prefix]
+
+
+#: Per lock Redis URL (see :class:`ServerMemory`).
+_memories: dict[str, ServerMemory] = {}
+
+
+def memory_for(url: str) -> ServerMemory:
+    """The process-wide memory of the servers seen behind ``url``."""
+    return _memories.setdefault(url, ServerMemory())
+
+
+# ----------------------------------------------------------------- where the records live
+
+
+def server_key(prefix: str, tag: str | None = None) -> str:
+    """The key naming the server last seen serving the lock data (never expires);
+    ``tag``: of one Redis Cluster shard (see :func:`records_of`)."""
+    return f"{prefix}:server" if tag is None else f"{prefix}:server:{{{tag}}}"
+
+
+def recovery_key(prefix: str, tag: str | None = None) -> str:
+    """The key whose TTL is an open recovery window (see the module docstring)."""
+    return f"{prefix}:recovery" if tag is None else f"{prefix}:recovery:{{{tag}}}"
+
+
+@functools.lru_cache(maxsize=64)
+def shard_tag(slot: int) -> str:
+    """The first decimal number whose keys (as a hash tag) live in Redis Cluster ``slot``."""
+    number = 0
+    while key_slot(str(number).encode()) != slot:
+        number += 1
+    return str(number)
+
+
+def shard_records(prefix: str, nodes: Any) -> tuple[str, str] | None:
+    """The server and recovery records of the Cluster node whose ``CLUSTER NODES`` reply is
+    ``nodes``: tagged with the lowest slot it serves (None: it serves none)."""
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 8 and "myself" in fields[2].split(","):
+            slots = [int(f.split("-")[0]) for f in fields[8:] if not f.startswith("[")]
+            if not slots:
+                return None
+            tag = shard_tag(min(slots))
+            return server_key(prefix, tag), recovery_key(prefix, tag)
+    return None
+
+
+def records_of(connection: Any, prefix: str, *, cluster: bool) -> tuple[str, str] | None:
+    """The server and recovery records of the data behind ``connection``; None when it has none.
+
+    One server: ``<prefix>:server`` and ``<prefix>:recovery``. Redis Cluster: one pair
+    per shard, ``<prefix>:server:{<tag>}`` and ``<prefix>:recovery:{<tag>}``, the tag
+    hashing to the lowest slot the node serves (``CLUSTER NODES``), so the records live
+    with the data they speak for and move to the replica promoted for it. A node that
+    serves no slot, or an ACL without ``CLUSTER NODES``, has none.
+    """
+    if not cluster:
+        return server_key(prefix), recovery_key(prefix)
+    try:
+        connection.send_command("CLUSTER", "NODES")
+        return shard_records(prefix, connection.read_response())
+    except ResponseError as exc:  # NOPERM
+        logger.debug("CLUSTER NODES refused on the lock Redis (%s): no recovery windows on this node", exc)
+        return None
+
+
+def mark_in_use(client: Any, prefix: str = "singleton") -> None:
+    """Write the record naming the server behind ``client`` (one server or one Cluster node,
+    a :class:`redis.Redis`) as the one serving ``prefix``'s lock data, as its first client
+    would: the next clients find it in use and open no window.
+
+    Only for a Redis known to hold no lock of a live run (a test's or a benchmark's own
+    server, just started or emptied): on a Redis that may have lost locks, the window is
+    what keeps their holders' keys from running twice.
+    """
+    info = client.info("server")
+    if info.get("redis_mode") == "cluster":
+        records = shard_records(prefix, client.execute_command("CLUSTER", "NODES"))
+        if records is None:
+            return
+        key = records[0]
+    else:
+        key = server_key(prefix)
+    client.set(key, str(info["run_id"]))

@@ -1,0 +1,1 @@
+"""The Celery task side: SingletonTask, its keys, conflicts, publishing, outages, the worker step, events."""

@@ -1,0 +1,475 @@
+"""``SingletonTask``: at most one run at a time per task and arguments.
+
+Lifecycle of a run (``lock_mode="while_executing"``, the default)::
+
+    worker receives message -> __call__ -> acquire lease (1 round trip)
+        held by another run -> on_conflict: skip (REVOKED: TaskSkipped) | raise | retry
+                               (:mod:`.conflicts`)
+        taken                -> body runs; the keeper renews it (every
+                                min(lock_ttl, singleton_liveness_ttl)/3)
+    body ends in any way (return, exception, retry, Ignore, Reject)
+        -> release (written at once, compare-and-delete: only if the lease is still ours)
+
+The lock is taken in ``__call__``, which Celery's tracer calls for every run
+(worker and eager), so a ``finally`` there sees every ending a process
+survives. Endings it cannot see (the pool child killed, a hard time limit, a
+revoke with terminate) are handled by the worker's main process through
+:class:`~celery_singleton_beat.task.worker.SingletonRequest`, and a node that died
+altogether has its locks taken over by the next run that wants them, once
+its liveness key is gone and the locks missed their renewals (:mod:`.liveness`).
+
+Another delivery of the same message (same task id: ``acks_late`` redelivery
+after a visibility timeout or a lost connection) is the same work, not a
+duplicate: it waits (re-published with a countdown, nothing stored) while the
+original runs on a live worker, ends without running once the original
+completed (the done marker of ``acks_late`` runs), and runs when the original's
+worker died (its lock is taken over, see :mod:`.liveness`).
+
+Publish-time modes add a *claim* taken in ``apply_async`` (:mod:`.publish`):
+
+* ``until_executed``: the claim is the lock itself; the run adopts it and holds
+  it until it returns. A second publish while one is queued or running conflicts.
+* ``until_executing``: the claim is a separate queue key released when the run
+  starts (the run itself still takes the run lock): at most one copy waits in
+  the queue and at most one runs.
+
+A claim covers ``countdown``/``eta``; a task's own re-publish (retry, or a
+redelivered copy waiting for its original) never conflicts with its own claim;
+a publish that is part of a canvas (chain, group, chord, callbacks) is never
+deduplicated at publish time (the canvas waits on the task id it froze): the
+run decides, with a ready outcome.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import time
+import types
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, ClassVar
+
+import celery
+import redis
+from celery.app.task import Context
+from celery.backends.base import DisabledBackend
+from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
+from kombu.utils.functional import maybe_list
+
+from .. import config
+from ..config import SingletonSettings, get_settings
+from ..lease.holder import describe_holder
+from ..lease.keeper import KeptLease, get_keeper
+from ..lease.liveness import boot_id, publishes_liveness
+from ..lease.lock import AcquireResult, acquire
+from ..lease.spec import LockSpec
+from ..log import logger
+from ..recovery import lock_redis
+from ..recovery.lock_redis import get_redis
+from . import worker as worker_support
+from .conflicts import ConflictOutcomes, is_copy
+from .events import TASK_LOCK_LOST, send_task_event_soon
+from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
+from .outage import wait_for_redis
+from .publish import PublishClaims, delay_of
+from .run import SingletonRun
+
+__all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "SingletonRun", "SingletonTask"]
+
+
+def _has_followers(request: Context) -> bool:
+    """Whether work is published when this run ends: callbacks/errbacks, a chain's next
+    step, a chord's body (counted by its parts)."""
+    return bool(request.callbacks or request.errbacks or request.chain or request.chord)
+
+
+def _stores_results(task: celery.Task) -> bool:
+    """The task's app has a result backend (results of runs that do not ignore them are stored)."""
+    return not isinstance(task.backend, DisabledBackend)
+
+LOCK_MODES = ("while_executing", "until_executed", "until_executing")
+ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
+#: The task options of SingletonTask (checked at registration, typos included).
+OPTIONS = ("unique_on", "lock_ttl", "lock_mode", "on_conflict")
+#: Options of the libraries teams switch from (docs/migrating.md): library, what to use here.
+_PEER_OPTIONS = {
+    "lock_expiry": ("celery-singleton", "lock_ttl"),
+    "raise_on_duplicate": ("celery-singleton", "on_conflict='raise'"),
+    "once": ("celery-once", "lock_mode='until_executed' (with on_conflict='raise' for AlreadyQueued)"),
+}
+#: Counter bumped when a run finds its lock held, by ``on_conflict``.
+_CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
+
+
+def _defined_on(cls: type, attribute: str) -> bool:
+    """``hasattr`` without running descriptors (``Task.app`` would bind the class to an app)."""
+    return any(attribute in vars(klass) for klass in cls.__mro__)
+
+
+def _one_typo_apart(a: str, b: str) -> bool:
+    """True if ``a`` becomes ``b`` by one edit: a character added, dropped or replaced,
+    or two neighbouring characters swapped."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        return len(differ) == 1 or (len(differ) == 2 and differ[1] == differ[0] + 1
+                                    and a[differ[0]] == b[differ[1]] and a[differ[1]] == b[differ[0]])
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    i = next((i for i, (x, y) in enumerate(zip(short, long, strict=False)) if x != y), len(short))
+    return short[i:] == long[i + 1:]
+
+
+class SingletonTask(ConflictOutcomes, PublishClaims):
+    """Base class for tasks that must not run twice at once for the same arguments.
+
+    Use it as ``@app.task(base=SingletonTask, unique_on=[...], lock_ttl=60)``.
+    """
+
+    #: Argument names that identify a run, or a callable taking the task's
+    #: arguments and returning a JSON-like identity. ``None``: all arguments.
+    unique_on: ClassVar[UniqueOn] = None
+    #: Lease in seconds, renewed while the run lasts. ``None``: ``singleton_lock_ttl``.
+    lock_ttl: ClassVar[float | None] = None
+    #: ``"while_executing"`` | ``"until_executed"`` | ``"until_executing"``.
+    lock_mode: ClassVar[str] = "while_executing"
+    #: What a run does when another holds the lock: ``"skip"`` (REVOKED, TaskSkipped),
+    #: ``"raise"`` (DuplicateTaskError), ``"retry"`` (later, with back-off).
+    #: At publish (publish-time modes) a conflict returns the holder's
+    #: AsyncResult, except with ``"raise"``; ``"return_existing"`` names that.
+    on_conflict: ClassVar[str] = "skip"
+
+    #: The worker's main process uses this request class to free the locks of
+    #: pool children that died (SIGKILL, hard time limit, revoke+terminate).
+    Request = "celery_singleton_beat.task.worker:SingletonRequest"
+
+    # -- registration -----------------------------------------------------
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Check the task's singleton options when it is bound to its app."""
+        super().on_bound(app)
+        if cls.__dict__.get("name") is None and cls is SingletonTask:
+            return
+        unique_on = inspect.getattr_static(cls, "unique_on", None)
+        if isinstance(unique_on, types.FunctionType):
+            # ``@app.task(unique_on=f)`` or ``unique_on = f`` in a class body: a function
+            # class attribute would be bound as a method (called with the task first).
+            cls.unique_on = staticmethod(unique_on)
+        cls._check_options()
+        # A task's own Request class keeps working, with ours mixed in front.
+        cls.Request = worker_support.compose_request(cls.Request)  # type: ignore[assignment]  # a class now
+        worker_support.install(app)
+
+    @classmethod
+    def _check_options(cls) -> None:
+        name = getattr(cls, "name", None) or cls.__name__
+
+        def bad(option: str, message: str) -> ImproperlyConfigured:
+            return ImproperlyConfigured(f"task {name}: {option} {message}")
+
+        if cls.lock_mode not in LOCK_MODES:
+            raise bad("lock_mode", f"must be one of {', '.join(LOCK_MODES)}; got {cls.lock_mode!r}")
+        if cls.on_conflict not in ON_CONFLICT:
+            raise bad("on_conflict", f"must be one of {', '.join(ON_CONFLICT)}; got {cls.on_conflict!r}")
+        ttl = cls.lock_ttl
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
+            raise bad("lock_ttl", f"must be a number of seconds > 0; got {ttl!r}")
+        try:
+            check_unique_on(name, task_signature(cls), cls.unique_on)
+        except ValueError as exc:
+            raise bad("unique_on", str(exc)) from None
+        for klass in cls.__mro__:  # the task's own class and those between it and SingletonTask
+            if klass is SingletonTask:
+                break
+            for attribute in vars(klass):
+                hint = cls._singleton_looking(attribute)
+                if hint is not None:
+                    raise ImproperlyConfigured(f"task {name}: {hint}")
+
+    @staticmethod
+    def _singleton_looking(attribute: str) -> str | None:
+        """What to say about a task attribute that looks like a misspelt option, else None.
+
+        A misspelling is one typo away from an option name (a character added,
+        dropped or replaced, two neighbours swapped; case and ``-`` ignored), or
+        a peer library's option name. Celery's own task attributes, private names
+        and anything further away (a user's own attributes) are left alone: a
+        real typo is usually one keystroke, and a wrong guess would refuse a
+        valid task.
+        """
+        if attribute.startswith("_") or attribute in OPTIONS or _defined_on(SingletonTask, attribute):
+            return None
+        if attribute in _PEER_OPTIONS:
+            library, instead = _PEER_OPTIONS[attribute]
+            return f"{attribute} is {library}'s option; did you mean {instead}? (docs/migrating.md)"
+        spelt = attribute.lower().replace("-", "_")
+        for option in OPTIONS:
+            if spelt == option or _one_typo_apart(spelt, option):
+                return f"unknown option {attribute}; did you mean {option}?"
+        return None
+
+    # -- keys and settings ------------------------------------------------
+
+    def singleton_key(self, args: Any = None, kwargs: Any = None) -> str:
+        """The lock key of a call with these arguments."""
+        return self._key(get_settings(self.app), args, kwargs)
+
+    def _key(self, settings: SingletonSettings, args: Any, kwargs: Any) -> str:
+        signature = self.__dict__.get("_singleton_signature")
+        if signature is None:
+            signature = self._singleton_signature = task_signature(self)
+        return lock_key(
+            settings.key_prefix,
+            self.name,
+            signature,
+            args if type(args) is tuple else tuple(maybe_list(args) or ()),
+            kwargs or {},  # only read
+            self.unique_on,
+        )
+
+    def singleton_stats_key(self) -> str | None:
+        """The counter hash of this task, or None when counters are off."""
+        return self._stats_key(get_settings(self.app))
+
+    @property
+    def effective_lock_ttl(self) -> float:
+        """The lease of this task in seconds (task option, else the app setting)."""
+        return float(self.lock_ttl) if self.lock_ttl is not None else get_settings(self.app).lock_ttl
+
+    @property
+    def singleton(self) -> SingletonRun | None:
+        """The lock of the current run (None outside a run or when called directly)."""
+        return getattr(self.request, "singleton", None)
+
+    @property
+    def singleton_run(self) -> SingletonRun:
+        """The lock of the current run, for the body: ``self.singleton_run.ensure_held()``.
+
+        :attr:`singleton` without the ``None``, so typed code needs no check.
+        Raises ``RuntimeError`` where there is no run: outside a task body, or in
+        a body called directly as a plain function (``task(...)``, no lock taken).
+        """
+        run = getattr(self.request, "singleton", None)
+        if run is None:
+            where = "outside a run" if self.request_stack.top is None else "called directly (no lock is taken)"
+            raise RuntimeError(f"{self.name}: no singleton run: the task is {where}; "
+                               f"use apply()/delay() to run it with its lock")
+        return run  # type: ignore[no-any-return]  # request fields are Any to mypy
+
+    # -- run --------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            # A plain function call in the caller's process, as with any Celery task.
+            return super().__call__(*args, **kwargs)
+        run = request.singleton = self._begin(request, args, kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._end(request, run, sys.exc_info()[1])
+
+    if celery.VERSION[:2] < (5, 5):
+        def push_request(self, *args: Any, **kwargs: Any) -> None:
+            """Celery before 5.5: the request ``Task.__call__`` pushes keeps the current one's fields.
+
+            ``__call__`` above runs the body through ``Task.__call__``, which pushes a
+            new request. Before Celery 5.5 (celery/celery#9208) that request held only
+            ``args`` and ``kwargs``: in eager runs (``apply()``, ``task_always_eager``)
+            the body saw no ``self.singleton`` and no ``self.request.id``. Workers
+            were not affected (their stack protection calls ``run`` directly). This is
+            Celery 5.5's own ``push_request``.
+            """
+            self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
+
+    def _take(self, key: str, ttl: float, counters: tuple[str, str], *, task_id: str | None,
+              claim: bool = False) -> AcquireResult:
+        """One acquire of ``key`` as this task outside a run (publish-time claims)."""
+        settings = get_settings(self.app)
+        spec = LockSpec(task=self.name, ttl=ttl, boot=boot_id(), claim=claim, stats_key=self._stats_key(settings),
+                        counters=counters, wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
+        return acquire(get_redis(self.app), key, spec, task_id)
+
+    def _run_spec(self, settings: SingletonSettings, eager: bool) -> LockSpec:
+        """How a run of this task takes its lock under ``settings``; built once and kept."""
+        live = publishes_liveness()
+        cached = self.__dict__.get("_singleton_spec")
+        if cached is not None and cached[0] is settings and cached[1] == (eager, live):
+            return cached[2]  # type: ignore[no-any-return]
+        spec = LockSpec(
+            task=self.name, ttl=float(self.lock_ttl) if self.lock_ttl is not None else settings.lock_ttl,
+            boot=boot_id(), live=live, liveness_ttl=settings.liveness_ttl, liveness_prefix=settings.key_prefix,
+            check_done=bool(self.acks_late) and not eager, stats_key=self._stats_key(settings),
+            counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
+            wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
+        self._singleton_spec = (settings, (eager, live), spec)
+        return spec
+
+    def _stats_key(self, settings: SingletonSettings) -> str | None:
+        """This task's counter hash under ``settings`` (None when counters are off), kept per settings."""
+        cached = self.__dict__.get("_singleton_stats")
+        if cached is None or cached[0] is not settings:
+            cached = self._singleton_stats = (
+                settings, task_stats_key(settings.key_prefix, self.name) if settings.stats else None)
+        return cached[1]
+
+    def _run_context(self, eager: bool) -> tuple[SingletonSettings, Any, LockSpec, bool]:
+        """Settings, lock client, spec of a run and whether the app stores results, kept on
+        the task until a cache is reset (settings cleared, clients dropped, a fork): four
+        look-ups a run would repeat."""
+        generation = (config.GENERATION[0], lock_redis.GENERATION[0], eager, publishes_liveness())
+        cached = self.__dict__.get("_singleton_context")
+        if cached is not None and cached[0] == generation:
+            return cached[1]  # type: ignore[no-any-return]
+        settings = get_settings(self.app)
+        context = (settings, get_redis(self.app), self._run_spec(settings, eager), _stores_results(self))
+        self._singleton_context = (generation, context)
+        return context
+
+    def _begin(self, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
+        settings, client, spec, _ = self._run_context(bool(request.is_eager))
+        key = self._key(settings, args, kwargs)
+        adopt = request.id if self.lock_mode == "until_executed" else None
+        copy = spec.check_done and is_copy(request)  # its done marker is read before the key is written
+        started = time.monotonic()
+        try:
+            result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt, copy=copy)
+        except redis.RedisError as exc:
+            if settings.fail_open:
+                return self._run_unlocked(key, exc)
+            result = wait_for_redis(
+                self, key, exc, lambda: acquire(client, key, spec, request.id, node=request.hostname,
+                                                adopt_claim_of=adopt, copy=copy), started=started, client=client)
+        if self.lock_mode == "until_executing":
+            self._release_queue_claim(client, key)
+        if result.completed:
+            logger.info("%s[%s] already completed; this delivery of the same message ends without "
+                        "running", self.name, request.id)
+            raise Ignore(f"{request.id} already completed")
+        if result.taken_over is not None:
+            logger.warning("%s[%s] took over %s from %s, whose worker is gone",
+                           self.name, request.id, key, describe_holder(result.taken_over))
+        if not result.acquired:
+            holder = result.holder
+            if holder is not None and holder.task_id == request.id and not holder.claim:
+                self._wait_for_original(key, holder)
+            self._conflict(key, result)
+        assert result.lease is not None
+        kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback(request))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
+        return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
+
+    def _lease_lost_callback(self, request: Context) -> Callable[[KeptLease, str], None]:
+        """Report a lost lease once, the moment it is noticed (keeper or release)."""
+        app, task_name = self.app, self.name
+        task_id, hostname, eager = request.id, request.hostname, request.is_eager
+
+        def on_lost(kept: KeptLease, reason: str) -> None:
+            logger.warning("%s[%s] lost its lock %s while running: %s",
+                           task_name, task_id, kept.lease.key, reason)
+            if not eager:
+                send_task_event_soon(app, hostname, task_id, TASK_LOCK_LOST, key=kept.lease.key, reason=reason)
+
+        return on_lost
+
+    def _release_reported(self, request: Context, kept: KeptLease,
+                          done_ttl: float | None) -> Callable[[bool | None, BaseException | None], None]:
+        """The handler of a release's reply, read after the run ended."""
+        name, task_id = self.name, request.id
+
+        def confirmed(released: bool | None, error: BaseException | None) -> None:
+            if error is not None:
+                self._release_again(name, task_id, kept, done_ttl, error)
+            elif released is None:
+                logger.info("%s[%s] released %s again on a new connection (the first reply was lost)",
+                            name, task_id, kept.lease.key)
+            elif not released:
+                kept.mark_lost("the lock was gone when the run ended")
+
+        return confirmed
+
+    @staticmethod
+    def _release_again(name: str, task_id: str | None, kept: KeptLease, done_ttl: float | None,
+                       error: BaseException) -> None:
+        """A release got no answer (``-BUSY``, a timeout, a cut connection): the keeper sends it
+        again until it runs, so the key is freed (and an ``acks_late`` run's done marker
+        written) without waiting for the lock's TTL."""
+        logger.warning("%s[%s] could not release %s (%s); sending the release again until Redis "
+                       "answers (the lock expires within %.0fs otherwise)",
+                       name, task_id, kept.lease.key, error, kept.lease.ttl)
+        get_keeper().retry_release(kept.lease, done_ttl)
+
+    def _end_is_seen(self, request: Context, exc: BaseException | None) -> bool:
+        """Whether someone can see this run's end once ``__call__`` returns.
+
+        Its stored result (unless the task ignores results; errors still stored
+        with ``store_errors_even_if_ignored``), its ``task-succeeded`` /
+        ``task-failed`` event (a worker started with ``-E``), work published
+        when it ends (a chain's next step, callbacks, a chord's body), the
+        caller of an eager run. A caller who saw it and submits the same key
+        again must never be skipped as a duplicate of this ended run.
+        """
+        if request.is_eager or _has_followers(request):
+            return True
+        if self.send_events and worker_support.sends_task_events():
+            return True
+        stored = self._run_context(False)[3]  # the app has a result backend (not eager here)
+        if self.ignore_result or request.ignore_result:
+            return stored and exc is not None and bool(self.store_errors_even_if_ignored) and \
+                not isinstance(exc, (Ignore, Reject, Retry))
+        return stored
+
+    def _end(self, request: Context, run: SingletonRun | None, exc: BaseException | None) -> None:
+        kept = run._kept if run is not None else None
+        if kept is None:
+            return
+        get_keeper().forget(kept)
+        done_ttl = run._done_ttl  # type: ignore[union-attr]  # kept is not None: neither is run
+        claim_ttl = None
+        if exc is not None:
+            # The same task id runs again after a retry or a requeue, and a run cut short
+            # (SystemExit of a cold shutdown or a terminate, KeyboardInterrupt) did not
+            # complete: its message may come back and must run. No done marker then.
+            if isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue) or not isinstance(exc, Exception):
+                done_ttl = None
+            if isinstance(exc, Retry) and self.lock_mode == "until_executed":
+                # The retry waits in the queue under the lock, turned into its claim.
+                when = exc.when  # the retry's countdown in seconds, or its eta
+                claim_ttl = self._run_context(bool(request.is_eager))[0].queue_lock_ttl + delay_of(
+                    {"eta": when} if isinstance(when, datetime) else {"countdown": when})
+        if claim_ttl is None and (exc is None or not isinstance(exc, SystemExit)) \
+                and not self._end_is_seen(request, exc):
+            # A run whose end no one can see once this returns writes its release and goes
+            # on: its reply is read with the next acquire (one blocking round trip per run
+            # instead of two). A run whose end can be seen (its result stored, its
+            # task-succeeded/failed event, a chain's next step, callbacks, a chord) releases
+            # below, reply read at once: whoever sees the end may submit the key again at
+            # once, and the release must have run by then.
+            try:
+                if kept.lease.release_soon(self._release_reported(request, kept, done_ttl), done_ttl=done_ttl):
+                    return
+            except redis.RedisError as error:
+                self._release_again(self.name, request.id, kept, done_ttl, error)
+                return
+        try:
+            released = kept.lease.release(done_ttl=done_ttl, claim_ttl=claim_ttl)
+        except redis.RedisError as error:
+            if claim_ttl is None and not isinstance(exc, SystemExit):
+                self._release_again(self.name, request.id, kept, done_ttl, error)
+            else:
+                logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
+                             self.name, request.id, kept.lease.key, kept.lease.ttl, error)
+            return
+        if released and isinstance(exc, SystemExit):
+            logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",
+                           self.name, request.id, exc, kept.lease.key)
+        elif released is False and isinstance(exc, SystemExit):
+            # The pool child is being terminated (hard time limit, revoke+terminate).
+            logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
+                        self.name, request.id, kept.lease.key)
+        elif released is False:  # reported once, by the callback, unless the keeper already did
+            kept.mark_lost("the lock was gone when the run ended")  # (None: unknown, sent again)
