@@ -58,13 +58,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_singleton_beat.beat.entries import (
-                                               CLAIM_HEADER,
-                                               ENTRY_HEADER,
-                                               INSTANCE_HEADER,
-                                               SLOT_HEADER,
-                                               slot_task_id,
-)
+from celery_singleton_beat.beat.entries import slot_task_id
+from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 
 from .support import RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
 

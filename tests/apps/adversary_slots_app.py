@@ -26,8 +26,8 @@ import redis
 from celery import Celery
 from celery.exceptions import Reject
 
-from celery_singleton_beat import slot_delivery
-from celery_singleton_beat.worker import install
+from celery_singleton_beat.task import slot_delivery
+from celery_singleton_beat.task.worker import install
 
 BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 
