@@ -269,6 +269,7 @@ tries, taken = 0, []
 while not client.exists("adversary:stop"):
     result = acquire(client, sys.argv[2], spec, f"skewed-{tries}")
     tries += 1
+    client.set("adversary:tries", tries)
     if result.acquired:
         taken.append(result.lease.fence)
         result.lease.release()
@@ -297,8 +298,13 @@ def test_a_contender_whose_clock_is_ahead_and_fast_never_takes_over_a_renewing_h
                                   server.url(), KEY], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)
     try:
-        # Three renewals while the contender tries, or the lock lost (taken): either way it is decided.
-        wait_for(lambda: kept.renewals >= 3 or kept.lost, timeout=30, message="three renewals or a loss")
+        # Three renewals while the contender tries, or the lock lost (taken): either way it is
+        # decided. Counted from the contender's first try: a Python started under faketime on
+        # a loaded machine can take longer to import than three renewals.
+        wait_for(lambda: client.exists("adversary:tries") or contender.poll() is not None, timeout=60,
+                 message="the contender's first try")
+        renewed = kept.renewals
+        wait_for(lambda: kept.renewals >= renewed + 3 or kept.lost, timeout=30, message="three renewals or a loss")
         client.set("adversary:stop", "1")
         out, err = contender.communicate(timeout=30)
     finally:
