@@ -28,6 +28,7 @@ plain client, one :class:`ServerMemory` per simulated process.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ from redis.retry import Retry
 
 from celery_singleton_beat import SingletonTask
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.log import logger
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key, shard_records
@@ -90,15 +92,21 @@ def fresh_connection(client: redis.Redis) -> None:
 # ===================================================================== in-process
 
 
-def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[..., RedisServer]) -> None:
+def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[..., RedisServer],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A new Redis has no ``<prefix>:server`` record: the first client opens one window,
-    says why, and a process that comes later sees the same window (not a new one); once
-    it closed, no client opens another; an AOF restart opens none."""
+    says why (in one WARNING line that names the server once), and a process that comes
+    later sees the same window (not a new one); once it closed, no client opens another;
+    an AOF restart opens none."""
     lock_redis = make_redis("--appendonly", "yes")
     direct = lock_redis.client()
     memory = ServerMemory()
     first, first_server = process_client(lock_redis, memory)
-    first.ping()
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        first.ping()
+    [line] = [record.getMessage() for record in caplog.records if "new locks wait" in record.getMessage()]
+    assert line.startswith(f"the lock Redis (Redis {direct.info('server')['redis_version']}) "), line
+    assert "may have lost locks (no record" in line and "Redis Redis" not in line, line
     opened_ms = direct.pttl(recovery_key(PREFIX))
     assert 0 < opened_ms <= WINDOW * 1000, "a Redis without the server record opens a window at its first client"
     assert direct.get(server_key(PREFIX)) == run_id(direct).encode(), "the record names the server"

@@ -229,7 +229,8 @@ class LockServer:
             lost, opened = self._memory.learn(self.prefix, records[0], info.run_id, seen,
                                               promoted=info.promoted, aof=info.aof)
             if opened is not None:
-                logger.warning("lock Redis %s (%s): new locks wait %.1fs while running tasks put theirs back",
+                logger.warning("the lock Redis (%s) may have lost locks (%s): new locks wait %.1fs while running tasks "
+                               "put theirs back",
                                info.describe(), opened.reason, opened.left())
         with self._lock:
             self.info = info
