@@ -42,7 +42,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..connection.client import ReplicasNotAcknowledged, group_by_node, is_cluster
-from ..connection.wire import LuaScript
+from ..connection.wire import LuaScript, borrow
 from ..lease.behalf import release_value
 from ..lease.scripts import STATS_TTL_MS
 from ..log import logger
@@ -357,7 +357,7 @@ class ClaimStore:
             follow = getattr(pool, "follow", None)
             if follow is not None:
                 follow()  # Sentinel: ask for the primary now, not within half a second
-            pool.release(pool.get_connection("_"))
+            pool.release(borrow(pool))
         self.reached = time.monotonic()
         server = server_of(client)
         self._write_back(server)

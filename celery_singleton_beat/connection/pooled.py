@@ -16,7 +16,7 @@ import redis
 
 from .client import cluster_moved, is_cluster
 from .redirects import AskFollower
-from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, ensure_checked, give_back, looker_of, run_on
+from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, borrow, ensure_checked, give_back, looker_of, run_on
 
 __all__ = ["run_pooled", "run_script"]
 
@@ -47,7 +47,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     for attempt in (1, 2):
         server = _node_client(client, key)
         pool = server.connection_pool
-        connection = pool.get_connection("_")
+        connection = borrow(pool)
         link = PoolLink(connection)
         follow = AskFollower(client) if cluster else None
         try:

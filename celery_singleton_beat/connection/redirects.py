@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.exceptions import AskError
 
-from .wire import PoolLink, Request, ensure_checked, give_back, looker_of, pack, run_on
+from .wire import PoolLink, Request, borrow, ensure_checked, give_back, looker_of, pack, run_on
 
 __all__ = ["AskFollower", "asked_units", "command_name", "split_commands"]
 
@@ -134,7 +134,7 @@ class AskFollower:
             if node is None:
                 raise ask
         pool = self._client.get_redis_connection(node).connection_pool
-        connection = pool.get_connection("_")
+        connection = borrow(pool)
         link = PoolLink(connection)
         self._borrowed = (pool, connection, link)
         ensure_checked(connection, looker_of(self._client))

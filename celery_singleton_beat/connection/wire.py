@@ -442,6 +442,15 @@ def run_on(link: Link, request: Request,
     return request.finish(replies)
 
 
+#: redis-py 5.0-5.2 require ``get_connection``'s command name; 5.3 deprecated passing it.
+_POOL_WANTS_COMMAND = tuple(int(part) for part in redis.__version__.split(".")[:2]) < (5, 3)
+
+
+def borrow(pool: Any) -> Any:
+    """A connection from ``pool``, asked for the way the installed redis-py supports."""
+    return pool.get_connection("_") if _POOL_WANTS_COMMAND else pool.get_connection()
+
+
 def give_back(pool: Any, connection: Any, link: PoolLink) -> None:
     """Return a borrowed connection to its pool, dropped first if replies on it are unread."""
     if link.outstanding:
