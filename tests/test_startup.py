@@ -286,3 +286,50 @@ def test_a_redis_cluster_that_does_not_answer_at_start_is_an_outage(redis_server
     output = worker.output()
     assert f"the lock Redis {url} does not answer yet (ClusterUnavailable" in output, output
     assert "Traceback" not in output and worker.running
+
+
+# --------------------------------------------------------------------------- invalid singleton_* settings
+
+#: Settings no process may start with, and what the refusal says of each.
+BAD_SETTINGS = {
+    "unknown-setting": ({"singleton_lok_ttl": 30}, "unknown setting singleton_lok_ttl"),
+    "bad-value": ({"singleton_lock_ttl": 0}, "singleton_lock_ttl must be a number of seconds > 0, got 0"),
+}
+BEAT_APP = "tests.apps.beat_app"
+
+
+@pytest.mark.parametrize("setting", list(BAD_SETTINGS))
+@pytest.mark.parametrize("command", ["worker", "beat", "worker -B"])
+def test_an_invalid_setting_stops_the_process_with_one_line_and_78(
+        redis_server: RedisServer, tmp_path: Path, command: str, setting: str) -> None:
+    """An unknown ``singleton_*`` setting or a bad value: ``worker``, ``beat`` and
+    ``worker -B`` exit with 78 (``EX_CONFIG``: systemd's ``RestartPreventExitStatus=78``)
+    after one CRITICAL line that names the setting, with no traceback. Before, each exited
+    1 with a 58-line traceback."""
+    settings, reason = BAD_SETTINGS[setting]
+    argv = {"worker": ["worker", "-P", "solo"],
+            "beat": ["beat", "-s", str(tmp_path / "schedule")],
+            "worker -B": ["worker", "-P", "solo", "-B", "--scheduler", "singleton",
+                          "-s", str(tmp_path / "schedule")]}[command]
+    process = CeleryProcess(["-A", BEAT_APP, *argv, "-l", "info"],
+                            child_env(redis_server, CSB_BEAT_SETTINGS=json.dumps(settings)),
+                            name=f"bad-{command.replace(' ', '')}").start()
+    assert process.process is not None
+    code = process.process.wait(60)
+    output = process.output()
+    assert code == EX_CONFIG, f"exited {code}\n{process.tail(30)}"
+    critical = [line for line in output.splitlines() if "CRITICAL" in line]
+    assert len(critical) == 1, output
+    assert "refuses to start: invalid configuration: " + reason in critical[0], critical[0]
+    assert "Traceback" not in output and "ready." not in output, output
+
+
+@pytest.mark.parametrize("setting", list(BAD_SETTINGS))
+def test_doctor_names_an_invalid_setting_and_exits_78(redis_server: RedisServer, setting: str) -> None:
+    settings, reason = BAD_SETTINGS[setting]
+    result = run_command([sys.executable, "-m", "celery", "-A", BEAT_APP, "singleton", "doctor"],
+                         env=child_env(redis_server, CSB_BEAT_SETTINGS=json.dumps(settings)),
+                         timeout=60, capture_output=True, text=True)
+    assert result.returncode == EX_CONFIG, result.stdout + result.stderr
+    assert f"FAIL  configuration  {reason}" in result.stdout, result.stdout
+    assert "Traceback" not in result.stdout + result.stderr

@@ -45,7 +45,7 @@ from ..connection.sentinel import FOLLOW_EVERY
 from ..connection.url import sanitize_redis_url
 from ..log import logger
 from ..recovery.lock_redis import get_redis
-from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck
+from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck, refuse_to_start
 from .anchoring import Provisional, SlotAnchoring
 from .breaker import Breaker
 from .claims import Claim, ClaimStore
@@ -104,8 +104,10 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         app = kwargs["app"] if "app" in kwargs else args[0]
-        # Fails beat start with ImproperlyConfigured on a bad singleton_* setting.
-        self.singleton_settings: SingletonSettings = get_settings(app)
+        try:
+            self.singleton_settings: SingletonSettings = get_settings(app)
+        except ImproperlyConfigured as exc:  # exit 78 with one line, as every start-up refusal
+            refuse_to_start("beat", f"invalid configuration: {exc}")
         settings = self.singleton_settings
         #: Who this beat is in claims, logs and its start-up banner: host, pid and a random suffix.
         self.instance_id: str = _instance_id(app, bool(kwargs.get("lazy", False)))

@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import current_process
 from typing import Any, NoReturn
 
 import redis
@@ -361,13 +362,22 @@ class StartupCheck:
         return server
 
 
-def refuse_to_start(what: str, error: LockRedisUnusable) -> NoReturn:
+def refuse_to_start(what: str, error: object) -> NoReturn:
     """Log the one line that says why ``what`` (a worker, a beat) stops, and exit with 78.
 
-    ``SystemExit`` passes through Celery's start-up code without a traceback,
-    and 78 (``EX_CONFIG``) tells a supervisor that restarting will not help.
+    ``error``: the unusable lock Redis, or an invalid ``singleton_*`` setting
+    (``ImproperlyConfigured``). ``SystemExit`` passes through Celery's start-up
+    code without a traceback, and 78 (``EX_CONFIG``) tells a supervisor that
+    restarting will not help. Before Celery has set up logging (``celery beat``
+    builds its scheduler for the banner first) the line is written to stderr
+    as Celery would, level name included.
     """
-    logger.critical("%s refuses to start: %s. `celery -A <app> singleton doctor` checks the "
-                    "settings and the server", what, error)
+    message = (f"{what} refuses to start: {error}. `celery -A <app> singleton doctor` checks the "
+               "settings and the server")
+    if logger.hasHandlers():
+        logger.critical("%s", message)
+    else:
+        print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}: CRITICAL/{current_process().name}] {message}",
+              file=sys.stderr)
     sys.stderr.flush()
     raise SystemExit(EX_CONFIG)

@@ -39,7 +39,7 @@ from typing import Any
 import redis
 from billiard.exceptions import WorkerLostError
 from celery import Celery, bootsteps, signals
-from celery.exceptions import Terminated, TimeLimitExceeded
+from celery.exceptions import ImproperlyConfigured, Terminated, TimeLimitExceeded
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
@@ -51,7 +51,7 @@ from ..lease.keeper import send_pending_releases
 from ..lease.liveness import Heartbeat, boot_id
 from ..log import logger
 from ..recovery.lock_redis import get_redis
-from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck
+from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck, refuse_to_start
 from . import outage
 from .keys import QUEUED_SUFFIX
 
@@ -351,7 +351,10 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
         _task_events = bool(getattr(worker, "task_events", False))
         outage.worker_starts(worker.pool_cls)  # before the pool forks
         app, node = worker.app, worker.hostname
-        self.settings = get_settings(app)  # raises ImproperlyConfigured
+        try:
+            self.settings = get_settings(app)
+        except ImproperlyConfigured as exc:
+            refuse_to_start(f"worker {node}", f"invalid configuration: {exc}")
         check = StartupCheck(f"worker {node}", lambda: get_redis(app), self.settings)
         server = check.run("singleton tasks wait (retry) until it answers")  # exits 78 if unusable
         self.heartbeat = Heartbeat(lambda: get_redis(app), self.settings.key_prefix,
