@@ -216,3 +216,40 @@ def test_a_dead_pods_lock_is_taken_over_by_a_worker_with_another_name(
     line = new.wait_for_line("took over", timeout=5)
     assert dead_holder.task_id in line and "old-pod" in line
     assert records.get("overlap:k") is None
+
+
+def test_a_copy_the_broker_alone_marks_as_redelivered_never_takes_the_completed_runs_key(
+    redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]
+) -> None:
+    """A copy of a completed acks_late message that only the broker marks as a copy
+    (kombu's restore: ``redelivered`` set, no ``singleton_copy`` header, which only the
+    library's re-publish adds) ends without running and never writes the lock key: Redis'
+    keyspace events show one ``set``, the original's. The copy is the original's own
+    payload, read from kombu's ``unacked`` hash while it ran and pushed back once it
+    completed, as kombu's restore does when it reads the message just before the ack.
+    With the broker's flag ignored (the header alone counting) the copy took the key for
+    a round trip (``set``, then ``del``) and a caller who had seen the result and sent the
+    key again could be skipped."""
+    app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    locks = redis_server.client(LOCK_DB)
+    broker = redis_server.client(0)
+    with keyspace_events(locks, "singleton:{tests.apps.delivery_app.strict:*") as events:
+        copy_worker = worker(redis_server, processes, "bcopy", delivery_env)
+        records.set("hold:b", "1")
+        result = app.strict.delay("b", 0)
+        wait_for(lambda: entries(records, "started:b"), timeout=30, message="the run started")
+        [raw] = [raw for raw in broker.hvals("unacked") if result.id.encode() in raw]
+        message, _exchange, routing_key = json.loads(raw)
+        assert "singleton_copy" not in message["headers"]
+        records.delete("hold:b")
+        assert result.get(timeout=60).startswith("bcopy@")
+        wait_for(lambda: not broker.hvals("unacked"), timeout=30, message="the run's acknowledgement")
+        message["headers"]["redelivered"] = True
+        message["properties"]["delivery_info"]["redelivered"] = True
+        broker.lpush(routing_key, json.dumps(message))
+        copy_worker.wait_for_line(result.id, "already completed", timeout=30)
+        written = events()
+    [key] = {key for key, _ in written if ":done:" not in key}
+    assert [event for name, event in written if name == key].count("set") == 1, written
+    assert len(entries(records, "runs:b")) == 1
