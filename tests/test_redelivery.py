@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -253,3 +254,34 @@ def test_a_copy_the_broker_alone_marks_as_redelivered_never_takes_the_completed_
     [key] = {key for key, _ in written if ":done:" not in key}
     assert [event for name, event in written if name == key].count("set") == 1, written
     assert len(entries(records, "runs:b")) == 1
+
+
+def test_a_skip_whose_result_cannot_be_stored_is_decided_again(
+    redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str],
+    make_redis: Callable[..., RedisServer],
+) -> None:
+    """A duplicate is rightly skipped (its holder runs) while the result backend is down: its
+    ``REVOKED`` cannot be written. The delivery is not acknowledged as if it had been: the
+    message is published again after a back-off and decided again, so once the backend
+    answers the skip is stored and the caller's ``.get()`` ends with ``TaskSkipped``.
+    Before, the worker logged "could not record its skip", acknowledged the message, and the
+    caller waited for ever (no state was ever stored)."""
+    backend = make_redis()
+    delivery_env.update(CSB_BACKEND=backend.url(1))
+    app = load_app(redis_server, **delivery_env)
+    records = redis_server.client(RECORD_DB)
+    skipper = worker(redis_server, processes, "skipper", delivery_env, concurrency=2)
+    records.set("hold:s", "1")
+    app.slow.delay("s", 0)
+    wait_for(lambda: entries(records, "started:s"), timeout=30, message="the holder started")
+    # Published before the backend stops (a client's send subscribes to its result), and run
+    # once it has stopped: an ETA the worker holds.
+    duplicate = app.slow.apply_async(("s", 0), countdown=2)
+    backend.stop()
+    skipper.wait_for_line(duplicate.id, "could not record its skip", timeout=30)
+    backend.start()
+    wait_for(lambda: duplicate.state == "REVOKED", timeout=60, message="the skip stored once the backend answers")
+    with pytest.raises(TaskSkipped):
+        duplicate.get(timeout=5)
+    records.delete("hold:s")
+    assert len(entries(records, "started:s")) == 1, "the duplicate never ran"

@@ -155,6 +155,24 @@ class ConflictOutcomes(Task):
             self._store_skipped(skipped)
         raise _Skip(skipped)
 
+    def _decide_again_later(self, error: Exception) -> None:
+        """The skip could not be stored: nobody would hear of it (a caller's ``.get()``
+        waits for ever), so this delivery must not end as if it had been recorded. The
+        message is published again after a back-off, and the next delivery decides
+        again (skips and stores, or runs if the holder has ended); if the broker refuses
+        that too, the message goes back to the queue (``acks_late``). Always raises."""
+        request = self.request
+        countdown = self._backoff(request.retries or 0)
+        logger.error("%s[%s] could not record its skip in the result backend (%s); deciding again "
+                     "in %.1fs", self.name, request.id, error, countdown)
+        try:
+            self.signature_from_request(request, countdown=countdown).apply_async()
+        except Exception as exc:
+            logger.error("%s[%s] could not be re-published (%s); the message goes back to the queue",
+                         self.name, request.id, exc)
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore(f"{request.id}: skip not recorded, published again")
+
     def _retry_later(self, key: str, holder: Holder | None) -> None:
         """``on_conflict="retry"``: the run is retried after a back-off; always raises.
 
@@ -192,6 +210,9 @@ class ConflictOutcomes(Task):
                                          store_result=not self.ignore_result, call_errbacks=False)
         except NotImplementedError:  # no result backend configured
             pass
-        except Exception as error:  # the skip itself stands; say why waiters may not see it
-            logger.error("%s[%s] could not record its skip in the result backend: %s",
-                         self.name, request.id, error)
+        except Exception as error:
+            if request.is_eager:  # the caller holds the outcome (EagerResult) in its hands
+                logger.error("%s[%s] could not record its skip in the result backend: %s",
+                             self.name, request.id, error)
+                return
+            self._decide_again_later(error)  # an outcome nobody could see

@@ -7,7 +7,8 @@ Configured from the environment so one module serves every scenario:
   pass an ``amqp://`` URL); ``CSB_VISIBILITY``: the Redis transport's
   visibility timeout, restored every second;
 * ``CSB_LOCK_REDIS``: Redis of the locks (default: the test Redis, db 2);
-* ``CSB_LIVENESS_TTL``: ``singleton_liveness_ttl`` (default 2 s).
+* ``CSB_LIVENESS_TTL``: ``singleton_liveness_ttl`` (default 2 s);
+* ``CSB_BACKEND``: the result backend URL (default: the test Redis, db 1).
 
 Every run is recorded in the record database: ``started:<key>`` and
 ``runs:<key>`` lists (task id, node, pid, times) and an in-flight counter whose
@@ -33,7 +34,8 @@ BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 
 # Tasks are not shared: the module is re-imported per test (load_app), and shared
 # tasks of earlier imports would be registered again in every later app.
-app = Celery("delivery_app", broker=os.environ.get("CSB_BROKER", f"{BASE}/0"), backend=f"{BASE}/1")
+app = Celery("delivery_app", broker=os.environ.get("CSB_BROKER", f"{BASE}/0"),
+             backend=os.environ.get("CSB_BACKEND", f"{BASE}/1"))
 app.conf.update(
     singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BASE}/2"),
     singleton_lock_ttl=float(os.environ.get("CSB_LOCK_TTL", "300")),

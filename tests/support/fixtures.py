@@ -284,5 +284,5 @@ def delivery_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
     same (from ``os.environ``), cleared after the test."""
     env: dict[str, str] = {}
     yield env
-    for name in ("CSB_VISIBILITY", "CSB_BROKER", "CSB_LOCK_REDIS", "CSB_LIVENESS_TTL"):
+    for name in ("CSB_VISIBILITY", "CSB_BROKER", "CSB_LOCK_REDIS", "CSB_LIVENESS_TTL", "CSB_BACKEND"):
         os.environ.pop(name, None)
