@@ -114,18 +114,6 @@ class Lease:
     def renew_every(self) -> float:
         return self.spec.renew_every
 
-    def renew(self, client: RedisClient | None = None) -> bool:
-        """:meth:`renew_once`, and :meth:`put_back` where :meth:`may_put_back`; False if the
-        lock is no longer ours (for tools and tests).
-
-        The keeper runs the two itself (it must not put back the lock of a run that
-        ended meanwhile). Raises ``redis.RedisError`` when Redis cannot be asked.
-        """
-        outcome = self.renew_once(client)
-        if outcome is Renewal.GONE and self.may_put_back(client):
-            return self.put_back(client)
-        return outcome is Renewal.RENEWED
-
     def renew_once(self, client: RedisClient | None = None) -> Renewal:
         """Extend the lease by ``ttl`` if the lock is still ours (compare-and-set).
 
