@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat.connection.channel import read_all_replies
+from celery_singleton_beat.connection.flusher import read_all_replies
 from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.scripts import ADOPT, CLAIM_ON_RETRY, RELEASE, TAKE_OVER

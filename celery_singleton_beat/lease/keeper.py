@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from .. import native
-from ..connection.channel import read_all_replies
+from ..connection.flusher import read_all_replies
 from ..log import logger
 from ..recovery import server
 from ..recovery.lock_redis import thread_client

@@ -209,8 +209,8 @@ class Lease:
         The release is written at once (Redis frees the key as soon as it reads
         it); its reply -- was the lock still ours? -- reaches ``on_result`` when
         this thread next waits for a lock reply (its next acquire), or at the
-        latest :data:`.channel.FLUSH_AFTER` later, or when the process ends
-        (:func:`.channel.read_all_replies`). Only for clients with a
+        latest :data:`.flusher.FLUSH_AFTER` later, or when the process ends
+        (:func:`.flusher.read_all_replies`). Only for clients with a
         :mod:`.channel` (standalone Redis, real threads); raises
         ``redis.RedisError`` if the request could not be written.
         """
