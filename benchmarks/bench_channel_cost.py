@@ -34,9 +34,10 @@ CYCLES = """
 import gc, sys
 import redis
 import celery_singleton_beat.connection.channel as channel
+import celery_singleton_beat.connection.flusher as flusher
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
-channel.IDLE_CHECK = channel.FLUSH_AFTER = 1e9
+channel.IDLE_CHECK = flusher.FLUSH_AFTER = 1e9
 gc.disable()
 port, cycles = int(sys.argv[1]), int(sys.argv[2])
 client = redis.Redis(port=port)

@@ -53,6 +53,7 @@ from celery_singleton_beat.recovery.window import NEW_OR_EMPTIED, mark_in_use
 
 from .support import ROOT, RedisServer, require, wait_for
 from .support.keeps_lock import entries, knobs, load_app, wait_started, worker
+from .support.locking import renew
 
 KEY = "singleton:{adversary:k}"
 HELD = "singleton:{adversary:held}"
@@ -122,7 +123,7 @@ def test_a_server_with_an_append_only_file_back_empty_gets_every_holders_lock_ba
     assert server.client().info("persistence")["aof_enabled"] == 1
     assert execute(b, KEY, lambda info: look_request(KEY)).current is None  # b's check: the lock is gone
     assert server_of(b).recovery().open and server_of(b).recovery().reason == NEW_OR_EMPTIED
-    put_back = lease.renew()  # the holder's keeper, at its next renewal (within the window)
+    put_back = renew(lease)  # the holder's keeper, at its next renewal (within the window)
     taken = acquire(b, KEY, worker_spec("b-boot"), "b")  # waits for the window, then asks
     assert not taken.acquired, (f"b took the key while the holder runs (put back: {put_back}; holder's "
                                 f"epoch {server_of(a).epoch}, lease's {lease.epoch})")

@@ -64,8 +64,8 @@ def quick_client(server: RedisServer, timeout: float = 1.0) -> redis.Redis:
 ENDING = """
 import logging, os, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-import celery_singleton_beat.connection.channel as channel
-channel.FLUSH_AFTER = 3600.0
+import celery_singleton_beat.connection.flusher as flusher
+flusher.FLUSH_AFTER = 3600.0
 from celery_singleton_beat.task import worker
 from celery_singleton_beat.lease.keeper import get_keeper
 from celery_singleton_beat.lease.spec import LockSpec

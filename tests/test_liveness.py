@@ -23,7 +23,7 @@ from celery_singleton_beat.lease.spec import TAKEOVER_WAIT
 from celery_singleton_beat.task.run import SingletonRun
 
 from .support import wait_for
-from .support.locking import take_lock
+from .support.locking import renew, take_lock
 
 PREFIX = "singleton"
 KEY = "singleton:{t:" + "0" * 64 + "}"
@@ -121,7 +121,7 @@ def test_a_holder_that_renews_while_watched_keeps_its_lock(redis_db: redis.Redis
 
     def sleep(seconds: float) -> None:  # the contender's watch: the holder is back meanwhile
         watched.append(seconds)
-        assert holder.lease.renew()
+        assert renew(holder.lease)
         real_sleep(seconds)
 
     monkeypatch.setattr(lock_module.time, "sleep", sleep)

@@ -49,7 +49,7 @@ from celery_singleton_beat.recovery.window import mark_in_use
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
 from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots
 from .support.failover_load import FailoverLoad
-from .support.locking import take_lock
+from .support.locking import renew, take_lock
 from .support.slots import UTC, duplicates_and_misses
 from .support.tasks import settled
 from .support.topologies import (
@@ -248,7 +248,7 @@ def test_the_lease_works(topology: Topology) -> None:
     second = take_lock(client, key, 2.0, task="topo.sync", task_id="b", node="n2")
     assert first.lease is not None and not second.acquired
     assert second.holder is not None and second.holder.task_id == "a"
-    assert first.lease.renew() and topology.admin.pttl(key) > 0
+    assert renew(first.lease) and topology.admin.pttl(key) > 0
     assert first.lease.release() and not topology.admin.exists(key)
     again = take_lock(client, key, 2.0, task="topo.sync", task_id="c")
     assert again.lease is not None and again.lease.fence > first.lease.fence
@@ -440,7 +440,7 @@ def test_acl_user_needs_exactly_the_documented_commands() -> None:
         client = get_redis(app)
         key = app.tasks["topo.sync"].singleton_key((1,), {})
         lease = take_lock(client, key, 5, task="topo.sync", task_id="t1", node="n@h", boot="old").lease
-        assert lease is not None and lease.renew()
+        assert lease is not None and renew(lease)
         assert not take_lock(client, key, 5, task="topo.sync", task_id="t2").acquired
         assert lease.release()
         take_lock(client, key, 5, task="topo.sync", task_id="t3", node="n@h", boot="old", live=True,
@@ -479,7 +479,7 @@ def test_acl_user_on_cluster(cluster_topology: Topology) -> None:
     try:
         key = "singleton:{topo.sync:acl}"
         lease = take_lock(client, key, 5, task="topo.sync", task_id="a").lease
-        assert lease is not None and lease.renew() and lease.release()
+        assert lease is not None and renew(lease) and lease.release()
     finally:
         client.close()
 
@@ -540,7 +540,7 @@ def test_a_cluster_outage_is_redis_unavailable() -> None:
         for server in topology.servers:
             server.kill()
         with pytest.raises(redis.ConnectionError):  # ClusterUnavailable from the client, or the node's own
-            lease.renew()
+            renew(lease)
         with pytest.raises(LockUnavailable):
             app.tasks["topo.sync"].delay(1)
         beat.tick()
@@ -558,7 +558,7 @@ def test_sentinel_and_primary_passwords() -> None:
         assert ":data-pw@" in group.url
         client = redis_from_url(group.url, sentinel_kwargs={"password": "sentinel-pw"})
         lease = take_lock(client, "singleton:{topo.sync:auth}", 5, task="topo.sync", task_id="a").lease
-        assert lease is not None and lease.renew() and lease.release()
+        assert lease is not None and renew(lease) and lease.release()
         client.close()
         refused = redis_from_url(group.url)  # the sentinels refuse a client without their password
         with pytest.raises(redis.RedisError):
@@ -600,7 +600,7 @@ def test_async_replication_loses_a_lock_and_wait_refuses_it() -> None:
         rival = take_lock(replica, "singleton:{k:lost}", 30, task="k", task_id="rival").lease
         assert rival is not None, "the unreplicated lock is gone: a second holder gets it"
         lost.client = before.client = replica  # what a Sentinel-managed client does by itself
-        assert before.renew() and not lost.renew(), "the first holder learns it at its next renewal"
+        assert renew(before) and not renew(lost), "the first holder learns it at its next renewal"
     finally:
         group.stop()
 

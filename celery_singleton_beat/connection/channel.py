@@ -12,7 +12,7 @@ chain's next step, callbacks) calls :meth:`Channel.flush` after writing its
 release, so that the release has executed before its end is published.
 
 When no next request comes, a background thread reads the pending replies
-:data:`FLUSH_AFTER` seconds after they were written, so the outcome of a
+:data:`.flusher.FLUSH_AFTER` seconds after they were written (:mod:`.flusher`), so the outcome of a
 release (was the lock still ours?) is always reported within that bound.
 
 A connection the server closed (a restart, a proxy's idle timeout) is found
@@ -57,6 +57,7 @@ import redis
 
 from .. import native
 from ..log import logger
+from .flusher import watcher
 from .wire import (
     BROKEN,
     RETRIED,
@@ -70,18 +71,16 @@ from .wire import (
     write_request,
 )
 
-__all__ = ["Channel", "channel_for", "channel_or_none", "read_all_replies", "supports_channel"]
+__all__ = ["Channel", "channel_for", "channel_or_none", "supports_channel"]
 
 #: Called with the result of a request sent without waiting (or the error it got).
 ReplyHandler = Callable[[Any, BaseException | None], None]
 
-#: Seconds after which a pending reply is read even if no next request comes.
-FLUSH_AFTER = 0.5
 #: A connection idle for this long is checked (one ``select``, a system call) before it
 #: is written to; closed by the server, or holding bytes nobody asked for, it is
 #: replaced. A release written onto a connection the server closed (a restart during
 #: the run) would only be found out, and sent again, when its reply is read -- up to
-#: FLUSH_AFTER later, while others see the lock held. Runs shorter than this skip the
+#: FLUSH_AFTER (:mod:`.flusher`) later, while others see the lock held. Runs shorter than this skip the
 #: check; the flusher still sends their release again.
 IDLE_CHECK = 0.02
 
@@ -207,7 +206,7 @@ class Channel:
                 self._drop_if_unread()
                 raise
         if not watched:  # under steady load the flusher keeps watching: no lock, no wake-up
-            _flusher().watch(self)
+            watcher().watch(self)
 
     def flush(self) -> None:
         """Read every pending reply now (blocks one round trip at most, two after a lost connection)."""
@@ -432,89 +431,6 @@ def _deliver(on_reply: ReplyHandler, reply: Any, error: BaseException | None) ->
         on_reply(reply, error)
     except Exception as exc:  # a handler must not break the next run's acquire
         logger.warning("a deferred lock reply handler failed: %s", exc)
-
-
-class _Flusher:
-    """A daemon thread that reads replies left pending for :data:`FLUSH_AFTER` seconds."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._channels: list[weakref.ref[Channel]] = []
-        threading.Thread(target=self._run, name="singleton-flush", daemon=True).start()
-
-    def watch(self, channel: Channel) -> None:
-        with self._cond:
-            if not channel.watched:
-                channel.watched = True
-                self._channels.append(weakref.ref(channel))
-                self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._channels:
-                    self._cond.wait()
-                channels = [c for c in (ref() for ref in self._channels) if c is not None]
-            now = time.monotonic()
-            due = [c for c in channels if c.oldest is not None and now - c.oldest >= FLUSH_AFTER]
-            for channel in due:
-                try:
-                    channel.flush()
-                except Exception as exc:  # reported to the handlers; keep flushing others
-                    logger.debug("flushing lock replies failed: %s", exc)
-            waits = [c.oldest + FLUSH_AFTER - now for c in channels if c.oldest is not None and c not in due]
-            with self._cond:
-                kept = []
-                for ref in self._channels:
-                    alive = ref()
-                    if alive is None:
-                        continue
-                    if alive.unwatch_if_idle():
-                        continue  # its next send asks again
-                    kept.append(ref)
-                self._channels = kept
-                self._cond.wait(timeout=max(min(waits, default=FLUSH_AFTER), 0.005))
-
-
-_flusher_of: dict[int, _Flusher] = {}
-_flusher_lock = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    # A lock copied while another thread held it would stay held in the child.
-    global _flusher_lock
-    _flusher_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _flusher() -> _Flusher:
-    """This process's flusher thread (a forked child starts its own)."""
-    pid = os.getpid()
-    flusher = _flusher_of.get(pid)
-    if flusher is None:
-        with _flusher_lock:
-            flusher = _flusher_of.get(pid)
-            if flusher is None:
-                _flusher_of.clear()
-                flusher = _flusher_of[pid] = _Flusher()
-    return flusher
-
-
-def read_all_replies() -> None:
-    """Read the pending replies of every channel of this process now: it is about to end
-    (a prefork child ends with ``os._exit``, where the flusher thread would never run)."""
-    flusher = _flusher_of.get(os.getpid())
-    if flusher is None:
-        return
-    with flusher._cond:
-        channels = [channel for channel in (ref() for ref in flusher._channels) if channel is not None]
-    for channel in channels:
-        try:
-            channel.flush()
-        except Exception as exc:  # reported to the handlers; read the others
-            logger.debug("reading lock replies at exit failed: %s", exc)
 
 
 def supports_channel(client: Any) -> TypeGuard[redis.Redis]:

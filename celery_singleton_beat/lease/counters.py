@@ -27,7 +27,8 @@ from typing import Any
 import redis
 
 from .. import native
-from ..connection.channel import channel_or_none, read_all_replies
+from ..connection.channel import channel_or_none
+from ..connection.flusher import read_all_replies
 from ..connection.wire import Request
 from ..log import logger
 from ..recovery.lock_redis import thread_client

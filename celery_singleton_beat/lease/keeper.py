@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from .. import native
-from ..connection.channel import read_all_replies
+from ..connection.flusher import read_all_replies
 from ..log import logger
 from ..recovery import server
 from ..recovery.lock_redis import thread_client
@@ -206,13 +206,17 @@ class LeaseKeeper:
             heapq.heapify(self._queue)
         self._wake.notify()
 
-    def _renewed(self, kept: KeptLease, client: Any) -> bool:
-        """One renewal of ``kept``, putting its lock back where the server lost it.
+    def renew(self, kept: KeptLease, client: Any = None) -> bool:
+        """One renewal of ``kept``, putting its lock back where the server lost it; False if
+        the lock is no longer ours. The only way a lock is put back: the keeper's thread,
+        and tools and tests renewing a lease by hand (``renew(KeptLease(lease, None))``).
 
         The put-back happens under the keeper's mutex, and only while the run still
         keeps the lease: a run that ends (:meth:`forget`, then its release) either
         waits for it or is seen ended, so a renewal on its way when the run released
-        never writes the lock back.
+        never writes the lock back. ``client``: another client of the same server to
+        send it through (the keeper's own); the lease's by default. Raises
+        ``redis.RedisError`` when Redis cannot be asked.
         """
         lease = kept.lease
         outcome = lease.renew_once(client)
@@ -225,7 +229,7 @@ class LeaseKeeper:
         """Renew once; the monotonic time of the next attempt, or None when done."""
         lease = kept.lease
         try:
-            if self._renewed(kept, thread_client(lease.client)):
+            if self.renew(kept, thread_client(lease.client)):
                 kept.renewals += 1
                 if kept.next_complaint:
                     kept.next_complaint = 0.0

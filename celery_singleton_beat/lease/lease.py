@@ -114,18 +114,6 @@ class Lease:
     def renew_every(self) -> float:
         return self.spec.renew_every
 
-    def renew(self, client: RedisClient | None = None) -> bool:
-        """:meth:`renew_once`, and :meth:`put_back` where :meth:`may_put_back`; False if the
-        lock is no longer ours (for tools and tests).
-
-        The keeper runs the two itself (it must not put back the lock of a run that
-        ended meanwhile). Raises ``redis.RedisError`` when Redis cannot be asked.
-        """
-        outcome = self.renew_once(client)
-        if outcome is Renewal.GONE and self.may_put_back(client):
-            return self.put_back(client)
-        return outcome is Renewal.RENEWED
-
     def renew_once(self, client: RedisClient | None = None) -> Renewal:
         """Extend the lease by ``ttl`` if the lock is still ours (compare-and-set).
 
@@ -215,14 +203,14 @@ class Lease:
             counters.count(self.client, self.spec.stats_key, "released" if released else "lost")
 
     def release_soon(self, on_result: Callable[[bool | None, BaseException | None], None], *,
-                     done_ttl: float | None = None, wait: bool = False) -> bool:
+                     done_ttl: float | None = None) -> bool:
         """Release without waiting for the reply; False when that is not possible here.
 
         The release is written at once (Redis frees the key as soon as it reads
         it); its reply -- was the lock still ours? -- reaches ``on_result`` when
         this thread next waits for a lock reply (its next acquire), or at the
-        latest :data:`.channel.FLUSH_AFTER` later. ``wait``: read it now, so
-        that the release has run when this returns. Only for clients with a
+        latest :data:`.flusher.FLUSH_AFTER` later, or when the process ends
+        (:func:`.flusher.read_all_replies`). Only for clients with a
         :mod:`.channel` (standalone Redis, real threads); raises
         ``redis.RedisError`` if the request could not be written.
         """
@@ -241,8 +229,6 @@ class Lease:
             on_result(released, error)
 
         channel.send(self._release_request(server.info or PORTABLE, done_ttl), handle)
-        if wait:
-            channel.flush()
         return True
 
     def _release_request(self, info: ServerInfo, done_ttl: float | None) -> Request:

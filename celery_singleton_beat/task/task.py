@@ -70,6 +70,7 @@ from ..recovery import lock_redis
 from ..recovery.lock_redis import get_redis
 from . import worker as worker_support
 from .conflicts import ConflictOutcomes, is_copy
+from .endings import Release, Report, ending_of
 from .events import TASK_LOCK_LOST, send_task_event_soon
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .outage import wait_for_redis
@@ -424,31 +425,15 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         return stored
 
     def _end(self, request: Context, run: SingletonRun | None, exc: BaseException | None) -> None:
+        """Release the run's lock as its ending says (:mod:`.endings`)."""
         kept = run._kept if run is not None else None
         if kept is None:
             return
         get_keeper().forget(kept)
-        done_ttl = run._done_ttl  # type: ignore[union-attr]  # kept is not None: neither is run
-        claim_ttl = None
-        if exc is not None:
-            # The same task id runs again after a retry or a requeue, and a run cut short
-            # (SystemExit of a cold shutdown or a terminate, KeyboardInterrupt) did not
-            # complete: its message may come back and must run. No done marker then.
-            if isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue) or not isinstance(exc, Exception):
-                done_ttl = None
-            if isinstance(exc, Retry) and self.lock_mode == "until_executed":
-                # The retry waits in the queue under the lock, turned into its claim.
-                when = exc.when  # the retry's countdown in seconds, or its eta
-                claim_ttl = self._run_context(bool(request.is_eager))[0].queue_lock_ttl + delay_of(
-                    {"eta": when} if isinstance(when, datetime) else {"countdown": when})
-        if claim_ttl is None and (exc is None or not isinstance(exc, SystemExit)) \
-                and not self._end_is_seen(request, exc):
-            # A run whose end no one can see once this returns writes its release and goes
-            # on: its reply is read with the next acquire (one blocking round trip per run
-            # instead of two). A run whose end can be seen (its result stored, its
-            # task-succeeded/failed event, a chain's next step, callbacks, a chord) releases
-            # below, reply read at once: whoever sees the end may submit the key again at
-            # once, and the release must have run by then.
+        ending = ending_of(exc, self.lock_mode)
+        done_ttl = run._done_ttl if ending.marker else None  # type: ignore[union-attr]  # kept: run too
+        claim_ttl = self._retry_claim_ttl(request, exc) if ending.release is Release.CLAIM else None
+        if ending.release is Release.SOON and not self._end_is_seen(request, exc):
             try:
                 if kept.lease.release_soon(self._release_reported(request, kept, done_ttl), done_ttl=done_ttl):
                     return
@@ -458,18 +443,25 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         try:
             released = kept.lease.release(done_ttl=done_ttl, claim_ttl=claim_ttl)
         except redis.RedisError as error:
-            if claim_ttl is None and not isinstance(exc, SystemExit):
+            if ending.report is Report.RUN:
                 self._release_again(self.name, request.id, kept, done_ttl, error)
             else:
                 logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
                              self.name, request.id, kept.lease.key, kept.lease.ttl, error)
             return
-        if released and isinstance(exc, SystemExit):
-            logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",
-                           self.name, request.id, exc, kept.lease.key)
-        elif released is False and isinstance(exc, SystemExit):
-            # The pool child is being terminated (hard time limit, revoke+terminate).
-            logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
-                        self.name, request.id, kept.lease.key)
+        if ending.report is Report.TERMINATION:
+            if released:
+                logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",
+                               self.name, request.id, exc, kept.lease.key)
+            elif released is False:  # the pool child is being terminated (hard time limit, revoke+terminate)
+                logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
+                            self.name, request.id, kept.lease.key)
         elif released is False:  # reported once, by the callback, unless the keeper already did
             kept.mark_lost("the lock was gone when the run ended")  # (None: unknown, sent again)
+
+    def _retry_claim_ttl(self, request: Context, exc: BaseException | None) -> float:
+        """Seconds the claim an ``until_executed`` run's lock turns into covers its retry:
+        the queue lock's TTL and the retry's countdown or eta."""
+        when = exc.when if isinstance(exc, Retry) else None
+        return self._run_context(bool(request.is_eager))[0].queue_lock_ttl + delay_of(
+            {"eta": when} if isinstance(when, datetime) else {"countdown": when})

@@ -54,6 +54,7 @@ from ..recovery.lock_redis import get_redis
 from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck, refuse_to_start
 from . import outage
 from .keys import QUEUED_SUFFIX
+from .slot_delivery import SlotDeliveryStep
 
 __all__ = ["POOL_CHECK_INTERVAL", "SingletonRequest", "SingletonWorkerStep", "boot_id", "compose_request", "install",
            "sends_task_events"]
@@ -99,8 +100,6 @@ def install(app: Celery) -> None:
     it automatically; apps that use only the scheduler call it once in their
     app module.
     """
-    from .slot_delivery import SlotDeliveryStep
-
     app.steps["worker"].add(SingletonWorkerStep)
     app.steps["consumer"].add(SlotDeliveryStep)
     _guard_revoke()

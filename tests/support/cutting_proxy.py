@@ -21,13 +21,13 @@ import contextlib
 import functools
 import socket
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from celery_singleton_beat.connection.wire import reply_reader
 
+from .loopback import LoopbackProxy, close_socket, shut_write
 from .owners import register
 from .paths import scratch_file
 
@@ -58,27 +58,22 @@ def _count(reader: Any, data: bytes) -> int:
     return count
 
 
-class CuttingProxy:
+class CuttingProxy(LoopbackProxy):
     """Relays ``127.0.0.1:<port>`` to ``127.0.0.1:<upstream_port>``; see the module docstring."""
 
+    connect_timeout = 10.0
+
     def __init__(self, upstream_port: int, name: str = "cutting-proxy") -> None:
-        self.name = name
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port, name)
         self.log: Path = scratch_file(name)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._armed: tuple[bytes, ...] = ()
         self._sockets: list[socket.socket] = []
-        self._closed = False
         #: Connections cut after the server answered an armed request.
         self.cuts = 0
         self.cut_done = threading.Event()
         register(self)
-        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+        self._start_accepting()
 
     def cut_after(self, *texts: bytes) -> None:
         """Cut the connection of the next client chunk naming any of ``texts``, once its
@@ -100,7 +95,8 @@ class CuttingProxy:
         with self._lock:
             self._closed = True
             sockets = list(self._sockets)
-        for sock in [self._listener, *sockets]:
+        super().close()
+        for sock in sockets:
             with contextlib.suppress(OSError):
                 sock.close()
 
@@ -110,40 +106,14 @@ class CuttingProxy:
         with self._lock, self.log.open("a") as out:
             out.write(line + "\n")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=10)
-                upstream.settimeout(None)
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            link = _Link(client, upstream)
-            with self._lock:
-                self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, functools.partial(self._up, link)),
-                             daemon=True, name=f"{self.name}-up").start()
-            threading.Thread(target=self._pump, args=(upstream, client, functools.partial(self._down, link)),
-                             daemon=True, name=f"{self.name}-down").start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, look: Callable[[bytes], bool]) -> None:
-        """Relay ``source`` to ``sink``, each chunk shown to ``look`` first (False: stop here)."""
-        while True:
-            try:
-                data = source.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                with contextlib.suppress(OSError):
-                    sink.shutdown(socket.SHUT_WR)
-                return
-            if not look(data):
-                return
-            with contextlib.suppress(OSError):
-                sink.sendall(data)
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        link = _Link(client, upstream)
+        with self._lock:
+            self._sockets += [client, upstream]
+        self.spawn(self.relay, client, functools.partial(self._up, link), functools.partial(shut_write, upstream),
+                   name=f"{self.name}-up")
+        self.spawn(self.relay, upstream, functools.partial(self._down, link), functools.partial(shut_write, client),
+                   name=f"{self.name}-down")
 
     def _up(self, link: _Link, data: bytes) -> bool:
         """A client's chunk: counted before it is forwarded (its replies can only come after)."""
@@ -152,6 +122,7 @@ class CuttingProxy:
             if self._armed and any(text in data for text in self._armed):
                 self._armed = ()
                 link.cut_at = link.sent
+        self.forward(link.upstream, data)
         return True
 
     def _down(self, link: _Link, data: bytes) -> bool:
@@ -161,12 +132,10 @@ class CuttingProxy:
             link.answered += _count(link.replies, data)
             cut = link.cut_at is not None and link.answered >= link.cut_at
         if not cut:
+            self.forward(link.client, data)
             return True
         for sock in (link.client, link.upstream):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                sock.close()
+            close_socket(sock)
         self.cuts += 1
         self._note(f"cut a connection after {link.answered} replies (the last ones dropped)")
         self.cut_done.set()

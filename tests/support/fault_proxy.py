@@ -45,6 +45,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from .loopback import LoopbackProxy, close_socket
+
 __all__ = ["FATES", "FaultProxy", "Rates", "command_length", "reply_length"]
 
 FATES = ("refuse", "delay", "close_before", "close_after", "cut", "silence")
@@ -150,21 +152,16 @@ class _Connection:
                 return
             self.closed = True
         for sock in (self.client, self.upstream):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                sock.close()
+            close_socket(sock)
         self.plan.put(None)
 
     def _from_client(self) -> None:
         buffer = bytearray()
-        try:
-            while not self.closed:
-                data = self.client.recv(65536)
-                if not data:
-                    break
-                buffer += data
-                out = bytearray()
+
+        def commands(data: bytes) -> bool:
+            buffer.extend(data)
+            out = bytearray()
+            try:
                 while (size := command_length(buffer)) > 0:
                     command = bytes(buffer[:size])
                     del buffer[:size]
@@ -174,7 +171,7 @@ class _Connection:
                         if out:
                             self.upstream.sendall(out)
                         self.close()
-                        return
+                        return False
                     if fate == "refuse":
                         self.plan.put(("inject", self.proxy.refusal()))
                     else:
@@ -186,9 +183,12 @@ class _Connection:
                         self.in_multi = False
                 if out:
                     self.upstream.sendall(out)
-        except OSError:
-            pass
-        self.close()
+            except OSError:
+                self.close()
+                return False
+            return not self.closed
+
+        LoopbackProxy.relay(self.client, commands, self.close)
 
     def _from_server(self) -> None:
         buffer = bytearray()
@@ -225,32 +225,25 @@ class _Connection:
             self.close()
 
 
-class FaultProxy:
+class FaultProxy(LoopbackProxy):
     """``127.0.0.1:port`` -> a redis-server, with faults (see the module docstring)."""
 
+    nodelay = True
+
     def __init__(self, upstream_port: int, rates: Rates, seed: int) -> None:
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port, "fault-proxy")
         self.rates = rates
         self.random = random.Random(seed)
         self._random_lock = threading.Lock()
         self.faults: Counter[str] = Counter()
         self.connections = 0
         self.active = True
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
         self._open: list[_Connection] = []
         self._forced: dict[bytes, str] = {}
-        self._closed = False
-        threading.Thread(target=self._accept, name="fault-proxy-accept", daemon=True).start()
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+        self._start_accepting()
 
     def __enter__(self) -> FaultProxy:
         return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.close()
 
     @contextlib.contextmanager
     def pause(self) -> Any:
@@ -310,25 +303,12 @@ class FaultProxy:
             return self.random.uniform(0, rates.delay_max)
 
     def close(self) -> None:
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        super().close()
         for connection in list(self._open):
             connection.close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            for sock in (client, upstream):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.connections += 1
-            connection = _Connection(self, client, upstream)
-            self._open = [c for c in self._open if not c.closed] + [connection]
-            connection.start()
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        self.connections += 1
+        connection = _Connection(self, client, upstream)
+        self._open = [c for c in self._open if not c.closed] + [connection]
+        connection.start()

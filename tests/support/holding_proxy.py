@@ -18,7 +18,8 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+
+from .loopback import LoopbackProxy, shut_write
 
 __all__ = ["HoldingProxy"]
 
@@ -38,29 +39,18 @@ class _Link:
     closed: bool = False
 
 
-class HoldingProxy:
+class HoldingProxy(LoopbackProxy):
     """Relays ``127.0.0.1:<port>`` to ``127.0.0.1:<upstream_port>``; see the module docstring."""
 
     def __init__(self, upstream_port: int, name: str = "proxy") -> None:
-        self.name = name
-        self.upstream_port = upstream_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
+        super().__init__(upstream_port, name)
         self._cond = threading.Condition()
         self._links: list[_Link] = []
         self._holding: bytes | None = None
-        self._closed = False
-        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+        self._start_accepting()
 
     def __enter__(self) -> HoldingProxy:
         return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.close()
-
     # ----------------------------------------------------------------- control
 
     def hold(self, naming: bytes = b"") -> None:
@@ -95,8 +85,7 @@ class HoldingProxy:
         with self._cond:
             self._closed = True
             links = list(self._links)
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        super().close()
         for link in links:
             for sock in (link.client, link.upstream):
                 with contextlib.suppress(OSError):
@@ -106,61 +95,41 @@ class HoldingProxy:
 
     def _flush(self, link: _Link) -> None:
         for _, data in link.held:
-            with contextlib.suppress(OSError):
-                link.upstream.sendall(data)
+            self.forward(link.upstream, data)
         link.held.clear()
         if link.closed:
-            with contextlib.suppress(OSError):
-                link.upstream.shutdown(socket.SHUT_WR)
+            shut_write(link.upstream)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            with self._cond:
-                link = _Link(len(self._links), client, upstream)
-                self._links.append(link)
-            threading.Thread(target=self._from_client, args=(link,), daemon=True,
-                             name=f"{self.name}-{link.number}-up").start()
-            threading.Thread(target=self._from_server, args=(link,), daemon=True,
-                             name=f"{self.name}-{link.number}-down").start()
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        with self._cond:
+            link = _Link(len(self._links), client, upstream)
+            self._links.append(link)
+        self.spawn(self._from_client, link, name=f"{self.name}-{link.number}-up")
+        self.spawn(self._from_server, link, name=f"{self.name}-{link.number}-down")
 
     def _from_client(self, link: _Link) -> None:
-        while True:
-            try:
-                data = link.client.recv(65536)
-            except OSError:
-                data = b""
+        def chunk(data: bytes) -> bool:
             with self._cond:
-                if not data:
-                    link.closed = True
-                    if not link.held:
-                        self._flush(link)
-                    return
                 if link.held or (self._holding is not None and self._holding in data):
                     link.held.append((time.time(), data))
                 else:
-                    with contextlib.suppress(OSError):
-                        link.upstream.sendall(data)
+                    self.forward(link.upstream, data)
+            return True
+
+        def end() -> None:
+            with self._cond:
+                link.closed = True
+                if not link.held:
+                    self._flush(link)
+
+        self.relay(link.client, chunk, end)
 
     def _from_server(self, link: _Link) -> None:
-        while True:
-            try:
-                data = link.upstream.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                with contextlib.suppress(OSError):
-                    link.client.shutdown(socket.SHUT_WR)
-                return
-            with contextlib.suppress(OSError):
-                link.client.sendall(data)
+        def chunk(data: bytes) -> bool:
+            self.forward(link.client, data)
             with self._cond:
                 link.answered += len(data)
                 self._cond.notify_all()
+            return True
+
+        self.relay(link.upstream, chunk, lambda: shut_write(link.client))

@@ -1,9 +1,12 @@
-"""Taking a lock by hand, as a run would, with the spec's fields as keyword arguments."""
+"""Taking a lock by hand, as a run would, with the spec's fields as keyword arguments; renewing it
+by hand, as the keeper does."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from celery_singleton_beat.lease.keeper import KeptLease, get_keeper
+from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.lock import AcquireResult, acquire
 from celery_singleton_beat.lease.spec import LockSpec
 
@@ -13,3 +16,9 @@ def take_lock(client: Any, key: str, ttl: float, *, task: str, task_id: str | No
     """``acquire(client, key, LockSpec(task=task, ttl=ttl, **spec), task_id, ...)``."""
     return acquire(client, key, LockSpec(task=task, ttl=ttl, **spec), task_id, node=node,
                    adopt_claim_of=adopt_claim_of, copy=copy)
+
+
+def renew(lease: Lease) -> bool:
+    """Renew ``lease`` once, putting its lock back where the server lost it, through the
+    keeper's guarded path (:meth:`.keeper.LeaseKeeper.renew`); False if it is no longer ours."""
+    return get_keeper().renew(KeptLease(lease, None))
