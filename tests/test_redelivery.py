@@ -63,10 +63,11 @@ def test_whole_worker_killed_mid_run_the_redelivered_task_completes_once_on_anot
     app = load_app(redis_server, **delivery_env)
     records = redis_server.client(RECORD_DB)
     first = worker(redis_server, processes, "pod-a", delivery_env)
-    result = app.slow.delay("k", 4)
+    records.set("hold:k", "1")  # the run lasts until its pod dies, however slow the machine
+    result = app.slow.delay("k", 0)
     wait_for(lambda: entries(records, "started:k"), timeout=30, message="the run started on pod-a")
     first.kill_group()  # the pod dies: main process and pool child
-    records.delete("inflight:k")  # the dead run never counts itself out
+    records.delete("inflight:k", "hold:k")  # the dead run never counts itself out
 
     # Started after the kill: its restore of unacknowledged messages must not
     # hand it the copy while pod-a still lives.
@@ -139,10 +140,13 @@ def test_copy_of_a_live_original_waits_and_the_original_result_stands(
 
 def copy_of_a_live_original(redis_server: RedisServer, processes: list[CeleryProcess],
                             delivery_env: dict[str, str], app: ModuleType) -> CeleryProcess:
-    """Run the key for 5 s on ``orig``; its copy reaches ``copy`` and waits; the worker ``copy``."""
+    """Run the key on ``orig`` until its copy reached ``copy`` and waits (the run is held, not
+    timed: starting a worker can take longer than a fixed run on a loaded machine); the
+    worker ``copy``."""
     records = redis_server.client(RECORD_DB)
     worker(redis_server, processes, "orig", delivery_env)
-    result = app.strict.delay("k", 5)  # on_conflict="raise": a wrong duplicate would store FAILURE
+    records.set("hold:k", "1")
+    result = app.strict.delay("k", 0)  # on_conflict="raise": a wrong duplicate would store FAILURE
     wait_for(lambda: entries(records, "started:k"), timeout=30, message="the original started")
     copy_worker = worker(redis_server, processes, "copy", delivery_env)
 
@@ -153,8 +157,10 @@ def copy_of_a_live_original(redis_server: RedisServer, processes: list[CeleryPro
         seen.add(state)
         return state == "SUCCESS"
 
+    wait_for(lambda: "already running on" in copy_worker.output() and not finished(), timeout=60,
+             interval=0.02, message="the copy to wait for its running original")
+    records.delete("hold:k")
     wait_for(finished, timeout=60, interval=0.02, message="the original's SUCCESS")
-    copy_worker.wait_for_line("already running on", timeout=30)
     assert seen <= {"PENDING", "STARTED", "SUCCESS"}, f"the copy overwrote the original's state: {seen}"
     assert result.get(timeout=5).startswith("orig@"), "the original's result stands"
     assert len(entries(records, "started:k")) == 1, "the copy never ran the body"
@@ -172,7 +178,8 @@ def test_live_workers_with_one_node_name_never_free_each_others_locks(
     records = redis_server.client(RECORD_DB)
     locks = redis_server.client(LOCK_DB)
     worker(redis_server, processes, "same", delivery_env)
-    running = app.slow.delay("k", 8)
+    records.set("hold:k", "1")  # runs until the test is done with it (not for a fixed time)
+    running = app.slow.delay("k", 0)
     wait_for(lambda: entries(records, "started:k"), timeout=30, message="replica 1 runs the task")
     [key] = lock_keys(locks)
 
@@ -185,6 +192,7 @@ def test_live_workers_with_one_node_name_never_free_each_others_locks(
     duplicate = app.slow.delay("k", 0)
     with pytest.raises(TaskSkipped):
         duplicate.get(timeout=30)
+    records.delete("hold:k")
     assert running.get(timeout=30).startswith("same@")
     assert records.get("overlap:k") is None
     assert len(entries(records, "runs:k")) == 1
