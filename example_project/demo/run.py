@@ -67,6 +67,8 @@ APP = "example_project.shop.celery_app"
 ROOT = Path(__file__).resolve().parents[2]
 #: Seconds between two beat starts.
 STAGGER_SECONDS = 1.4
+#: How long the demo waits for the cluster's first execution before it gives up.
+FIRST_RUN_TIMEOUT = 120.0
 #: Pool processes per worker: a report, three customer syncs and the
 #: frequent tasks fit in two workers without waiting.
 WORKER_CONCURRENCY = 3
@@ -275,32 +277,61 @@ class Demo:
     # ----------------------------------------------------------------- observe
 
     def _observe(self) -> None:
-        """Start the beats one by one, kill one half-way, show progress, until the end."""
+        """Start the first beat and wait for its first execution; then the other beats one by
+        one, kill one half-way (once every beat is claiming), show progress, until the end.
+
+        The clock starts at the first execution, not at the first beat's start: a new Redis
+        first costs a recovery window of a few seconds, and on a busy machine processes
+        start slowly, neither of which should eat the run or leave a beat to be killed
+        before the others can take over."""
         o = self.options
+        launched = time.time()
+        self._start_beat(1, 0.0)
+        self._wait_for_first_execution(launched)
         self.began = began = time.time()
-        starts = [began + index * STAGGER_SECONDS for index in range(o.beats)]
+        starts = [began + index * STAGGER_SECONDS for index in range(1, o.beats)]
         end = began + o.seconds
-        kill_at: float | None = _next_half_second(max(began + o.seconds / 2, starts[-1] + 1.0))
+        kill_at: float | None = _next_half_second(max(began + o.seconds / 2, (starts or [began])[-1] + 1.0))
         if kill_at is not None and kill_at > end - 2.0:
             self._warn(f"{o.seconds:g} s is too short to show a failover: no beat is killed")
             kill_at = None
         while True:
             now = time.time()
-            while len(self.beats) < o.beats and now >= starts[len(self.beats)]:
+            while len(self.beats) < o.beats and now >= starts[len(self.beats) - 1]:
                 self._start_beat(len(self.beats) + 1, now - began)
-            if kill_at is not None and now >= kill_at:
+            if kill_at is not None and now >= kill_at and self._every_beat_claims():
                 self._kill_a_beat(began)
+                end = max(end, time.time() + (end - kill_at))  # as long after the kill as planned
                 kill_at = None
-            if now >= end:
+            if now >= end and kill_at is None:
                 break
             for child in [*self.workers, *self.beats]:
                 if not child.killed:
                     child.check_running()
             self._show_progress(now - began)
-            pending = [starts[len(self.beats)]] if len(self.beats) < o.beats else []
+            pending = [starts[len(self.beats) - 1]] if len(self.beats) < o.beats else []
             wake = min([end, *pending, *([kill_at] if kill_at else [])])
-            time.sleep(max(0.0, min(0.25, wake - time.time())))
+            time.sleep(max(0.05, min(0.25, wake - time.time())))
         self._show_progress(o.seconds, force=True)
+
+    def _wait_for_first_execution(self, launched: float) -> None:
+        """Wait until a beat-sent slot has run (the cluster works), saying why it may take a while."""
+        self.say("waiting    for the first execution (a new Redis first holds new locks back for a "
+                 "few seconds: its recovery window)")
+
+        def ran() -> bool:
+            for child in [*self.workers, *self.beats]:
+                child.check_running()
+            self._read_journal()
+            return self._latest is not None
+
+        wait_until(ran, FIRST_RUN_TIMEOUT, "the first execution", interval=0.2)
+        self.say(f"first run  +{time.time() - launched:.1f} s after beat-1 started; the {self.options.seconds:g} s "
+                 "run starts now")
+
+    def _every_beat_claims(self) -> bool:
+        """Every running beat has claimed (won or found taken) a slot: it can take over."""
+        return all(": slot " in beat.output() for beat in self.beats if beat.running)
 
     def _start_beat(self, index: int, elapsed: float) -> None:
         beat = self._celery(f"beat-{index}", "beat", "-s", str(self.workdir / f"beat-{index}-schedule"),
@@ -510,8 +541,8 @@ class Demo:
         self.say("")
         if summary.window is not None and self.began is not None:
             opened, closed = (bound - self.began for bound in summary.window)
-            self.say(f"observed window: first execution at +{opened:.1f} s to the stop at "
-                     f"+{closed:.1f} s, less each entry's last period (at most {SETTLE_SECONDS:g} s)")
+            self.say(f"observed window: first execution at {opened:+.1f} s to the stop at "
+                     f"{closed:+.1f} s, less each entry's last period (at most {SETTLE_SECONDS:g} s)")
         sent = ", ".join(f"{beat.name} {summary.sent_by.get(beat.name, 0)}" + self._beat_fate(beat)
                          for beat in self.beats)
         self.say(f"slots sent per beat: {sent or 'none'}")
