@@ -71,7 +71,7 @@ def doctor(redis_server: RedisServer, lock_url: str, options: dict[str, Any] | N
     return result.returncode, lines
 
 
-def refused(process: CeleryProcess, what: str) -> str:
+def refused(process: CeleryProcess, what: str, why: str = "cannot use the lock Redis") -> str:
     """Wait for ``process`` to exit; check it refused with 78 and one line; return that line."""
     assert process.process is not None
     code = process.process.wait(60)
@@ -79,7 +79,7 @@ def refused(process: CeleryProcess, what: str) -> str:
     assert code == EX_CONFIG, f"{process.name} exited {code}\n{process.tail(30)}"
     critical = [line for line in output.splitlines() if "CRITICAL" in line]
     assert len(critical) == 1, output
-    assert what in critical[0] and "refuses to start: cannot use the lock Redis" in critical[0]
+    assert what in critical[0] and f"refuses to start: {why}" in critical[0], critical[0]
     assert "`celery -A <app> singleton doctor`" in critical[0]
     assert "Traceback" not in output and "ready." not in output, output
     return critical[0]
@@ -314,14 +314,7 @@ def test_an_invalid_setting_stops_the_process_with_one_line_and_78(
     process = CeleryProcess(["-A", BEAT_APP, *argv, "-l", "info"],
                             child_env(redis_server, CSB_BEAT_SETTINGS=json.dumps(settings)),
                             name=f"bad-{command.replace(' ', '')}").start()
-    assert process.process is not None
-    code = process.process.wait(60)
-    output = process.output()
-    assert code == EX_CONFIG, f"exited {code}\n{process.tail(30)}"
-    critical = [line for line in output.splitlines() if "CRITICAL" in line]
-    assert len(critical) == 1, output
-    assert "refuses to start: invalid configuration: " + reason in critical[0], critical[0]
-    assert "Traceback" not in output and "ready." not in output, output
+    refused(process, "beat" if command == "beat" else "worker", f"invalid configuration: {reason}")
 
 
 @pytest.mark.parametrize("setting", list(BAD_SETTINGS))
