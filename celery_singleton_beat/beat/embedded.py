@@ -39,8 +39,10 @@ from ..connection.url import sanitize_redis_url
 from ..log import logger
 from ..recovery.lock_redis import get_redis
 from ..recovery.startup import EX_CONFIG
+from ..task.worker import install
 from .entries import entry_spec, history_key
 from .records import REFRESH, entry_record_key
+from .scheduler import SingletonSchedulerMixin
 
 __all__ = ["names_this_library", "singleton_beats_here"]
 
@@ -52,8 +54,6 @@ def names_this_library(scheduler: Any) -> bool:
     """Whether a scheduler setting (an alias, a path or a class) is this library's scheduler."""
     if isinstance(scheduler, str):
         return scheduler == "singleton" or scheduler.startswith("celery_singleton_beat")
-    from .scheduler import SingletonSchedulerMixin
-
     return isinstance(scheduler, type) and issubclass(scheduler, SingletonSchedulerMixin)
 
 
@@ -103,16 +103,12 @@ def _check_worker(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     options = getattr(sender, "options", None) or {}
     if app is not None and options.get("beat") and names_this_library(getattr(sender, "scheduler", None)):
-        from ..task.worker import install
-
         install(app)
 
 
 @signals.beat_embedded_init.connect  # type: ignore[untyped-decorator]  # celery is untyped
 def _warn_foreign_beat(sender: Any = None, **_: Any) -> None:
     """In a worker's embedded beat that is not this library's: warn if singleton beats claim slots here."""
-    from .scheduler import SingletonSchedulerMixin
-
     scheduler = getattr(sender, "scheduler", None)
     app = getattr(sender, "app", None)
     if scheduler is None or app is None or isinstance(scheduler, SingletonSchedulerMixin):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from celery import schedules
 
 from ..log import logger
+from .scheduler import SingletonSchedulerMixin
 
 __all__ = ["ScheduleFollower"]
 
@@ -40,8 +41,9 @@ def _floor(at: datetime, period: timedelta) -> datetime:
     return _EPOCH + timedelta(microseconds=elapsed // step * step)
 
 
+# The follower goes in front of the mixin: typed as the mixin it extends, an object at run time.
 if TYPE_CHECKING:  # pragma: no cover
-    from .scheduler import SingletonSchedulerMixin as _Base
+    _Base = SingletonSchedulerMixin
 else:
     _Base = object
 

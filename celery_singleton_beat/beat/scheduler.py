@@ -106,8 +106,10 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         app = kwargs["app"] if "app" in kwargs else args[0]
         try:
             self.singleton_settings: SingletonSettings = get_settings(app)
-        except ImproperlyConfigured as exc:  # exit 78 with one line, as every start-up refusal
-            refuse_to_start("beat", f"invalid configuration: {exc}")
+        except ImproperlyConfigured as exc:
+            if kwargs.get("lazy"):  # `celery beat`'s banner, its first scheduler: exit 78 with one line
+                refuse_to_start("beat", f"invalid configuration: {exc}")
+            raise  # a scheduler built by other code gets the exception
         settings = self.singleton_settings
         #: Who this beat is in claims, logs and its start-up banner: host, pid and a random suffix.
         self.instance_id: str = _instance_id(app, bool(kwargs.get("lazy", False)))

@@ -35,7 +35,8 @@ import mmap
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import redis
 from celery import signals
@@ -43,13 +44,9 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from ..connection.url import DEFAULT_REDIS_OPTIONS
 from ..exceptions import LockUnavailable
+from ..lease.lock import AcquireResult
 from ..log import logger
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from ..lease.lock import AcquireResult
-    from .conflicts import ConflictOutcomes
+from .conflicts import ConflictOutcomes
 
 __all__ = ["SHUTDOWN_LOOK", "OutageWait", "accepted_at", "retry_uncapped", "shutting_down", "time_limit_of",
            "wait_for_redis", "worker_starts", "worker_stops"]
