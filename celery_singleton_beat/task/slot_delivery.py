@@ -13,7 +13,8 @@ acknowledged and dropped, with a WARNING, a ``task-skipped`` event and the
 executed copy's result (same task id) stands.
 
 Redeliveries of the accepted message (``acks_late``, visibility timeout) come
-from the same instance and are not dropped here. It works for any task, not
+from the same instance and pass the claim check; on the connection that already
+ran or dropped that message they are settled as described at the end. It works for any task, not
 only :class:`~celery_singleton_beat.SingletonTask`: the worker needs this step,
 which :func:`celery_singleton_beat.install` adds (apps with a singleton task
 get it without asking).
