@@ -11,7 +11,8 @@ Configured from the environment (each test gives its own servers):
 * ``CSB_SOFT_TIME_LIMIT``: ``task_soft_time_limit`` in seconds (none if unset).
 * ``CSB_BACKOFF_MAX``: ``singleton_retry_backoff_max`` (0.5 s if unset).
 * ``CSB_GATE``: a directory. Before a run's ``__call__`` (``task_prerun``, so before
-  its acquire) the pool child writes ``waiting-<task id>`` there and blocks until
+  its acquire) the process running it writes ``waiting-<task id>`` there (holding its
+  pid) and blocks until
   ``open`` exists: the test starts the outage in between. Files, not Redis: the
   Redis the gate would use may be the one about to go down.
 
@@ -63,7 +64,9 @@ def wait_at_the_gate(task_id: str | None = None, **_: Any) -> None:
     """Hold the run just before its ``__call__`` until the test opens the gate (at most 60 s)."""
     if not GATE.is_dir():
         return
-    (GATE / f"waiting-{task_id}").touch()
+    written = GATE / f".waiting-{task_id}"
+    written.write_text(str(os.getpid()))
+    written.rename(GATE / f"waiting-{task_id}")  # whole when the test sees it
     deadline = time.monotonic() + 60
     while not (GATE / "open").exists() and time.monotonic() < deadline:
         time.sleep(0.01)

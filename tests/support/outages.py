@@ -139,6 +139,11 @@ class Held:
     def workers(self) -> list[CeleryProcess]:
         return [self.worker, *self.standbys]
 
+    @property
+    def runner(self) -> int:
+        """The pid of the process the held run is in (a prefork pool child, or the worker)."""
+        return int((self.gate / f"waiting-{self.result.id}").read_text())
+
     def log_of(self, text: str) -> bool:
         """Whether a worker of this run logged ``text``."""
         return any(text in worker.output() for worker in self.workers)
