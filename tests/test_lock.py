@@ -90,12 +90,18 @@ def test_fencing_tokens_are_the_server_clock_and_grow_with_every_acquisition(red
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
-def test_an_acquire_drops_the_per_key_counter_of_older_releases(redis_db: redis.Redis) -> None:
-    """A 0.2 worker numbers its tokens from a per-key counter it seeds from the clock when
-    the counter is missing: removing it keeps that worker's next token above ours."""
-    redis_db.set(legacy_fence_key(KEY), 5)
-    lease = take(redis_db).lease
-    assert lease is not None and not redis_db.exists(legacy_fence_key(KEY))
+@pytest.mark.parametrize(("check_done", "copy"), [(False, False), (True, False), (True, True)],
+                         ids=["plain", "acks_late", "acks_late-copy"])
+def test_an_acquire_writes_its_key_and_nothing_else(redis_db: redis.Redis, check_done: bool, copy: bool) -> None:
+    """An acquire on a free key makes one write, the ``SET`` of its key: no command for
+    the per-key counter of releases before 0.3 (left over after an upgrade, it expires
+    on its own), in the plain write, an ``acks_late`` run's or a copy's script."""
+    redis_db.set(legacy_fence_key(KEY), 5, px=60_000)
+    with keyspace_events(redis_db, "t:*") as events:
+        lease = take(redis_db, check_done=check_done, copy=copy).lease
+        assert lease is not None
+        assert events() == [(KEY, "set"), (KEY, "expire")], "one SET ... PX of the key"
+    assert redis_db.get(legacy_fence_key(KEY)) == b"5", "the 0.2 counter is left to expire"
 
 
 def test_scripts_are_reloaded_after_script_flush(redis_db: redis.Redis) -> None:

@@ -65,7 +65,8 @@ _LEGACY_FENCE_SUFFIX = b":fence"
 
 
 def legacy_fence_key(key: str) -> str:
-    """The per-key fencing counter that releases before 0.3 kept beside each lock."""
+    """The per-key fencing counter that releases before 0.3 kept beside each lock (with a
+    TTL: left over after an upgrade, it expires on its own; the admin tools know it)."""
     return f"{key}{_LEGACY_FENCE_SUFFIX.decode()}"
 
 
@@ -141,7 +142,7 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     the common path builds no reply object.
 
     One write: ``SET key value NX PX ttl GET`` (6.2: ``SET NX PX`` then
-    ``GET``), ``TIME``, the legacy counter's ``DEL``. No ``MULTI``: the token
+    ``GET``), ``TIME``. No ``MULTI``: the token
     only has to come from the server's clock after the ``SET`` took the key
     and before anything can free it again, and ``TIME`` runs right behind the
     ``SET`` on this connection, before this process has read the reply it needs
@@ -167,8 +168,7 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
     if done_key is not None:
         d = done_key.encode()
         data += b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(d), d)
-    data += _DEL_LEGACY_FENCE % (len(k) + len(_LEGACY_FENCE_SUFFIX), k)
-    count = (4 if one_command else 5) - (done_key is None)
+    count = (3 if one_command else 4) - (done_key is None)
 
     def finish(replies: list[Any]) -> int | AcquireReply:
         raise_errors(replies)
@@ -195,7 +195,7 @@ def _acquired(token: int, taken: bool, previous: Any, completed: bool, value: st
 
 def _acquire_unless_done(key: str, value: str, ttl_ms: int, done_key: str) -> Request:
     """:func:`acquire_request` of a copy of an ``acks_late`` message: one script, the done marker read first."""
-    command = ACQUIRE_UNLESS_DONE.command([key, done_key, legacy_fence_key(key)], [value, ttl_ms])
+    command = ACQUIRE_UNLESS_DONE.command([key, done_key], [value, ttl_ms])
 
     def finish(replies: list[Any]) -> int | AcquireReply:
         raise_errors(replies)
@@ -209,8 +209,6 @@ def _acquire_unless_done(key: str, value: str, ttl_ms: int, done_key: str) -> Re
 #: ``SET key value NX PX ttl GET`` then ``TIME``, as RESP (``%`` fills key, value, ttl).
 _ACQUIRE = (b"*7\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n"
             b"$3\r\nGET\r\n*1\r\n$4\r\nTIME\r\n")
-#: The ``DEL`` of a lock's fencing counter of releases before 0.3 (``%`` fills the key).
-_DEL_LEGACY_FENCE = b"*2\r\n$3\r\nDEL\r\n$%d\r\n%s" + _LEGACY_FENCE_SUFFIX + b"\r\n"
 #: Redis 6.2: ``SET key value NX PX ttl``, ``GET key``, ``TIME``.
 _ACQUIRE_62 = (b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n"
                b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n*1\r\n$4\r\nTIME\r\n")

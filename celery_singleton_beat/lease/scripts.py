@@ -30,7 +30,7 @@ end
 return 0
 """)
 
-# KEYS: lock, the done marker of the run's task id, the legacy fencing counter.
+# KEYS: lock, the done marker of the run's task id.
 # ARGV: value, ttl ms.
 # The acquire of a delivery known to be a copy of an ``acks_late`` message (a
 # first delivery checks the marker right behind its plain ``SET``): a copy of a
@@ -47,7 +47,6 @@ local current = redis.call('GET', KEYS[1])
 if redis.call('EXISTS', KEYS[2]) == 1 then return {now[1], now[2], 0, 1, current} end
 if current then return {now[1], now[2], 0, 0, current} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('DEL', KEYS[3])
 return {now[1], now[2], 1, 0}
 """)
 
