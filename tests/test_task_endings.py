@@ -11,19 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 import redis
 from billiard.exceptions import WorkerLostError
+from celery import states
+from celery.exceptions import TimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from celery_singleton_beat import DuplicateTaskError, SingletonKeyError
 
 from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
+from .support.keyspace import Write, keyspace_writes
 from .support.tasks import clear_runs, lock_keys, runs, started
 
 APP = "tests.apps.tasks_app"
 SINGLE = "single"  # the queue of single_worker
+REMAPPED = "remapped"  # the queue of remapped_worker
 
 
 @pytest.fixture(scope="module")
@@ -103,31 +108,100 @@ def test_pool_child_exit_mid_run_releases(tasks_app: ModuleType, locks: redis.Re
     assert lock_keys(locks) == []
 
 
-def test_hard_time_limit_releases(tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
-                                  shared_worker: CeleryProcess) -> None:
+@pytest.fixture(scope="module")
+def remapped_worker(redis_server: RedisServer, shared_worker: CeleryProcess) -> Iterator[CeleryProcess]:
+    """A prefork worker on queue ``remapped`` with ``REMAP_SIGTERM=SIGQUIT`` (the setting
+    Celery documents for Heroku and Kubernetes)."""
+    with owning(Owner("remapped worker")) as owner:
+        process = start_worker(redis_server, APP, "remapped", concurrency=1, extra=["-Q", REMAPPED],
+                               env={"REMAP_SIGTERM": "SIGQUIT"})
+    yield process
+    owner.close()
+
+
+@pytest.fixture
+def worker_of(request: pytest.FixtureRequest) -> Callable[[str], CeleryProcess]:
+    """The module's worker serving ``queue`` (started when first asked for)."""
+    return lambda queue: request.getfixturevalue("remapped_worker" if queue == REMAPPED else "shared_worker")
+
+
+def end_and_release(redis_server: RedisServer) -> Any:
+    """Record, in the server's own order, the lock writes (database 2) and the writes of
+    task states (database 1, the result backend) while inside."""
+    return keyspace_writes(redis_server.client(0), {1: "celery-task-meta-*", 2: "singleton:{*"})
+
+
+def recorded_after_the_lock_was_freed(writes: list[Write], key: str, result_id: str) -> bool:
+    """The lock ``key``'s delete comes before the first write of ``result_id``'s state."""
+    order = [(db, event) for db, name, event in writes if name in (key, f"celery-task-meta-{result_id}")]
+    assert (2, "del") in order and (1, "set") in order, order
+    return order.index((2, "del")) < order.index((1, "set"))
+
+
+@pytest.mark.parametrize("queue", [None, REMAPPED], ids=["default", "remap-sigterm-sigquit"])
+def test_hard_time_limit_releases_before_its_failure_is_recorded(
+    queue: str | None, tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
+    redis_server: RedisServer, worker_of: Callable[[str | None], CeleryProcess],
+) -> None:
     """Freed once the child is stopped (billiard's SIGTERM ends the body, whose ``finally``
-    releases; else the main process frees it after SIGKILL): seconds, not the 30 s TTL."""
-    result = tasks_app.hard_limited.delay("k")
-    wait_for(lambda: records.get("running:k"), timeout=30)
-    [key] = lock_keys(locks)
-    assert locks.pttl(key) > 20_000, "the lock would outlive this test's waits on its own"
-    shared_worker.wait_for_line(f"Hard time limit (1.5s) exceeded for tests.apps.tasks_app.hard_limited[{result.id}]")
-    wait_for(lambda: lock_keys(locks) == [], timeout=10, message="the lock freed after the hard time limit")
-    assert f"hard_limited[{result.id}] lost its lock" not in shared_worker.output()
+    releases; else the main process frees it after SIGKILL): seconds, not the 30 s TTL.
+
+    Celery records a hard time limit's ``FAILURE`` in the main process, before billiard
+    stops the child; a caller who saw it and submitted the key again must find the key
+    free: Redis' own record shows the lock deleted before the result is written.
+    """
+    worker = worker_of(queue)
+    with end_and_release(redis_server) as writes:
+        result = tasks_app.hard_limited.apply_async(("k",), queue=queue)
+        wait_for(lambda: records.get("running:k"), timeout=30)
+        [key] = lock_keys(locks)
+        assert locks.pttl(key) > 20_000, "the lock would outlive this test's waits on its own"
+        with pytest.raises(TimeLimitExceeded):
+            result.get(timeout=30)
+        assert lock_keys(locks) == [], "free when the caller sees the end"
+        assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
+    worker.wait_for_line(f"Hard time limit (1.5s) exceeded for tests.apps.tasks_app.hard_limited[{result.id}]")
+    assert f"hard_limited[{result.id}] lost its lock" not in worker.output()
 
 
-def test_revoke_with_terminate_releases(tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
-                                        shared_worker: CeleryProcess) -> None:
-    """The main process frees the lock of the killed child at once, not the lock's
-    30 s TTL: the wait is a few seconds and the worker says it freed it."""
-    result = tasks_app.work.delay("k-revoke", 60)
-    wait_for(lambda: started(records, "k-revoke"), timeout=30)
-    [key] = lock_keys(locks)
-    assert locks.pttl(key) > 20_000, "the lock would outlive this test's waits on its own"
-    result.revoke(terminate=True, signal="SIGKILL")
-    shared_worker.wait_for_line(f"work[{result.id}]", "freed its lock", key, timeout=10)
-    assert lock_keys(locks) == []
-    assert tasks_app.work.delay("k-revoke", 0).get(timeout=30) == "k-revoke"
+@pytest.mark.parametrize(("queue", "signal"), [(None, "SIGKILL"), (None, None), (REMAPPED, None)],
+                         ids=["sigkill", "default-sigterm", "remap-sigterm-default-sigquit"])
+def test_revoke_with_terminate_releases_before_its_revoke_is_recorded(
+    queue: str | None, signal: str | None, tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
+    redis_server: RedisServer, worker_of: Callable[[str | None], CeleryProcess], single_worker: CeleryProcess,
+) -> None:
+    """The main process frees the lock of the killed child at once, not the lock's 30 s
+    TTL, and says so. Celery records ``REVOKED`` as the signal is sent, and every other
+    worker that receives the revoke (``single_worker`` here, which does not run it)
+    records it too; here it is recorded once the child is gone and its lock free (Redis'
+    own order), so a caller who saw it and submitted the key again runs."""
+    worker = worker_of(queue)
+    with end_and_release(redis_server) as writes:
+        result = tasks_app.work.apply_async(("k-revoke", 60), queue=queue)
+        wait_for(lambda: started(records, "k-revoke"), timeout=30)
+        [key] = lock_keys(locks)
+        assert locks.pttl(key) > 20_000, "the lock would outlive this test's waits on its own"
+        result.revoke(terminate=True, signal=signal)
+        wait_for(lambda: result.state == states.REVOKED, timeout=10, message="the revoke recorded")
+        assert lock_keys(locks) == [], "free when the caller sees the end"
+        assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
+    worker.wait_for_line(f"work[{result.id}]", "freed its lock", key, timeout=10)
+    assert tasks_app.work.apply_async(("k-revoke", 0), queue=queue).get(timeout=30) == "k-revoke"
+
+
+def test_a_terminate_signal_the_run_survives_leaves_its_own_end_recorded(
+    tasks_app: ModuleType, records: redis.Redis, remapped_worker: CeleryProcess, single_worker: CeleryProcess,
+) -> None:
+    """With ``REMAP_SIGTERM=SIGQUIT`` pool children ignore SIGTERM: ``revoke(terminate=True,
+    signal="SIGTERM")`` does not end the run. Nothing records ``REVOKED`` for it (Celery
+    would, while it runs on): it completes under its lock and its ``SUCCESS`` stands."""
+    result = tasks_app.work.apply_async(("k-survives", 3), queue=REMAPPED)
+    wait_for(lambda: started(records, "k-survives"), timeout=30)
+    result.revoke(terminate=True, signal="SIGTERM")
+    remapped_worker.wait_for_line(f"Terminating {result.id} (15)")
+    assert result.state == states.PENDING, "nothing recorded while the run goes on"
+    assert result.get(timeout=30) == "k-survives"
+    assert result.state == states.SUCCESS
 
 
 def test_on_conflict_raise_fails_with_the_holder(tasks_app: ModuleType, records: redis.Redis) -> None:

@@ -14,7 +14,7 @@ The lock is taken in ``__call__``, which Celery's tracer calls for every run
 (worker and eager), so a ``finally`` there sees every ending a process
 survives. Endings it cannot see (the pool child killed, a hard time limit, a
 revoke with terminate) are handled by the worker's main process through
-:class:`~celery_singleton_beat.task.worker.SingletonRequest`, and a node that died
+:class:`~celery_singleton_beat.task.request.SingletonRequest`, and a node that died
 altogether has its locks taken over by the next run that wants them, once
 its liveness key is gone and the locks missed their renewals (:mod:`.liveness`).
 
@@ -75,6 +75,7 @@ from .events import TASK_LOCK_LOST, send_task_event_soon
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
 from .outage import wait_for_redis
 from .publish import PublishClaims, delay_of
+from .request import compose_request
 from .run import SingletonRun
 
 __all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "SingletonRun", "SingletonTask"]
@@ -144,7 +145,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
 
     #: The worker's main process uses this request class to free the locks of
     #: pool children that died (SIGKILL, hard time limit, revoke+terminate).
-    Request = "celery_singleton_beat.task.worker:SingletonRequest"
+    Request = "celery_singleton_beat.task.request:SingletonRequest"
 
     # -- registration -----------------------------------------------------
 
@@ -161,7 +162,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
             cls.unique_on = staticmethod(unique_on)
         cls._check_options()
         # A task's own Request class keeps working, with ours mixed in front.
-        cls.Request = worker_support.compose_request(cls.Request)  # type: ignore[assignment]  # a class now
+        cls.Request = compose_request(cls.Request)  # type: ignore[assignment]  # a class now
         worker_support.install(app)
 
     @classmethod
