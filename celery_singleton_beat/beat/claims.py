@@ -42,7 +42,8 @@ import redis
 from redis.exceptions import NoScriptError
 
 from ..connection.client import ReplicasNotAcknowledged, group_by_node, is_cluster
-from ..connection.wire import LuaScript, borrow
+from ..connection.lending import borrow
+from ..connection.wire import LuaScript
 from ..lease.behalf import release_value
 from ..lease.scripts import STATS_TTL_MS
 from ..log import logger

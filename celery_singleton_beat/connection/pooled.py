@@ -15,8 +15,9 @@ from typing import Any
 import redis
 
 from .client import cluster_moved, is_cluster
+from .lending import borrow, give_back
 from .redirects import AskFollower
-from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, borrow, ensure_checked, give_back, looker_of, run_on
+from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, ensure_checked, looker_of, run_on
 
 __all__ = ["run_pooled", "run_script"]
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from redis.exceptions import AskError
 
-from .wire import PoolLink, Request, borrow, ensure_checked, give_back, looker_of, pack, run_on
+from .lending import borrow, give_back
+from .wire import PoolLink, Request, ensure_checked, looker_of, pack, run_on
 
 __all__ = ["AskFollower", "asked_units", "command_name", "split_commands"]
 

@@ -40,11 +40,14 @@ SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 
 #: Connection options applied unless the URL or ``singleton_redis_options`` say
 #: otherwise. Fail fast: a lock that cannot be asked for within a few seconds is
-#: "Redis unavailable" (fail closed), not a hung worker.
+#: "Redis unavailable" (fail closed), not a hung worker. ``max_connections`` bounds
+#: a pool's connections (a gevent worker's runs share them: a request waits for one,
+#: see :mod:`.lending`); redis-py 5 had no bound, redis-py 8 has 100.
 DEFAULT_REDIS_OPTIONS: dict[str, Any] = {
     "socket_timeout": 5.0,
     "socket_connect_timeout": 5.0,
     "health_check_interval": 30,
+    "max_connections": 64,
 }
 
 #: URL schemes that point at a single Redis server.

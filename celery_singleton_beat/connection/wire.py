@@ -46,7 +46,7 @@ import redis
 from redis.exceptions import AskError, NoScriptError
 
 __all__ = [
-    "Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked", "give_back",
+    "Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked",
            "looker_of", "pack", "read_own", "read_replies", "reply_reader", "run_on", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
@@ -440,19 +440,3 @@ def run_on(link: Link, request: Request,
     if redirected is not None and any(isinstance(reply, AskError) for reply in replies):
         replies = redirected(request, replies)
     return request.finish(replies)
-
-
-#: redis-py 5.0-5.2 require ``get_connection``'s command name; 5.3 deprecated passing it.
-_POOL_WANTS_COMMAND = tuple(int(part) for part in redis.__version__.split(".")[:2]) < (5, 3)
-
-
-def borrow(pool: Any) -> Any:
-    """A connection from ``pool``, asked for the way the installed redis-py supports."""
-    return pool.get_connection("_") if _POOL_WANTS_COMMAND else pool.get_connection()
-
-
-def give_back(pool: Any, connection: Any, link: PoolLink) -> None:
-    """Return a borrowed connection to its pool, dropped first if replies on it are unread."""
-    if link.outstanding:
-        connection.disconnect()
-    pool.release(connection)

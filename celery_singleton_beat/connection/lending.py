@@ -1,0 +1,97 @@
+"""Connections lent by a pool for one request, and given back.
+
+Lock requests that do not go through a thread's own channel (greenlet pools,
+Sentinel, Cluster, the lease keeper, tools) borrow a connection of the client's
+pool for one request (:mod:`.pooled`). Under a gevent or eventlet worker many
+runs do that at once: with ``-P gevent -c 500`` a burst of acquires can find
+every connection of the pool lent (``max_connections``, 100 by default in
+redis-py 8, :data:`~.url.DEFAULT_REDIS_OPTIONS` here). redis-py then raises
+``Too many connections``, a ``ConnectionError``: read as an outage, it would
+make runs wait or be published again while Redis is idle.
+
+A full pool is not an outage: :func:`borrow` waits until a connection comes
+back (:func:`give_back` wakes one waiter; a connection given back by other code
+is seen within :data:`LOOK_AGAIN`), for at most the pool's request bound (its
+connect plus read timeouts: what one request may take anyway). The pool's
+``max_connections`` bounds what a worker opens, however many greenlets ask.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any
+
+import redis
+
+from .wire import PoolLink
+
+__all__ = ["LOOK_AGAIN", "borrow", "give_back", "pool_is_full"]
+
+#: redis-py 5.0-5.2 require ``get_connection``'s command name; 5.3 deprecated passing it.
+_POOL_WANTS_COMMAND = tuple(int(part) for part in redis.__version__.split(".")[:2]) < (5, 3)
+#: Seconds between two looks at a full pool when nothing woke the waiter.
+LOOK_AGAIN = 0.05
+#: The wait for a connection when the pool states no timeouts.
+_DEFAULT_WAIT = 10.0
+
+#: One condition per pool, notified when a connection is given back through here.
+_returned: weakref.WeakKeyDictionary[Any, threading.Condition] = weakref.WeakKeyDictionary()
+_returned_guard = threading.Lock()
+
+
+def pool_is_full(error: BaseException) -> bool:
+    """True for redis-py's "every connection lent" error (``MaxConnectionsError`` since 6.x)."""
+    return type(error).__name__ == "MaxConnectionsError" or (
+        isinstance(error, redis.ConnectionError) and str(error) == "Too many connections")
+
+
+def _take(pool: Any) -> Any:
+    return pool.get_connection("_") if _POOL_WANTS_COMMAND else pool.get_connection()
+
+
+def _condition(pool: Any) -> threading.Condition:
+    with _returned_guard:
+        condition = _returned.get(pool)
+        if condition is None:
+            condition = _returned[pool] = threading.Condition()
+        return condition
+
+
+def _wait_bound(pool: Any) -> float:
+    """What one request on ``pool`` may take: its connect plus read timeouts."""
+    options = getattr(pool, "connection_kwargs", None) or {}
+    bound = sum(float(options.get(name) or 0) for name in ("socket_connect_timeout", "socket_timeout"))
+    return bound or _DEFAULT_WAIT
+
+
+def borrow(pool: Any) -> Any:
+    """A connection from ``pool``; when every connection is lent, the request waits for
+    one to come back (at most the pool's request bound, then redis-py's error)."""
+    deadline = None
+    while True:
+        try:
+            return _take(pool)
+        except redis.ConnectionError as error:
+            if not pool_is_full(error):
+                raise
+            now = time.monotonic()
+            deadline = deadline or now + _wait_bound(pool)
+            if now >= deadline:
+                raise
+            condition = _condition(pool)
+            with condition:
+                condition.wait(min(LOOK_AGAIN, deadline - now))
+
+
+def give_back(pool: Any, connection: Any, link: PoolLink) -> None:
+    """Return a borrowed connection to its pool, dropped first if replies on it are unread;
+    wake one request waiting for a connection of that pool."""
+    if link.outstanding:
+        connection.disconnect()
+    pool.release(connection)
+    condition = _returned.get(pool)
+    if condition is not None:
+        with condition:
+            condition.notify()
