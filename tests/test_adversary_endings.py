@@ -1,0 +1,155 @@
+"""Adversarial review of the ends the worker's main process records
+(``task/request.py``: ``SingletonRequest``; ``task/worker.py``: ``_guard_revoke``).
+
+The promise attacked (docs/guarantees.md, "Every ending frees the lock" and "A run's end
+is ordered"): ``revoke(terminate=True)`` stores ``REVOKED`` once the run's child has
+exited and its lock is freed; a hard time limit's ``FAILURE`` likewise. Two workers
+serve the module: ``runner`` (prefork, one process, the default queue: it runs the
+attacked runs) and ``bystander`` (prefork, one process, its own queue: it receives
+every broadcast control command but does not run them).
+
+To make the order deterministic, the runner's main process is paused (SIGSTOP: a busy
+or slow worker) while the bystander answers the command: whatever the bystander writes
+then is written before the runner could have freed anything.
+
+Breaks (xfail, strict):
+
+* the ``terminate`` control command (``celery control terminate SIGKILL <id>``, Celery's
+  own ``terminate`` control command) calls Celery's module-level ``revoke`` directly,
+  not the guarded ``Panel.data["revoke"]``: every worker that does not run the task
+  stores ``REVOKED`` at once, while the run still holds its lock;
+* ``revoke(terminate=True)`` reaching a worker that holds another delivery of the
+  running message (a copy reserved there: an ``acks_late`` redelivery, a re-publish
+  with the same id) does "what Celery does": it stores ``REVOKED`` at once, while the
+  original still holds its lock elsewhere. The guard spares such copies only without
+  ``terminate``.
+
+Held (kept): the guarded ``revoke(terminate=True)`` with the same paused runner leaves
+the state alone on the bystander and stores ``REVOKED`` after the free.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+from celery import states
+
+from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
+from .support.tasks import clear_runs, lock_keys, started
+from .test_task_endings import end_and_release, recorded_after_the_lock_was_freed
+
+APP = "tests.apps.tasks_app"
+OTHER = "adv-endings-other"  # the bystander's queue
+
+
+@pytest.fixture(scope="module")
+def runner(redis_server: RedisServer) -> Iterator[CeleryProcess]:
+    """The worker that runs the attacked runs: prefork, one process, the default queue."""
+    redis_server.flushall()
+    with owning(Owner("adversary endings runner")) as owner:
+        process = start_worker(redis_server, APP, "adv-runner", concurrency=1)
+    yield process
+    owner.close()
+
+
+@pytest.fixture(scope="module")
+def bystander(redis_server: RedisServer, runner: CeleryProcess) -> Iterator[CeleryProcess]:
+    """Another worker of the same app on its own queue: it gets every control command."""
+    with owning(Owner("adversary endings bystander")) as owner:
+        process = start_worker(redis_server, APP, "adv-bystander", concurrency=1, extra=["-Q", OTHER])
+    yield process
+    owner.close()
+
+
+@pytest.fixture
+def tasks_app(runner: CeleryProcess, bystander: CeleryProcess, redis_server: RedisServer) -> ModuleType:
+    """``tests.apps.tasks_app`` for this module's workers: locks and records emptied."""
+    return clear_runs(redis_server)
+
+
+@contextmanager
+def paused(process: CeleryProcess) -> Iterator[None]:
+    """The worker's main process stopped while inside (its pool children run on)."""
+    process.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.signal(signal.SIGCONT)
+
+
+def broadcast_to_the_bystander(tasks_app: ModuleType, command: str, arguments: dict[str, Any]) -> None:
+    """Broadcast ``command`` to every worker; return once the bystander has answered it
+    (the runner, paused, answers later)."""
+    replies = tasks_app.app.control.broadcast(command, arguments=arguments, reply=True, limit=1, timeout=10)
+    assert [list(reply) for reply in replies] == [[f"adv-bystander@{socket.gethostname()}"]], replies
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [
+    "revoke",
+    pytest.param("terminate", marks=pytest.mark.xfail(strict=True, reason=(
+        "Celery's 'terminate' control command calls control.revoke directly, bypassing the guard: "
+        "a worker that does not run the task stores REVOKED while the run holds its lock"))),
+])
+def test_a_terminate_broadcast_stores_revoked_only_after_the_lock_is_freed(
+    command: str, tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
+    redis_server: RedisServer, runner: CeleryProcess,
+) -> None:
+    """``result.revoke(terminate=True)`` and ``celery control terminate SIGKILL <id>`` (the
+    ``terminate`` control command) are the same request; the bystander, which knows nothing
+    of the id, must leave its state alone while the runner has not freed the lock."""
+    with end_and_release(redis_server) as writes:
+        result = tasks_app.work.apply_async(("k-term", 60))
+        wait_for(lambda: started(records, "k-term"), timeout=30, message="the run started")
+        [key] = lock_keys(locks)
+        arguments: dict[str, Any] = {"task_id": result.id, "signal": "SIGKILL"}
+        if command == "revoke":
+            arguments["terminate"] = True
+        with paused(runner):
+            broadcast_to_the_bystander(tasks_app, command, arguments)
+            seen_meanwhile = result.state
+        wait_for(lambda: result.state == states.REVOKED, timeout=10, message="the revoke recorded")
+        wait_for(lambda: lock_keys(locks) == [], timeout=10, message="the run's lock freed")
+        assert seen_meanwhile == states.PENDING, "REVOKED stored while the run still held its lock"
+        assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "revoke(terminate=True) on a worker holding a reserved copy of the running message stores REVOKED "
+    "at once (_guard_revoke spares copies only without terminate), while the original holds its lock"))
+def test_a_terminate_reaching_a_reserved_copy_stores_revoked_only_after_the_lock_is_freed(
+    tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis, redis_server: RedisServer,
+    runner: CeleryProcess, bystander: CeleryProcess,
+) -> None:
+    """The bystander holds a second delivery of the running message (the same task id sent
+    again, as an ``acks_late`` redelivery would be), reserved behind a busy run. Without
+    ``terminate`` the guard leaves the original's state alone; with it, REVOKED must still
+    wait for the runner's free."""
+    records.set("hold:busy", "1")
+    try:
+        with end_and_release(redis_server) as writes:
+            result = tasks_app.work.apply_async(("k-orig", 60))
+            wait_for(lambda: started(records, "k-orig"), timeout=30, message="the original started")
+            [key] = lock_keys(locks)
+            tasks_app.work.apply_async(("busy",), queue=OTHER)
+            wait_for(lambda: started(records, "busy"), timeout=30, message="the bystander busy")
+            tasks_app.work.apply_async(("k-orig", 60), task_id=result.id, queue=OTHER)
+            bystander.wait_for_line(f"work[{result.id}] received", timeout=30)
+            with paused(runner):
+                broadcast_to_the_bystander(tasks_app, "revoke",
+                                           {"task_id": result.id, "terminate": True, "signal": "SIGKILL"})
+                seen_meanwhile = result.state
+            wait_for(lambda: result.state == states.REVOKED, timeout=10, message="the revoke recorded")
+            wait_for(lambda: lock_keys(locks) == [], timeout=10, message="the original's lock freed")
+            assert seen_meanwhile == states.PENDING, "REVOKED stored while the original still held its lock"
+            assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
+    finally:
+        records.delete("hold:busy")
