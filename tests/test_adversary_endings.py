@@ -148,7 +148,7 @@ def test_a_terminate_reaching_a_reserved_copy_stores_revoked_only_after_the_lock
                                            {"task_id": result.id, "terminate": True, "signal": "SIGKILL"})
                 seen_meanwhile = result.state
             wait_for(lambda: result.state == states.REVOKED, timeout=10, message="the revoke recorded")
-            wait_for(lambda: lock_keys(locks) == [], timeout=10, message="the original's lock freed")
+            wait_for(lambda: not locks.exists(key), timeout=10, message="the original's lock freed")
             assert seen_meanwhile == states.PENDING, "REVOKED stored while the original still held its lock"
             assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
     finally:
