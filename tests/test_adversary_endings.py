@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -41,7 +41,7 @@ import pytest
 import redis
 from celery import states
 
-from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
+from .support import CeleryProcess, Owner, RedisServer, owning, register, start_worker, wait_for
 from .support.tasks import clear_runs, lock_keys, started
 from .test_task_endings import end_and_release, recorded_after_the_lock_was_freed
 
@@ -153,3 +153,56 @@ def test_a_terminate_reaching_a_reserved_copy_stores_revoked_only_after_the_lock
             assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
     finally:
         records.delete("hold:busy")
+
+
+BUSY_QUEUE = "adv-endings-busy"  # the queue of busy_lock_worker
+
+
+@pytest.fixture(scope="module")
+def busy_lock_worker(redis_server: RedisServer) -> Iterator[tuple[RedisServer, CeleryProcess]]:
+    """A prefork worker (one process, queue ``BUSY_QUEUE``) whose lock Redis is a server of
+    its own, so that a script can keep that server busy while broker and results answer."""
+    with owning(Owner("adversary endings busy lock redis")) as owner:
+        lock_server = register(RedisServer(name="redis-busy-locks")).start()
+        worker = start_worker(redis_server, APP, "adv-busy", concurrency=1, extra=["-Q", BUSY_QUEUE],
+                              env={"CSB_LOCK_REDIS": lock_server.url(0), "CSB_LOCK_TTL": "60"})
+    yield lock_server, worker
+    owner.close()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "SingletonRequest's release on a dead child's behalf (_release_for_request) is tried once: "
+    "answered -BUSY it is logged ('could not free ... expires after its TTL') and never sent again"))
+@pytest.mark.parametrize("how", ["revoke-sigkill", "hard-time-limit"])
+def test_a_release_for_a_lost_child_answered_busy_runs_once_the_server_answers(
+    how: str, tasks_app: ModuleType, records: redis.Redis,
+    busy_lock_worker: tuple[RedisServer, CeleryProcess], busy_script: Callable[[RedisServer], Callable[[], None]],
+) -> None:
+    """The lock Redis answers ``-BUSY`` (another client's script) when the worker's main
+    process frees the lock of a child it lost (``revoke(terminate=True)``, a hard time
+    limit). guarantees.md: "A release that gets no answer (``-BUSY`` ...) is sent again
+    ... once Redis runs it the key is free ... without waiting for ``lock_ttl``"; as
+    ``tests/test_release_retry.py`` shows for a run's own release. The end is stored
+    meanwhile (``REVOKED`` / ``FAILURE``): a caller who saw it and submits the key again
+    once Redis answers is skipped as a duplicate of the dead run until the lock's TTL
+    (60 s here) frees it."""
+    lock_server, worker = busy_lock_worker
+    locks = lock_server.client()
+    for stale in locks.scan_iter(match="singleton:{*"):
+        locks.delete(stale)
+    if how == "revoke-sigkill":
+        result = tasks_app.work.apply_async(("k-busy", 60), queue=BUSY_QUEUE)
+        wait_for(lambda: started(records, "k-busy"), timeout=30, message="the run started")
+    else:
+        result = tasks_app.hard_limited.apply_async(("k-busy",), queue=BUSY_QUEUE)
+        wait_for(lambda: records.get("running:k-busy"), timeout=30, message="the run started")
+    [key] = lock_keys(locks)
+    kill = busy_script(lock_server)
+    if how == "revoke-sigkill":
+        result.revoke(terminate=True, signal="SIGKILL")
+    wait_for(lambda: result.state in states.READY_STATES, timeout=30, message="the end recorded")
+    worker.wait_for_line(result.id, "could not free", key, timeout=10)
+    kill()
+    wait_for(lambda: not locks.exists(key), timeout=5,
+             message="the lock freed once the lock Redis answers (60 s TTL otherwise)")
