@@ -30,6 +30,7 @@ the state alone on the bystander and stores ``REVOKED`` after the free.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 from collections.abc import Callable, Iterator
@@ -153,6 +154,72 @@ def test_a_terminate_reaching_a_reserved_copy_stores_revoked_only_after_the_lock
             assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
     finally:
         records.delete("hold:busy")
+
+
+@pytest.mark.slow
+def test_a_terminate_of_ids_running_on_two_workers_stores_each_revoked_after_its_own_lock_is_freed(
+    tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis, redis_server: RedisServer,
+    runner: CeleryProcess,
+) -> None:
+    """``revoke([a, b], terminate=True)``: ``a`` runs on the (paused) runner, ``b`` on the
+    bystander. The bystander terminates ``b`` and stores its ``REVOKED`` once ``b``'s lock
+    is free, and leaves ``a`` alone; ``a``'s ``REVOKED`` comes once the runner freed ``a``'s."""
+    with end_and_release(redis_server) as writes:
+        here = tasks_app.work.apply_async(("k-here", 60))
+        there = tasks_app.work.apply_async(("k-there", 60), queue=OTHER)
+        wait_for(lambda: started(records, "k-here") and started(records, "k-there"), timeout=30,
+                 message="both runs started")
+        keys = {tasks_app.work.singleton_key((name,), {}): result
+                for name, result in (("k-here", here), ("k-there", there))}
+        assert sorted(keys) == lock_keys(locks)
+        with paused(runner):
+            broadcast_to_the_bystander(tasks_app, "revoke",
+                                       {"task_id": [here.id, there.id], "terminate": True, "signal": "SIGKILL"})
+            wait_for(lambda: there.state == states.REVOKED, timeout=10, message="the bystander's run revoked")
+            assert here.state == states.PENDING, "the paused runner's run left alone"
+        wait_for(lambda: here.state == states.REVOKED, timeout=10, message="the runner's run revoked")
+        wait_for(lambda: lock_keys(locks) == [], timeout=10, message="both locks freed")
+        for key, result in keys.items():
+            assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
+
+
+LATE_QUEUE = "adv-endings-late"  # the queue of late_worker
+
+
+@pytest.fixture(scope="module")
+def late_worker(redis_server: RedisServer, runner: CeleryProcess) -> Iterator[CeleryProcess]:
+    """A prefork worker (one process) with ``task_acks_late`` and ``task_reject_on_worker_lost``."""
+    with owning(Owner("adversary endings acks_late worker")) as owner:
+        process = start_worker(redis_server, APP, "adv-late", concurrency=1, extra=["-Q", LATE_QUEUE],
+                               env={"CSB_ACKS_LATE": "1"})
+    yield process
+    owner.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name", ["SIGKILL", None], ids=["sigkill", "default-sigterm"])
+def test_a_terminated_acks_late_run_is_acknowledged_not_requeued(
+    signal_name: str | None, tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
+    broker: redis.Redis, late_worker: CeleryProcess,
+) -> None:
+    """With ``acks_late`` and ``reject_on_worker_lost``, a terminated run (its ``REVOKED``
+    now stored by the library, after the free) must still be acknowledged, not given back
+    to the queue to run again. One process, FIFO: a marker published after the revoke
+    completes after any requeued copy would have started."""
+    result = tasks_app.work.apply_async(("k-late", 60), queue=LATE_QUEUE)
+    wait_for(lambda: started(records, "k-late"), timeout=30, message="the run started")
+    result.revoke(terminate=True, signal=signal_name)
+    wait_for(lambda: result.state == states.REVOKED, timeout=10, message="the revoke recorded")
+    wait_for(lambda: result.id not in unacknowledged(broker), timeout=10, message="the message acknowledged")
+    assert tasks_app.work.apply_async(("marker", 0), queue=LATE_QUEUE).get(timeout=30) == "marker"
+    assert len(started(records, "k-late")) == 1, "the terminated message ran again"
+    assert result.state == states.REVOKED
+    wait_for(lambda: lock_keys(locks) == [], timeout=10, message="the locks freed")
+
+
+def unacknowledged(broker: redis.Redis) -> set[str]:
+    """Task ids of the messages the Redis transport holds as delivered and not acknowledged."""
+    return {json.loads(payload)[0]["headers"]["id"] for payload in broker.hvals("unacked")}
 
 
 BUSY_QUEUE = "adv-endings-busy"  # the queue of busy_lock_worker
