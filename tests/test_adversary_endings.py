@@ -5,9 +5,9 @@ The promise attacked (docs/guarantees.md, "Every ending frees the lock" and "A r
 is ordered"): ``revoke(terminate=True)`` stores ``REVOKED`` once the run's child has
 exited and its lock is freed; a hard time limit's ``FAILURE`` likewise; a release that
 gets no answer is sent again. The module's workers: ``runner`` (prefork, one process,
-the default queue: it runs the attacked runs), ``bystander`` (prefork, one process, its
+the default queue, ``acks_late``: it runs the attacked runs), ``bystander`` (prefork, one process, its
 own queue: it receives every broadcast control command), and, for the tests that need
-them, an ``acks_late`` worker, a worker with a lock Redis of its own, a gevent worker.
+them, a worker with a lock Redis of its own, a gevent worker.
 
 To make the order deterministic, the runner's main process is paused (SIGSTOP: a busy
 or slow worker) while the bystander answers a command: whatever the bystander writes
@@ -51,6 +51,8 @@ import pytest
 import redis
 from celery import states
 
+from celery_singleton_beat.recovery.window import mark_in_use
+
 from .support import CeleryProcess, Owner, RedisServer, owning, register, start_worker, wait_for
 from .support.tasks import clear_runs, lock_keys, started
 from .test_task_endings import end_and_release, recorded_after_the_lock_was_freed
@@ -61,10 +63,11 @@ OTHER = "adv-endings-other"  # the bystander's queue
 
 @pytest.fixture(scope="module")
 def runner(redis_server: RedisServer) -> Iterator[CeleryProcess]:
-    """The worker that runs the attacked runs: prefork, one process, the default queue."""
+    """The worker that runs the attacked runs: prefork, one process, the default queue,
+    ``task_acks_late`` and ``task_reject_on_worker_lost``."""
     redis_server.flushall()
     with owning(Owner("adversary endings runner")) as owner:
-        process = start_worker(redis_server, APP, "adv-runner", concurrency=1)
+        process = start_worker(redis_server, APP, "adv-runner", concurrency=1, env={"CSB_ACKS_LATE": "1"})
     yield process
     owner.close()
 
@@ -192,35 +195,22 @@ def test_a_terminate_of_ids_running_on_two_workers_stores_each_revoked_after_its
             assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
 
 
-LATE_QUEUE = "adv-endings-late"  # the queue of late_worker
-
-
-@pytest.fixture(scope="module")
-def late_worker(redis_server: RedisServer, runner: CeleryProcess) -> Iterator[CeleryProcess]:
-    """A prefork worker (one process) with ``task_acks_late`` and ``task_reject_on_worker_lost``."""
-    with owning(Owner("adversary endings acks_late worker")) as owner:
-        process = start_worker(redis_server, APP, "adv-late", concurrency=1, extra=["-Q", LATE_QUEUE],
-                               env={"CSB_ACKS_LATE": "1"})
-    yield process
-    owner.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signal_name", ["SIGKILL", None], ids=["sigkill", "default-sigterm"])
 def test_a_terminated_acks_late_run_is_acknowledged_not_requeued(
     signal_name: str | None, tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
-    broker: redis.Redis, late_worker: CeleryProcess,
+    broker: redis.Redis,
 ) -> None:
     """With ``acks_late`` and ``reject_on_worker_lost``, a terminated run (its ``REVOKED``
     now stored by the library, after the free) must still be acknowledged, not given back
     to the queue to run again. One process, FIFO: a marker published after the revoke
     completes after any requeued copy would have started."""
-    result = tasks_app.work.apply_async(("k-late", 60), queue=LATE_QUEUE)
+    result = tasks_app.work.apply_async(("k-late", 60))
     wait_for(lambda: started(records, "k-late"), timeout=30, message="the run started")
     result.revoke(terminate=True, signal=signal_name)
     wait_for(lambda: result.state == states.REVOKED, timeout=10, message="the revoke recorded")
     wait_for(lambda: result.id not in unacknowledged(broker), timeout=10, message="the message acknowledged")
-    assert tasks_app.work.apply_async(("marker", 0), queue=LATE_QUEUE).get(timeout=30) == "marker"
+    assert tasks_app.work.apply_async(("marker", 0)).get(timeout=30) == "marker"
     assert len(started(records, "k-late")) == 1, "the terminated message ran again"
     assert result.state == states.REVOKED
     wait_for(lambda: lock_keys(locks) == [], timeout=10, message="the locks freed")
@@ -240,6 +230,8 @@ def busy_lock_worker(redis_server: RedisServer) -> Iterator[tuple[RedisServer, C
     its own, so that a script can keep that server busy while broker and results answer."""
     with owning(Owner("adversary endings busy lock redis")) as owner:
         lock_server = register(RedisServer(name="redis-busy-locks")).start()
+        with lock_server.client() as client:
+            mark_in_use(client)  # a new Redis of the test's own: no recovery window to wait out
         worker = start_worker(redis_server, APP, "adv-busy", concurrency=1, extra=["-Q", BUSY_QUEUE],
                               env={"CSB_LOCK_REDIS": lock_server.url(0), "CSB_LOCK_TTL": "60"})
     yield lock_server, worker
@@ -249,35 +241,29 @@ def busy_lock_worker(redis_server: RedisServer) -> Iterator[tuple[RedisServer, C
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "SingletonRequest's release on a dead child's behalf (_release_for_request) is tried once: "
-    "answered -BUSY it is logged ('could not free ... expires after its TTL') and never sent again"))
-@pytest.mark.parametrize("how", ["revoke-sigkill", "hard-time-limit"])
+    "answered -BUSY it is logged ('could not free ... expires after its TTL') and never sent again "
+    "(revoke(terminate=True) and a lost child take the same path)"))
 def test_a_release_for_a_lost_child_answered_busy_runs_once_the_server_answers(
-    how: str, tasks_app: ModuleType, records: redis.Redis,
+    tasks_app: ModuleType, records: redis.Redis,
     busy_lock_worker: tuple[RedisServer, CeleryProcess], busy_script: Callable[[RedisServer], Callable[[], None]],
 ) -> None:
     """The lock Redis answers ``-BUSY`` (another client's script) when the worker's main
-    process frees the lock of a child it lost (``revoke(terminate=True)``, a hard time
-    limit). guarantees.md: "A release that gets no answer (``-BUSY`` ...) is sent again
-    ... once Redis runs it the key is free ... without waiting for ``lock_ttl``"; as
-    ``tests/test_release_retry.py`` shows for a run's own release. The end is stored
-    meanwhile (``REVOKED`` / ``FAILURE``): a caller who saw it and submits the key again
-    once Redis answers is skipped as a duplicate of the dead run until the lock's TTL
-    (60 s here) frees it."""
+    process frees the lock of a child it stopped at its hard time limit (a terminate or a
+    lost child take the same path: ``_release_for_request``). guarantees.md: "A release
+    that gets no answer (``-BUSY`` ...) is sent again ... once Redis runs it the key is
+    free ... without waiting for ``lock_ttl``", as ``tests/test_release_retry.py`` shows
+    for a run's own release. The ``FAILURE`` is stored meanwhile: a caller who saw it and
+    submits the key again once Redis answers is skipped as a duplicate of the dead run
+    until the lock's TTL (60 s here) frees it."""
     lock_server, worker = busy_lock_worker
     locks = lock_server.client()
     for stale in locks.scan_iter(match="singleton:{*"):
         locks.delete(stale)
-    if how == "revoke-sigkill":
-        result = tasks_app.work.apply_async(("k-busy", 60), queue=BUSY_QUEUE)
-        wait_for(lambda: started(records, "k-busy"), timeout=30, message="the run started")
-    else:
-        result = tasks_app.hard_limited.apply_async(("k-busy",), queue=BUSY_QUEUE)
-        wait_for(lambda: records.get("running:k-busy"), timeout=30, message="the run started")
+    result = tasks_app.hard_limited.apply_async(("k-busy",), queue=BUSY_QUEUE)
+    wait_for(lambda: records.get("running:k-busy"), timeout=30, message="the run started")
     [key] = lock_keys(locks)
-    kill = busy_script(lock_server)
-    if how == "revoke-sigkill":
-        result.revoke(terminate=True, signal="SIGKILL")
-    wait_for(lambda: result.state in states.READY_STATES, timeout=30, message="the end recorded")
+    kill = busy_script(lock_server)  # before the hard time limit (1.5 s) strikes
+    wait_for(lambda: result.state == states.FAILURE, timeout=30, message="the FAILURE recorded")
     worker.wait_for_line(result.id, "could not free", key, timeout=10)
     kill()
     wait_for(lambda: not locks.exists(key), timeout=3,
@@ -324,6 +310,6 @@ def test_a_gevent_run_ended_by_the_worker_has_its_end_recorded_after_its_release
         [key] = lock_keys(locks)
         if how == "revoke-terminate":
             result.revoke(terminate=True)
-        wait_for(lambda: result.state == expected, timeout=5, message=f"the {expected} recorded")
+        wait_for(lambda: result.state == expected, timeout=4, message=f"the {expected} recorded")
         assert lock_keys(locks) == []
         assert recorded_after_the_lock_was_freed(writes(), key, result.id), writes()
