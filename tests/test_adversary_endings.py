@@ -13,7 +13,7 @@ To make the order deterministic, the runner's main process is paused (SIGSTOP: a
 or slow worker) while the bystander answers a command: whatever the bystander writes
 then is written before the runner could have freed anything.
 
-Breaks (xfail, strict; each fails on the code under review):
+Breaks it found, each fixed (each test failed on the code it reviewed):
 
 * the ``terminate`` control command (``celery control terminate SIGKILL <id>``) calls
   Celery's module-level ``control.revoke`` directly, not the guarded
@@ -25,7 +25,8 @@ Breaks (xfail, strict; each fails on the code under review):
   elsewhere (the guard spares such copies only without ``terminate``);
 * the main process's release on behalf of a lost child (terminate, hard time limit) is
   tried once: answered ``-BUSY`` it is logged and never sent again, the end is stored,
-  and the lock stays until its TTL;
+  and the lock stays until its TTL (now sent again until Redis answers; the end is
+  still stored meanwhile: the main loop does not wait for an unanswering Redis);
 * gevent: the pool reports ``id(greenlet)`` as ``worker_pid``, which ``SingletonRequest``
   takes for a pool child's pid: a hard time limit raises ``OverflowError`` in
   ``on_timeout`` (``os.getpgid`` of the id) and its ``FAILURE`` is never stored; a
@@ -107,9 +108,7 @@ def broadcast_to_the_bystander(tasks_app: ModuleType, command: str, arguments: d
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [
     "revoke",
-    pytest.param("terminate", marks=pytest.mark.xfail(strict=True, reason=(
-        "Celery's 'terminate' control command calls control.revoke directly, bypassing the guard: "
-        "a worker that does not run the task stores REVOKED while the run holds its lock"))),
+    pytest.param("terminate"),
 ])
 def test_a_terminate_broadcast_stores_revoked_only_after_the_lock_is_freed(
     command: str, tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis,
@@ -135,9 +134,6 @@ def test_a_terminate_broadcast_stores_revoked_only_after_the_lock_is_freed(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "revoke(terminate=True) on a worker holding a reserved copy of the running message stores REVOKED "
-    "at once (_guard_revoke spares copies only without terminate), while the original holds its lock"))
 def test_a_terminate_reaching_a_reserved_copy_stores_revoked_only_after_the_lock_is_freed(
     tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis, redis_server: RedisServer,
     runner: CeleryProcess, bystander: CeleryProcess,
@@ -239,10 +235,6 @@ def busy_lock_worker(redis_server: RedisServer) -> Iterator[tuple[RedisServer, C
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "SingletonRequest's release on a dead child's behalf (_release_for_request) is tried once: "
-    "answered -BUSY it is logged ('could not free ... expires after its TTL') and never sent again "
-    "(revoke(terminate=True) and a lost child take the same path)"))
 def test_a_release_for_a_lost_child_answered_busy_runs_once_the_server_answers(
     tasks_app: ModuleType, records: redis.Redis,
     busy_lock_worker: tuple[RedisServer, CeleryProcess], busy_script: Callable[[RedisServer], Callable[[], None]],
@@ -284,10 +276,6 @@ def gevent_worker(redis_server: RedisServer, runner: CeleryProcess) -> Iterator[
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "gevent reports id(greenlet) as the request's worker_pid: SingletonRequest takes it for a pool child's "
-    "pid. Hard time limit: _stop_child(id) raises OverflowError in on_timeout, FAILURE is never stored. "
-    "revoke(terminate=True): REVOKED waits for a Terminated that gevent never reports, it is never stored"))
 @pytest.mark.parametrize("how", ["hard-time-limit", "revoke-terminate"])
 def test_a_gevent_run_ended_by_the_worker_has_its_end_recorded_after_its_release(
     how: str, tasks_app: ModuleType, locks: redis.Redis, records: redis.Redis, redis_server: RedisServer,

@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -35,6 +36,7 @@ from celery.platforms import signals as platform_signals
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
+from ..config import get_settings
 from ..lease.behalf import read_holder, release_for
 from ..lease.holder import Holder, describe_holder
 from ..lease.liveness import boot_id
@@ -42,7 +44,7 @@ from ..log import logger
 from ..recovery.lock_redis import get_redis
 from .keys import QUEUED_SUFFIX
 
-__all__ = ["GONE_WAIT", "SingletonRequest", "compose_request", "original_running"]
+__all__ = ["GONE_WAIT", "RESEND_EVERY", "SingletonRequest", "compose_request", "original_running", "worker_pool_is"]
 
 #: Endings after which the pool child cannot have released its lock.
 _CHILD_GONE = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
@@ -53,6 +55,17 @@ _EXIT_WAIT = 30.0
 GONE_WAIT = 2.0
 #: billiard's pause between the SIGTERM and the SIGKILL of a timed-out child.
 _TERM_GRACE = 0.1
+#: Seconds between two sends of a release on a lost child's behalf that got no answer.
+RESEND_EVERY = 0.25
+#: Whether this process's worker runs tasks in pool child processes (prefork). Under
+#: threads, gevent, eventlet and solo a request's ``worker_pid`` is not a child's pid
+#: (gevent reports the greenlet's id): the run's own ``finally`` releases there.
+_in_children = [False]
+
+
+def worker_pool_is(pool_cls: Any) -> None:
+    """The worker of this process starts with ``pool_cls`` (its main process, before any run)."""
+    _in_children[0] = any(k.__module__ == "celery.concurrency.prefork" for k in getattr(pool_cls, "__mro__", ()))
 
 
 def compose_request(request_cls: Any) -> type[Request]:
@@ -135,19 +148,43 @@ def _release_for_request(request: Request, why: str, *, pid: int | None) -> None
     if found is None:
         return
     task, key = found
-    try:
+    boot = boot_id()
+
+    def release() -> list[str]:
         client = get_redis(task.app)
         stats_key = task.singleton_stats_key()
-        freed = [k for k in (key, key + QUEUED_SUFFIX)
-                 if release_for(client, k, request.id, boot=boot_id() if pid is not None and k == key else None,
-                                pid=pid if k == key else None, claims_only=pid is None or k != key,
-                                stats_key=stats_key, counter="reclaimed")]
+        return [k for k in (key, key + QUEUED_SUFFIX)
+                if release_for(client, k, request.id, boot=boot if pid is not None and k == key else None,
+                               pid=pid if k == key else None, claims_only=pid is None or k != key,
+                               stats_key=stats_key, counter="reclaimed")]
+
+    try:
+        freed = release()
     except redis.RedisError as exc:
-        logger.error("%s[%s] %s; could not free %s (it expires after its TTL): %s",
-                     request.name, request.id, why, key, exc)
+        ttl = float(getattr(task, "lock_ttl", None) or get_settings(task.app).lock_ttl)
+        logger.error("%s[%s] %s; could not free %s yet, sent again until Redis answers (at most %.0fs, its "
+                     "lease): %s", request.name, request.id, why, key, ttl, exc)
+        threading.Thread(target=_resend, args=(request, why, key, release, time.monotonic() + ttl),
+                         name="singleton-release-again", daemon=True).start()
         return
     if freed:
         logger.warning("%s[%s] %s; freed its lock %s", request.name, request.id, why, ", ".join(freed))
+
+
+def _resend(request: Request, why: str, key: str, release: Callable[[], list[str]], until: float) -> None:
+    """Send a release on a lost run's behalf again every :data:`RESEND_EVERY` until Redis
+    answers it (a ``-BUSY`` script, a restart) or the lease would have expired anyway."""
+    while time.monotonic() < until:
+        time.sleep(RESEND_EVERY)
+        try:
+            freed = release()
+        except redis.RedisError:
+            continue
+        logger.warning("%s[%s] %s; freed its lock %s once Redis answered", request.name, request.id, why,
+                       ", ".join(freed) if freed else f"{key} (already free)")
+        return
+    logger.error("%s[%s] %s; Redis did not answer the release of %s before its lease ran out",
+                 request.name, request.id, why, key)
 
 
 def original_running(request: Request) -> Holder | None:
@@ -177,7 +214,7 @@ class SingletonRequest(Request):
         """The pid of the pool child running this request, or None (threads, gevent,
         eventlet, solo: the body runs in this process, and its own ``finally`` releases)."""
         pid = self.worker_pid
-        return pid if pid and pid != os.getpid() else None
+        return pid if _in_children[0] and pid and pid != os.getpid() else None
 
     def _free_before_the_end(self, why: str, *, stop: bool = False) -> None:
         """Free the run's lock before its end is recorded: stop the child first (``stop``),
@@ -203,8 +240,8 @@ class SingletonRequest(Request):
         if self._singleton_released:
             return
         self._singleton_released = True
-        pid = self.worker_pid
-        if not pid or pid == os.getpid():
+        pid = self._in_pool_child()
+        if pid is None:
             # Threads, gevent, eventlet, solo: the body ran here and its own
             # ``finally`` released (a timed-out greenlet is killed with an exception).
             return

@@ -43,7 +43,7 @@ from ..log import logger
 from ..recovery.lock_redis import get_redis
 from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck, refuse_to_start
 from . import outage
-from .request import SingletonRequest, original_running
+from .request import SingletonRequest, original_running, worker_pool_is
 from .slot_delivery import SlotDeliveryStep
 
 __all__ = ["POOL_CHECK_INTERVAL", "SingletonWorkerStep", "install", "sends_task_events"]
@@ -112,7 +112,9 @@ def _guard_revoke() -> None:
       5.6); the worker that runs it records ``REVOKED`` once its lock is free,
       and one that receives the message later discards it and records it then.
 
-    A worker that holds the id does what Celery does.
+    A worker that holds the id (and runs it, or holds its only delivery) does what
+    Celery does. The ``terminate`` control command (``celery control terminate``)
+    calls Celery's revoke directly: it is guarded the same way.
     """
     from celery.worker import control
     from celery.worker import state as worker_state
@@ -124,25 +126,28 @@ def _guard_revoke() -> None:
 
     def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kwargs: Any) -> Any:
         ids = set(maybe_list(task_id) or [])
-        if terminate:
-            unknown = {i for i in ids if i not in worker_state.requests}
-            left_alone, what = unknown, "not known here; its state is left to the worker that runs or receives it"
-        else:
-            left_alone = {i for i in ids if _copy_of_a_running_original(worker_state, i)}
-            what = ("another delivery of the same message runs under its lock; the copy here is discarded, "
-                    "the original's state is left alone")
+        copies = {i for i in ids if _copy_of_a_running_original(worker_state, i)}
+        if copies:
+            logger.warning("revoke of %s: another delivery of the same message runs under its lock; the copy "
+                           "here is discarded, the original's state is left alone", ", ".join(sorted(copies)))
+        # With terminate, a worker that knows nothing of an id leaves its state alone too.
+        left_alone = copies | ({i for i in ids if i not in worker_state.requests} if terminate else set())
         if left_alone:
             worker_state.revoked.update(left_alone)
-            if not terminate:
-                logger.warning("revoke of %s: %s", ", ".join(sorted(left_alone)), what)
             if not ids - left_alone:
-                return {"ok": f"tasks {left_alone} flagged as revoked" if not terminate else "terminate: tasks unknown"}
+                return {"ok": "terminate: tasks unknown" if terminate else f"tasks {left_alone} flagged as revoked"}
             task_id = list(ids - left_alone)
         return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
 
-    revoke._singleton_guard = True  # type: ignore[attr-defined]
-    revoke.__doc__ = original.__doc__
-    control.Panel.data["revoke"] = revoke
+    def terminate(state: Any, signal: Any, task_id: Any, **kwargs: Any) -> Any:
+        return revoke(state, task_id, terminate=True, signal=signal)
+
+    guards: tuple[tuple[str, Any], ...] = (("revoke", revoke), ("terminate", terminate))
+    for command, guarded in guards:
+        if command in control.Panel.data:  # ``terminate`` calls Celery's revoke directly: guarded too
+            guarded._singleton_guard = True
+            guarded.__doc__ = control.Panel.data[command].__doc__
+            control.Panel.data[command] = guarded
 
 
 def _copy_of_a_running_original(worker_state: Any, task_id: str) -> bool:
@@ -173,6 +178,7 @@ class SingletonWorkerStep(bootsteps.StartStopStep):
         global _task_events
         _task_events = bool(getattr(worker, "task_events", False))
         outage.worker_starts(worker.pool_cls)  # before the pool forks
+        worker_pool_is(worker.pool_cls)
         app, node = worker.app, worker.hostname
         try:
             self.settings = get_settings(app)
