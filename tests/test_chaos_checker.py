@@ -203,6 +203,37 @@ def test_a_retry_taken_off_the_queue_by_a_killed_worker_is_lost_in_the_transport
     assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
 
 
+@pytest.mark.parametrize(("exited", "lost"), [(20.03, False), (19.99, True)])
+def test_a_worker_dying_when_the_publish_began_can_take_the_message_off_the_queue(
+        tmp_path: Path, exited: float, lost: bool) -> None:
+    """SIGKILLed before the publish, a worker's connection, blocked in BRPOP, is open until its
+    exit: the broker may hand it the message, which goes with it (reported, the chaos run of
+    2026-12-02: signal 72 ms before the publish began, exit seen 10 ms after it). A worker whose
+    exit was seen before the publish began could not take it (a violation)."""
+    story = baseline().add("proc", 19.9, name="w1", action="SIGKILL", group=True, pid=7)
+    story.add("proc", exited, name="w1", action="exit", pid=7, code=-9)
+    story.add("pub", 20.04, "submitter", 2, id="z", retries=0)
+    story.add("submit", 20.05, "submitter", 2, id="z", key="k3", ok=True, note="sub", m0=20.0)
+    story.add("broker", 32.6, ids=[], queued=[], unacked=[])
+    verdict = story.judge(tmp_path)
+    if lost:
+        assert kinds(verdict) == ["lost"] and not [r for r in verdict.reports if r.kind.startswith("lost")]
+    else:
+        assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
+        assert "w1 SIGKILLed at m=19.900, its exit seen at m=20.030" in verdict.reports[0].what
+
+
+def test_a_retry_received_after_its_publish_began_is_not_lost_in_the_transport(tmp_path: Path) -> None:
+    """A worker received the last publish (its prerun after the publish began, before the
+    publisher recorded it): the transport delivered it, so no end after that is a loss."""
+    story = baseline().submit("z", "k3", 20.0)
+    story.add("prerun", 20.1, "worker-w2", 20, id="z", key="k3")
+    story.add("prerun", 20.25, "worker-w2", 20, id="z", key="k3")
+    story.add("pub", 20.3, "worker-w2", 20, id="z", m0=20.2)
+    story.add("proc", 20.4, name="w1", action="SIGKILL", pid=7).add("broker", 32.6, ids=[], queued=[], unacked=[])
+    assert kinds(story.judge(tmp_path)) == ["lost"]
+
+
 def test_a_run_after_its_task_completed_is_a_rerun(tmp_path: Path) -> None:
     story = baseline().run("c", "k", 16.0, 16.2, 600, pid=12)
     verdict = story.judge(tmp_path)
@@ -299,3 +330,15 @@ def test_histories_saved_from_real_runs_are_judged_as_they_were(name: str, kind:
     verdict = check(load(ROOT / "tests" / "chaos_histories" / name / "history"))
     assert kinds(verdict) == [kind]
     assert all(part in verdict.violations[0].what for part in names), verdict.violations[0].what
+
+
+def test_a_message_a_dying_worker_took_off_the_queue_in_a_real_run_is_lost_in_the_transport() -> None:
+    """Saved (trimmed) from the 40 s CI run of 2026-12-02 on a loaded 2-core machine: w1 was
+    SIGKILLed (group) at m=15249.173 and its exit seen at 15249.246; the submitter's publish
+    began at 15249.236. The broker's AOF shows the LPUSH, at once an RPOP (the BRPOP served to
+    w1's still open connection), and no HSET of ``unacked``: the message went with w1. The
+    checker once read the kill as before the publish (a violation); it is lost in the transport."""
+    verdict = check(load(ROOT / "tests" / "chaos_histories" / "kill-before-publish-lost" / "history"))
+    assert kinds(verdict) == [], verdict.violations
+    assert [r.kind for r in verdict.reports] == ["lost-in-transport"]
+    assert "327879f7" in verdict.reports[0].what and "w1 SIGKILLed at m=15249.173" in verdict.reports[0].what

@@ -232,13 +232,26 @@ def _beat_up(**_: Any) -> None:
     record("beat-up")
 
 
+#: When each publish in flight in this process began (task id -> monotonic time).
+_publishing: dict[str, float] = {}
+
+
+@signals.before_task_publish.connect(weak=False)  # type: ignore[untyped-decorator]
+def _publishing_starts(sender: Any = None, headers: Any = None, **_: Any) -> None:
+    if sender == work.name and headers and headers.get("id"):
+        _publishing[str(headers["id"])] = time.monotonic()
+
+
 @signals.after_task_publish.connect(weak=False)  # type: ignore[untyped-decorator]
 def _published(sender: Any = None, headers: Any = None, **_: Any) -> None:
     headers = headers or {}
     if sender != work.name:
         return
+    began = _publishing.pop(str(headers.get("id")), None)
     if SLOT_HEADER in headers:
         record("sent", id=headers.get("id"), slot=headers[SLOT_HEADER], entry=headers.get(ENTRY_HEADER),
                instance=headers.get(INSTANCE_HEADER))
     else:
-        record("pub", id=headers.get("id"), retries=headers.get("retries"))
+        # m0: the publish began (the message may reach the broker, and a worker, before ``m``)
+        record("pub", id=headers.get("id"), retries=headers.get("retries"),
+               **({} if began is None else {"m0": began}))

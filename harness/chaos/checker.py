@@ -16,7 +16,14 @@ first check after resuming; a submission the broker lost with its own data).
 * ``lost``: a submission whose ``apply_async`` returned, with no visible end after
   the quiet phase: no terminal outcome, no revoke, no ready result state. A
   run cut short and never run to an end counts too. Excused (reported): the
-  broker restarted empty after the publish (the ``same`` variant).
+  broker restarted empty after the publish (the ``same`` variant); lost in
+  kombu's Redis transport: no worker received the last publish, the broker
+  no longer held it at the end, and a worker's broker connection died after
+  that publish began (a worker SIGKILLed, from the signal until its exit was
+  seen: a dying process's sockets stay open until it has exited; a crash
+  seen; the broker restarted). BRPOP takes a message off the queue before the
+  worker records it as unacknowledged, so a reply lost with its connection
+  loses the message.
 * ``rerun``: a run of a task id that had already completed (its body ended, the
   run's outcome SUCCESS or FAILURE, so its done marker was written). Excused
   (reported): the lock Redis lost data in between, or the done marker's TTL passed.
@@ -43,6 +50,7 @@ from .history import Event, History
 from .model import (
     DATA_LOSS,
     Run,
+    Window,
     beat_down_windows,
     broker_losses,
     by_key,
@@ -155,10 +163,8 @@ def _lost(history: History, verdict: Verdict) -> None:
     seen: dict[str, float] = {}  # when a worker last received a delivery of each task id
     for event in history.of("prerun", "revoked", "start"):
         seen[str(event.get("id"))] = event.m
-    published: dict[str, float] = {}  # its last publish (the submission, a retry, a re-publish)
-    for event in history.of("submit", "pub"):
-        published[str(event.get("id"))] = event.m
-    kills = _transport_disruptions(history)
+    published = _last_publish(history)
+    disruptions = _transport_disruptions(history)
     for sub in fates(history).values():
         if sub.ended:
             continue
@@ -176,30 +182,65 @@ def _lost(history: History, verdict: Verdict) -> None:
             where = {"unacked": "unacknowledged (not delivered again)", "queued": "queued"}
             found = [where[k] for k in where for e in scans if sub.id in (e.get(k) or [])]
             what += f"; the broker still held it at the end{' ' + found[0] if found else ''}"
+        began = published.get(sub.id, sub.at)
+        disruption = next((w for w in disruptions if w.end > began), None)
         if any(sub.at < m and seen.get(sub.id, 0.0) < m for m in losses):
             verdict.reports.append(Finding("lost-with-broker", what + "; the broker (the lock Redis) restarted "
                                            "empty after it was published, and no worker saw it since",
                                            sub.at, evidence))
-        elif (scans and sub.id not in held and published.get(sub.id, sub.at) > seen.get(sub.id, 0.0)
-              and any(m > published.get(sub.id, sub.at) for m in kills)):
+        elif scans and sub.id not in held and seen.get(sub.id, 0.0) < began and disruption is not None:
             verdict.reports.append(Finding(
-                "lost-in-transport", what + "; no worker received its last publish (no prerun after it), the broker "
-                "no longer holds it (neither queued nor unacknowledged), and after that publish a worker was "
-                "SIGKILLed or crashed, or the broker restarted: kombu's Redis transport takes a message off the "
-                "queue (BRPOP) before it records it as unacknowledged, and a reply lost with its connection loses "
-                "the message", sub.at, evidence))
+                "lost-in-transport", what + f"; no worker received its last publish (begun at m={began:.3f}; no "
+                "prerun since), the broker no longer holds it (neither queued nor unacknowledged), and a broker "
+                f"connection died after that publish began ({disruption.why}): kombu's Redis transport takes a "
+                "message off the queue (BRPOP) before it records it as unacknowledged, and a reply lost with its "
+                "connection loses the message", sub.at, evidence))
         else:
             verdict.violations.append(Finding("lost", what, sub.at, evidence))
 
 
-def _transport_disruptions(history: History) -> list[float]:
+def _last_publish(history: History) -> dict[str, float]:
+    """When the last publish of each task id began: a submission's ``apply_async`` (``m0``), a
+    re-publish's ``before_task_publish`` (``m0`` of its ``pub``). A ``pub`` recorded without its
+    start (older histories) inside a submission's ``apply_async`` of the same process is that
+    submission's publish; any other starts no later than it was recorded."""
+    calls = [(e.pid, str(e.get("id")), float(e.get("m0", e.m)), e.m) for e in history.of("submit")]
+    began: dict[str, float] = {}
+    for event in history.of("submit", "pub"):
+        task_id = str(event.get("id"))
+        if event.ev == "submit" or "m0" in event.data:
+            start = float(event.get("m0", event.m))
+        else:
+            start = next((m0 for pid, i, m0, m in calls if pid == event.pid and i == task_id and m0 <= event.m <= m),
+                         event.m)
+        began[task_id] = max(began.get(task_id, start), start)
+    return began
+
+
+def _transport_disruptions(history: History) -> list[Window]:
     """When a message on its way from the broker to a worker could be lost by the transport: a
-    worker SIGKILLed or crashed, the broker restarted (the lock Redis, when it is the broker)."""
+    worker SIGKILLed (from the signal until its exit was seen: until then its connection, blocked
+    in BRPOP, is open and the broker may hand it a message), a worker's crash seen, the broker
+    restarted (the lock Redis, when it is the broker)."""
     workers = {w["name"] for w in history.meta.get("settings", {}).get("workers", [])}
     broker = "lock-redis" if history.meta.get("settings", {}).get("variant") == "same" else "broker-redis"
-    return [e.m for e in history.of("proc")
-            if (e.get("name") in workers and e.get("action") in ("SIGKILL", "crash"))
-            or (e.get("name") == broker and e.get("action") == "exit")]
+    out: list[Window] = []
+    dying: dict[tuple[str, Any], Event] = {}  # SIGKILLed workers whose exit is not seen yet
+    for event in history.of("proc"):
+        name, action = event.get("name"), event.get("action")
+        if name in workers and action == "SIGKILL":
+            dying.setdefault((name, event.get("pid")), event)
+        elif name in workers and action == "exit" and (name, event.get("pid")) in dying:
+            kill = dying.pop((name, event.get("pid")))
+            out.append(Window(kill.m, event.m, f"{name} SIGKILLed at m={kill.m:.3f}, its exit seen at "
+                              f"m={event.m:.3f}"))
+        elif name in workers and action == "crash":
+            out.append(Window(event.m, event.m, f"{name} crashed, seen at m={event.m:.3f}"))
+        elif name == broker and action == "exit":
+            out.append(Window(event.m, event.m, f"the broker ({name}) exited at m={event.m:.3f}"))
+    out.extend(Window(kill.m, kill.m, f"{kill.get('name')} SIGKILLed at m={kill.m:.3f} (no exit seen)")
+               for kill in dying.values())
+    return out
 
 
 def _reruns(history: History, all_runs: list[Run], verdict: Verdict) -> None:

@@ -21,6 +21,8 @@ The events, by writer:
 * workers' signals: ``prerun``, ``outcome`` (postrun: state and what it means),
   ``revoked`` (discarded or terminated), ``worker-up``;
 * beats: ``beat-up``, ``sent`` (each slot message published: task id, entry, slot);
+* any publisher of a task message that is not a beat slot (the submitter, a
+  worker's retry): ``pub`` (task id, retries, ``m0`` when the publish began);
 * the submitter: ``submit`` (task id, key, length, whether ``apply_async`` returned);
 * the controller: ``phase``, ``fault`` (``inject`` / ``heal``), ``proc`` (starts,
   exits, signals), ``term`` (a SIGTERM and how long the exit took), ``keys``,
