@@ -401,6 +401,39 @@ def test_beat_started_just_before_another_claims_the_slot_with_catch_up_none(
     assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
 
 
+def test_beat_started_in_a_recovery_window_watches_a_claim_made_as_it_closes(
+        redis_db: redis.Redis, redis_server: RedisServer, make_redis: Callable[..., RedisServer]) -> None:
+    """A new claims Redis: every claim waits for its recovery window. A beat started just
+    after the slot (catch-up "none") has its look at the slot's claim put off to the
+    window's end; the other beat claims the slot at the window's end too, publishes and
+    dies. The late beat looks at the claim one pending lease after the window closed (the
+    claims held back by the window are made when it closes), so it takes the slot over.
+
+    The order is forced: the late beat's look runs before the other's claim. Before the
+    fix the look ran as the window closed, found no claim and was dropped: the slot was
+    never sent (a real-beat test timed out waiting for "took over" on a loaded machine).
+    """
+    claims = make_redis()  # no server record: the first client opens a recovery window
+    clock = ManualClock(START)
+    schedule = {"minutely": {"task": "t.m", "schedule": 60.0}}
+    conf = {"singleton_beat_pending_lease": 0.5, "singleton_liveness_ttl": 1.5,  # a 2 s window
+            "singleton_redis_url": claims.url(0)}
+    already_scheduled(claims.client(0), schedule)
+    late = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
+                                                singleton_beat_catch_up="none", **conf))
+    assert late.claims.window_left() > 0, "the late beat starts in the window"
+    # Its look comes due within the window, and is put off to the window's end.
+    wait_for(lambda: late.tick() >= 0 and late.claims.window_left() == 0, timeout=30, interval=0.05,
+             message="the recovery window to close")
+    late.tick()  # the look put off to the window's end: no claim yet
+    dead = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule, **conf))
+    dead.tick()  # the missed slot (catch-up "latest"): claimed and sent, never marked: killed
+    assert sent_slots(dead) == {"2024-05-01T12:00:00Z": 1}
+    wait_for(lambda: late.tick() >= 0 and late.sent, timeout=10, interval=0.05,
+             message="the late beat to take the dead beat's claim over")
+    assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
+
+
 def test_catch_up_none_still_skips_a_slot_nobody_claimed(redis_db: redis.Redis,
                                                          redis_server: RedisServer) -> None:
     clock = ManualClock(START + timedelta(seconds=10))
