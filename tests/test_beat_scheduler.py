@@ -401,34 +401,46 @@ def test_beat_started_just_before_another_claims_the_slot_with_catch_up_none(
     assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
 
 
-def test_beat_started_in_a_recovery_window_watches_a_claim_made_as_it_closes(
-        redis_db: redis.Redis, redis_server: RedisServer, make_redis: Callable[..., RedisServer]) -> None:
-    """A new claims Redis: every claim waits for its recovery window. A beat started just
-    after the slot (catch-up "none") has its look at the slot's claim put off to the
-    window's end; the other beat claims the slot at the window's end too, publishes and
-    dies. The late beat looks at the claim one pending lease after the window closed (the
-    claims held back by the window are made when it closes), so it takes the slot over.
+class KilledAfterPublish(RecordingScheduler):
+    """Publishes the slots it wins and never marks them sent: killed just after the publish."""
 
-    The order is forced: the late beat's look runs before the other's claim. Before the
-    fix the look ran as the window closed, found no claim and was dropped: the slot was
-    never sent (a real-beat test timed out waiting for "took over" on a loaded machine).
+    def _mark_sent(self) -> None:
+        pass
+
+
+def test_beat_started_in_a_recovery_window_watches_a_claim_made_as_it_closes(
+        redis_db: redis.Redis, redis_server: RedisServer, claims_server: RedisServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beat started after the slot (catch-up "none") looks at the slot's claim while the
+    claims Redis has a recovery window open: the look is put off to the window's end. The
+    other beat claims the slot as the window closes, publishes and is killed. The late beat
+    looks at the claim one pending lease after the window closed (the claims held back by
+    the window are made as it closes), so it takes the slot over.
+
+    The order is forced: the test opens and closes the window as the late beat sees it
+    (``window_left``; the server itself has none), and the late beat's put-off look runs
+    before the other beat's claim. Before the fix that look ran as the window closed,
+    found no claim and was dropped: the slot was never sent. Seen as a real-beat test
+    timing out waiting for "took over" on a loaded machine (the second beat came up just
+    after the first slot, inside the window of a new claims Redis).
     """
-    claims = make_redis()  # no server record: the first client opens a recovery window
-    clock = ManualClock(START)
+    clock = ManualClock(START + timedelta(seconds=1))  # the slot's first lease is over: looked at at once
     schedule = {"minutely": {"task": "t.m", "schedule": 60.0}}
-    conf = {"singleton_beat_pending_lease": 0.5, "singleton_liveness_ttl": 1.5,  # a 2 s window
-            "singleton_redis_url": claims.url(0)}
-    already_scheduled(claims.client(0), schedule)
+    conf = {"singleton_beat_pending_lease": 0.5, "singleton_redis_url": claims_server.url(0)}
+    already_scheduled(claims_server.client(0), schedule)
     late = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
                                                 singleton_beat_catch_up="none", **conf))
-    assert late.claims.window_left() > 0, "the late beat starts in the window"
-    # Its look comes due within the window, and is put off to the window's end.
-    wait_for(lambda: late.tick() >= 0 and late.claims.window_left() == 0, timeout=30, interval=0.05,
-             message="the recovery window to close")
-    late.tick()  # the look put off to the window's end: no claim yet
-    dead = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule, **conf))
-    dead.tick()  # the missed slot (catch-up "latest"): claimed and sent, never marked: killed
+    window = {"open": True}
+    # While open, a put-off look comes due again at the next tick (a microsecond on).
+    monkeypatch.setattr(late.claims, "window_left", lambda: 1e-6 if window["open"] else 0.0)
+    late.tick()  # start-up: the look comes due and is put off by the window
+    window["open"] = False
+    late.tick()  # the put-off look: no claim yet
+    dead = KilledAfterPublish(app=scheduler_app(redis_server, clock, schedule, **conf))
+    dead.tick()  # the missed slot (catch-up "latest"): claimed and published, never marked
     assert sent_slots(dead) == {"2024-05-01T12:00:00Z": 1}
+    [key] = claims_server.client(0).keys("singleton:{beat:minutely}:[0-9]*")
+    assert json.loads(claims_server.client(0).get(key))["state"] == "pending"
     wait_for(lambda: late.tick() >= 0 and late.sent, timeout=10, interval=0.05,
              message="the late beat to take the dead beat's claim over")
     assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
