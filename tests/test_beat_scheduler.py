@@ -401,6 +401,51 @@ def test_beat_started_just_before_another_claims_the_slot_with_catch_up_none(
     assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
 
 
+class KilledAfterPublish(RecordingScheduler):
+    """Publishes the slots it wins and never marks them sent: killed just after the publish."""
+
+    def _mark_sent(self) -> None:
+        pass
+
+
+def test_beat_started_in_a_recovery_window_watches_a_claim_made_as_it_closes(
+        redis_db: redis.Redis, redis_server: RedisServer, claims_server: RedisServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beat started after the slot (catch-up "none") looks at the slot's claim while the
+    claims Redis has a recovery window open: the look is put off to the window's end. The
+    other beat claims the slot as the window closes, publishes and is killed. The late beat
+    looks at the claim one pending lease after the window closed (the claims held back by
+    the window are made as it closes), so it takes the slot over.
+
+    The order is forced: the test opens and closes the window as the late beat sees it
+    (``window_left``; the server itself has none), and the late beat's put-off look runs
+    before the other beat's claim. Before the fix that look ran as the window closed,
+    found no claim and was dropped: the slot was never sent. Seen as a real-beat test
+    timing out waiting for "took over" on a loaded machine (the second beat came up just
+    after the first slot, inside the window of a new claims Redis).
+    """
+    clock = ManualClock(START + timedelta(seconds=1))  # the slot's first lease is over: looked at at once
+    schedule = {"minutely": {"task": "t.m", "schedule": 60.0}}
+    conf = {"singleton_beat_pending_lease": 0.5, "singleton_redis_url": claims_server.url(0)}
+    already_scheduled(claims_server.client(0), schedule)
+    late = RecordingScheduler(app=scheduler_app(redis_server, clock, schedule,
+                                                singleton_beat_catch_up="none", **conf))
+    window = {"open": True}
+    # While open, a put-off look comes due again at the next tick (a microsecond on).
+    monkeypatch.setattr(late.claims, "window_left", lambda: 1e-6 if window["open"] else 0.0)
+    late.tick()  # start-up: the look comes due and is put off by the window
+    window["open"] = False
+    late.tick()  # the put-off look: no claim yet
+    dead = KilledAfterPublish(app=scheduler_app(redis_server, clock, schedule, **conf))
+    dead.tick()  # the missed slot (catch-up "latest"): claimed and published, never marked
+    assert sent_slots(dead) == {"2024-05-01T12:00:00Z": 1}
+    [key] = claims_server.client(0).keys("singleton:{beat:minutely}:[0-9]*")
+    assert json.loads(claims_server.client(0).get(key))["state"] == "pending"
+    wait_for(lambda: late.tick() >= 0 and late.sent, timeout=10, interval=0.05,
+             message="the late beat to take the dead beat's claim over")
+    assert sent_slots(late) == {"2024-05-01T12:00:00Z": 1}
+
+
 def test_catch_up_none_still_skips_a_slot_nobody_claimed(redis_db: redis.Redis,
                                                          redis_server: RedisServer) -> None:
     clock = ManualClock(START + timedelta(seconds=10))

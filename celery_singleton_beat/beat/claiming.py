@@ -248,6 +248,14 @@ class ClaimRounds:
                 self.breaker.failed(error)
             self.handover.later(watches, now + (wait or self.breaker.remaining()))
             return
+        # A look put off until Redis could be used looks one lease later: the claims the
+        # others held back (window, outage) are made now, maybe just after this tick.
+        settling = [watch for watch in watches if watch.settling]
+        if settling:
+            self.handover.settle(settling, now)
+            watches = [watch for watch in watches if not watch.settling]
+            if not watches:
+                return
         at = round(self._now().timestamp(), 3)
         mine = claim_value(self.instance_id, at, PENDING)
         swaps = [(w.claim.key, w.claim.holder_value or b"", mine,
@@ -259,6 +267,8 @@ class ClaimRounds:
             for watch in watches:
                 if watch.retry:
                     self.handover.retry([watch.claim], now)
+                elif watch.is_look:  # settles once Redis answers (see above)
+                    self.handover.later([watch], now)
                 else:
                     self.handover.watch(watch.claim, now)
             return

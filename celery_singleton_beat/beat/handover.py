@@ -12,7 +12,9 @@ Two lists, both keyed by claim key:
   ``released``). Each is looked at again once the pending lease would have
   ended (at once for ``released``); the scheduler then takes over whatever is
   still unsent (see :mod:`.claims`). Slots a beat started with catch-up
-  ``"none"`` counts as done are looked at too (holder not known yet). So are
+  ``"none"`` counts as done are looked at too (holder not known yet); such a look
+  put off by a recovery window or Redis down is made one lease after Redis
+  answers again, when the claims the others held back until then are made. So are
   this beat's own slots whose publish failed (broker down), handed back: after
   a back-off that grows with consecutive failed publishes (one lease, doubling,
   up to :attr:`Handover.retry_max`), and at once when a publish works again.
@@ -40,6 +42,15 @@ class Watch:
     claim: Claim = field(compare=False)  # ``holder_value`` is the exact value seen
     #: This beat's own slot, handed back after a failed publish: sent again by it.
     retry: bool = field(default=False, compare=False)
+    #: A look put off by a recovery window or Redis down: once Redis answers it waits
+    #: one more lease, as the start-up look waits out a slot's first lease (the others'
+    #: claims held back until then are made as Redis answers, not before).
+    settling: bool = field(default=False, compare=False)
+
+    @property
+    def is_look(self) -> bool:
+        """A look at a slot this beat did not try to claim (its holder not known yet)."""
+        return not self.retry and self.claim.holder_value is None
 
 
 class Handover:
@@ -126,9 +137,16 @@ class Handover:
         heapq.heappush(self._watched, Watch(due, next(self._order), claim))
 
     def later(self, watches: Iterable[Watch], due: float) -> None:
-        """Put ``watches`` back, to be looked at (or retried) at ``due``."""
+        """Put ``watches`` back, to be looked at (or retried) at ``due``: Redis cannot be
+        used before (recovery window, or down). Looks among them settle once it can."""
         for watch in watches:
-            heapq.heappush(self._watched, Watch(due, next(self._order), watch.claim, retry=watch.retry))
+            heapq.heappush(self._watched, Watch(due, next(self._order), watch.claim, retry=watch.retry,
+                                                settling=watch.settling or watch.is_look))
+
+    def settle(self, watches: Iterable[Watch], now: float) -> None:
+        """Redis answers again: ``watches`` (settling looks) are looked at one lease from ``now``."""
+        for watch in watches:
+            heapq.heappush(self._watched, Watch(now + self.lease, next(self._order), watch.claim))
 
     def due_watches(self, now: float, limit: int) -> list[Watch]:
         """Remove and return up to ``limit`` watches whose time has come."""
