@@ -65,3 +65,20 @@ def test_slots_whose_publish_failed_wait_a_growing_back_off_and_go_when_a_publis
     assert all(w.retry for w in due)
     assert handover.publish_failures == 0 and handover.retry_delay() == 2.0
     assert [w.claim.name for w in handover.due_watches(2.0, 100)] == ["entry-99"]
+
+
+def test_the_back_off_of_hand_backs_counts_from_the_latest_failed_publish() -> None:
+    """A burst whose publishes all fail, slowly: slot 0 fails at t=0 (back-off one lease,
+    due at 1), slot 1 at t=0.9 and slot 2 at t=1.5, past slot 0's back-off. Slot 0 is
+    not tried again right after slot 2's publish found the broker down (it was, at 1.5:
+    a publish per slot in one round); every hand-back waits out the back-off from the
+    latest failure (four leases after the third failure), and goes together."""
+    handover = Handover(1.0)
+    handover.publish_failed([_claim(0)], 0.0)
+    handover.publish_failed([_claim(1)], 0.9)
+    assert handover.due_watches(1.5, 100) == [], "the back-off restarted at the failure at 0.9"
+    handover.publish_failed([_claim(2)], 1.5)
+    assert handover.due_watches(5.4, 100) == []
+    assert handover.next_wake(1.5) == 4.0
+    due = handover.due_watches(5.5, 100)
+    assert sorted(w.claim.name for w in due) == ["entry-0", "entry-1", "entry-2"]

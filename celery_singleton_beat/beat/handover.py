@@ -17,7 +17,8 @@ Two lists, both keyed by claim key:
   answers again, when the claims the others held back until then are made. So are
   this beat's own slots whose publish failed (broker down), handed back: after
   a back-off that grows with consecutive failed publishes (one lease, doubling,
-  up to :attr:`Handover.retry_max`), and at once when a publish works again.
+  up to :attr:`Handover.retry_max`), counted from the latest failed publish for
+  all of them (they go together), and at once when a publish works again.
   The others may take such a slot at once; if none did, this beat sends it.
 """
 
@@ -109,8 +110,19 @@ class Handover:
 
     def publish_failed(self, claims: Iterable[Claim], now: float) -> None:
         """A publish failed; ``claims`` (this beat's, handed back unsent) are retried
-        after the back-off (see the module docstring)."""
+        after the back-off (see the module docstring), and so are the slots handed back
+        earlier: the back-off counts from the latest failed publish, not from each slot's
+        own (a slot whose shorter back-off ran out during a burst of failing publishes
+        would otherwise be tried again right after a publish that found the broker down)."""
         self.publish_failures += 1
+        due = now + self.retry_delay()
+        moved = False
+        for watch in self._watched:
+            if watch.retry and watch.due < due:
+                watch.due = due
+                moved = True
+        if moved:
+            heapq.heapify(self._watched)
         self.retry(claims, now)
 
     def retry(self, claims: Iterable[Claim], now: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from .waiting import wait_for
 __all__ = [
     "BEAT_APP",
     "RUNS_KEY",
+    "BeatMonotonic",
     "ClockApp",
     "ManualClock",
     "RecordingScheduler",
@@ -219,6 +221,35 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.value += timedelta(seconds=seconds)
+
+
+class BeatMonotonic:
+    """The monotonic clock of the beat package (hand-back back-offs, watches, marks, the
+    Redis breaker), stopped and moved by hand: what runs out after a number of seconds
+    runs out when the test says, not when a loaded machine lets a tick run late.
+
+    ``install`` puts it in place of the ``time`` module of ``celery_singleton_beat.beat``'s
+    modules for one test (the rest of ``time`` is the real one; redis-py keeps real time).
+    """
+
+    def __init__(self) -> None:
+        self.value = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.value
+
+    def advance(self, seconds: float) -> None:
+        self.value += max(seconds, 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def install(self, monkeypatch: Any) -> None:
+        modules = [module for name, module in list(sys.modules.items())
+                   if name.startswith("celery_singleton_beat.beat.") and getattr(module, "time", None) is time]
+        assert modules, "the beat package reads no time module any more"
+        for module in modules:
+            monkeypatch.setattr(module, "time", self)
 
 
 class ClockApp(Celery):
