@@ -33,6 +33,10 @@ HOLD = "tests.apps.ops_app.hold"
 PUBLISH_ONCE = "tests.apps.ops_app.publish_once"
 PUBLISH_QUEUED = "tests.apps.ops_app.publish_queued"
 BRIEF = "tests.apps.ops_app.brief"
+#: Beat claim margin (s) of the slots test: its claim keys outlive all of its deadlines
+#: together (two beat starts and the claims' wait, 60 s each; two stops, 20 s each;
+#: eight commands, 120 s each: under 20 minutes).
+CLAIMS_OUTLIVE_TEST = 3600
 
 
 def cli(redis_server: RedisServer, *args: str, settings: dict[str, Any] | None = None
@@ -269,7 +273,12 @@ def test_slots_and_beat_counters_from_two_real_beats(
     tmp_path: Path,
 ) -> None:
     schedule = {"tick": {"every": 1}}
-    beats = [start_beat(redis_server, tmp_path, name, schedule) for name in ("one", "two")]
+    # The end reads the live claim keys, which expire the entry's period plus the claim
+    # margin after their claim (61 s by default): on a loaded machine the commands run in
+    # between took longer, every key was gone and the fallback found none (CI: stdout '[]',
+    # no note). The margin makes them outlive every deadline of this test together.
+    settings = {"singleton_beat_claim_margin": CLAIMS_OUTLIVE_TEST}
+    beats = [start_beat(redis_server, tmp_path, name, schedule, settings=settings) for name in ("one", "two")]
     processes.extend(beats)
 
     def claimed(field: str) -> int:
@@ -309,6 +318,7 @@ def test_slots_and_beat_counters_from_two_real_beats(
     assert "No beat slot claim of entry nope" in ok(cli(redis_server, "slots", "--entry", "nope"))
 
     # Without the history list, slots are read from the live claim keys (SCAN).
+    assert locks.exists(*(c["key"] for c in claims)) == len(claims), "a claim key expired"
     locks.delete("singleton:{beat}:history")
     fallback = cli(redis_server, "slots", "--entry", "tick", "--last", "1000", "--json")
     assert "no beat history list" in fallback.stderr
