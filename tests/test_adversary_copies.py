@@ -119,6 +119,7 @@ def test_a_stop_signal_handled_inside_a_finalizer_still_stops_the_beat(
         assert_stopped_cleanly(beat, timeout=15)
     finally:
         (folder / "go").touch()
+    assert "the stop signal arrived inside a finalizer" in beat.output(), beat.tail(40)
 
 
 @pytest.mark.slow
