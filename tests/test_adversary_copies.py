@@ -100,6 +100,29 @@ def test_a_second_signal_reaching_a_beat_as_its_interpreter_exits_is_ignored(
 
 
 @pytest.mark.slow
+def test_a_stop_signal_handled_inside_a_finalizer_still_stops_the_beat(
+        redis_server: RedisServer, names: str, tmp_path: Path, processes: list[CeleryProcess]) -> None:
+    """SIGTERM whose handler runs while the beat's main thread is in a ``__del__`` mid-tick
+    (Celery's ``AsyncResult.__del__`` after each publish): Python ignores the handler's
+    ``SystemExit`` there, the close it asked for had been put off to the tick's end, and
+    the beat ran on, sending every slot (the linger test's 30 s wait for a teardown that
+    never came). The beat holds its finalizer (hook ``CSB_FINALIZER_DIR``) until the
+    signal ends it; the beat stops, exit 0, no error or traceback logged."""
+    folder = tmp_path / "finalizer"
+    folder.mkdir()
+    beat = start_beat(redis_server, tmp_path, "finalizer", {f"{names}final": {"every": 1}},
+                      settings=SETTINGS, env={"CSB_FINALIZER_DIR": str(folder)})
+    processes.append(beat)
+    wait_for(lambda: (folder / "finalizing").exists(), timeout=30, message="the beat to run the finalizer")
+    beat.terminate()
+    try:
+        assert_stopped_cleanly(beat, timeout=15)
+    finally:
+        (folder / "go").touch()
+    assert "the stop signal arrived inside a finalizer" in beat.output(), beat.tail(40)
+
+
+@pytest.mark.slow
 def test_a_republished_copy_whose_original_dies_takes_over_and_runs_once(
     redis_server: RedisServer, processes: list[CeleryProcess], delivery_env: dict[str, str]
 ) -> None:

@@ -148,6 +148,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         self._fatal: int | None = None
         # Set by _own_stop_signals: this scheduler's close() is the end of a `celery beat` process.
         self._ends_process = False
+        # Set when a stop was asked for (see close): the next tick, or the end of this one, stops.
+        self._stop_requested = False
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------------------- set-up
@@ -266,11 +268,26 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         return state
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        self._stop_if_requested()
         self._ticking_in = threading.get_ident()
         try:
-            return self._tick(*args, **kwargs)
+            delay = self._tick(*args, **kwargs)
         finally:
             self._ticking_in = None
+        self._stop_if_requested()
+        return delay
+
+    def _stop_if_requested(self) -> None:
+        """Raise the ``SystemExit`` of a stop asked for that never reached beat's loop.
+
+        ``celery beat``'s stop handler closes the scheduler and raises ``SystemExit``
+        wherever the main thread is. When that is a finalizer (a ``__del__``, such as
+        Celery's ``AsyncResult.__del__`` right after each publish, or a weakref
+        callback), Python ignores the exception: the handler's only trace is the close
+        it asked for, and the beat ran on, sending every slot, until killed.
+        """
+        if self._stop_requested:
+            raise SystemExit()
 
     def _tick(self, *args: Any, **kwargs: Any) -> float:
         if self._server_check.pending:
@@ -347,6 +364,7 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         service closes the scheduler again on its way out.
         """
         if self._ticking_in == threading.get_ident():
+            self._stop_requested = True  # the tick stops at its end if the SystemExit is lost
             return
         try:
             self._hand_back_prefetched()
@@ -361,6 +379,7 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             # by the signal. Ignored signals stay ignored: the exit code stays 0 (or 78).
             for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, signal.SIG_IGN)
+            self._stop_requested = True  # a tick after this close stops (a SystemExit lost)
         if self._fatal is not None:  # raised again after the schedule was saved: exit code 78
             raise SystemExit(self._fatal)
 
@@ -433,6 +452,23 @@ def _own_stop_signals(sender: Any = None, **_: Any) -> None:
             and threading.current_thread() is threading.main_thread()
             and callable(handler) and handler is not signal.default_int_handler):
         scheduler._ends_process = True
+        _quiet_lost_stops(scheduler)
+
+
+def _quiet_lost_stops(scheduler: SingletonSchedulerMixin) -> None:
+    """Say in one line, not a traceback, that the stop handler's ``SystemExit`` was lost in a
+    finalizer (Python reports it through ``sys.unraisablehook``, "Exception ignored in"): the
+    scheduler stops at the end of its tick (see :meth:`SingletonSchedulerMixin.tick`)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, SystemExit) and scheduler._stop_requested:
+            logger.info("beat: the stop signal arrived inside a finalizer (%r); stopping after this tick",
+                        unraisable.object)
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 #: Errors opening the schedule file that say the path cannot be used, not that the file is corrupt.

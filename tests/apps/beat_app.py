@@ -19,6 +19,12 @@
   its signal handlers, before the process ends) the process writes ``lingering``
   there and waits until ``go`` appears (30 s at most): a test can signal a beat
   that is exiting at exactly that moment.
+* ``CSB_FINALIZER_DIR``: a folder. After this process's first publish, still inside the
+  beat's tick, an object is dropped whose ``__del__`` writes ``finalizing`` there and
+  waits until ``go`` appears (30 s at most): a test can signal a beat while its main
+  thread runs a finalizer, as Celery's ``AsyncResult.__del__`` runs after every publish.
+  Python ignores an exception that ends a ``__del__`` (it prints ``Exception ignored
+  in``): a stop handler's ``SystemExit`` raised there never reaches beat's loop.
 * ``CSB_CLOCK``: JSON ``{"offset": s, "speed": x, "anchor": real_epoch, "start": fake_epoch}``:
   this process's clock reads ``start + (real - anchor) * speed + offset``. It
   is the injectable clock for skew and fast-forward tests: Celery's beat reads
@@ -178,3 +184,35 @@ class _Linger:
 
 if os.environ.get("CSB_LINGER_DIR"):
     _linger = _Linger(os.environ["CSB_LINGER_DIR"])
+
+
+class _HoldInFinalizer:
+    """The ``CSB_FINALIZER_DIR`` hook's object: dropped at once, held in its ``__del__``."""
+
+    def __init__(self, folder: str) -> None:
+        self.finalizing, self.go = os.path.join(folder, "finalizing"), os.path.join(folder, "go")
+
+    def __del__(self) -> None:
+        with open(self.finalizing, "w") as marker:
+            marker.write(str(os.getpid()))
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.go) and time.monotonic() < deadline:
+            time.sleep(0.01)  # a signal's handler runs here, inside the finalizer
+
+
+def _finalizer_hook() -> None:
+    """Install the ``CSB_FINALIZER_DIR`` hook (see the module docstring) in this process."""
+    folder = os.environ.get("CSB_FINALIZER_DIR")
+    if not folder:
+        return
+    published = {"n": 0}
+
+    def after_publish(**_: Any) -> None:
+        published["n"] += 1
+        if published["n"] == 1:
+            _HoldInFinalizer(folder)  # no reference kept: its __del__ runs now
+
+    signals.after_task_publish.connect(after_publish, weak=False)
+
+
+_finalizer_hook()
