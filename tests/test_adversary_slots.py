@@ -50,6 +50,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,13 +244,42 @@ def test_a_slot_run_whose_pool_child_is_killed_runs_again_once(
 # ----------------------------------------------------------------- attack 3: the broker connection drops
 
 
-def drop_broker_connection(slots: Slots) -> int:
-    """Kill the worker's consuming broker connection (its blocked ``BRPOP``) at the server."""
+def drop_broker_connection(slots: Slots, name: str) -> int:
+    """Kill the worker's consuming broker connection (its blocked ``BRPOP``) at the server.
+
+    Only the connections the worker named ``name`` (kombu's ``client_name``): the session's
+    redis-server is shared, and another client's ``BRPOP`` there (a worker of another module
+    still on its way out, anything blocked on another database) is neither this worker's
+    connection nor the test's to kill."""
     with redis.Redis.from_url(slots.server.url(0)) as broker:
-        consuming = [client for client in broker.client_list() if client.get("cmd") == "brpop"]
+        consuming = [client for client in broker.client_list()
+                     if client.get("cmd") == "brpop" and client.get("name") == name]
         for client in consuming:
             broker.client_kill_filter(_id=client["id"])
     return len(consuming)
+
+
+@contextmanager
+def bystander_brpop(slots: Slots) -> Iterator[Callable[[], bool]]:
+    """Another client of the session's server blocked in ``BRPOP`` (on another database and
+    list) while the test runs; yields whether its connection is still open."""
+    bystander = redis.Connection(port=slots.server.port, db=RECORD_DB)
+    try:
+        bystander.connect()
+        bystander.send_command("CLIENT", "SETNAME", f"bystander-{slots.names}")
+        bystander.read_response()
+        bystander.send_command("BRPOP", f"bystander:{slots.names}", 0)  # never answered: blocked
+        with redis.Redis.from_url(slots.server.url(0)) as admin:
+            wait_for(lambda: any(c.get("name") == f"bystander-{slots.names}" and "b" in c.get("flags", "")
+                                 for c in admin.client_list()), timeout=10, message="the bystander to block")
+
+        def alive() -> bool:
+            with redis.Redis.from_url(slots.server.url(0)) as admin:
+                return any(c.get("name") == f"bystander-{slots.names}" for c in admin.client_list())
+
+        yield alive
+    finally:
+        bystander.disconnect()
 
 
 @pytest.mark.slow
@@ -261,12 +291,16 @@ def test_a_slot_message_redelivered_after_a_reconnection_runs(
     on its new connection, with a new gate that remembers nothing: it runs again (as before
     the gate's memory; dropping it as "already ran" would lose the slot), to the end, once,
     and the queue is left drained."""
+    name = f"recon-{slots.names}"
     worker = slots.worker("recon", pool="prefork", concurrency=1, task_acks_late=True,
-                          worker_prefetch_multiplier=4, worker_cancel_long_running_tasks_on_connection_loss=True)
+                          worker_prefetch_multiplier=4, worker_cancel_long_running_tasks_on_connection_loss=True,
+                          broker_transport_options={"client_name": name})
     processes.append(worker)
     task_id = slots.publish("recon", hold=True)
     wait_for(lambda: len(slots.started("recon")) == 1, timeout=30, message="the run to start")
-    assert drop_broker_connection(slots) == 1
+    with bystander_brpop(slots) as bystander_alive:
+        assert drop_broker_connection(slots, name) == 1
+        assert bystander_alive(), "only the worker's connection was dropped"
     worker.wait_for_log("Connection to broker lost", timeout=30)
     wait_for(lambda: len(slots.started("recon")) == 2, timeout=60,
              message="the message restored at the reconnection to run again")
