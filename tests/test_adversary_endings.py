@@ -55,6 +55,7 @@ from celery import states
 from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import CeleryProcess, Owner, RedisServer, owning, register, start_worker, wait_for
+from .support.processes import module_worker
 from .support.tasks import clear_runs, lock_keys, started
 from .test_task_endings import end_and_release, recorded_after_the_lock_was_freed
 
@@ -67,19 +68,13 @@ def runner(redis_server: RedisServer) -> Iterator[CeleryProcess]:
     """The worker that runs the attacked runs: prefork, one process, the default queue,
     ``task_acks_late`` and ``task_reject_on_worker_lost``."""
     redis_server.flushall()
-    with owning(Owner("adversary endings runner")) as owner:
-        process = start_worker(redis_server, APP, "adv-runner", concurrency=1, env={"CSB_ACKS_LATE": "1"})
-    yield process
-    owner.close()
+    yield from module_worker(redis_server, APP, "adv-runner", concurrency=1, env={"CSB_ACKS_LATE": "1"})
 
 
 @pytest.fixture(scope="module")
 def bystander(redis_server: RedisServer, runner: CeleryProcess) -> Iterator[CeleryProcess]:
     """Another worker of the same app on its own queue: it gets every control command."""
-    with owning(Owner("adversary endings bystander")) as owner:
-        process = start_worker(redis_server, APP, "adv-bystander", concurrency=1, extra=["-Q", OTHER])
-    yield process
-    owner.close()
+    yield from module_worker(redis_server, APP, "adv-bystander", concurrency=1, extra=["-Q", OTHER])
 
 
 @pytest.fixture
@@ -268,11 +263,8 @@ GEVENT_QUEUE = "adv-endings-gevent"  # the queue of gevent_worker
 @pytest.fixture(scope="module")
 def gevent_worker(redis_server: RedisServer, runner: CeleryProcess) -> Iterator[CeleryProcess]:
     """A gevent worker (4 greenlets) on its own queue."""
-    with owning(Owner("adversary endings gevent worker")) as owner:
-        process = start_worker(redis_server, APP, "adv-gevent", pool="gevent", concurrency=4,
-                               extra=["-Q", GEVENT_QUEUE])
-    yield process
-    owner.close()
+    yield from module_worker(redis_server, APP, "adv-gevent", pool="gevent", concurrency=4,
+                             extra=["-Q", GEVENT_QUEUE])
 
 
 @pytest.mark.slow

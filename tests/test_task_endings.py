@@ -22,8 +22,9 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from celery_singleton_beat import DuplicateTaskError, SingletonKeyError
 
-from .support import CeleryProcess, Owner, RedisServer, owning, start_worker, wait_for
+from .support import CeleryProcess, RedisServer, start_worker, wait_for
 from .support.keyspace import Write, keyspace_writes
+from .support.processes import module_worker
 from .support.tasks import clear_runs, lock_keys, runs, started
 
 APP = "tests.apps.tasks_app"
@@ -35,20 +36,14 @@ REMAPPED = "remapped"  # the queue of remapped_worker
 def shared_worker(redis_server: RedisServer) -> Iterator[CeleryProcess]:
     """The module's prefork worker with 2 processes on the default queue."""
     redis_server.flushall()
-    with owning(Owner("shared worker")) as owner:
-        process = start_worker(redis_server, APP, "endings", concurrency=2, env={"CSB_BACKOFF_MAX": "1"})
-    yield process
-    owner.close()
+    yield from module_worker(redis_server, APP, "endings", concurrency=2, env={"CSB_BACKOFF_MAX": "1"})
 
 
 @pytest.fixture(scope="module")
 def single_worker(redis_server: RedisServer, shared_worker: CeleryProcess) -> Iterator[CeleryProcess]:
     """A prefork worker with one process on queue ``single``, one message at a time."""
-    with owning(Owner("single worker")) as owner:
-        process = start_worker(redis_server, APP, "single", concurrency=1,
-                               extra=["-Q", SINGLE, "--prefetch-multiplier", "1"])
-    yield process
-    owner.close()
+    yield from module_worker(redis_server, APP, "single", concurrency=1,
+                             extra=["-Q", SINGLE, "--prefetch-multiplier", "1"])
 
 
 @pytest.fixture
@@ -112,11 +107,8 @@ def test_pool_child_exit_mid_run_releases(tasks_app: ModuleType, locks: redis.Re
 def remapped_worker(redis_server: RedisServer, shared_worker: CeleryProcess) -> Iterator[CeleryProcess]:
     """A prefork worker on queue ``remapped`` with ``REMAP_SIGTERM=SIGQUIT`` (the setting
     Celery documents for Heroku and Kubernetes)."""
-    with owning(Owner("remapped worker")) as owner:
-        process = start_worker(redis_server, APP, "remapped", concurrency=1, extra=["-Q", REMAPPED],
-                               env={"REMAP_SIGTERM": "SIGQUIT"})
-    yield process
-    owner.close()
+    yield from module_worker(redis_server, APP, "remapped", concurrency=1, extra=["-Q", REMAPPED],
+                             env={"REMAP_SIGTERM": "SIGQUIT"})
 
 
 @pytest.fixture

@@ -11,12 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from harness.processes import ChildProcess, die_with_parent
 
-from .owners import register
+from .owners import Owner, owning, register
 from .paths import ROOT, scratch_file
 from .servers import RedisServer
 from .waiting import wait_for
@@ -105,6 +106,15 @@ def start_worker(redis_server: RedisServer, app: str, name: str, *, pool: str = 
     ).start()
     worker.wait_for_log("ready.", timeout=60)
     return worker
+
+
+def module_worker(redis_server: RedisServer, app: str, name: str, **options: Any) -> Iterator[CeleryProcess]:
+    """Body of a module-scoped fixture (``yield from``): one worker of ``app``
+    (:func:`start_worker`'s ``options``), owned by the module and stopped after it."""
+    with owning(Owner(f"{name} worker")) as owner:
+        process = start_worker(redis_server, app, name, **options)
+    yield process
+    owner.close()
 
 
 def run_command(argv: list[str], *, timeout: float, **options: Any) -> subprocess.CompletedProcess[Any]:
