@@ -35,6 +35,7 @@ from celery.exceptions import Terminated, TimeLimitExceeded
 from celery.platforms import signals as platform_signals
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
+from celery.worker.state import task_ready
 
 from ..config import get_settings
 from ..lease.behalf import read_holder, release_for
@@ -268,10 +269,16 @@ class SingletonRequest(Request):
             # billiard reports a hard time limit before it stops the child: stop it here.
             self._free_before_the_end(f"ended without releasing ({type(exc).__name__})",
                                       stop=isinstance(exc, TimeLimitExceeded))
-        if isinstance(exc, Terminated) and self._singleton_terminated_by is not None \
-                and not self._already_revoked:
-            # The revoke, announced now that the child is gone and its lock free.
-            self._announce_revoked("terminated", True, self._singleton_terminated_by, False)
+        if isinstance(exc, _CHILD_GONE) and self._singleton_terminated_by is not None:
+            # The revoke, announced now that the child is gone and its lock free. However
+            # billiard reports the end (Terminated; WorkerLostError when the child was
+            # reaped before the terminate marked it), the terminate ended it: no FAILURE,
+            # no requeue.
+            if not self._already_revoked:
+                self._announce_revoked("terminated", True, self._singleton_terminated_by, False)
+            else:
+                task_ready(self)
+            return None
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def terminate(self, pool: Any, signal: Any = None) -> None:
@@ -334,8 +341,6 @@ class SingletonRequest(Request):
         if not terminated and self.worker_pid is None:
             original = original_running(self)
             if original is not None:
-                from celery.worker.state import task_ready
-
                 logger.warning("%s[%s]: discarded a %s copy; the original delivery runs on %s and keeps its "
                                "lock and result", self.name, self.id, reason, describe_holder(original))
                 task_ready(self)
