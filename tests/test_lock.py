@@ -465,6 +465,8 @@ def test_a_full_server_keeps_renewing_a_live_lease(make_redis: Callable[..., Red
     info = server_of(client).info
     assert info is not None and info.known, "the server was looked at (its native commands are known)"
     assert lease.release() is True and not admin.exists(KEY), "released on a full server"
+    client.close()
+    admin.close()
 
 
 def test_a_release_on_a_full_server_reports_what_it_did(make_redis: Callable[..., RedisServer]) -> None:
