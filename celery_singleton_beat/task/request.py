@@ -251,13 +251,10 @@ class SingletonRequest(Request):
             return
 
         def wait_then_release() -> None:
-            deadline = time.monotonic() + _EXIT_WAIT
-            while not _process_gone(pid):
-                if time.monotonic() >= deadline:
-                    logger.error("%s[%s] %s, but pool process %s has not exited after %.0fs; its lock "
-                                 "is left to its lease", self.name, self.id, why, pid, _EXIT_WAIT)
-                    return
-                time.sleep(0.02)
+            if not _gone_within(pid, _EXIT_WAIT):
+                logger.error("%s[%s] %s, but pool process %s has not exited after %.0fs; its lock "
+                             "is left to its lease", self.name, self.id, why, pid, _EXIT_WAIT)
+                return
             _release_for_request(self, why, pid=pid)
 
         threading.Thread(target=wait_then_release, name="singleton-release", daemon=True).start()
