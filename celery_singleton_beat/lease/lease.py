@@ -99,6 +99,11 @@ class Lease:
         under the server's ``epoch`` (read before the request too)."""
         #: Monotonic time until which the lock exists in Redis, if Redis keeps it.
         self.valid_until = started + self.spec.ttl
+        #: Monotonic time from which another holder could have taken the lock over: a lock
+        #: the server lost is put back only before it (:meth:`may_put_back`).
+        self.put_back_until = started + self.spec.takeover_after
+        #: Monotonic time of the last confirmation's start.
+        self.confirmed_at = started
         #: Monotonic time until which no other holder can have the lock:
         #: ``ensure_held()`` passes only before it.
         self.vouched_until = started + self.spec.grace
@@ -139,9 +144,26 @@ class Lease:
     def may_put_back(self, client: RedisClient | None = None) -> bool:
         """The lock is gone, and that may be the server's doing, not a holder's: since this
         lease was last confirmed, the process found the data on a server that may lack
-        it (restarted without an append-only file, a promoted replica), and the lease
-        has not ended on this process's clock."""
-        return server_of(client or self.client).epoch > self.epoch and time.monotonic() < self.valid_until
+        it (restarted without an append-only file, a promoted replica), the lease has
+        not ended on this process's clock, and the data was lost before another holder
+        could have taken the lock over (:attr:`put_back_until`; when the loss happened:
+        :attr:`.server.LockServer.lost_by`).
+
+        A holder stopped or cut off past that moment (a paused pod, a partition) may have
+        been taken over on the old server before it lost the data; putting its lock back
+        then would give the key to the holder with the lower fencing token, beside the
+        one that took it over and puts its own back. Such a lease is lost instead.
+        """
+        server = server_of(client or self.client)
+        if server.epoch <= self.epoch or time.monotonic() >= self.valid_until:
+            return False
+        if server.lost_by < self.put_back_until:
+            return True
+        logger.warning("lock %s is gone from the lock Redis, which may have lost it (%s), but it was last "
+                       "confirmed %.1fs before the loss, long enough for another worker to have taken it over: "
+                       "not put back", self.key, server.recovery_reason or "restarted or failed over",
+                       server.lost_by - self.confirmed_at)
+        return False
 
     def put_back(self, client: RedisClient | None = None) -> bool:
         """Write the lock back into a server that lost it (``SET NX``); True if it was still
@@ -155,6 +177,11 @@ class Lease:
         epoch = server.epoch
         if not execute(via, self.key, lambda info: put_back_request(info, self.key, self.value, self.spec.ttl_ms),
                        pooled=True):
+            return False
+        if server.epoch != epoch and not self.may_put_back(via):
+            # Written after yet another loss, which this lease cannot vouch through
+            # (found by this very request's connection): give it up.
+            execute(via, self.key, lambda info: release_request(info, self.key, self.value), pooled=True)
             return False
         self._confirmed(started, epoch)
         logger.warning("put lock %s back after the lock Redis lost it (%s)", self.key,

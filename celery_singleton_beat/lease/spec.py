@@ -56,6 +56,10 @@ class LockSpec:
     #: Seconds after a renewal's start for which the holder vouches for its lease:
     #: until the earliest moment another could have it (see :meth:`__post_init__`).
     grace: float = field(init=False, repr=False)
+    #: Seconds after a renewal's start from which another holder could have taken the lock
+    #: over (a worker's run: two missed renewals and the watch; else the lease's end). A
+    #: lease not confirmed since then never puts its lock back (:meth:`.lease.Lease.may_put_back`).
+    takeover_after: float = field(init=False, repr=False)
     #: The end of its lock values per (node, pid): the same for every run (see :func:`.holder.lock_value`).
     tails: dict[tuple[str, int], str] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -69,6 +73,7 @@ class LockSpec:
         # closing (the server lost the lock right after it was confirmed, and a client
         # noticed at once); for a worker's run, a take-over (two missed renewals and the watch).
         window = self.liveness_ttl / 3 + WINDOW_SLACK
-        take_over = 2 * every + TAKEOVER_WAIT if self.live else self.ttl
+        take_over = min(self.ttl, 2 * every + TAKEOVER_WAIT) if self.live else self.ttl
+        object.__setattr__(self, "takeover_after", take_over)
         object.__setattr__(self, "grace", min(self.ttl, window, take_over))
         object.__setattr__(self, "tails", {})

@@ -81,6 +81,8 @@ class ServerInfo:
     cluster: bool = False
     #: False when ``INFO`` was refused: nothing is known, the portable commands are used.
     known: bool = True
+    #: Whole seconds since the server process started (``uptime_in_seconds``).
+    uptime: int = 0
 
     @functools.cached_property
     def set_nx_get(self) -> bool:
@@ -145,6 +147,7 @@ def parse_info(raw: Any) -> ServerInfo:
         aof=fields.get("aof_enabled") == "1",
         promoted=fields.get("role", "master") == "master" and bool(replid2.strip("0")),
         cluster=fields.get("cluster_enabled") == "1",
+        uptime=int(fields.get("uptime_in_seconds", "0") or 0),
     )
 
 
@@ -188,6 +191,13 @@ class LockServer:
         whenever its keeper gets there, and a beat writes back its claims (:mod:`.beat.recovery`)."""
         return self._memory.epoch
 
+    @property
+    def lost_by(self) -> float:
+        """Monotonic time by which the latest data loss this process found had happened (see
+        :attr:`.window.ServerMemory.lost_by`): a lease confirmed within a take-over's reach
+        of it may put its lock back (:meth:`.lease.Lease.may_put_back`)."""
+        return self._memory.lost_by
+
     def recovery(self) -> Recovery:
         """Is a recovery window open for this server, until when, and why: the latest window
         this process found for this key prefix (on any connection, any Cluster shard), from
@@ -227,7 +237,8 @@ class LockServer:
         if records is not None:
             seen = notice(connection, records, info.run_id, promoted=info.promoted, aof=info.aof, window=self.window)
             lost, opened = self._memory.learn(self.prefix, records[0], info.run_id, seen,
-                                              promoted=info.promoted, aof=info.aof)
+                                              promoted=info.promoted, aof=info.aof,
+                                              started_by=time.monotonic() - info.uptime)
             if opened is not None:
                 logger.warning("the lock Redis (%s) may have lost locks (%s): new locks wait %.1fs while running tasks "
                                "put theirs back",

@@ -202,21 +202,32 @@ class ServerMemory:
         #: Grows each time the data is found on a server that may lack earlier writes
         #: (see :attr:`.server.LockServer.epoch`).
         self.epoch = 0
+        #: Monotonic time by which the data behind the latest epoch was lost: the new
+        #: server's start when another server process serves it now (the one that had the
+        #: data was gone by then; not a promoted replica, whose old primary may have lived
+        #: on), else the moment this process noticed (an emptied or an older data set:
+        #: lost at some moment before).
+        self.lost_by = float("-inf")
         #: Per key prefix, the latest recovery window this process found: apps with
         #: prefixes of their own on one Redis have records, and windows, of their own.
         self.windows: dict[str, Recovery] = {}
         self._lock = threading.Lock()
 
     def learn(self, prefix: str, record: str, run_id: str, seen: Notice, *, promoted: bool,
-              aof: bool) -> tuple[bool, Recovery | None]:
+              aof: bool, started_by: float | None = None) -> tuple[bool, Recovery | None]:
         """Remember what a check's script did, only now that it ran: whether the data may be
-        lost (the epoch grew), and the window if this made one newly open for ``prefix``."""
+        lost (the epoch grew), and the window if this made one newly open for ``prefix``.
+        ``started_by``: monotonic time by which the server process started (its uptime)."""
         with self._lock:
-            lost = data_lost(self.serving.get(record), seen.finding, run_id, promoted=promoted, aof=aof,
+            before = self.serving.get(record)
+            lost = data_lost(before, seen.finding, run_id, promoted=promoted, aof=aof,
                              window_open=seen.left > 0)
             self.serving[record] = run_id
             if lost:
                 self.epoch += 1
+                now = time.monotonic()
+                restarted = before != run_id and not promoted
+                self.lost_by = min(now, started_by) if restarted and started_by is not None else now
             window = self.windows.get(prefix, NO_WINDOW)
             until = time.monotonic() + seen.left
             if seen.left <= 0 or until <= window.until:
