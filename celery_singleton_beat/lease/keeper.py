@@ -6,6 +6,9 @@ third of ``singleton_liveness_ttl``: a dead worker's missed renewals show
 within seconds, and every holder puts its lock back within a recovery window
 after a restart), so a run may last any multiple of ``lock_ttl``; a lease that
 stops being renewable is marked lost and its owner is told through a callback.
+The leases due within a short horizon are renewed together, in one request per
+server (:mod:`.batches`), each judged on its own reply: the keeper's round trips
+stay about constant however many leases the process holds.
 
 When Redis does not answer, the keeper tries again every
 :data:`~.lease.RETRY_EVERY` seconds until the lease would have expired; only
@@ -35,6 +38,7 @@ from ..connection.flusher import read_all_replies
 from ..log import logger
 from ..recovery import server
 from ..recovery.lock_redis import thread_client
+from .batches import BATCH_MAX, group_key, renew_many
 from .commands import Renewal
 from .lease import RETRY_EVERY, Lease, retry_pause
 from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
@@ -46,6 +50,9 @@ __all__ = ["KeptLease", "LeaseKeeper", "get_keeper", "send_pending_releases"]
 IDLE_LOOK = 1.0
 #: Seconds between two log lines about the same lease while Redis does not answer.
 LOG_EVERY = 5.0
+#: Seconds ahead of its time a lease may be renewed, to share a request with the others
+#: due by then (at most a quarter of its renewal interval).
+BATCH_HORIZON = 0.25
 
 
 class KeptLease:
@@ -95,6 +102,8 @@ class LeaseKeeper:
         self._running = False
         #: Times the thread came back from waiting (diagnostics and tests).
         self.wakeups = 0
+        #: Requests that renewed several leases at once (diagnostics and tests).
+        self.batches = 0
         #: The thread is waiting (not renewing).
         self.waiting = False
         #: Monotonic time the waiting thread looks at the queue by itself (-inf: looking now).
@@ -176,25 +185,71 @@ class LeaseKeeper:
         while True:
             with self._mutex:
                 self._next_look = float("-inf")  # looking: a keep() needs no notify
-                while self._queue and not self._queue[0][2].active:
-                    heapq.heappop(self._queue)
                 now = time.monotonic()
-                due = self._queue and self._queue[0][0] <= now
-                kept = heapq.heappop(self._queue)[2] if due else None
-                if kept is None:
+                batch = self._take_due(now)
+                if not batch:
                     timeout = self._queue[0][0] - now if self._queue else IDLE_LOOK
                     self._next_look = now + timeout
                     self.waiting = True
-            if kept is None:
+            if not batch:
                 self._wake.wait(timeout)
                 self.waiting = False
                 self.wakeups += 1
                 continue
-            next_time = self._renew(kept) if isinstance(kept, KeptLease) else self._release_again(kept)
-            if next_time is not None:
-                with self._mutex:
-                    if kept.active:
+            leases = [kept for kept in batch if isinstance(kept, KeptLease)]
+            done = self._renew_batch(leases) if leases else []
+            done += [(pending, self._release_again(pending)) for pending in batch
+                     if isinstance(pending, PendingRelease)]
+            with self._mutex:
+                for kept, next_time in done:
+                    if next_time is not None and kept.active:
                         self._schedule(kept, next_time)
+
+    def _take_due(self, now: float) -> list[KeptLease | PendingRelease]:
+        """Under the mutex: the entries due now, with every lease due within its horizon
+        (a quarter of its renewal interval, :data:`BATCH_HORIZON` at most) behind them,
+        :data:`.batches.BATCH_MAX` leases at most: renewed together, in one request per server."""
+        taken: list[KeptLease | PendingRelease] = []
+        leases = 0
+        while self._queue and leases < BATCH_MAX:
+            when, _, kept = self._queue[0]
+            if not kept.active:
+                heapq.heappop(self._queue)
+                continue
+            horizon = min(BATCH_HORIZON, kept.lease.renew_every / 4) if isinstance(kept, KeptLease) else 0.0
+            if when > now + (horizon if taken else 0.0):
+                break
+            heapq.heappop(self._queue)
+            taken.append(kept)
+            leases += isinstance(kept, KeptLease)
+        return taken
+
+    def _renew_batch(self, leases: list[KeptLease]) -> list[tuple[KeptLease | PendingRelease, float | None]]:
+        """Renew ``leases``: in one request per server where several share it (:mod:`.batches`),
+        each judged on its own reply; the monotonic time of each one's next attempt."""
+        groups: dict[tuple[int, str], list[KeptLease]] = {}
+        for kept in leases:
+            via = thread_client(kept.lease.client)
+            try:
+                groups.setdefault(group_key(via, kept.lease), []).append(kept)
+            except Exception:  # no node for its key now (a Cluster being reshaped): on its own
+                groups[(id(kept), "")] = [kept]
+        done: list[tuple[KeptLease | PendingRelease, float | None]] = []
+        for group in groups.values():
+            if len(group) == 1:
+                done.append((group[0], self._renew(group[0])))
+                continue
+            self.batches += 1
+            via = thread_client(group[0].lease.client)
+            try:
+                outcomes: list[Renewal | BaseException] = renew_many(via, [kept.lease for kept in group])
+            except Exception as exc:  # the request as a whole: each lease's error
+                outcomes = [exc] * len(group)
+            for kept, outcome in zip(group, outcomes, strict=True):
+                # A reply of its own that is an error (-BUSY, -MOVED): on the one-lease path.
+                alone = isinstance(outcome, redis.ResponseError)
+                done.append((kept, self._renew(kept) if alone else self._renew(kept, outcome)))
+        return done
 
     def renew_all_soon(self) -> None:
         """Renew every kept lease now: the process found its data on a server that may lack
@@ -218,18 +273,27 @@ class LeaseKeeper:
         send it through (the keeper's own); the lease's by default. Raises
         ``redis.RedisError`` when Redis cannot be asked.
         """
+        return self._settle(kept, kept.lease.renew_once(client), client)
+
+    def _settle(self, kept: KeptLease, outcome: Renewal, client: Any) -> bool:
+        """What a renewal of ``kept`` that found ``outcome`` means: True if the lease holds
+        (renewed, or put back where the server lost it and the rules allow it)."""
         lease = kept.lease
-        outcome = lease.renew_once(client)
         if outcome is Renewal.GONE and lease.may_put_back(client):
             with self._mutex:
                 return kept.active and lease.put_back(client)
         return outcome is Renewal.RENEWED
 
-    def _renew(self, kept: KeptLease) -> float | None:
-        """Renew once; the monotonic time of the next attempt, or None when done."""
+    def _renew(self, kept: KeptLease, outcome: Renewal | BaseException | None = None) -> float | None:
+        """Renew once (or judge ``outcome``, what a batched renewal of it found); the
+        monotonic time of the next attempt, or None when done."""
         lease = kept.lease
         try:
-            if self.renew(kept, thread_client(lease.client)):
+            via = thread_client(lease.client)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            held = self.renew(kept, via) if outcome is None else self._settle(kept, outcome, via)
+            if held:
                 kept.renewals += 1
                 if kept.next_complaint:
                     kept.next_complaint = 0.0

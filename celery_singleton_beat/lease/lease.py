@@ -125,21 +125,30 @@ class Lease:
         Raises ``redis.RedisError`` when Redis cannot be asked; the caller decides
         (the keeper keeps trying until the lease would have expired). ``client``:
         another client of the same server to send it through (the keeper's own, in
-        greenlet pools).
+        greenlet pools). The keeper renews many leases in one request instead
+        (:mod:`.batches`), through the same two steps.
         """
         started = time.monotonic()
-        spec = self.spec
         via = client or self.client
         epoch = server_of(via).epoch
-        outcome = execute(via, self.key, lambda info: renew_request(info, self.key, self.value, spec.ttl_ms),
-                          pooled=True)
+        outcome = execute(via, self.key, self.renewal_request, pooled=True)
+        return self.settle_renewal(outcome, started, epoch, via)
+
+    def renewal_request(self, info: ServerInfo) -> Request:
+        """The compare-and-extend of this lease, as the server ``info`` spells it."""
+        return renew_request(info, self.key, self.value, self.spec.ttl_ms)
+
+    def settle_renewal(self, outcome: Renewal | None, started: float, epoch: int, via: RedisClient) -> Renewal:
+        """What a renewal sent at ``started`` (monotonic) under ``epoch`` found: a native
+        renewal that did not say why it failed is asked about (gone, or another's); a
+        renewed lease is confirmed from ``started``."""
         if outcome is None:  # native SET IFEQ does not say why: ask
             look = execute(via, self.key, lambda info: look_request(self.key), pooled=True)
             outcome = Renewal.HELD_BY_ANOTHER if look.current is not None else Renewal.GONE
         if outcome is Renewal.RENEWED:
             self._confirmed(started, epoch)
-            counters.count(self.client, spec.stats_key, "renewed")
-        return outcome  # type: ignore[no-any-return]
+            counters.count(self.client, self.spec.stats_key, "renewed")
+        return outcome
 
     def may_put_back(self, client: RedisClient | None = None) -> bool:
         """The lock is gone, and that may be the server's doing, not a holder's: since this

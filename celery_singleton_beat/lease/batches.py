@@ -1,0 +1,88 @@
+"""Renewals of many leases in one request per server, each lease judged on its own reply.
+
+The keeper (:mod:`.keeper`) renews every lease due within a short horizon
+together: one pipelined write of their compare-and-extend commands per server
+(per node on Redis Cluster), and one read of the replies. Its round trips per
+second then stay about constant however many leases a process holds (a gevent
+worker with a thousand running tasks), where one request per lease made them
+grow with the leases.
+
+Each lease's reply decides for that lease alone: a lock held by another is
+lost alone, a lock the server lost is put back alone (:meth:`.keeper.LeaseKeeper.renew`'s
+rules), and a reply that is an error (``-BUSY`` for that command, a
+``-MOVED`` of a slot that moved) sends that lease on the one-lease path. Every
+renewal compares before it writes, so a batch sent twice (its connection broke
+after the write) changes nothing the first did not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..connection.client import is_cluster
+from ..connection.wire import Request
+from ..recovery.server import ServerInfo, server_of
+from .commands import NativeRefused, Renewal
+from .executor import execute
+from .lease import Lease
+
+__all__ = ["BATCH_MAX", "combined", "group_key", "renew_many"]
+
+#: Renewals written in one request at most (a bigger batch waits for the next round).
+BATCH_MAX = 512
+
+
+def combined(requests: Sequence[Request]) -> Request:
+    """One request of ``requests``, written together; its result is the list of their
+    results, an exception in place of a request whose own ``finish`` raised one. A
+    native command the server refused is raised for all (the executor sends the whole
+    batch again in the portable spelling)."""
+    scripts = tuple({script.sha: script for request in requests for script in request.scripts}.values())
+    counts = [request.count for request in requests]
+
+    def finish(replies: list[Any]) -> list[Any]:
+        results: list[Any] = []
+        at = 0
+        for request, count in zip(requests, counts, strict=True):
+            try:
+                results.append(request.finish(replies[at:at + count]))
+            except NativeRefused:
+                raise
+            except Exception as exc:  # this request's error, judged with its lease
+                results.append(exc)
+            at += count
+        return results
+
+    return Request(None, finish, scripts, data=b"".join(request.data for request in requests), count=sum(counts))
+
+
+def group_key(via: Any, lease: Lease) -> tuple[int, str]:
+    """Leases renewed through the same client and, on Cluster, held by the same node share a request."""
+    if is_cluster(via):
+        return id(via), via.get_node_from_key(lease.key).name
+    return id(via), ""
+
+
+def renew_many(via: Any, leases: Sequence[Lease]) -> list[Renewal | BaseException]:
+    """Renew ``leases`` (all of one server, or one Cluster node) in one request: per lease, what
+    its renewal found (:meth:`.lease.Lease.settle_renewal`), or the error of its own reply.
+    Raises ``redis.RedisError`` when the request could not be made at all."""
+    started = time.monotonic()
+    epoch = server_of(via).epoch
+
+    def build(info: ServerInfo) -> Request:
+        return combined([lease.renewal_request(info) for lease in leases])
+
+    replies = execute(via, leases[0].key, build, pooled=True)
+    outcomes: list[Renewal | BaseException] = []
+    for lease, reply in zip(leases, replies, strict=True):
+        if isinstance(reply, BaseException):
+            outcomes.append(reply)
+            continue
+        try:
+            outcomes.append(lease.settle_renewal(reply, started, epoch, via))
+        except Exception as exc:  # its look, when the native renewal did not say why
+            outcomes.append(exc)
+    return outcomes
