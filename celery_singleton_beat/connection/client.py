@@ -32,7 +32,7 @@ from typing import Any, TypeVar, Union
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.cluster import PRIMARY, ClusterNode, ClusterPipeline, RedisCluster, get_node_name
 from redis.exceptions import MovedError, RedisClusterException, SlotNotCoveredError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
@@ -49,6 +49,8 @@ __all__ = [
     "acl_rules",
     "call_acknowledged",
     "cluster_moved",
+    "cluster_node_at",
+    "cluster_reread",
     "group_by_node",
     "is_cluster",
     "is_cluster_outage",
@@ -271,6 +273,38 @@ def group_by_node(client: RedisClient, keys: Sequence[str]) -> list[list[int]]:
     for index, key in enumerate(keys):
         groups.setdefault(client.get_node_from_key(key).name, []).append(index)
     return list(groups.values())
+
+
+def cluster_node_at(client: RedisCluster, host: str, port: int) -> ClusterNode:
+    """The node of ``client`` at ``host:port`` (the address of a ``-ASK`` reply), added to
+    its node table if the slot map does not list it.
+
+    A node being added to a cluster serves no slot until a first slot finished migrating
+    to it: ``CLUSTER SLOTS`` does not name it, so reading the layout again would not find
+    it, and a ``-ASK`` to it could not be followed. It is added as redis-py adds the node
+    of a ``-MOVED`` it follows, as a primary, the slot map left as it is.
+    :meth:`RedisCluster.get_redis_connection` then makes its pool with the client's
+    connection settings, ``redis_connect_func`` included (each new connection is looked
+    at, as on every node). The next read of the layout keeps the node (and its pool) once
+    it serves a slot, and drops it otherwise.
+    """
+    manager = client.nodes_manager
+    host, port = manager.remap_host_port(host, port)  # as the addresses of CLUSTER SLOTS are
+    node: ClusterNode | None = manager.get_node(host=host, port=port)
+    if node is None:
+        # setdefault: one node for threads that add it at once (the table itself is replaced,
+        # not changed, by a read of the layout).
+        node = manager.nodes_cache.setdefault(get_node_name(host, port), ClusterNode(host, port, PRIMARY))
+    return node
+
+
+def cluster_reread(client: RedisCluster) -> None:
+    """Read the cluster's layout again (``CLUSTER SLOTS``): after a ``-MOVED`` (the slot has
+    a new owner), or when a node of the slot map could not be reached (it may be gone:
+    removed from the cluster once its slots moved away, or a failed primary whose replica
+    took over). No node answering is :class:`ClusterUnavailable`, as any Cluster outage."""
+    with _outage_as_connection_error():
+        client.nodes_manager.initialize()
 
 
 def cluster_moved(client: Any, error: Exception) -> bool:

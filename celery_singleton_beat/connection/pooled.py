@@ -4,7 +4,9 @@ For requests that do not go through a thread's own channel (:mod:`.channel`):
 Sentinel and Cluster clients, requests that need their connection afterwards
 (``WAIT``), and callers without a channel. The connection is looked at by the
 client's server record first (:func:`.wire.ensure_checked`); on Cluster,
-``-MOVED`` and ``-ASK`` are followed (:mod:`.redirects`).
+``-MOVED`` and ``-ASK`` are followed (:mod:`.redirects`), and a node that refuses
+or drops the connection makes the client read the layout again before the request
+is sent once more (the node may be gone: removed from the cluster, or failed over).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 
 import redis
 
-from .client import cluster_moved, is_cluster
-from .lending import borrow, give_back
+from .client import cluster_moved, cluster_reread, is_cluster
+from .lending import borrow, give_back, pool_is_full
 from .redirects import AskFollower
 from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, ensure_checked, looker_of, run_on
 
@@ -38,7 +40,8 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     slot that migrates, the connection to the target when the request's first
     command went there). ``before_write`` runs once the connection is up (a
     recovery window's wait). A connection that fails with a connection error
-    is dropped and the request is sent once more on a new one; one whose
+    is dropped and the request is sent once more on a new one (on Cluster, once
+    the layout was read again: to the node serving the slot now); one whose
     replies were not all read (whatever the exception) is dropped, never put
     back. On Cluster, ``-MOVED`` and ``-ASK`` are followed (see the module
     docstring).
@@ -48,7 +51,13 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     for attempt in (1, 2):
         server = _node_client(client, key)
         pool = server.connection_pool
-        connection = borrow(pool)
+        try:
+            connection = borrow(pool)
+        except RETRIED as exc:
+            if attempt == 2 or not cluster or pool_is_full(exc):
+                raise
+            cluster_reread(client)  # the slot's node refused: it may be gone, the slot served by another
+            continue
         link = PoolLink(connection)
         follow = AskFollower(client) if cluster else None
         try:
@@ -66,6 +75,8 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             connection.disconnect()
             if attempt == 2:
                 raise
+            if cluster:
+                cluster_reread(client)
         except BROKEN:
             connection.disconnect()
             raise

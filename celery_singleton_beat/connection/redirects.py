@@ -12,6 +12,12 @@ of the node that took the key, read right behind its ``SET``). What the source
 served stays served: sending the whole request to the target would, for a lock
 the source still holds, create a second holder there.
 
+The target is the address the reply names, whether or not the client's slot map lists
+it: a node being added to the cluster serves no slot until a first slot finished
+migrating to it, so ``CLUSTER SLOTS`` does not name it. ``-MOVED`` replies (redis-py's
+``MovedError`` is an ``AskError``) are followed the same way, once the layout was read
+again (the next requests of the slot go to its new owner first).
+
 :func:`.wire.run_pooled` uses :class:`AskFollower` on Cluster clients.
 """
 
@@ -19,8 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.exceptions import AskError
+from redis.exceptions import AskError, MovedError
 
+from .client import cluster_node_at, cluster_reread
 from .lending import borrow, give_back
 from .wire import PoolLink, Request, ensure_checked, looker_of, pack, run_on
 
@@ -127,14 +134,13 @@ class AskFollower:
         return replies
 
     def _target(self, ask: AskError) -> PoolLink:
-
-        node = self._client.get_node(host=ask.host, port=ask.port)
-        if node is None:  # a node this client has not seen yet: read the layout
-            self._client.nodes_manager.initialize()
-            node = self._client.get_node(host=ask.host, port=ask.port)
-            if node is None:
-                raise ask
-        pool = self._client.get_redis_connection(node).connection_pool
+        """A connection (checked) to the node the ``-ASK`` (or ``-MOVED``: redis-py's
+        ``MovedError`` is an ``AskError``) names, whether or not the client's slot map lists
+        it: a node being added serves no slot until a first slot finished migrating to it, so
+        ``CLUSTER SLOTS`` does not name it (see :func:`.client.cluster_node_at`)."""
+        if isinstance(ask, MovedError):  # the slot has a new owner: the next requests go there first
+            cluster_reread(self._client)
+        pool = self._client.get_redis_connection(cluster_node_at(self._client, ask.host, ask.port)).connection_pool
         connection = borrow(pool)
         link = PoolLink(connection)
         self._borrowed = (pool, connection, link)

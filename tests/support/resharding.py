@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 
 __all__ = ["SlotMove", "monitored"]
 
@@ -51,13 +51,16 @@ def monitored(node: redis.Redis) -> Iterator[list[dict[str, Any]]]:
 
 
 class SlotMove:
-    """The slot of ``key`` moving from its primary to another (see the module docstring)."""
+    """The slot of ``key`` moving from its primary to another (see the module docstring):
+    ``target``, e.g. a node being added that ``admin``'s slot map does not list, or else
+    another primary."""
 
-    def __init__(self, admin: RedisCluster, key: str) -> None:
+    def __init__(self, admin: RedisCluster, key: str, target: ClusterNode | None = None) -> None:
         self.admin = admin
         self.slot = admin.keyslot(key)
         source = admin.get_node_from_key(key)
-        target = next(node for node in admin.get_primaries() if node.name != source.name)
+        if target is None:
+            target = next(node for node in admin.get_primaries() if node.name != source.name)
         self.source_node, self.target_node = source, target
         self.source: redis.Redis = admin.get_redis_connection(source)
         self.target: redis.Redis = admin.get_redis_connection(target)
@@ -90,7 +93,10 @@ class SlotMove:
     def finish(self) -> None:
         """Migrate what is left and give the slot to the target on every primary."""
         self.migrate(*self.keys_on(self.source))
-        for node in self.admin.get_primaries():
+        primaries = self.admin.get_primaries()
+        if all(node.name != self.target_node.name for node in primaries):  # a node being added: the target first
+            self.target.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", self.target_id)
+        for node in primaries:
             self.admin.get_redis_connection(node).execute_command("CLUSTER", "SETSLOT", self.slot, "NODE",
                                                                   self.target_id)
 

@@ -42,8 +42,8 @@ from .waiting import wait_for
 
 __all__ = [
     "ACL_PASSWORD", "ACL_USER", "MASTER_NAME", "Certificate", "SentinelGroup", "ServerProcess",
-    "Topology", "cluster_shard", "make_certificate", "set_acl_user", "start_acl", "start_cluster", "start_sentinels",
-    "start_tls", "wait_for_new_primary",
+    "Topology", "add_cluster_node", "cluster_shard", "make_certificate", "set_acl_user", "start_acl",
+    "start_cluster", "start_sentinels", "start_tls", "wait_for_new_primary",
 ]
 
 class ServerProcess(RedisServerProcess):
@@ -197,6 +197,12 @@ def set_acl_user(server: redis.Redis, rules: list[str]) -> None:
 # -------------------------------------------------------------------- Cluster
 
 
+def _cluster_node_args(port: int) -> list[str]:
+    # An explicit bus port: port + 10000 may not exist or be free.
+    return _server_args("--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                        "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000")(port)
+
+
 def start_cluster(primaries: int = 3, replicas: int = 0) -> Topology:
     """``primaries`` cluster-enabled servers joined by ``redis-cli --cluster create``, each with
     ``replicas`` replicas (in sync when this returns)."""
@@ -205,14 +211,9 @@ def start_cluster(primaries: int = 3, replicas: int = 0) -> Topology:
     servers: list[ServerProcess] = []
     total = primaries * (1 + replicas)
 
-    def node_args(port: int) -> list[str]:
-        # An explicit bus port: port + 10000 may not exist or be free.
-        return _server_args("--cluster-enabled", "yes", "--cluster-port", str(free_port()),
-                            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000")(port)
-
     try:
         for index in range(total):
-            servers.append(ServerProcess(f"node{index}", node_args, workdir / f"node{index}").start())
+            servers.append(ServerProcess(f"node{index}", _cluster_node_args, workdir / f"node{index}").start())
         subprocess.run(
             [redis_cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
              "--cluster-replicas", str(replicas), "--cluster-yes"],
@@ -241,6 +242,33 @@ def start_cluster(primaries: int = 3, replicas: int = 0) -> Topology:
     nodes = ",".join(f"127.0.0.1:{s.port}" for s in servers[:2])  # discovery finds the others
     admin = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", s.port) for s in servers], socket_timeout=10)
     return Topology("cluster", f"redis+cluster://{nodes}", admin, replicas, servers, workdir)
+
+
+def add_cluster_node(topology: Topology) -> ServerProcess:
+    """One more cluster-enabled server, met by the cluster and serving no slot yet: a node
+    being added, as ``redis-cli --cluster add-node`` adds one (``CLUSTER MEET``). Returns
+    once every node knows every other and the cluster is ok on each. Stopped with the
+    topology, and by its owner as every server (added inside a test, it stops when the
+    test ends: grow a Cluster of the test's own)."""
+    name = f"node{len(topology.servers)}"
+    server = ServerProcess(name, _cluster_node_args, topology.workdir / name).start()
+    topology.servers.append(server)
+    with server.client() as new:
+        bus_port = int(new.config_get("cluster-port")["cluster-port"])
+    with topology.servers[0].client() as client:
+        client.execute_command("CLUSTER", "MEET", "127.0.0.1", server.port, bus_port)
+    total = len(topology.servers)
+
+    def known_everywhere() -> bool:
+        for each in topology.servers:
+            with each.client() as client:
+                info = client.cluster("info")
+                if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) != total:
+                    return False
+        return True
+
+    wait_for(known_everywhere, timeout=30, message=f"{name} known to every node, the cluster ok on each")
+    return server
 
 
 def cluster_shard(topology: Topology, slot: int) -> tuple[ServerProcess, list[ServerProcess]]:

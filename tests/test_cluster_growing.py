@@ -1,0 +1,221 @@
+"""Redis Cluster growing and shrinking: a slot migrating to a node being added, a node removed.
+
+A real 3-primary Cluster on loopback (``start_cluster``, one per test), then one more
+cluster-enabled server met by the cluster (``add_cluster_node``: ``CLUSTER MEET``,
+as ``redis-cli --cluster add-node`` does). Such a node serves no slot until the first
+slot finished migrating to it, so ``CLUSTER SLOTS`` does not list it and the client's
+slot map has no node at that address. The slot of the locks is moved to it by hand
+(:class:`.support.resharding.SlotMove`): the source answers ``-ASK <slot> <new node>``
+for the keys it no longer has, and the library must follow that address all the same
+(with the client's connection settings, each new connection looked at by the library's
+connect hook), then ``-MOVED`` to it once the slot is the new node's. The other way
+round, a node removed once its slot moved away may still be in a client's slot map:
+its refused connection makes the client read the layout again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from redis.cluster import ClusterNode, RedisCluster
+
+from celery_singleton_beat.connection.client import acl_rules, redis_from_url
+from celery_singleton_beat.lease.lock import AcquireResult
+from celery_singleton_beat.recovery.server import LockServer
+from celery_singleton_beat.recovery.window import mark_in_use
+
+from .support import wait_for
+from .support.locking import renew, take_lock
+from .support.owners import Owner
+from .support.resharding import SlotMove
+from .support.topologies import (
+    ACL_PASSWORD,
+    ACL_USER,
+    ServerProcess,
+    Topology,
+    add_cluster_node,
+    set_acl_user,
+    start_cluster,
+)
+
+_tags = itertools.count()
+
+
+def tag() -> str:
+    """A hash tag no other test uses: its slot is moved by this test only."""
+    return f"demo.task:growing-{next(_tags)}"
+
+
+def take(client: Any, key: str, task_id: str, ttl: float = 30) -> AcquireResult:
+    return take_lock(client, key, ttl, task="demo.task", task_id=task_id, node="w1@host", boot="b1")
+
+
+def task_id_in(raw: bytes | None) -> str | None:
+    return None if raw is None else str(json.loads(raw)["task_id"])
+
+
+class HookedClient:
+    """The library's client of the cluster as the limited user, set up as
+    :func:`.recovery.lock_redis.get_redis` sets it up (a :class:`LockServer` looks at every
+    new connection, through ``redis_connect_func``), with the port of each connection the
+    hook ran on."""
+
+    def __init__(self, cluster: Topology) -> None:
+        self.server = LockServer("singleton", 3.0)
+        self.ports: list[int] = []
+        url = cluster.url.replace("://", f"://{ACL_USER}:{ACL_PASSWORD}@")
+        self.client: RedisCluster = redis_from_url(url, redis_connect_func=self._on_connect)  # type: ignore[assignment]
+        self.client.csb_server = self.server  # type: ignore[attr-defined]
+
+    def _on_connect(self, connection: Any) -> None:
+        self.ports.append(int(connection.port))
+        self.server.on_connect(connection)
+
+
+@pytest.fixture
+def cluster(test_owner: Owner) -> Iterator[Topology]:
+    """A 3-primary Redis Cluster of this test's own (the shared module one is not grown or
+    shrunk), with the documented ACL user on every node, each marked in use (as
+    :func:`.support.fixtures.cluster`). Stopped with the nodes added to it when the test ends."""
+    topology = start_cluster()
+    for node in topology.primaries():
+        set_acl_user(node, acl_rules(cluster=True))
+        mark_in_use(node)
+    yield topology
+    topology.stop()
+
+
+@pytest.fixture
+def hooked(cluster: Topology) -> Iterator[HookedClient]:
+    made = HookedClient(cluster)
+    yield made
+    made.client.close()
+
+
+def new_node(cluster: Topology) -> tuple[ServerProcess, ClusterNode]:
+    """A node added to ``cluster``, serving no slot, with the tests' ACL user."""
+    server = add_cluster_node(cluster)
+    with server.client() as admin:
+        set_acl_user(admin, acl_rules(cluster=True))
+    assert server.port is not None
+    return server, ClusterNode("127.0.0.1", server.port)
+
+
+def test_a_slot_migrating_to_a_node_being_added_is_followed(cluster: Topology, hooked: HookedClient) -> None:
+    """The slot of held locks migrates to a node that serves no slot yet (not in the client's
+    slot map): a held lease whose key moved there is renewed there, another is released
+    there, a new lock of the slot is taken there; the connect hook looked at the library's
+    connections to it. Once the slot is the new node's (the source answers ``-MOVED``), the
+    lease still renews there and is released there."""
+    client = hooked.client
+    admin = cluster.admin
+    assert isinstance(admin, RedisCluster)
+    t = tag()
+    kept_key, gone_key, fresh_key = (f"singleton:{n}:{{{t}}}" for n in ("kept", "gone", "fresh"))
+    kept = take(client, kept_key, "kept", ttl=3).lease
+    gone = take(client, gone_key, "gone").lease
+    assert kept is not None and gone is not None
+    server, node = new_node(cluster)
+    assert client.get_node(host=node.host, port=node.port) is None, "the new node is not in the client's slot map"
+
+    move = SlotMove(admin, kept_key, target=node).start()
+    move.migrate(kept_key, gone_key)  # the source answers -ASK <slot> <new node> for them now
+    assert move.keys_on(move.source) == [] and sorted(move.keys_on(move.target)) == sorted([kept_key, gone_key])
+
+    # (a) The held lease is renewed on the new node (its TTL back at 3 s).
+    wait_for(lambda: move.on_target("PTTL", kept_key) < 2500, timeout=10, message="the lease's TTL below 2.5 s")
+    assert renew(kept), "the lease whose key migrated to the new node is renewed"
+    assert move.on_target("PTTL", kept_key) > 2500 and task_id_in(move.on_target("GET", kept_key)) == "kept"
+    assert kept_key not in move.keys_on(move.source)
+
+    # (b) A release frees the key on the new node.
+    assert gone.release(), "the lease whose key migrated to the new node is released"
+    assert move.on_target("EXISTS", gone_key) == 0 and gone_key not in move.keys_on(move.source)
+
+    # (c) A new lock of the slot, a key the source does not have: created on the new node.
+    fresh = take(client, fresh_key, "fresh")
+    assert fresh.acquired and task_id_in(move.on_target("GET", fresh_key)) == "fresh"
+    assert fresh_key not in move.keys_on(move.source)
+    assert server.port in hooked.ports, "the library's connect hook looked at the connections to the new node"
+
+    # (d) The slot is the new node's: the source answers -MOVED to it.
+    move.finish()
+    with server.client() as on_new:
+        wait_for(lambda: move.on_target("PTTL", kept_key) < 2500, timeout=10,
+                 message="the lease's TTL below 2.5 s")
+        assert renew(kept), "the lease is renewed on the new node, now the slot's owner"
+        assert on_new.pttl(kept_key) > 2500
+        assert client.get_node_from_key(kept_key).name == node.name, "-MOVED: the layout read again"
+        assert kept.release() and fresh.lease is not None and fresh.lease.release()
+        assert on_new.exists(kept_key, fresh_key) == 0
+
+
+def test_a_slot_moved_to_a_node_added_since_the_client_read_the_layout(cluster: Topology,
+                                                                        hooked: HookedClient) -> None:
+    """The slot of held locks moved, all of it, to a node added after the client read the
+    layout (not in its node table): the source answers ``-MOVED`` to it, and the lease is
+    renewed there, released there, and a new lock of the slot is taken there."""
+    client = hooked.client
+    admin = cluster.admin
+    assert isinstance(admin, RedisCluster)
+    t = tag()
+    kept_key, fresh_key = (f"singleton:{n}:{{{t}}}" for n in ("kept", "fresh"))
+    kept = take(client, kept_key, "kept", ttl=3).lease
+    assert kept is not None
+    server, node = new_node(cluster)
+    assert client.get_node(host=node.host, port=node.port) is None, "the new node is not in the client's node table"
+    move = SlotMove(admin, kept_key, target=node).start()
+    move.finish()
+    with server.client() as on_new:
+        wait_for(lambda: on_new.pttl(kept_key) < 2500, timeout=10, message="the lease's TTL below 2.5 s")
+        assert renew(kept), "the lease is renewed on the node the slot moved to"
+        assert on_new.pttl(kept_key) > 2500 and task_id_in(on_new.get(kept_key)) == "kept"
+        assert client.get_node_from_key(kept_key).name == node.name, "-MOVED: the layout read again"
+        fresh = take(client, fresh_key, "fresh")
+        assert fresh.acquired and task_id_in(on_new.get(fresh_key)) == "fresh"
+        assert kept.release() and fresh.lease is not None and fresh.lease.release()
+        assert on_new.exists(kept_key, fresh_key) == 0
+    assert server.port in hooked.ports, "the library's connect hook looked at the connections to the new node"
+
+
+def test_a_slot_moved_off_a_node_then_removed(cluster: Topology, hooked: HookedClient) -> None:
+    """A node added, given the slot of a held lock, then emptied (the slot moved back to an
+    original node) and removed as ``redis-cli --cluster del-node`` removes one (``CLUSTER
+    FORGET`` on every other node, then shut down), while the client's slot map still names
+    it for that slot (no request of the slot in between): its connection refused, the
+    layout is read again, and the lease is renewed on the slot's owner, released there,
+    and a new lock of the slot is taken there."""
+    client = hooked.client
+    admin = cluster.admin
+    assert isinstance(admin, RedisCluster)
+    t = tag()
+    kept_key, fresh_key = (f"singleton:{n}:{{{t}}}" for n in ("kept", "fresh"))
+    owner = admin.get_node_from_key(kept_key)
+    server, node = new_node(cluster)
+    with server.client() as added:  # emptied, it stays a primary (else it turns into a replica of the slot's owner)
+        added.config_set("cluster-allow-replica-migration", "no")
+    SlotMove(admin, kept_key, target=node).start().finish()
+    admin.nodes_manager.initialize()
+    kept = take(client, kept_key, "kept", ttl=3).lease  # the client's map: the slot on the new node
+    assert kept is not None
+    assert client.get_node_from_key(kept_key).name == node.name
+    SlotMove(admin, kept_key, target=owner).start().finish()
+    admin.nodes_manager.initialize()
+    with server.client() as removed:
+        removed_id = removed.execute_command("CLUSTER", "MYID").decode()
+    for each in admin.get_primaries():
+        admin.get_redis_connection(each).execute_command("CLUSTER", "FORGET", removed_id)
+    server.stop(timeout=10)
+    assert client.get_node_from_key(kept_key).name == node.name, "the client's map still names the removed node"
+    on_owner = admin.get_redis_connection(owner)
+    wait_for(lambda: on_owner.pttl(kept_key) < 2500, timeout=10, message="the lease's TTL below 2.5 s")
+    assert renew(kept), "the lease is renewed on the slot's owner"
+    assert on_owner.pttl(kept_key) > 2500
+    fresh = take(client, fresh_key, "fresh")
+    assert fresh.acquired and task_id_in(on_owner.get(fresh_key)) == "fresh"
+    assert kept.release() and fresh.lease is not None and fresh.lease.release()
+    assert on_owner.exists(kept_key, fresh_key) == 0
