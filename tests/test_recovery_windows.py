@@ -2,7 +2,8 @@
 new server, never at the server's start.
 
 After the lock Redis lost data (a restart without an append-only file, from an RDB
-snapshot, a promoted replica, a missing ``<prefix>:server`` record), no key that may be
+snapshot, a promoted replica, a missing ``<prefix>:server`` record, a former primary
+serving again), no key that may be
 held is given to anyone else until every live holder had its chance to put its lock
 back. What each test protects:
 
@@ -21,6 +22,16 @@ back. What each test protects:
   after an empty server that was reachable only once it had been up longer than the
   window, or as a worker started after the restart (it never talked to the old
   server). The contender must not run ``k`` beside A.
+* ``test_a_window_lasts_as_long_as_the_slowest_holder_needs``: a process renewing every
+  0.5 s notices a loss first; the window it opens lasts what a process renewing every
+  2 s needs (remembered from the record, or read in the record a failover kept).
+* ``test_a_former_primary_serving_again_opens_a_window``: a primary failed over from and
+  elected again without ever replicating from the interim primary looks like nothing
+  changed; a process that used the interim primary finds its data older (the record's
+  generation): a window opens and its holders put their locks back.
+* ``test_two_histories_of_one_generation_open_a_window``: a primary restarted with its
+  append-only file while its replica was promoted reaches the same generation as the
+  replica; a process that used the replica finds another history there.
 
 In-process tests build the library's per-connection check (:class:`LockServer`) on a
 plain client, one :class:`ServerMemory` per simulated process.
@@ -46,7 +57,15 @@ from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.log import logger
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.recovery.server import LockServer, server_of
-from celery_singleton_beat.recovery.window import WINDOW_SLACK, ServerMemory, recovery_key, server_key, shard_records
+from celery_singleton_beat.recovery.window import (
+    WINDOW_SLACK,
+    ServerMemory,
+    ServerRecord,
+    mark_in_use,
+    recovery_key,
+    server_key,
+    shard_records,
+)
 
 from .support import RedisServer, wait_for
 from .support.keeps_lock import (
@@ -71,16 +90,24 @@ LIVENESS_TTL = 2.0
 WINDOW = LIVENESS_TTL / 3 + WINDOW_SLACK
 
 
-def process_client(server: RedisServer, memory: ServerMemory | None = None,
+def process_client(server: RedisServer, memory: ServerMemory | None = None, liveness_ttl: float = LIVENESS_TTL,
                    **options: Any) -> tuple[redis.Redis, LockServer]:
     """A client whose every connection the library checks, as one process's would be
-    (``memory``: what that process saw; a fresh one: a process that never used the server)."""
-    lock_server = LockServer(PREFIX, LIVENESS_TTL, memory or ServerMemory())
+    (``memory``: what that process saw; a fresh one: a process that never used the server;
+    ``liveness_ttl``: that process's ``singleton_liveness_ttl``)."""
+    lock_server = LockServer(PREFIX, liveness_ttl, memory or ServerMemory())
     client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5,
                          retry=Retry(NoBackoff(), 0), redis_connect_func=lock_server.on_connect,
                          **options)
     client.csb_server = lock_server  # type: ignore[attr-defined]
     return client, lock_server
+
+
+def record_of(client: redis.Redis, key: str = server_key(PREFIX)) -> ServerRecord:
+    """The server record ``key`` on ``client``'s server (an AssertionError if there is none)."""
+    record = ServerRecord.decode(client.get(key))
+    assert record is not None, f"no {key} on the server"
+    return record
 
 
 def fresh_connection(client: redis.Redis) -> None:
@@ -109,7 +136,8 @@ def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[...,
     assert "may have lost locks (no record" in line and "Redis Redis" not in line, line
     opened_ms = direct.pttl(recovery_key(PREFIX))
     assert 0 < opened_ms <= WINDOW * 1000, "a Redis without the server record opens a window at its first client"
-    assert direct.get(server_key(PREFIX)) == run_id(direct).encode(), "the record names the server"
+    assert record_of(direct) == ServerRecord(run_id(direct), 1, round(WINDOW, 3)), \
+        "the record names the server, at the first generation, with the window its process needs"
     window = first_server.recovery()
     assert window.open and "new or emptied" in window.reason, window
     assert not LockServer("other-app", LIVENESS_TTL, memory).recovery().open, \
@@ -136,7 +164,8 @@ def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[...,
     assert not direct.exists(recovery_key(PREFIX)) and not first_server.recovery().open, \
         "an append-only-file restart opens no window"
     assert first_server.epoch == 0, "nor does it make holders put their locks back"
-    assert direct.get(server_key(PREFIX)) == run_id(direct).encode(), "the record names the new run"
+    assert record_of(direct) == ServerRecord(run_id(direct), 2, round(WINDOW, 3)), \
+        "the record names the new run, one generation up"
 
 
 def test_a_check_cut_before_its_record_is_written_is_noticed_again(
@@ -165,11 +194,143 @@ def test_a_check_cut_before_its_record_is_written_is_noticed_again(
 
     other, _ = process_client(lock_redis)
     other.ping()  # another process notices the new server first: the record names it now
-    assert direct.get(server_key(PREFIX)) == run_id(direct).encode()
+    assert record_of(direct).server == run_id(direct)
     fresh_connection(client)
     assert lock_server.epoch > epoch, "the process found its data lost on its next connection"
     window = lock_server.recovery()
     assert window.open, "and the window open"
+
+
+#: A slow process's ``singleton_liveness_ttl`` (renews every 2 s) and a fast one's.
+SLOW_TTL, FAST_TTL = 6.0, 1.5
+#: The windows each of them needs: 3.5 s and 2.0 s.
+SLOW_NEED, FAST_NEED = SLOW_TTL / 3 + WINDOW_SLACK, FAST_TTL / 3 + WINDOW_SLACK
+
+
+def replicate_then_promote(primary: RedisServer, replica: RedisServer) -> None:
+    """``replica`` copies ``primary``'s data, then is promoted (``REPLICAOF NO ONE``) as a
+    failover would; ``primary`` is never told (cut off by a partition, it goes on as a primary)."""
+    source, copy = primary.client(), replica.client()
+    copy.replicaof("127.0.0.1", primary.port)
+    wait_for(lambda: copy.info("replication").get("master_link_status") == "up"
+             and copy.get(server_key(PREFIX)) == source.get(server_key(PREFIX)),
+             timeout=30, message="the replica has the primary's data")
+    copy.replicaof("NO", "ONE")
+
+
+@pytest.mark.parametrize("how", ["restart-empty", "promoted-replica"])
+def test_a_window_lasts_as_long_as_the_slowest_holder_needs(how: str,
+                                                             make_redis: Callable[..., RedisServer]) -> None:
+    """Process S renews every 2 s (``singleton_liveness_ttl`` 6: it needs a 3.5 s window to
+    put its locks back), process F every 0.5 s (1.5: 2 s). F notices the loss first; the
+    window it opens must last S's need, not its own:
+
+    * ``restart-empty``: both used the server, which restarts empty (the record is lost
+      with the data): F remembers what the record said of S;
+    * ``promoted-replica``: S used the primary; its replica is promoted, and F, a process
+      that never used either server, is the first to reach it: the record, replicated
+      with the data, says what S needs.
+
+    Before, F opened its own 2 s window: S's renewal came after it had closed, and a new
+    acquisition in between took the key S still held."""
+    lock_redis = make_redis()
+    mark_in_use(lock_redis.client())  # a Redis in use: no first-deploy window to wait out
+    slow, _ = process_client(lock_redis, liveness_ttl=SLOW_TTL)
+    slow.ping()
+    fast_memory = ServerMemory()
+    if how == "restart-empty":
+        before_fast, _ = process_client(lock_redis, fast_memory, liveness_ttl=FAST_TTL)
+        before_fast.ping()  # F used the server too
+        lock_redis.restart()  # SIGKILL, started again on its port: empty
+        noticed = lock_redis
+    else:
+        noticed = make_redis()
+        replicate_then_promote(lock_redis, noticed)
+    fast, fast_server = process_client(noticed, fast_memory, liveness_ttl=FAST_TTL)
+    before = time.monotonic()
+    fast.ping()  # F notices first
+    pttl = noticed.client().pttl(recovery_key(PREFIX))
+    elapsed = time.monotonic() - before
+    window = fast_server.recovery()
+    assert window.open, f"{how}: F opened a window"
+    assert window.until - before >= SLOW_NEED - 0.001, (
+        f"{how}: F opened a window of {window.until - before:.2f}s from its check, S needs {SLOW_NEED:.2f}s")
+    assert pttl / 1000 + elapsed >= SLOW_NEED - 0.002, \
+        f"{how}: <prefix>:recovery lasts {pttl / 1000 + elapsed:.2f}s, S needs {SLOW_NEED:.2f}s"
+    assert SLOW_NEED > FAST_NEED
+    assert record_of(noticed.client()).need == SLOW_NEED, "the record keeps the slowest need it was told"
+
+
+def test_a_former_primary_serving_again_opens_a_window(make_redis: Callable[..., RedisServer]) -> None:
+    """P1 (append-only file) serves a process A. A partition cuts P1 off; its replica P2 is
+    promoted (A's check opens the failover's window there), and A takes a lock on P2.
+    Then P1 is elected again: it never became P2's replica, so it has its own run id, its
+    record naming itself, its append-only file, no promotion: nothing looks new, but it
+    lacks every write made on P2. A's next check must open a window (its data is older
+    than what A has seen) and make A's holders put their locks back (the epoch grows); a
+    process that only ever saw P1 finds the same window.
+
+    Before, nothing opened: A's lock on P2 was free on P1 for anyone."""
+    p1, p2 = make_redis("--appendonly", "yes"), make_redis("--appendonly", "yes")
+    p1_direct = p1.client()
+    mark_in_use(p1_direct)
+    memory = ServerMemory()
+    on_p1, p1_server = process_client(p1, memory)
+    on_p1.ping()
+    only_p1, only_p1_server = process_client(p1)  # another process: it never reaches P2
+    only_p1.ping()
+
+    replicate_then_promote(p1, p2)  # the failover: P1 cut off, never told
+    on_p2, p2_server = process_client(p2, memory)
+    on_p2.ping()
+    assert p2_server.recovery().open and p2_server.epoch == 1, "the promoted replica opened a window (as before)"
+    on_p2.set("singleton:{held-on-p2}", "A's lock")
+    wait_for(lambda: not p2_server.recovery().open, timeout=WINDOW + 10, message="the failover's window closed")
+
+    fresh_connection(on_p1)  # P1 elected again, A's connections follow it
+    assert not p1_direct.exists("singleton:{held-on-p2}"), "P1 lacks the lock A took on P2"
+    window = p1_server.recovery()
+    assert window.open and "older" in window.reason, \
+        f"P1 serving again opens a window (A saw newer data on P2); A's process knows {window}"
+    assert p1_direct.pttl(recovery_key(PREFIX)) > 0, "every client finds it"
+    assert p1_server.epoch == 2, "A's holders put their locks back"
+    assert record_of(p1_direct).generation == record_of(p2.client()).generation + 1, \
+        "P1's record is one generation above any A saw"
+    fresh_connection(only_p1)
+    assert only_p1_server.recovery().open, "a process that never saw P2 waits in the same window"
+
+
+def test_two_histories_of_one_generation_open_a_window(make_redis: Callable[..., RedisServer]) -> None:
+    """Two servers can reach the same generation apart: P1 restarted with its append-only
+    file (no window: every write kept; C notices it first and writes the next generation)
+    while its replica P2 was promoted (B notices that, writes the same next generation,
+    and takes a lock there). When B reaches P1 afterwards, P1's record names another
+    server at the generation B saw on P2: another history, without B's lock. B's check
+    must open a window and its epoch grow."""
+    p1, p2 = make_redis("--appendonly", "yes"), make_redis("--appendonly", "yes")
+    p1_direct = p1.client()
+    mark_in_use(p1_direct)
+    b_memory, c_memory = ServerMemory(), ServerMemory()
+    for memory in (b_memory, c_memory):
+        process_client(p1, memory)[0].ping()
+    replicate_then_promote(p1, p2)
+    on_p2, p2_server = process_client(p2, b_memory)
+    on_p2.ping()  # B follows the failover to P2
+    on_p2.set("singleton:{held-on-p2}", "B's lock")
+    p1.stop()  # SIGTERM: P1's append-only file has every write it acknowledged
+    p1.start()
+    c_client, c_server = process_client(p1, c_memory)
+    c_client.ping()  # C, which never saw P2, notices P1's restart first: no window
+    assert not c_server.recovery().open, "an append-only-file restart opens no window"
+    wait_for(lambda: not p2_server.recovery().open, timeout=WINDOW + 10, message="the failover's window closed")
+    epoch = p2_server.epoch
+
+    on_p1, p1_server = process_client(p1, b_memory)
+    on_p1.ping()  # B reaches P1 again
+    assert not p1_direct.exists("singleton:{held-on-p2}"), "P1 lacks the lock B took on P2"
+    window = p1_server.recovery()
+    assert window.open, f"B finds another history at the generation it saw: a window opens (B knows {window})"
+    assert p1_server.epoch > epoch, "B's holders put their locks back"
 
 
 def test_a_lease_taken_after_a_window_runs_from_the_end_of_the_wait(
@@ -257,7 +418,7 @@ def test_the_window_opens_when_clients_first_reach_the_new_server(
     lock_redis.restart()  # SIGKILL, started again on its port (loading the snapshot, if any)
     if slow_load:
         wait_for(lambda: direct.info("persistence")["loading"] == 0, timeout=60, message="the snapshot loaded")
-        assert direct.get(server_key(PREFIX)) == before.encode(), "the snapshot had the server record"
+        assert record_of(direct).server == before, "the snapshot had the server record"
     else:
         wait_for(lambda: uptime(direct) > WINDOW, timeout=30, message="the server up longer than the window")
     up = uptime(direct)
@@ -316,7 +477,7 @@ def test_a_cluster_failover_opens_the_window_for_its_shard(
         primary_client, replica_client = primary.client(), replica.client()
         get_redis(app.app).exists(key)  # a plain command of a library client, as beats and counters send them
         shard_record, _ = shard_records(PREFIX, primary_client.execute_command("CLUSTER", "NODES")) or ("", "")
-        assert primary_client.get(shard_record) == primary_client.info("server")["run_id"].encode(), \
+        assert record_of(primary_client, shard_record).server == primary_client.info("server")["run_id"], \
             "a library client's connection to a node is looked at as it connects (the shard's record written)"
         worker(redis_server, "a", app_env)
         worker(redis_server, "b", app_env)

@@ -11,8 +11,9 @@ reconnected), :meth:`LockServer.check` runs one ``INFO`` on it, which tells
 * which **server** this is (its run id, new at every start), whether it keeps
   every acknowledged write across a restart (an append-only file), and whether
   it is a replica promoted by a failover (``master_replid2`` set: it may lack the
-  old primary's last writes); held against the record of the server last seen
-  serving the data, that opens or joins a **recovery window** (see
+  old primary's last writes); held against the record of the data (the server
+  last seen serving it, its generation, the longest window its users need) and
+  what this process remembers of it, that opens or joins a **recovery window** (see
   :mod:`.window`): :meth:`LockServer.recovery` says whether one is open, until
   when and why, and new acquisitions wait for it (:meth:`LockServer.pause`).
 
@@ -175,7 +176,10 @@ class LockServer:
         self._factory = factory
         #: What this process saw behind the same URL (see :func:`memory_for`).
         self._memory = ServerMemory() if memory is None else memory
-        #: Seconds a recovery window keeps new acquisitions waiting.
+        #: Seconds this process's holders need to put their locks back after a loss (they renew
+        #: every third of ``liveness_ttl`` at least): published in the server record, and the
+        #: least a window it opens lasts. A window lasts the longest need this process knows of,
+        #: its own, the record's or one it remembers (see :mod:`.window`).
         self.window = liveness_ttl / 3 + WINDOW_SLACK
         #: What the last connection learnt (``None`` before the first one).
         self.info: ServerInfo | None = None
@@ -235,7 +239,8 @@ class LockServer:
         records = records_of(connection, self.prefix, cluster=info.cluster) if info.known else None
         lost = False
         if records is not None:
-            seen = notice(connection, records, info.run_id, promoted=info.promoted, aof=info.aof, window=self.window)
+            seen = notice(connection, records, info.run_id, promoted=info.promoted, aof=info.aof, need=self.window,
+                          known=self._memory.known(records[0]))
             lost, opened = self._memory.learn(self.prefix, records[0], info.run_id, seen,
                                               promoted=info.promoted, aof=info.aof,
                                               started_by=time.monotonic() - info.uptime)

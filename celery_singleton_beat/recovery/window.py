@@ -5,21 +5,34 @@ Each connection the library makes is looked at once (:meth:`.server.LockServer.c
 ``INFO`` says which server it is (its run id, new at every start), whether it keeps
 every acknowledged write across a restart (an append-only file) and whether it is a
 replica promoted by a failover. Then :func:`notice` runs one small script on the same
-connection that holds this server against ``<prefix>:server``, the record of the server
-last seen serving the data (on Redis Cluster one per shard, kept on that shard: see
-:func:`records_of`), and writes this server in. What the record says decides, by
-:func:`opening`:
+connection that holds this server against ``<prefix>:server``, the record of the data
+(on Redis Cluster one per shard, kept on that shard: see :func:`records_of`): a small
+JSON object (:class:`ServerRecord`) naming the server last seen serving the data, the
+data's **generation** (an integer that only grows: each time the record is written for
+another server, or found missing or older, it becomes one more than any its writer has
+seen) and the longest window a process using it needs (its ``need``). What the record
+says, held against what this process remembers of it (:class:`ServerMemory`), decides,
+by :func:`opening`:
 
-==========================================  ===========================================
-the record                                  the check
-==========================================  ===========================================
-names this server                           nothing new (reads a window another client
-                                            opened, if one is still open)
-is missing (a new Redis, or emptied data)   opens a window
-names another server, this one promoted     opens a window (a failover)
-names another server, no append-only file   opens a window (a restart that lost data)
-names another server, append-only file      opens none (every write was kept)
-==========================================  ===========================================
+=============================================  ==========================================
+the record                                     the check
+=============================================  ==========================================
+names this server                              nothing new (reads a window another client
+                                               opened, if one is still open)
+is missing (a new Redis, or emptied data)      opens a window
+is older than this process has seen           opens a window (a former primary serving
+                                               again: it lacks the writes made since)
+names another server, this one promoted        opens a window (a failover)
+names another server, no append-only file      opens a window (a restart that lost data)
+names another server, append-only file         opens none (every write was kept)
+=============================================  ==========================================
+
+Older: a lower generation than the one this process saw, or the same generation naming
+another server than the one it saw at it (two histories that reached it apart).
+A check that finds anything but "names this server" writes the record anew: this server,
+the generation one above the highest its process or the record knew (a missing record
+counts as 0), and the larger of the record's need and the need this process brings; one
+that finds it naming this server writes it only to raise its need.
 
 A window is the TTL of ``<prefix>:recovery`` (its value says why), written by the same
 script as the record: so it is anchored at the **first client that notices** the new
@@ -27,34 +40,48 @@ server, whenever that happens (after a snapshot that took long to load, once a s
 becomes reachable), and every client, processes started since included, finds it on
 its own connections. Inside it new acquisitions and new slot claims wait, and live
 holders put their locks back: the keeper renews every lease at least every
-``singleton_liveness_ttl / 3``, so every holder gets there within the window.
+``singleton_liveness_ttl / 3``, so a holder needs ``singleton_liveness_ttl / 3 +``
+:data:`WINDOW_SLACK` to get there. Processes may run with different liveness TTLs,
+so the window lasts what the **slowest** one needs as far as the noticing process can
+know: each check publishes its process's need in the record (the record keeps the
+largest), each process remembers the largest need it read there (the record is lost with
+the data it speaks for), and a window lasts the largest of the noticing process's own
+need, the record's and the one it remembers. A process that never saw the record
+before the loss knows only its own need and the record's (none, when the record is lost
+too), and one whose last look at the record predates a slower process's first
+connection does not know that process's need.
 
 States of one record (the data of one server, or of one Cluster shard)::
 
-               a check: record missing, or naming another server
-               that is promoted or has no append-only file
+               a check: record missing or older than the process has
+               seen, or naming another server that is promoted or has
+               no append-only file (generation + 1)
     SERVED  ----------------------------------------------->  OPEN (until, why)
       ^  |                                                        |
       |  +-- a check: another server, append-only file            |
-      |      (record rewritten, no window)                        |
+      |      (record rewritten, generation + 1, no window)        |
       +-------------------- the window's TTL ends ----------------+
 
-Per process, :class:`ServerMemory` remembers the server it last saw serving each
-record, once that check's script ran (never before: a check cut in between is made
-again on the next connection); its :attr:`~ServerMemory.epoch` grows when the process
-finds its data on a server that may lack writes it made (:func:`data_lost`), which
-makes its holders put their locks back and its beats write back their claims.
-:meth:`.server.LockServer.recovery` answers whether a window is open, until when and why.
+Per process, :class:`ServerMemory` remembers the record it last saw for each record key
+(the server, its generation, the largest need), once that check's script ran (never
+before: a check cut in between is made again on the next connection); its
+:attr:`~ServerMemory.epoch` grows when the process finds its data on a server that may
+lack writes it made (:func:`data_lost`), which makes its holders put their locks back and
+its beats write back their claims. :meth:`.server.LockServer.recovery` answers whether a
+window is open, until when and why.
 
 A missing record costs one window, once, on a new Redis as on a lost one: the library
 cannot tell them apart, and a window of a few seconds that only the new acquisitions of
-those seconds wait for is cheaper than a duplicate run.
+those seconds wait for is cheaper than a duplicate run. A former primary serving again
+is told only by a process that saw the newer data: one that saw only the former primary
+finds the window once such a process has reached it.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -65,9 +92,9 @@ from redis.exceptions import ResponseError
 
 from ..log import logger
 
-__all__ = ["NEW_OR_EMPTIED", "PROMOTED", "RESTARTED", "WINDOW_SLACK", "Finding", "Notice", "Recovery",
-           "ServerMemory", "data_lost", "mark_in_use", "memory_for", "notice", "opening", "records_of",
-           "recovery_key", "server_key", "shard_records", "shard_tag"]
+__all__ = ["NEW_OR_EMPTIED", "OLDER", "PROMOTED", "RESTARTED", "WINDOW_SLACK", "Finding", "Notice", "Recovery",
+           "ServerMemory", "ServerRecord", "data_lost", "mark_in_use", "memory_for", "notice", "opening",
+           "records_of", "recovery_key", "server_key", "shard_records", "shard_tag"]
 
 #: Seconds added to a third of ``singleton_liveness_ttl`` for the recovery window:
 #: a keeper's reconnection and its retry after the failed first attempt.
@@ -75,6 +102,7 @@ WINDOW_SLACK = 1.5
 
 #: Why a window opens (the value of ``<prefix>:recovery``, read by every client).
 NEW_OR_EMPTIED = "no record of the server serving the lock data: a new or emptied Redis"
+OLDER = "the data is older than this client has seen: a former primary serving again"
 PROMOTED = "a replica promoted by a failover"
 RESTARTED = "restarted without an append-only file"
 
@@ -86,6 +114,9 @@ class Finding(enum.Enum):
     SAME = "same"
     #: No record: the data is new, or was lost with it.
     MISSING = "missing"
+    #: The record is older than what this process saw (a lower generation, or the same
+    #: one naming another server): the data lacks writes made since.
+    OLDER = "older"
     #: The record names another server: a restart or a failover since.
     OTHER = "other"
 
@@ -96,6 +127,8 @@ def opening(finding: Finding, *, promoted: bool, aof: bool) -> str | None:
     rule of the window (see the module docstring)."""
     if finding is Finding.MISSING:
         return NEW_OR_EMPTIED
+    if finding is Finding.OLDER:
+        return OLDER
     if finding is Finding.OTHER:
         if promoted:
             return PROMOTED
@@ -113,12 +146,45 @@ def data_lost(seen: str | None, finding: Finding, run_id: str, *, promoted: bool
     A server with an append-only file keeps every acknowledged write, unless the file
     itself is gone (a pod back on a fresh volume): then the first client found no record
     and opened a window, and ``window_open`` tells every later client of the same new
-    server that the data may be lost, although the record they find names it."""
+    server that the data may be lost, although the record they find names it. Data older
+    than the process has seen lacks what it wrote since, whatever the server."""
     if seen is None:
         return False
-    if finding is Finding.MISSING:
+    if finding in (Finding.MISSING, Finding.OLDER):
         return True
     return (seen != run_id or finding is Finding.OTHER) and (promoted or not aof or window_open)
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    """What ``<prefix>:server`` holds: the ``server`` (run id) last seen serving the data,
+    the data's ``generation`` (only grows: see the module docstring), and the longest
+    recovery window, in seconds, that a process using it needs (``need``)."""
+
+    server: str
+    generation: int = 0
+    need: float = 0.0
+
+    def encode(self) -> str:
+        """The record's value, as the check's script writes it."""
+        return json.dumps({"server": self.server, "generation": self.generation,
+                           "need_ms": round(self.need * 1000)})
+
+    @classmethod
+    def decode(cls, raw: bytes | str | None) -> ServerRecord | None:
+        """The record read from ``raw`` (None: no record). A value that is not this format
+        (a bare run id) names that server at generation 0, as the script reads it."""
+        text = _text(raw)
+        if text is None:
+            return None
+        try:
+            fields = json.loads(text)
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
+            return cls(text)
+        return cls(str(fields.get("server")), int(fields.get("generation") or 0),
+                   int(fields.get("need_ms") or 0) / 1000)
 
 
 @dataclass(frozen=True)
@@ -144,30 +210,58 @@ NO_WINDOW = Recovery()
 
 @dataclass(frozen=True)
 class Notice:
-    """What a check's script did: what it found in the server record, and the window's
-    seconds ``left`` (0.0: none open) and ``reason``, as every client now sees them."""
+    """What a check's script did: what it found in the server record, the record it left
+    (naming this server), and the window's seconds ``left`` (0.0: none open) and
+    ``reason``, as every client now sees them."""
 
     finding: Finding
     left: float
     reason: str
+    record: ServerRecord
 
 
-# KEYS: the server record, the recovery record. ARGV: this server's run id; the ms and
-# reason of the window opened when the record is missing (ARGV[2], ARGV[3]), and when it
-# names another server (ARGV[4], ARGV[5]; 0 ms: none), as opening() says. Writes this
-# server in; returns what the record held before, and the window's ms left (< 0: none)
-# and reason.
-_NOTICE = """
-local found = redis.call('GET', KEYS[1])
-if found ~= ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1])
-  local ms, why = tonumber(ARGV[2]), ARGV[3]
-  if found then ms, why = tonumber(ARGV[4]), ARGV[5] end
-  if ms > 0 and redis.call('PTTL', KEYS[2]) < ms then
-    redis.call('SET', KEYS[2], why, 'PX', ms)
+# Reads the record in KEYS[1] into server (nil: none), generation and need (ms); a value
+# that is not a JSON object (a bare run id) names that server at generation 0.
+_READ = """
+local raw = redis.call('GET', KEYS[1])
+local server, generation, need = raw, 0, 0
+if raw then
+  local ok, record = pcall(cjson.decode, raw)
+  if ok and type(record) == 'table' then
+    server = record.server
+    generation = tonumber(record.generation) or 0
+    need = tonumber(record.need_ms) or 0
   end
 end
-return {found, redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[2])}
+"""
+
+# KEYS: the server record, the recovery record. ARGV: this server's run id; the record
+# this process last saw (server, '' if none, and generation, 0 if none); the window this
+# process needs (ms); the reasons of the window opened when the record is missing, names
+# another server ('': none, as opening() says) and is older than the process has seen.
+# Writes the record (this server, the generation, the larger need) unless it named this
+# server already with a need as large; opens the window (the larger need) where the
+# reason says so. Returns the finding, the record's generation and need (ms), and the
+# window's ms left (< 0: none) and reason.
+_NOTICE = _READ + """
+local seen, brought = tonumber(ARGV[3]), tonumber(ARGV[4])
+local finding, why = 'same', ''
+if not raw then
+  finding, why = 'missing', ARGV[5]
+elseif generation < seen or (seen > 0 and generation == seen and server ~= ARGV[2]) then
+  finding, why = 'older', ARGV[7]
+elseif server ~= ARGV[1] then
+  finding, why = 'other', ARGV[6]
+end
+local ms = math.max(need, brought)
+if finding ~= 'same' then generation = math.max(generation, seen) + 1 end
+if finding ~= 'same' or ms > need then
+  redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = generation, need_ms = ms}))
+end
+if why ~= '' and redis.call('PTTL', KEYS[2]) < ms then
+  redis.call('SET', KEYS[2], why, 'PX', ms)
+end
+return {finding, generation, ms, redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[2])}
 """
 
 
@@ -176,18 +270,20 @@ def _text(value: Any) -> str | None:
 
 
 def notice(connection: Any, records: tuple[str, str], run_id: str, *, promoted: bool, aof: bool,
-           window: float) -> Notice:
-    """Hold the server ``run_id`` against its record on ``connection`` (the script above):
-    write it in, open a window of ``window`` seconds where :func:`opening` says so."""
-    missing = opening(Finding.MISSING, promoted=promoted, aof=aof)
-    other = opening(Finding.OTHER, promoted=promoted, aof=aof)
-    ms = round(window * 1000)
-    connection.send_command("EVAL", _NOTICE, 2, *records, run_id,
-                            ms if missing else 0, missing or "", ms if other else 0, other or "")
-    found, left_ms, why = connection.read_response()
-    found = _text(found)
-    finding = Finding.MISSING if found is None else Finding.SAME if found == run_id else Finding.OTHER
-    return Notice(finding, max(0, int(left_ms)) / 1000, _text(why) or "")
+           need: float, known: ServerRecord | None = None) -> Notice:
+    """Hold the server ``run_id`` against its record on ``connection`` (the script above),
+    given ``known``, the record this process last saw (None: none): write it in, open a
+    window where :func:`opening` says so, lasting the largest of ``need`` (this process's
+    own, in seconds), the need ``known`` remembers and the record's."""
+    missing = opening(Finding.MISSING, promoted=promoted, aof=aof) or ""
+    other = opening(Finding.OTHER, promoted=promoted, aof=aof) or ""
+    older = opening(Finding.OLDER, promoted=promoted, aof=aof) or ""
+    brought = max(need, known.need if known else 0.0)
+    connection.send_command("EVAL", _NOTICE, 2, *records, run_id, known.server if known else "",
+                            known.generation if known else 0, round(brought * 1000), missing, other, older)
+    finding, generation, need_ms, left_ms, why = connection.read_response()
+    record = ServerRecord(run_id, int(generation), int(need_ms) / 1000)
+    return Notice(Finding(_text(finding)), max(0, int(left_ms)) / 1000, _text(why) or "", record)
 
 
 class ServerMemory:
@@ -196,9 +292,10 @@ class ServerMemory:
     parent saw)."""
 
     def __init__(self) -> None:
-        #: Per server record (see :func:`records_of`): the run id of the server this process
-        #: last saw serving that data, written only once its check's script ran.
-        self.serving: dict[str, str] = {}
+        #: Per server record (see :func:`records_of`): the record this process last saw (the
+        #: server serving that data, its generation), with the largest need it ever read
+        #: there; written only once its check's script ran.
+        self.records: dict[str, ServerRecord] = {}
         #: Grows each time the data is found on a server that may lack earlier writes
         #: (see :attr:`.server.LockServer.epoch`).
         self.epoch = 0
@@ -213,16 +310,23 @@ class ServerMemory:
         self.windows: dict[str, Recovery] = {}
         self._lock = threading.Lock()
 
+    def known(self, record: str) -> ServerRecord | None:
+        """The record ``record`` as this process last saw it (None: never)."""
+        return self.records.get(record)
+
     def learn(self, prefix: str, record: str, run_id: str, seen: Notice, *, promoted: bool,
               aof: bool, started_by: float | None = None) -> tuple[bool, Recovery | None]:
         """Remember what a check's script did, only now that it ran: whether the data may be
         lost (the epoch grew), and the window if this made one newly open for ``prefix``.
         ``started_by``: monotonic time by which the server process started (its uptime)."""
         with self._lock:
-            before = self.serving.get(record)
+            known = self.records.get(record)
+            before = known.server if known else None
             lost = data_lost(before, seen.finding, run_id, promoted=promoted, aof=aof,
                              window_open=seen.left > 0)
-            self.serving[record] = run_id
+            self.records[record] = ServerRecord(
+                run_id, max(seen.record.generation, known.generation if known else 0),
+                max(seen.record.need, known.need if known else 0.0))
             if lost:
                 self.epoch += 1
                 now = time.monotonic()
@@ -302,10 +406,24 @@ def records_of(connection: Any, prefix: str, *, cluster: bool) -> tuple[str, str
         return None
 
 
+# KEYS: the server record. ARGV: the server's run id, the lowest generation to write.
+# Leaves a record naming this server as it is; else names it, one generation up (at least
+# ARGV[2]), keeping the record's need.
+_MARK = _READ + """
+if raw and server == ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = math.max(generation + 1,
+  tonumber(ARGV[2])), need_ms = need}))
+return 1
+"""
+
+
 def mark_in_use(client: Any, prefix: str = "singleton") -> None:
     """Write the record naming the server behind ``client`` (one server or one Cluster node,
     a :class:`redis.Redis`) as the one serving ``prefix``'s lock data, as its first client
-    would: the next clients find it in use and open no window.
+    would: the next clients find it in use and open no window. A record that names it
+    already is left as it is; otherwise the generation written is above both the record's
+    and any this process saw under that key (a process that used an earlier server on
+    the same address does not find this data older).
 
     Only for a Redis known to hold no lock of a live run (a test's or a benchmark's own
     server, just started or emptied): on a Redis that may have lost locks, the window is
@@ -319,4 +437,5 @@ def mark_in_use(client: Any, prefix: str = "singleton") -> None:
         key = records[0]
     else:
         key = server_key(prefix)
-    client.set(key, str(info["run_id"]))
+    highest = max((m.records[key].generation for m in list(_memories.values()) if key in m.records), default=0)
+    client.eval(_MARK, 1, key, str(info["run_id"]), highest + 1)
