@@ -82,7 +82,8 @@ class ServerInfo:
     cluster: bool = False
     #: False when ``INFO`` was refused: nothing is known, the portable commands are used.
     known: bool = True
-    #: Whole seconds since the server process started (``uptime_in_seconds``).
+    #: Whole seconds since the server process started (``uptime_in_seconds``: the difference
+    #: of two whole-second clocks, so the process started less than ``uptime + 1`` seconds ago).
     uptime: int = 0
 
     @functools.cached_property
@@ -243,7 +244,7 @@ class LockServer:
                           known=self._memory.known(records[0]))
             lost, opened = self._memory.learn(self.prefix, records[0], info.run_id, seen,
                                               promoted=info.promoted, aof=info.aof,
-                                              started_by=time.monotonic() - info.uptime)
+                                              started_by=time.monotonic() - info.uptime + 1)
             if opened is not None:
                 logger.warning("the lock Redis (%s) may have lost locks (%s): new locks wait %.1fs while running tasks "
                                "put theirs back",
