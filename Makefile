@@ -85,9 +85,14 @@ test-matrix: $(VENV)/.nox-installed redis-server
 	$(BIN)/nox -f noxfile.py $(NOX_ARGS); status=$$?; $(BIN)/nox -f noxfile.py -s report; exit $$status
 
 # CI's floor check (.ci/run): one leg, the oldest declared celery/kombu/redis-py, in-process tests (~40 s);
-# and the lock tests on Valkey 9.1 and Redis 6.2 (newest deps, ~1.5 min).
+# and the lock tests on Valkey 9.1 and Redis 6.2 (newest deps, ~1.5 min). The two sessions run side by
+# side (each in its own venv, each test on servers of its own); the floor leg's output follows the other's.
 test-matrix-smoke: $(VENV)/.nox-installed redis-server
-	$(BIN)/nox -f noxfile.py -s smoke lock_servers
+	@mkdir -p .nox
+	$(BIN)/nox -f noxfile.py -s smoke > .nox/smoke.log 2>&1 & floor=$$!; \
+	$(BIN)/nox -f noxfile.py -s lock_servers; servers=$$?; \
+	wait $$floor; floor_status=$$?; cat .nox/smoke.log; \
+	[ $$servers -eq 0 ] && [ $$floor_status -eq 0 ]
 
 # Benchmarks: each starts its own redis-server; the table goes to stdout and benchmarks/results.md.
 # The instructions benchmark needs valgrind (installed here where we can, as redis-server).
