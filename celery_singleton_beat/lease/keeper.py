@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -38,6 +38,7 @@ from ..connection.flusher import read_all_replies
 from ..log import logger
 from ..recovery import server
 from ..recovery.lock_redis import thread_client
+from ..recovery.server import server_of
 from .batches import BATCH_MAX, group_key, renew_many
 from .commands import Renewal
 from .lease import RETRY_EVERY, Lease, retry_pause
@@ -55,10 +56,16 @@ LOG_EVERY = 5.0
 BATCH_HORIZON = 0.25
 
 
+class Later(NamedTuple):
+    """A put-back that waits until ``at`` (monotonic): the end of the recovery window."""
+
+    at: float
+
+
 class KeptLease:
     """A lease under renewal; ``lost`` tells whether it still protects the run."""
 
-    __slots__ = ("active", "lease", "lost_reason", "next_complaint", "on_lost", "renewals")
+    __slots__ = ("active", "lease", "lost_reason", "next_complaint", "on_lost", "put_back_at", "renewals")
 
     def __init__(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None) -> None:
         self.lease = lease
@@ -68,6 +75,9 @@ class KeptLease:
         self.active = True
         #: Monotonic time before which a failed renewal is not logged again.
         self.next_complaint = 0.0
+        #: Monotonic time of a put-back waiting for the end of a recovery window (see
+        #: :meth:`.lease.Lease.late_put_back_at`); None when none waits.
+        self.put_back_at: float | None = None
 
     @property
     def lost(self) -> bool:
@@ -273,16 +283,27 @@ class LeaseKeeper:
         send it through (the keeper's own); the lease's by default. Raises
         ``redis.RedisError`` when Redis cannot be asked.
         """
-        return self._settle(kept, kept.lease.renew_once(client), client)
+        return self._settle(kept, kept.lease.renew_once(client), client) is True
 
-    def _settle(self, kept: KeptLease, outcome: Renewal, client: Any) -> bool:
+    def _settle(self, kept: KeptLease, outcome: Renewal, client: Any) -> bool | Later:
         """What a renewal of ``kept`` that found ``outcome`` means: True if the lease holds
-        (renewed, or put back where the server lost it and the rules allow it)."""
+        (renewed, or put back where the server lost it and the rules allow it); a
+        :class:`Later` when its put-back must wait for the end of the recovery window."""
         lease = kept.lease
-        if outcome is Renewal.GONE and lease.may_put_back(client):
+        if outcome is not Renewal.GONE:
+            return outcome is Renewal.RENEWED
+        epoch = server_of(client or lease.client).epoch
+        late = kept.put_back_at is not None and lease.may_put_back_late(kept.put_back_at, client)
+        if late or lease.may_put_back(client):
             with self._mutex:
-                return kept.active and lease.put_back(client)
-        return outcome is Renewal.RENEWED
+                return kept.active and lease.put_back(client, decided=epoch)
+        if kept.put_back_at is not None:  # its turn came too late (or the window closed early)
+            return False
+        at = lease.late_put_back_at(client)
+        if at is None:
+            return False
+        kept.put_back_at = at
+        return Later(at)
 
     def _renew(self, kept: KeptLease, outcome: Renewal | BaseException | None = None) -> float | None:
         """Renew once (or judge ``outcome``, what a batched renewal of it found); the
@@ -292,7 +313,9 @@ class LeaseKeeper:
             via = thread_client(lease.client)
             if isinstance(outcome, BaseException):
                 raise outcome
-            held = self.renew(kept, via) if outcome is None else self._settle(kept, outcome, via)
+            held = self._settle(kept, lease.renew_once(via) if outcome is None else outcome, via)
+            if isinstance(held, Later):
+                return held.at
             if held:
                 kept.renewals += 1
                 if kept.next_complaint:

@@ -51,6 +51,9 @@ __all__ = ["RETRY_EVERY", "Lease", "acknowledged", "replaced_lease", "retry_paus
 
 #: Seconds between renewal attempts while Redis does not answer (at most).
 RETRY_EVERY = 0.25
+#: Seconds before a recovery window closes at which a lease that cannot vouch for its lock
+#: up to the loss puts it back, if no other holder did (:meth:`Lease.late_put_back_at`).
+LATE_PUT_BACK = 0.5
 
 
 def retry_pause(ttl: float) -> float:
@@ -166,24 +169,49 @@ class Lease:
         server = server_of(client or self.client)
         if server.epoch <= self.epoch or time.monotonic() >= self.valid_until:
             return False
-        if server.lost_by < self.put_back_until:
-            return True
-        logger.warning("lock %s is gone from the lock Redis, which may have lost it (%s), but it was last "
-                       "confirmed %.1fs before the loss, long enough for another worker to have taken it over: "
-                       "not put back", self.key, server.recovery_reason or "restarted or failed over",
-                       server.lost_by - self.confirmed_at)
-        return False
+        return server.lost_by < self.put_back_until
 
-    def put_back(self, client: RedisClient | None = None) -> bool:
+    def late_put_back_at(self, client: RedisClient | None = None) -> float | None:
+        """For a lease whose lock the server lost and that :meth:`may_put_back` refuses (the
+        loss may have come after another could have taken it over, or cannot be dated
+        closely enough): the monotonic time, just before the recovery window closes, at
+        which it may still put its lock back if no other holder put theirs back first
+        (``SET NX``). A holder that took the lock over renews on its usual schedule, within
+        the window, and so gets there first; a live holder whose server merely took long to
+        come back keeps its lock. None: never (no window open, or the lease has ended)."""
+        server = server_of(client or self.client)
+        window = server.recovery()
+        at = min(window.until - LATE_PUT_BACK, self.valid_until)
+        if server.epoch <= self.epoch or not window.open or time.monotonic() >= at:
+            return None
+        logger.warning("lock %s is gone from the lock Redis, which may have lost it (%s); it was last confirmed "
+                       "%.1fs before the loss, long enough for another worker to have taken it over: it is put back "
+                       "in %.1fs, as the recovery window closes, if no other holder put theirs back by then",
+                       self.key, server.recovery_reason or "restarted or failed over",
+                       server.lost_by - self.confirmed_at, at - time.monotonic())
+        return at
+
+    def may_put_back_late(self, at: float, client: RedisClient | None = None) -> bool:
+        """Its time (:meth:`late_put_back_at`) came, and the window is still open: new
+        acquisitions still wait, so a ``SET NX`` now finds the key free only if no other
+        holder put theirs back."""
+        now = time.monotonic()
+        return at <= now < self.valid_until and server_of(client or self.client).recovery().open
+
+    def put_back(self, client: RedisClient | None = None, *, decided: int | None = None) -> bool:
         """Write the lock back into a server that lost it (``SET NX``); True if it was still
         free (or already held this very value: the put-back ran before).
 
-        Only for a lease that is still kept, when :meth:`may_put_back` says so.
+        Only for a lease that is still kept, when :meth:`may_put_back` says so (or at its
+        :meth:`late_put_back_at`). ``decided``: the server epoch when that was decided;
+        another loss found since is judged again before anything is written.
         """
         started = time.monotonic()
         via = client or self.client
         server = server_of(via)
         epoch = server.epoch
+        if decided is not None and epoch != decided and not self.may_put_back(via):
+            return False
         if not execute(via, self.key, lambda info: put_back_request(info, self.key, self.value, self.spec.ttl_ms),
                        pooled=True):
             return False
