@@ -7,8 +7,9 @@ attack that breaks it when the rule is removed:
 * ``test_a_holder_stopped_past_a_possible_take_over_does_not_put_its_lock_back``: a
   holder stopped longer than a take-over needs (a paused pod) was taken over on the old
   server; the server then lost both locks. The stopped holder must not put its lock
-  back: the key belongs to the holder that took it over (higher fencing token), which
-  puts its own back.
+  back at once: the key belongs to the holder that took it over (higher fencing token),
+  which puts its own back on its usual schedule; the stopped one waits for the end of
+  the recovery window, finds the taker's lock and loses its lease.
 * ``test_a_renewal_in_flight_when_its_run_releases_never_puts_the_lock_back``: the
   keeper decided to put a lost lock back; before it writes, the run ends and releases.
   The put-back must not bring the ended run's lock back (with its full TTL).
@@ -17,6 +18,7 @@ attack that breaks it when the rule is removed:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -76,12 +78,17 @@ def test_a_holder_stopped_past_a_possible_take_over_does_not_put_its_lock_back(
     server.restart()  # SIGKILL, back empty: both locks are gone
 
     confirmed_in = held.epoch
+    keeper, kept = LeaseKeeper(), KeptLease(held, None)
     with keyspace_events(direct, KEY) as events:
-        a_renewed = renew(held)  # a resumes: its keeper's next renewal
+        late = keeper._renew(kept)  # a resumes: its keeper's next renewal
         assert server_of(a).epoch > confirmed_in, "a found its data lost (the rule under test is then asked)"
-        assert not a_renewed, "the stopped holder put its lock back after another had taken it over"
         assert events() == [], "the stopped holder wrote its lock back, if only for a moment"
-    assert renew(taker), "the holder that took the lock over puts its own back"
+    assert not kept.lost and late is not None and late == kept.put_back_at, \
+        "a waits for the end of the recovery window before it may put its lock back"
+    assert renew(taker), "the holder that took the lock over puts its own back at once"
+    assert read_holder(direct, KEY).raw == taker.value
+    wait_for(lambda: time.monotonic() >= late, timeout=30, message="a's turn, as the window closes")
+    assert keeper._renew(kept) is None and kept.lost, "a finds the taker's lock: its lease is lost"
     assert read_holder(direct, KEY).raw == taker.value
 
 
