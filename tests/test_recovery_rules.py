@@ -13,6 +13,10 @@ attack that breaks it when the rule is removed:
 * ``test_a_renewal_in_flight_when_its_run_releases_never_puts_the_lock_back``: the
   keeper decided to put a lost lock back; before it writes, the run ends and releases.
   The put-back must not bring the ended run's lock back (with its full TTL).
+* ``test_a_lock_its_holder_did_not_confirm_after_a_snapshot_restart_is_free_after_the_window``:
+  an RDB snapshot brings back the lock of a run that ended since; no live holder renews
+  it in the recovery window, so the next acquisition after the window takes it; a lock
+  its live holder renewed in the window stays held.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .support.keyspace import keyspace_events
 from .support.locking import renew
 
 KEY = "singleton:{rules:k}"
+OTHER = "singleton:{rules:other}"
 #: A short liveness TTL: renewals every 0.5 s, a take-over possible 2 s after the last one.
 LIVENESS_TTL = 1.5
 
@@ -125,3 +130,37 @@ def test_a_renewal_in_flight_when_its_run_releases_never_puts_the_lock_back(
     renewal.join(30)
     assert outcome == [False]
     assert direct.get(KEY) is None, "the ended run's lock came back"
+
+
+def test_a_lock_its_holder_did_not_confirm_after_a_snapshot_restart_is_free_after_the_window(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """An RDB snapshot holds ``a``'s lock; ``a``'s run then ends and releases; the server
+    restarts from the snapshot: the ended run's lock is back, with most of its TTL. No
+    live holder renews it in the recovery window, so once the window has closed the next
+    acquisition takes it (and is not skipped as its duplicate); a lock its live holder
+    renewed in the window stays held."""
+    server = make_redis()
+    a, b, direct = server.client(), server.client(), server.client()
+    ended = acquire(a, KEY, LockSpec(task="rules", ttl=60.0, liveness_ttl=LIVENESS_TTL), "ended").lease
+    live = acquire(a, OTHER, LockSpec(task="rules", ttl=60.0, liveness_ttl=LIVENESS_TTL), "live").lease
+    assert ended is not None and live is not None
+    warm = acquire(b, "singleton:{rules:warm}", LockSpec(task="rules", ttl=60.0), "warm").lease
+    assert warm is not None and warm.release()  # b has seen the server too
+    direct.save()  # the snapshot holds both locks
+    assert ended.release()
+    server.kill()
+    server.start()  # from the snapshot: the ended run's lock is back
+    assert read_holder(direct, KEY).raw == ended.value
+    keeper = LeaseKeeper()
+    kept = keeper.keep(live)  # the live holder renews every 0.5 s: within the window
+    try:
+        wait_for(lambda: kept.renewals >= 1 and server_of(a).epoch > 0, timeout=30,
+                 message="the live holder renewed on the restarted server")
+        taken = acquire(b, KEY, LockSpec(task="rules", ttl=60.0, liveness_ttl=LIVENESS_TTL), "next")
+        assert server_of(b).data_lost_since_ms() > 0, "b knows when the window opened"
+        assert taken.acquired, f"the ended run's lock, back from the snapshot, held the key: {taken.holder}"
+        assert taken.lease is not None and taken.lease.fence > ended.fence
+        held = acquire(b, OTHER, LockSpec(task="rules", ttl=60.0, liveness_ttl=LIVENESS_TTL), "other")
+        assert not held.acquired and not kept.lost, "a lock its live holder renewed in the window stays held"
+    finally:
+        keeper.forget(kept)

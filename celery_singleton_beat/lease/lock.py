@@ -37,6 +37,7 @@ from .executor import execute
 from .holder import Holder, done_key, lock_value, parse_holder
 from .lease import Lease, acknowledged, replaced_lease
 from .spec import LockSpec
+from .stale import take_unconfirmed
 from .takeover import looks_dead, take_over
 
 __all__ = ["AcquireResult", "acquire"]
@@ -103,7 +104,7 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
             execute(client, key, lambda info: release_request(info, key, value))
         counters.count(client, spec.stats_key, "completed_copies")
         return AcquireResult(None, completed=True)
-    return _held(client, key, spec, task_id, value, parse_holder(reply.previous), adopt_claim_of)
+    return _held(client, key, spec, task_id, value, parse_holder(reply.previous), adopt_claim_of, reply.token)
 
 
 def _acquire_pooled(client: RedisClient, key: str, value: str, spec: LockSpec,
@@ -137,10 +138,15 @@ def _taken(reply: int | AcquireReply) -> bool:
 
 
 def _held(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, value: str,
-          holder: Holder | None, adopt_claim_of: str | None) -> AcquireResult:
-    """The rare paths: ``holder`` holds ``key``. Adopt it (this run's own claim), take it
-    over (a dead worker's lock), or report it."""
+          holder: Holder | None, adopt_claim_of: str | None, token: int) -> AcquireResult:
+    """The rare paths: ``holder`` holds ``key`` (found when the server's clock read ``token``,
+    in µs). Adopt it (this run's own claim), take it over (a dead worker's lock, or one
+    its holder did not confirm after a data loss: :mod:`.stale`), or report it."""
     assert holder is not None and holder.raw is not None
+    stale = take_unconfirmed(client, key, spec, task_id, value, holder, token)
+    if stale is not None:
+        counters.count(client, spec.stats_key, spec.counters[0])
+        return AcquireResult(stale, taken_over=holder)
     if adopt_claim_of and holder.claim and holder.task_id == adopt_claim_of:
         lease = replaced_lease(client, key, spec, task_id, adopt_request(key, holder.raw, value, spec.ttl_ms), value)
         if lease is not None:

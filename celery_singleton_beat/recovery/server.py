@@ -35,7 +35,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from ..log import logger
-from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice, records_of
+from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice, records_of, server_key
 
 __all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "memory_for",
            "on_data_lost", "parse_info", "server_of", "version_text"]
@@ -195,6 +195,13 @@ class LockServer:
         earlier epoch whose lock is gone may put it back (:meth:`.lock.Lease.may_put_back`),
         whenever its keeper gets there, and a beat writes back its claims (:mod:`.beat.recovery`)."""
         return self._memory.epoch
+
+    def data_lost_since_ms(self) -> int:
+        """When the latest recovery window of this server's data opened, on the server's clock
+        (Unix ms; 0: none known; always 0 on Redis Cluster, whose shards have records of
+        their own): a lock not renewed since may be one its holder no longer keeps
+        (:mod:`.lease.stale`)."""
+        return self._memory.since_ms(server_key(self.prefix))
 
     @property
     def lost_by(self) -> float:

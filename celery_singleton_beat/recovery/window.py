@@ -164,11 +164,14 @@ class ServerRecord:
     server: str
     generation: int = 0
     need: float = 0.0
+    #: The server's clock (Unix ms) when the latest window opened: the data may have lost
+    #: writes made before it (0: never). A lock not renewed since is unconfirmed.
+    since_ms: int = 0
 
     def encode(self) -> str:
         """The record's value, as the check's script writes it."""
         return json.dumps({"server": self.server, "generation": self.generation,
-                           "need_ms": round(self.need * 1000)})
+                           "need_ms": round(self.need * 1000), "since_ms": self.since_ms})
 
     @classmethod
     def decode(cls, raw: bytes | str | None) -> ServerRecord | None:
@@ -184,7 +187,7 @@ class ServerRecord:
         if not isinstance(fields, dict):
             return cls(text)
         return cls(str(fields.get("server")), int(fields.get("generation") or 0),
-                   int(fields.get("need_ms") or 0) / 1000)
+                   int(fields.get("need_ms") or 0) / 1000, int(fields.get("since_ms") or 0))
 
 
 @dataclass(frozen=True)
@@ -224,13 +227,14 @@ class Notice:
 # that is not a JSON object (a bare run id) names that server at generation 0.
 _READ = """
 local raw = redis.call('GET', KEYS[1])
-local server, generation, need = raw, 0, 0
+local server, generation, need, since = raw, 0, 0, 0
 if raw then
   local ok, record = pcall(cjson.decode, raw)
   if ok and type(record) == 'table' then
     server = record.server
     generation = tonumber(record.generation) or 0
     need = tonumber(record.need_ms) or 0
+    since = tonumber(record.since_ms) or 0
   end
 end
 """
@@ -255,13 +259,18 @@ elseif server ~= ARGV[1] then
 end
 local ms = math.max(need, brought)
 if finding ~= 'same' then generation = math.max(generation, seen) + 1 end
+if why ~= '' then
+  local now = redis.call('TIME')
+  since = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
 if finding ~= 'same' or ms > need then
-  redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = generation, need_ms = ms}))
+  redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = generation, need_ms = ms,
+                                           since_ms = since}))
 end
 if why ~= '' and redis.call('PTTL', KEYS[2]) < ms then
   redis.call('SET', KEYS[2], why, 'PX', ms)
 end
-return {finding, generation, ms, redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[2])}
+return {finding, generation, ms, redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[2]), since}
 """
 
 
@@ -281,8 +290,8 @@ def notice(connection: Any, records: tuple[str, str], run_id: str, *, promoted: 
     brought = max(need, known.need if known else 0.0)
     connection.send_command("EVAL", _NOTICE, 2, *records, run_id, known.server if known else "",
                             known.generation if known else 0, round(brought * 1000), missing, other, older)
-    finding, generation, need_ms, left_ms, why = connection.read_response()
-    record = ServerRecord(run_id, int(generation), int(need_ms) / 1000)
+    finding, generation, need_ms, left_ms, why, since_ms = connection.read_response()
+    record = ServerRecord(run_id, int(generation), int(need_ms) / 1000, int(since_ms))
     return Notice(Finding(_text(finding)), max(0, int(left_ms)) / 1000, _text(why) or "", record)
 
 
@@ -314,6 +323,12 @@ class ServerMemory:
         """The record ``record`` as this process last saw it (None: never)."""
         return self.records.get(record)
 
+    def since_ms(self, record: str) -> int:
+        """When the latest window this process knows of opened for ``record`` (the server's
+        clock, Unix ms; 0: none): locks not renewed since are unconfirmed."""
+        known = self.records.get(record)
+        return known.since_ms if known else 0
+
     def learn(self, prefix: str, record: str, run_id: str, seen: Notice, *, promoted: bool,
               aof: bool, started_by: float | None = None) -> tuple[bool, Recovery | None]:
         """Remember what a check's script did, only now that it ran: whether the data may be
@@ -326,7 +341,8 @@ class ServerMemory:
                              window_open=seen.left > 0)
             self.records[record] = ServerRecord(
                 run_id, max(seen.record.generation, known.generation if known else 0),
-                max(seen.record.need, known.need if known else 0.0))
+                max(seen.record.need, known.need if known else 0.0),
+                max(seen.record.since_ms, known.since_ms if known else 0))
             if lost:
                 self.epoch += 1
                 now = time.monotonic()

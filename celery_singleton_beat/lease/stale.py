@@ -1,0 +1,65 @@
+"""Locks their holders did not confirm after the lock Redis may have lost data: free once
+the recovery window has closed.
+
+After a restart from an RDB snapshot, or a replica promoted before the last writes
+reached it, the data can hold a lock whose run has ended since (its release was made
+after the snapshot, or never replicated). Its holder's worker may well be alive, so
+nothing takes it over: every later submission of the key would be skipped as its
+duplicate until the lock's TTL runs out.
+
+The recovery window (:mod:`..recovery.window`) is the grace period in which every live
+holder confirms its lock: each renews at least once within it (a renewal sets the lock's
+TTL again, from then). So once the window has closed, a lock whose expiry on the
+server's clock comes before ``window start + its TTL`` was not renewed since the window
+opened: no live holder keeps it. The next acquisition that finds it takes it, by the
+same compare-and-replace as a take-over (it replaces the lock only if it is still
+unrenewed since it was looked at), with a fencing token from the server's clock that is
+higher than any before.
+
+Cost: none on the common path. The acquire's reply carries the server's clock (its
+fencing token); a lock found more than its TTL after the latest window opened has been
+renewed or taken since, so only an acquisition that finds a holder within a lock TTL of
+a window looks at the lock (one request). Redis Cluster keeps a record per shard, which
+this rule does not read yet: there such a lock waits for its TTL.
+"""
+
+from __future__ import annotations
+
+from ..connection.client import RedisClient, is_cluster
+from ..log import logger
+from ..recovery.server import server_of
+from . import counters
+from .commands import look_request, take_over_request
+from .executor import execute
+from .holder import Holder, text_of
+from .lease import Lease, replaced_lease
+from .spec import LockSpec
+
+__all__ = ["take_unconfirmed"]
+
+
+def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, value: str,
+                     holder: Holder, token: int) -> Lease | None:
+    """Take ``key`` if ``holder``'s lock was not confirmed since the latest recovery window
+    opened and that window has closed; ``token``: the server's clock (µs) at the acquire
+    that found it. The new lease, or None (confirmed, or not known to be stale)."""
+    if holder.claim or holder.ttl is None or is_cluster(client):
+        return None  # a queued message's claim is never renewed; a value before 0.3 has no TTL
+    server = server_of(client)
+    since_ms = server.data_lost_since_ms()
+    ttl_ms = round(holder.ttl * 1000)
+    if not since_ms or token // 1000 - since_ms > ttl_ms or server.recovery().open:
+        return None  # renewed (or taken) since the window opened, or its holders' grace still runs
+    look = execute(client, key, lambda info: look_request(key))
+    if look.current is None or text_of(look.current) != holder.raw or look.pttl < 0:
+        return None
+    if look.server_ms + look.pttl >= since_ms + ttl_ms:
+        return None  # renewed after the window opened: its holder confirmed it
+    lease = replaced_lease(client, key, spec, task_id,
+                           take_over_request(key, holder.raw, look.pttl, look.server_ms, value, spec.ttl_ms), value)
+    if lease is not None:
+        logger.warning("lock %s of %s[%s] was not renewed by its holder in the recovery window after the lock Redis "
+                       "may have lost data (%s): freed for this run", key, holder.task, holder.task_id,
+                       server.recovery_reason or "restarted or failed over")
+        counters.count(client, spec.stats_key, "unconfirmed_freed")
+    return lease
