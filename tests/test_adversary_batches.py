@@ -31,8 +31,9 @@ Attacks, and what they found:
    2-core machine (load average 9), once below half the TTL: a lease's next renewal is
    scheduled from the end of the judging of its batch (``time.monotonic() + renew_every``
    in ``_renew``), not from its confirmation, so a batch that takes 0.35 s to judge under
-   load delays every lease of it by that much (largest gap between two confirmations of a
-   lease: 1.35 s for a 1 s interval). Timing only, not kept (no timing thresholds here).
+   load delayed every lease of it by that much (largest gap between two confirmations of a
+   lease: 1.35 s for a 1 s interval). Timing only, not kept (no timing thresholds here);
+   the next renewal is now scheduled from the lease's confirmation.
 7. Redis Cluster: leases on every node in one round; on one node's batch a slot that moved
    (``-MOVED``, the client's slot map stale) and two slots migrating to two different
    targets (``-ASK``, one key of each already migrated): HELD. One request per node; the
@@ -43,17 +44,19 @@ Attacks, and what they found:
    a gevent-patched process holding 600 leases (TTL 1.5 s) with its hub blocked by a CPU
    loop: HELD (all renewed three times, in batches). But the keeper's own client is made
    on the keeper's first renewal, and on Cluster making it connects:
-   **BROKE** ``test_a_greenlet_keeper_survives_its_cluster_client_copy_failing``. The batch
-   path calls ``thread_client`` outside any ``try`` (before 014642a, ``_renew`` called it
-   inside its own, where ``ClusterUnavailable`` was an outage to retry): the keeper's
-   thread dies, the leases of that round are never renewed again, and never reported lost.
+   **BROKE, fixed since** ``test_a_greenlet_keeper_survives_its_cluster_client_copy_failing``.
+   The batch path called ``thread_client`` outside any ``try`` (before 014642a, ``_renew``
+   called it inside its own, where ``ClusterUnavailable`` was an outage to retry): the
+   keeper's thread died, the leases of that round were never renewed again, and never
+   reported lost. The client is now made where errors are judged, and a round that
+   raises anyway is logged and its entries tried again.
 9. A second data loss found by a put-back's own connection (two restarts in a row, or two
-   failovers): **BROKE** ``test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper``.
-   The put-back runs under the keeper's mutex; its new connection's check finds the data
-   lost again and calls the ``on_data_lost`` listener, ``renew_all_soon``, which takes the
-   same (non-reentrant) mutex: the keeper's thread deadlocks, and every ``keep()`` and
-   ``forget()`` of the process blocks behind it. Older than 014642a (the put-back under the
-   mutex came with f49a1f2), reached through the batch path as through the one-lease one.
+   failovers): **BROKE, fixed since** ``test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper``.
+   The put-back runs under the keeper's mutex; its new connection's check found the data
+   lost again and called the ``on_data_lost`` listener, ``renew_all_soon``, which took the
+   same (non-reentrant) mutex: the keeper's thread deadlocked, and every ``keep()`` and
+   ``forget()`` of the process blocked behind it. Older than 014642a (the put-back under the
+   mutex came with f49a1f2). ``renew_all_soon`` now only raises a flag the thread reads.
 """
 
 from __future__ import annotations
@@ -270,13 +273,18 @@ def test_a_busy_server_sends_every_lease_of_a_batch_to_its_retry(
     keeper = LeaseKeeper()
     kept = [KeptLease(lease, None) for lease in leases]
     alone: list[KeptLease] = []
-    renew = keeper.renew
 
-    def one_lease(k: KeptLease, client: Any = None) -> bool:
-        alone.append(k)
-        return renew(k, client)
+    def one_lease_path(k: KeptLease) -> None:
+        renew_once = k.lease.renew_once
 
-    keeper.renew = one_lease  # type: ignore[method-assign]
+        def observed(client: Any = None) -> Any:  # the one-lease path's request
+            alone.append(k)
+            return renew_once(client)
+
+        k.lease.renew_once = observed  # type: ignore[method-assign]
+
+    for k in kept:
+        one_lease_path(k)
     kill = busy_script(server)
 
     retries = keeper._renew_batch(kept)
@@ -399,8 +407,6 @@ def green_child(tmp_path: Path) -> Iterator[Callable[[str], tuple[TestProcess, P
         child.close()
 
 
-@pytest.mark.xfail(strict=True, reason="014642a: the batch path calls thread_client outside any try; a Cluster "
-                                       "client copy that cannot connect kills the keeper's thread")
 def test_a_greenlet_keeper_survives_its_cluster_client_copy_failing(
         cluster: Topology, green_child: Callable[[str], tuple[TestProcess, Path]]) -> None:
     """BREAK. A gevent-patched process (a greenlet worker) on Redis Cluster, its seed address
@@ -446,8 +452,6 @@ def deadlocked_in_put_back(thread: threading.Thread) -> bool:
     return {"_settle", "renew_all_soon"} <= names
 
 
-@pytest.mark.xfail(strict=True, reason="put_back runs under the keeper's mutex; a data loss its connection finds "
-                                       "calls renew_all_soon, which takes the same mutex: deadlock")
 def test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper(
         make_redis: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch) -> None:
     """BREAK. Three leases; the server restarts empty (data loss 1). The keeper's batch finds

@@ -114,6 +114,8 @@ class LeaseKeeper:
         self.wakeups = 0
         #: Requests that renewed several leases at once (diagnostics and tests).
         self.batches = 0
+        #: Every lease is due now (set by :meth:`renew_all_soon`, applied by the thread).
+        self._renew_all = False
         #: The thread is waiting (not renewing).
         self.waiting = False
         #: Monotonic time the waiting thread looks at the queue by itself (-inf: looking now).
@@ -196,6 +198,8 @@ class LeaseKeeper:
             with self._mutex:
                 self._next_look = float("-inf")  # looking: a keep() needs no notify
                 now = time.monotonic()
+                if self._renew_all:
+                    self._move_all_forward(now)
                 batch = self._take_due(now)
                 if not batch:
                     timeout = self._queue[0][0] - now if self._queue else IDLE_LOOK
@@ -206,10 +210,15 @@ class LeaseKeeper:
                 self.waiting = False
                 self.wakeups += 1
                 continue
-            leases = [kept for kept in batch if isinstance(kept, KeptLease)]
-            done = self._renew_batch(leases) if leases else []
-            done += [(pending, self._release_again(pending)) for pending in batch
-                     if isinstance(pending, PendingRelease)]
+            try:
+                leases = [kept for kept in batch if isinstance(kept, KeptLease)]
+                done = self._renew_batch(leases) if leases else []
+                done += [(pending, self._release_again(pending)) for pending in batch
+                         if isinstance(pending, PendingRelease)]
+            except Exception:  # never let the keeper thread die: the round's entries again soon
+                logger.exception("unexpected error in a round of the lease keeper")
+                again = time.monotonic() + RETRY_EVERY
+                done = [(kept, again) for kept in batch]
             with self._mutex:
                 for kept, next_time in done:
                     if next_time is not None and kept.active:
@@ -239,19 +248,18 @@ class LeaseKeeper:
         each judged on its own reply; the monotonic time of each one's next attempt."""
         groups: dict[tuple[int, str], list[KeptLease]] = {}
         for kept in leases:
-            via = thread_client(kept.lease.client)
             try:
-                groups.setdefault(group_key(via, kept.lease), []).append(kept)
-            except Exception:  # no node for its key now (a Cluster being reshaped): on its own
-                groups[(id(kept), "")] = [kept]
+                groups.setdefault(group_key(thread_client(kept.lease.client), kept.lease), []).append(kept)
+            except Exception:  # no client or node for it now (a Cluster unreachable or being
+                groups[(id(kept), "")] = [kept]  # reshaped): on its own, where errors are judged
         done: list[tuple[KeptLease | PendingRelease, float | None]] = []
         for group in groups.values():
             if len(group) == 1:
                 done.append((group[0], self._renew(group[0])))
                 continue
             self.batches += 1
-            via = thread_client(group[0].lease.client)
             try:
+                via = thread_client(group[0].lease.client)
                 outcomes: list[Renewal | BaseException] = renew_many(via, [kept.lease for kept in group])
             except Exception as exc:  # the request as a whole: each lease's error
                 outcomes = [exc] * len(group)
@@ -265,11 +273,16 @@ class LeaseKeeper:
         """Renew every kept lease now: the process found its data on a server that may lack
         its locks (a restart, a promoted replica), and each must be put back before the
         recovery window closes (see :mod:`.server`)."""
-        with self._mutex:
-            now = time.monotonic()
-            self._queue = [(now, seq, kept) for _, seq, kept in self._queue if kept.active]
-            heapq.heapify(self._queue)
+        # A flag, not the mutex: the keeper's own thread calls this when one of its requests
+        # finds yet another loss on a new connection, while it holds the mutex (a put-back).
+        self._renew_all = True
         self._wake.notify()
+
+    def _move_all_forward(self, now: float) -> None:
+        """Under the mutex: every kept lease due now (see :meth:`renew_all_soon`)."""
+        self._renew_all = False
+        self._queue = [(now, seq, kept) for _, seq, kept in self._queue if kept.active]
+        heapq.heapify(self._queue)
 
     def renew(self, kept: KeptLease, client: Any = None) -> bool:
         """One renewal of ``kept``, putting its lock back where the server lost it; False if
@@ -321,7 +334,8 @@ class LeaseKeeper:
                 if kept.next_complaint:
                     kept.next_complaint = 0.0
                     logger.warning("renewed lock %s again: Redis answers", lease.key)
-                return time.monotonic() + lease.renew_every
+                # From its confirmation, not from now: judging a large batch takes time.
+                return max(time.monotonic(), lease.confirmed_at + lease.renew_every)
             if kept.active:  # else the run ended and released it while this renewal was on its way
                 kept.mark_lost("the lock was deleted, expired or taken by another holder")
             return None
