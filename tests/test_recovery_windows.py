@@ -106,6 +106,12 @@ def process_client(server: RedisServer, memory: ServerMemory | None = None, live
     return client, lock_server
 
 
+def server_ms(client: redis.Redis) -> int:
+    """The server's clock, in Unix ms."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def record_of(client: redis.Redis, key: str = server_key(PREFIX)) -> ServerRecord:
     """The server record ``key`` on ``client``'s server (an AssertionError if there is none)."""
     record = ServerRecord.decode(client.get(key))
@@ -139,8 +145,11 @@ def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[...,
     assert "may have lost locks (no record" in line and "Redis Redis" not in line, line
     opened_ms = direct.pttl(recovery_key(PREFIX))
     assert 0 < opened_ms <= WINDOW * 1000, "a Redis without the server record opens a window at its first client"
-    assert record_of(direct) == ServerRecord(run_id(direct), 1, round(WINDOW, 3)), \
+    opened = record_of(direct)
+    assert opened == ServerRecord(run_id(direct), 1, round(WINDOW, 3), opened.since_ms), \
         "the record names the server, at the first generation, with the window its process needs"
+    assert server_ms(direct) - WINDOW * 1000 <= opened.since_ms <= server_ms(direct), \
+        "and when the window opened, on the server's clock"
     window = first_server.recovery()
     assert window.open and "new or emptied" in window.reason, window
     assert not LockServer("other-app", LIVENESS_TTL, memory).recovery().open, \
@@ -167,8 +176,8 @@ def test_a_missing_server_record_costs_one_window_once(make_redis: Callable[...,
     assert not direct.exists(recovery_key(PREFIX)) and not first_server.recovery().open, \
         "an append-only-file restart opens no window"
     assert first_server.epoch == 0, "nor does it make holders put their locks back"
-    assert record_of(direct) == ServerRecord(run_id(direct), 2, round(WINDOW, 3)), \
-        "the record names the new run, one generation up"
+    assert record_of(direct) == ServerRecord(run_id(direct), 2, round(WINDOW, 3), opened.since_ms), \
+        "the record names the new run, one generation up; no window opened since the first"
 
 
 def test_a_check_cut_before_its_record_is_written_is_noticed_again(

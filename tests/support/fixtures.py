@@ -46,6 +46,7 @@ import pytest
 import redis
 
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.lease import counters
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .owners import EVERYTHING, Owner, owning, register
@@ -126,6 +127,9 @@ def rabbitmq(rabbitmq_server: RabbitMQServer) -> str:
 @pytest.fixture
 def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
     """The session's redis-server, every database flushed (only if it is ours), as a client of db 0."""
+    # Counts an earlier test made in this process are written in batches, up to a second
+    # later: written now, before the flush, they cannot land in this test's database.
+    counters.flush()
     redis_server.flushall()
     clear_settings_cache()
     reset_clients()
