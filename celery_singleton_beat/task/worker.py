@@ -32,8 +32,10 @@ import threading
 import time
 from typing import Any
 
+from billiard.common import TERM_SIGNAME
 from celery import Celery, bootsteps, signals
 from celery.exceptions import ImproperlyConfigured
+from celery.platforms import signals as platform_signals
 
 from ..config import get_settings
 from ..lease import counters
@@ -137,7 +139,11 @@ def _guard_revoke() -> None:
             if not ids - left_alone:
                 return {"ok": "terminate: tasks unknown" if terminate else f"tasks {left_alone} flagged as revoked"}
             task_id = list(ids - left_alone)
-        return original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        running = _terminate_here(state, worker_state, ids - left_alone, signal) if terminate else set()
+        rest = ids - left_alone - running
+        if running and not rest:
+            return {"ok": f"terminate: {', '.join(sorted(running))}"}
+        return original(state, list(rest) if running else task_id, terminate=terminate, signal=signal, **kwargs)
 
     def terminate(state: Any, signal: Any, task_id: Any, **kwargs: Any) -> Any:
         return revoke(state, task_id, terminate=True, signal=signal)
@@ -148,6 +154,26 @@ def _guard_revoke() -> None:
             guarded._singleton_guard = True
             guarded.__doc__ = control.Panel.data[command].__doc__
             control.Panel.data[command] = guarded
+
+
+def _terminate_here(state: Any, worker_state: Any, ids: set[str], signal: Any) -> set[str]:
+    """Terminate the singleton runs of ``ids`` that this worker runs now; their ids.
+
+    Celery before 5.7 marks every revoked id ``REVOKED`` in the result backend as the
+    signal is sent, the one running here included; the run's own request records it
+    once its pool child is gone and its lock free (:meth:`.request.SingletonRequest.terminate`).
+    """
+    from celery.worker import control
+
+    running = {i for i in ids if isinstance(request := worker_state.requests.get(i), SingletonRequest)
+               and request in worker_state.active_requests}
+    if running:
+        worker_state.revoked.update(running)
+        signum = platform_signals.signum(signal or TERM_SIGNAME)
+        for task_id in sorted(running):
+            control.logger.info("Terminating %s (%s)", task_id, signum)
+            worker_state.requests[task_id].terminate(state.consumer.pool, signal=signum)
+    return running
 
 
 def _copy_of_a_running_original(worker_state: Any, task_id: str) -> bool:
