@@ -26,8 +26,8 @@ from harness.processes import ChildProcess
 from harness.redis_server import RedisServerProcess, find_redis_server, free_port
 from harness.waiting import wait_until as _wait_until
 
-__all__ = ["ROOT", "Server", "bench_cli", "bench_env", "free_port", "markdown_table", "progress",
-           "start_celery", "summary", "wait_until"]
+__all__ = ["ROOT", "Server", "bench_cli", "bench_env", "free_port", "markdown_table", "process_cpu_seconds",
+           "progress", "start_celery", "summary", "wait_until"]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Databases the benchmark apps keep their locks in.
@@ -129,6 +129,14 @@ def bench_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` used so far, all its threads: ``utime + stime`` of
+    ``/proc/<pid>/stat`` (Linux; clock ticks, 10 ms each on most kernels)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()  # after "pid (comm)": the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:

@@ -49,6 +49,10 @@ BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                    {"rounds": 20}, {"rounds": 1}),
     "memory": ("bench_memory", "Memory: keys and used_memory return to baseline after TTLs",
                {"runs": 100_000, "slots": 10_000, "slot_ttl": 5.0}, {"runs": 200, "slots": 100, "slot_ttl": 1.0}),
+    # One gevent worker per size and variant (three rounds each: plain, ours, ours with PTTLs sampled).
+    "leases": ("bench_leases", "Leases: N runs at once in one gevent worker, plain Task vs SingletonTask",
+               {"sizes": (100, 1000, 5000), "seconds": 20.0, "rounds": 1},
+               {"sizes": (5, 20), "seconds": 2.0, "rounds": 1}),
 }
 
 

@@ -1,0 +1,80 @@
+"""The app of the leases benchmark: a plain and a singleton task whose body sleeps.
+
+One gevent worker (``-P gevent -c N``) runs N of them at once. Each body stamps
+``time.time()`` at its start and at its end in the record Redis (the broker's
+server, db 3: sorted sets ``starts`` and ``ends``, one member per run), and
+sleeps in between with ``time.sleep``: under Celery's gevent pool the time
+module is monkey-patched, so that is a gevent sleep. The singleton task holds a
+3 s lease (``lock_ttl = 3``: the keeper renews it every second) on the lock
+server, a redis-server of its own; the pool size and every other connection
+option are the library's defaults.
+
+When the worker is ready (``worker_ready``: its consumer is registered, no
+message handled yet) it writes its pid, the CPU it used so far (``utime + stime``
+of the process) and whether ``time`` is patched into the record hash ``ready``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, Task
+from celery.signals import worker_ready
+
+from celery_singleton_beat import SingletonTask
+
+from .common import process_cpu_seconds
+
+BROKER = os.environ["BENCH_BROKER"]
+LOCKS = os.environ["BENCH_LOCKS"]
+#: The lease of the singleton task, in seconds (renewed every third of it).
+LOCK_TTL = 3
+
+app = Celery("leases", broker=f"{BROKER}/0")
+app.conf.update(
+    singleton_redis_url=f"{LOCKS}/0",
+    task_ignore_result=True,
+    broker_connection_retry_on_startup=True,
+)
+
+_records: redis.Redis | None = None
+
+
+def records() -> redis.Redis:
+    """The record client: at most 64 connections, a greenlet waits for one (N greenlets share it)."""
+    global _records
+    if _records is None:
+        pool = redis.BlockingConnectionPool.from_url(f"{BROKER}/3", max_connections=64, timeout=None)
+        _records = redis.Redis(connection_pool=pool)
+    return _records
+
+
+def body(i: int, seconds: float) -> None:
+    started = time.time()
+    records().zadd("starts", {str(i): started})
+    time.sleep(seconds)  # gevent's sleep: Celery patched the time module for -P gevent
+    records().zadd("ends", {str(i): time.time()})
+
+
+@app.task(base=Task)
+def plain(i: int, seconds: float) -> None:
+    body(i, seconds)
+
+
+@app.task(base=SingletonTask, lock_ttl=LOCK_TTL)
+def singleton(i: int, seconds: float) -> None:
+    body(i, seconds)
+
+
+@worker_ready.connect
+def _ready(**_: Any) -> None:
+    try:
+        from gevent import monkey
+        patched = monkey.is_module_patched("time")
+    except ImportError:
+        patched = False
+    records().hset("ready", mapping={"pid": os.getpid(), "cpu_s": process_cpu_seconds(os.getpid()),
+                                     "time_patched": int(patched)})
