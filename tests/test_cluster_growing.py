@@ -28,7 +28,6 @@ from celery_singleton_beat.lease.lock import AcquireResult
 from celery_singleton_beat.recovery.server import LockServer
 from celery_singleton_beat.recovery.window import mark_in_use
 
-from .support import wait_for
 from .support.locking import renew, take_lock
 from .support.owners import Owner
 from .support.resharding import SlotMove
@@ -126,10 +125,10 @@ def test_a_slot_migrating_to_a_node_being_added_is_followed(cluster: Topology, h
     move.migrate(kept_key, gone_key)  # the source answers -ASK <slot> <new node> for them now
     assert move.keys_on(move.source) == [] and sorted(move.keys_on(move.target)) == sorted([kept_key, gone_key])
 
-    # (a) The held lease is renewed on the new node (its TTL back at 3 s).
-    wait_for(lambda: move.on_target("PTTL", kept_key) < 2500, timeout=10, message="the lease's TTL below 2.5 s")
+    # (a) The held lease is renewed on the new node (its TTL back at its full 30 s).
+    before = move.on_target("PTTL", kept_key)
     assert renew(kept), "the lease whose key migrated to the new node is renewed"
-    assert move.on_target("PTTL", kept_key) > 2500 and task_id_in(move.on_target("GET", kept_key)) == "kept"
+    assert move.on_target("PTTL", kept_key) > before and task_id_in(move.on_target("GET", kept_key)) == "kept"
     assert kept_key not in move.keys_on(move.source)
 
     # (b) A release frees the key on the new node.
@@ -145,10 +144,9 @@ def test_a_slot_migrating_to_a_node_being_added_is_followed(cluster: Topology, h
     # (d) The slot is the new node's: the source answers -MOVED to it.
     move.finish()
     with server.client() as on_new:
-        wait_for(lambda: move.on_target("PTTL", kept_key) < 2500, timeout=10,
-                 message="the lease's TTL below 2.5 s")
+        before = on_new.pttl(kept_key)
         assert renew(kept), "the lease is renewed on the new node, now the slot's owner"
-        assert on_new.pttl(kept_key) > 2500
+        assert on_new.pttl(kept_key) > before
         assert client.get_node_from_key(kept_key).name == node.name, "-MOVED: the layout read again"
         assert kept.release() and fresh.lease is not None and fresh.lease.release()
         assert on_new.exists(kept_key, fresh_key) == 0
@@ -171,9 +169,9 @@ def test_a_slot_moved_to_a_node_added_since_the_client_read_the_layout(cluster: 
     move = SlotMove(admin, kept_key, target=node).start()
     move.finish()
     with server.client() as on_new:
-        wait_for(lambda: on_new.pttl(kept_key) < 2500, timeout=10, message="the lease's TTL below 2.5 s")
+        before = on_new.pttl(kept_key)
         assert renew(kept), "the lease is renewed on the node the slot moved to"
-        assert on_new.pttl(kept_key) > 2500 and task_id_in(on_new.get(kept_key)) == "kept"
+        assert on_new.pttl(kept_key) > before and task_id_in(on_new.get(kept_key)) == "kept"
         assert client.get_node_from_key(kept_key).name == node.name, "-MOVED: the layout read again"
         fresh = take(client, fresh_key, "fresh")
         assert fresh.acquired and task_id_in(on_new.get(fresh_key)) == "fresh"
@@ -212,9 +210,9 @@ def test_a_slot_moved_off_a_node_then_removed(cluster: Topology, hooked: HookedC
     server.stop(timeout=10)
     assert client.get_node_from_key(kept_key).name == node.name, "the client's map still names the removed node"
     on_owner = admin.get_redis_connection(owner)
-    wait_for(lambda: on_owner.pttl(kept_key) < 2500, timeout=10, message="the lease's TTL below 2.5 s")
+    before = on_owner.pttl(kept_key)
     assert renew(kept), "the lease is renewed on the slot's owner"
-    assert on_owner.pttl(kept_key) > 2500
+    assert on_owner.pttl(kept_key) > before
     fresh = take(client, fresh_key, "fresh")
     assert fresh.acquired and task_id_in(on_owner.get(fresh_key)) == "fresh"
     assert kept.release() and fresh.lease is not None and fresh.lease.release()
