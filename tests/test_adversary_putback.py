@@ -80,6 +80,17 @@ KEY = "singleton:{putback:k}"
 OTHER = "singleton:{putback:other}"
 
 
+def promoted_replica(make_redis: Callable[..., RedisServer]) -> tuple[RedisServer, RedisServer]:
+    """A primary in use and a replica of it, promoted (``REPLICAOF NO ONE``) while the
+    primary goes on taking writes."""
+    old = make_redis()
+    mark_in_use(old.client())
+    replica = make_redis("--replicaof", "127.0.0.1", str(old.port))
+    wait_for(lambda: replica.client().info("replication").get("master_link_status") == "up", timeout=20)
+    replica.client().replicaof("NO", "ONE")
+    return old, replica
+
+
 def breaks(reason: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
@@ -332,11 +343,7 @@ def test_a_promotion_noticed_early(make_redis: Callable[..., RedisServer]) -> No
     the promoted replica: ``k`` is gone, ``lost_by`` is early, the lock goes back beside
     ``b``'s. Fix: a promoted replica lacks whatever its old primary took until it stopped,
     later than any moment noticed: compare the put-back's own moment (now)."""
-    old = make_redis()
-    mark_in_use(old.client())
-    replica = make_redis("--replicaof", "127.0.0.1", str(old.port))
-    wait_for(lambda: replica.client().info("replication").get("master_link_status") == "up", timeout=20)
-    replica.client().replicaof("NO", "ONE")
+    old, replica = promoted_replica(make_redis)
     address = Switch(old.port)
     a, b = process(address.port), process(old.port)
     held = acquire(a, KEY, spec("a-boot"), "a").lease
@@ -434,11 +441,7 @@ def test_a_replica_promoted_before_a_take_over_gets_no_put_back(make_redis: Call
     replica. The rule is asked (the epoch grew) and refuses (``lost_by``, the moment
     noticed, is past ``a``'s ``put_back_until``); ``b``, noticing within its own reach,
     puts its lock back."""
-    old = make_redis()
-    mark_in_use(old.client())
-    replica = make_redis("--replicaof", "127.0.0.1", str(old.port))
-    wait_for(lambda: replica.client().info("replication").get("master_link_status") == "up", timeout=20)
-    replica.client().replicaof("NO", "ONE")
+    old, replica = promoted_replica(make_redis)
     address = Switch(old.port)
     a, b = process(address.port), process(address.port)
     held = acquire(a, KEY, spec("a-boot"), "a").lease

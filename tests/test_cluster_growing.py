@@ -26,8 +26,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from celery_singleton_beat.connection.client import acl_rules, redis_from_url
 from celery_singleton_beat.lease.lock import AcquireResult
 from celery_singleton_beat.recovery.server import LockServer
-from celery_singleton_beat.recovery.window import mark_in_use
 
+from .support.fixtures import prepared_cluster
 from .support.locking import renew, take_lock
 from .support.owners import Owner
 from .support.resharding import SlotMove
@@ -38,7 +38,6 @@ from .support.topologies import (
     Topology,
     add_cluster_node,
     set_acl_user,
-    start_cluster,
 )
 
 _tags = itertools.count()
@@ -80,10 +79,7 @@ def cluster(test_owner: Owner) -> Iterator[Topology]:
     """A 3-primary Redis Cluster of this test's own (the shared module one is not grown or
     shrunk), with the documented ACL user on every node, each marked in use (as
     :func:`.support.fixtures.cluster`). Stopped with the nodes added to it when the test ends."""
-    topology = start_cluster()
-    for node in topology.primaries():
-        set_acl_user(node, acl_rules(cluster=True))
-        mark_in_use(node)
+    topology = prepared_cluster()
     yield topology
     topology.stop()
 

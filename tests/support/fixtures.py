@@ -250,14 +250,8 @@ def cluster() -> Iterator[Topology]:
     """A 3-primary Redis Cluster for a test module, with the documented ACL user
     (``acl_rules(cluster=True)``) on every node, each marked in use (a new Cluster of the
     tests' own: no recovery window)."""
-    from celery_singleton_beat.connection.client import acl_rules
-    from celery_singleton_beat.recovery.window import mark_in_use
-
     with owning(Owner("module cluster")) as owner:
-        topology = start_cluster()
-    for node in topology.primaries():
-        set_acl_user(node, acl_rules(cluster=True))
-        mark_in_use(node)
+        topology = prepared_cluster()
     yield topology
     topology.stop()
     owner.close()
@@ -290,3 +284,16 @@ def delivery_env(redis_db: redis.Redis) -> Iterator[dict[str, str]]:
     yield env
     for name in ("CSB_VISIBILITY", "CSB_BROKER", "CSB_LOCK_REDIS", "CSB_LIVENESS_TTL", "CSB_BACKEND"):
         os.environ.pop(name, None)
+
+
+def prepared_cluster() -> Topology:
+    """A new 3-primary Redis Cluster with the documented ACL user (``acl_rules(cluster=True)``)
+    on every node, each marked in use (a Cluster of the tests' own: no recovery window)."""
+    from celery_singleton_beat.connection.client import acl_rules
+    from celery_singleton_beat.recovery.window import mark_in_use
+
+    topology = start_cluster()
+    for node in topology.primaries():
+        set_acl_user(node, acl_rules(cluster=True))
+        mark_in_use(node)
+    return topology
