@@ -53,6 +53,10 @@ BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "leases": ("bench_leases", "Leases: N runs at once in one gevent worker, plain Task vs SingletonTask",
                {"sizes": (100, 1000, 5000), "seconds": 20.0, "rounds": 1},
                {"sizes": (5,), "seconds": 1.0, "rounds": 1}),
+    # The current code only (a before/after table: `python -m benchmarks.bench_admin --before REF`).
+    "admin": ("bench_admin", "Admin tools on a large Redis: `singleton locks`, `stats` and `slots`",
+              {"keys": 1_000_000, "locks": 10_000, "rare": 10, "real": 200, "slots": 1_000, "rounds": 3},
+              {"keys": 20_000, "locks": 200, "rare": 10, "real": 20, "slots": 100, "rounds": 1}),
 }
 
 

@@ -2,7 +2,8 @@
 
 Commands (each has ``--help``):
 
-* ``locks [--task NAME] [--json]``: the task locks held now, with their holder.
+* ``locks [--task NAME] [--json]``: the task locks held now, with their holder
+  (printed as they are found).
 * ``release KEY | --task NAME [--all] [--yes]``: force-release locks.
 * ``purge-claims [--task NAME] [--yes]``: delete publish-time claims (after
   ``celery purge``), never a running lock.
@@ -15,6 +16,8 @@ and do is :mod:`celery_singleton_beat.admin`, which reads the Redis of
 ``singleton_redis_url`` (the one the workers and beats use) with ``SCAN``,
 never ``KEYS``. Every command first imports the app's task modules, as
 ``celery worker`` does (``include``, ``imports``, ``autodiscover_tasks``).
+While ``locks``, ``stats`` and ``slots`` walk the keys, a progress line on stderr says
+how far they are, when stderr is a terminal only (nothing when it is piped).
 
 Exit codes (every command, ``doctor`` included): 0 success (also "nothing
 held"; ``doctor`` with warnings only); 1 ``doctor`` found a problem, or
@@ -29,7 +32,8 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -51,6 +55,7 @@ from .admin import (
     HeldLock,
     InvalidSettings,
     NotALockKey,
+    ScanProgress,
     SlotClaim,
 )
 from .config import SingletonSettings
@@ -82,16 +87,133 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Sequence[int] = ()) -> str:
+def _cells(row: Sequence[Any]) -> list[str]:
+    return ["-" if c is None else str(c) for c in row]
+
+
+def _line(cells: Sequence[str], widths: Sequence[int], numeric: Iterable[int]) -> str:
+    right = set(numeric)
+    return "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                     for i, (cell, w) in enumerate(zip(cells, widths, strict=False))).rstrip()
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Iterable[int] = ()) -> str:
     """A plain text table; columns in ``numeric`` are right-aligned."""
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    cells = [[str(h) for h in headers]] + [_cells(row) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = []
-    for row in cells:
-        parts = [cell.rjust(w) if i in numeric else cell.ljust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths, strict=False))]
-        lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines)
+    return "\n".join(_line(row, widths, numeric) for row in cells)
+
+
+class _StreamedTable:
+    """A :func:`_table` written while its rows come (``write`` gets text with its newlines):
+    the first :data:`SIZED` rows (all of them when there are fewer) set the column widths and
+    are written together; each later row as it comes, with those widths (a longer cell shifts
+    the rest of its own row)."""
+
+    SIZED = 100
+
+    def __init__(self, write: Callable[[str], None], headers: Sequence[str], numeric: Iterable[int] = ()) -> None:
+        self.write, self.headers, self.numeric = write, [str(h) for h in headers], tuple(numeric)
+        self.rows: list[list[str]] = []
+        self.widths: list[int] | None = None
+        self.count = 0
+
+    def add(self, row: Sequence[Any]) -> None:
+        self.count += 1
+        if self.widths is not None:
+            self.write(_line(_cells(row), self.widths, self.numeric) + "\n")
+            return
+        self.rows.append(_cells(row))
+        if len(self.rows) >= self.SIZED:
+            self.close()
+
+    def close(self) -> None:
+        """Write the rows held back (with the header), if any."""
+        if self.widths is None and self.rows:
+            cells = [self.headers, *self.rows]
+            self.widths = [max(len(row[i]) for row in cells) for i in range(len(self.headers))]
+            self.write("".join(_line(row, self.widths, self.numeric) + "\n" for row in cells))
+            self.rows = []
+
+
+class _JsonList:
+    """A JSON list written item by item, as ``json.dumps(items, indent=2)`` prints it whole."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self.write = write
+        self.count = 0
+
+    def add(self, item: Any) -> None:
+        self.write(("[\n  " if not self.count else ",\n  ") + _json(item).replace("\n", "\n  "))
+        self.count += 1
+
+    def close(self) -> None:
+        self.write("\n]\n" if self.count else "[]\n")
+
+
+class _Pending:
+    """Text for stdout held until the next SCAN call ends (:meth:`flush`), then written at once
+    (one write per call rather than per row), with the progress line erased first."""
+
+    def __init__(self, session: _Session, progress: _Progress) -> None:
+        self.session, self.progress = session, progress
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+
+    def flush(self) -> None:
+        if self.parts:
+            self.progress.clear()
+            self.session.echo("".join(self.parts), nl=False)
+            self.parts = []
+
+    def after_each_call(self, status: ScanProgress) -> None:
+        """The ``progress`` callback: what the call found, then the progress line."""
+        self.flush()
+        self.progress(status)
+
+
+def _plural(count: int, noun: str, nouns: str) -> str:
+    return f"{count:,} {noun if count == 1 else nouns}"
+
+
+class _Progress:
+    """``scanned ~420,000 of 1,000,000 keys: 12 locks`` on stderr while a command walks the keys,
+    redrawn in place at most every :data:`REDRAW` seconds; only when stderr is a terminal, so
+    that a pipe, a log or ``--json`` output gets none of it. It is a ``progress`` callback of
+    the admin functions; :meth:`clear` before printing anything else to the terminal."""
+
+    REDRAW = 0.1
+
+    def __init__(self, noun: str, nouns: str, *, count_matched: bool = False) -> None:
+        self.noun, self.nouns, self.count_matched = noun, nouns, count_matched
+        try:
+            self.enabled = sys.stderr.isatty()
+        except (AttributeError, ValueError):  # replaced or closed
+            self.enabled = False
+        self.found = 0
+        self.shown = False
+        self.drawn_at: float | None = None
+
+    def __call__(self, status: ScanProgress) -> None:
+        if self.count_matched:
+            self.found = status.matched
+        now = time.monotonic()
+        if self.enabled and not status.done and (self.drawn_at is None or now - self.drawn_at >= self.REDRAW):
+            self.drawn_at = now
+            of = "" if status.total is None else f" of {status.total:,}"
+            self._write(f"scanned ~{status.scanned:,}{of} keys: {_plural(self.found, self.noun, self.nouns)}")
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self._write("")
+            self.shown = False
+
+    def _write(self, line: str) -> None:
+        sys.stderr.write(f"\r\x1b[K{line}")
+        sys.stderr.flush()
 
 
 def _json(data: Any) -> str:
@@ -119,8 +241,8 @@ class _Session:
         with _exit_codes():
             return read()
 
-    def echo(self, message: str = "") -> None:
-        self.ctx.obj.echo(message)
+    def echo(self, message: str = "", **options: Any) -> None:
+        self.ctx.obj.echo(message, **options)
 
     def note(self, message: str) -> None:
         """A remark for the human reader, on stderr (keeps ``--json`` output clean)."""
@@ -173,7 +295,8 @@ def singleton(ctx: click.Context, **kwargs: Any) -> None:
 def locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
     """List held task locks and publish-time claims.
 
-    Columns: task, kind (run: a running task; claim/queued: a message
+    Printed as they are found, in no particular order (the first 100 rows
+    size the table's columns). Columns: task, kind (run: a running task; claim/queued: a message
     waiting in the queue), holder task id, node, pid, acquisition time (UTC),
     TTL left, time since the holder last renewed it, key. JSON: a list of
     objects with task, key, kind, task_id, node, pid, boot, acquired_at (epoch
@@ -181,17 +304,33 @@ def locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
     (seconds, null for a claim).
     """
     session = _Session(ctx)
-    held = session.run(lambda: admin.list_locks(session.app, task=task_name))
-    session.show(
-        held, as_json, f"No lock of task {task_name} is held" if task_name else "No task lock is held",
-        ("TASK", "KIND", "HOLDER TASK ID", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWED", "KEY"),
-        lambda lock: (lock.task, lock.kind, lock.holder.task_id, lock.holder.node, lock.holder.pid,
-                      _utc(lock.holder.acquired_at), _duration(lock.ttl),
-                      "-" if lock.renewed_ago is None else f"{_duration(lock.renewed_ago)} ago", lock.key),
-        numeric=(4, 6, 7),
-    )
-    if held and not as_json:
-        session.echo(f"\n{len(held)} lock(s) held.")
+    progress = _Progress("lock", "locks")
+    pending = _Pending(session, progress)
+    found = session.run(lambda: admin.iter_locks(session.app, task=task_name, progress=pending.after_each_call))
+    out: _JsonList | _StreamedTable = _JsonList(pending.write) if as_json else _StreamedTable(
+        pending.write, ("TASK", "KIND", "HOLDER TASK ID", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWED", "KEY"),
+        numeric=(4, 6, 7))
+    try:
+        with _exit_codes():
+            for lock in found:
+                progress.found += 1
+                if isinstance(out, _JsonList):
+                    out.add(lock.as_json())
+                else:
+                    renewed = "-" if lock.renewed_ago is None else f"{_duration(lock.renewed_ago)} ago"
+                    out.add((lock.task, lock.kind, lock.holder.task_id, lock.holder.node, lock.holder.pid,
+                             _utc(lock.holder.acquired_at), _duration(lock.ttl), renewed, lock.key))
+        out.close()
+    finally:  # what was found, also before an error
+        pending.flush()
+        progress.clear()
+    if as_json:
+        return
+    if not out.count:
+        none = f"No lock of task {task_name} is held" if task_name else "No task lock is held"
+        session.echo(f"{none} (prefix '{session.prefix}', {session.url}).")
+    else:
+        session.echo(f"\n{out.count} lock(s) held.")
 
 
 @singleton.command(cls=CeleryCommand)
@@ -350,7 +489,12 @@ def slots(ctx: click.Context, entry: str | None, last: int, as_json: bool) -> No
     with entry, slot, winner, claimed_at (epoch seconds), key and task.
     """
     session = _Session(ctx)
-    history = session.run(lambda: admin.recent_slots(session.app, entry=entry, last=last))
+    progress = _Progress("beat key", "beat keys", count_matched=True)
+    try:
+        history = session.run(lambda: admin.recent_slots(session.app, entry=entry, last=last,
+                                                         progress=progress))
+    finally:
+        progress.clear()
     claims = history.claims
     if history.source == "claims" and claims:
         session.note("note: no beat history list; showing the live claim keys (entries are "
@@ -378,7 +522,11 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     {"tasks": {task: {counter: n}}, "beat": {"entries": {...}, "total": {...}}}.
     """
     session = _Session(ctx)
-    counters = session.run(lambda: admin.read_counters(session.app))
+    progress = _Progress("counter hash", "counter hashes", count_matched=True)
+    try:
+        counters = session.run(lambda: admin.read_counters(session.app, progress=progress))
+    finally:
+        progress.clear()
     if as_json:
         session.echo(_json(counters.as_json()))
         return

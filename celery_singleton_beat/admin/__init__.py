@@ -10,6 +10,8 @@ For a health endpoint, an admin page or a metrics exporter::
 
     for lock in admin.list_locks(app, task="proj.sync", kind="run"):
         print(lock.key, lock.holder.task_id, lock.holder.node, lock.ttl)
+    for lock in admin.iter_locks(app):      # streamed as found (a large Redis), not sorted
+        ...
 
     stuck = admin.find_release_targets(app, task="proj.sync", every=True)
     result = admin.release(app, stuck)     # compare-and-delete of exactly those values
@@ -21,7 +23,8 @@ For a health endpoint, an admin page or a metrics exporter::
     admin.read_counters(app).tasks["proj.sync"]["skipped"]
 
 Every function takes the Celery app and reads the Redis of its
-``singleton_redis_url`` with SCAN (never KEYS). Errors: :class:`InvalidSettings`
+``singleton_redis_url`` with SCAN (never KEYS); the functions that walk the keys
+take a ``progress`` callback (:class:`ScanProgress` after each SCAN call). Errors: :class:`InvalidSettings`
 (also Celery's ``ImproperlyConfigured``), :class:`RedisUnavailable` (Redis
 could not be reached), :class:`AdminRedisError` (Redis refused a command; the
 base of ``RedisUnavailable``), :class:`NotALockKey` (a ``ValueError``),
@@ -37,7 +40,9 @@ from ._common import (
     InvalidSettings,
     KeySpace,
     NotALockKey,
+    Progress,
     RedisUnavailable,
+    ScanProgress,
     Target,
     connect,
     glob_escape,
@@ -69,13 +74,14 @@ from .locks import (
     check_holders,
     find_release_targets,
     force_release,
+    iter_locks,
     list_locks,
     read_lock,
     release,
     release_lock,
 )
 from .slots import SlotClaim, SlotHistory, SlotSource, recent_slots
-from .stats import BEAT_COUNTERS, TASK_COUNTERS, Counters, read_counters
+from .stats import BEAT_COUNTERS, TASK_COUNTERS, CounterHash, Counters, iter_counters, read_counters
 
 __all__ = [
     "BEAT_COUNTERS",
@@ -89,6 +95,7 @@ __all__ = [
     "AdminRedisError",
     "AmbiguousRelease",
     "Check",
+    "CounterHash",
     "Counters",
     "DoctorReport",
     "HeldLock",
@@ -99,8 +106,10 @@ __all__ = [
     "KeySpace",
     "LockKind",
     "NotALockKey",
+    "Progress",
     "RedisUnavailable",
     "ReleaseResult",
+    "ScanProgress",
     "SlotClaim",
     "SlotHistory",
     "SlotSource",
@@ -115,6 +124,8 @@ __all__ = [
     "force_release",
     "glob_escape",
     "is_claim",
+    "iter_counters",
+    "iter_locks",
     "list_locks",
     "load_tasks",
     "purge_claims",

@@ -10,10 +10,10 @@ exceptions, so a caller (a health endpoint, an admin page) catches one family.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from celery import Celery
@@ -23,7 +23,7 @@ from redis.exceptions import RedisClusterException
 from ..beat import history_key as beat_history_key
 from ..beat import stats_key as beat_totals_key
 from ..config import SingletonSettings, get_settings
-from ..connection.client import RedisClient, scan_all
+from ..connection.client import RedisClient, is_cluster, primary_clients
 from ..connection.url import sanitize_redis_url
 from ..exceptions import SingletonError
 from ..lease.commands import legacy_fence_key as fence_key
@@ -38,7 +38,9 @@ __all__ = [
     "AdminRedisError",
     "InvalidSettings",
     "KeySpace",
+    "Progress",
     "RedisUnavailable",
+    "ScanProgress",
     "Target",
     "connect",
     "glob_escape",
@@ -51,8 +53,12 @@ REDIS_ERRORS = (redis.RedisError, RedisClusterException)
 #: Of those, the ones that mean the server could not be reached (or not in time).
 #: AuthenticationError and Sentinel's MasterNotFoundError are ConnectionErrors.
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, RedisClusterException)
-#: SCAN page size and keys read back per pipeline round trip.
-SCAN_COUNT = 1000
+T = TypeVar("T")
+
+#: The COUNT of each SCAN call: about how many keys the server looks at per call (one
+#: round trip each), matching or not. See :func:`scan`.
+SCAN_COUNT = 5000
+#: Keys read back per pipeline round trip.
 BATCH = 500
 
 
@@ -270,21 +276,165 @@ class KeySpace:
         """``MATCH`` pattern of every key under the prefix."""
         return f"{glob_escape(self.prefix)}:*"
 
+    def lock_pattern(self, task: str | None = None) -> str:
+        """``MATCH`` pattern of the lock keys (``<prefix>:{<task>:*``), of ``task`` only if given:
+        the server filters the walk by task. Other keys may match too (use :meth:`lock`)."""
+        return f"{glob_escape(self.prefix)}:{{{glob_escape(task) + ':' if task else ''}*"
 
-def scan(client: RedisClient, match: str) -> Iterator[list[str]]:
-    """Keys matching ``match`` in batches of at most ``BATCH`` (SCAN on each primary, never KEYS).
+    def slot_pattern(self, entry: str | None = None) -> str:
+        """``MATCH`` pattern of the beat slot claim keys, of ``entry`` only if given (which also
+        matches entries whose name starts with it: use :meth:`slot`)."""
+        return f"{glob_escape(self.prefix)}:{{beat:{glob_escape(entry) if entry is not None else ''}*"
 
-    ``KEYS`` would block the server for the whole walk, which on a production
-    Redis stalls every lock of every worker.
+    @property
+    def stats_pattern(self) -> str:
+        """``MATCH`` pattern of the counter hashes of tasks and beat entries."""
+        return f"{glob_escape(self.prefix)}:{{stats}}:*"
+
+
+@dataclass(frozen=True)
+class ScanProgress:
+    """How far a walk of the keyspace has come: given to a ``progress`` callback after each SCAN call.
+
+    ``scanned``: keys the server has looked at so far, matching or not (an estimate, about
+    ``SCAN_COUNT`` per call; exact once ``done``); ``total``: keys in the database(s) when the
+    walk began (``DBSIZE``), None when the server does not say; ``matched``: keys the walk
+    returned so far; ``done``: the last SCAN call has answered.
     """
-    batch: list[str] = []
-    for key in scan_all(client, match, count=SCAN_COUNT):
-        batch.append(text(key))
-        if len(batch) >= BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+
+    #: Keys the server has looked at so far, matching or not: an estimate (a SCAN call looks
+    #: at about :data:`SCAN_COUNT` keys), exact once ``done``.
+    scanned: int
+    #: Keys in the database when the walk began (``DBSIZE``; on Cluster, of every primary);
+    #: None when the server does not say (e.g. an ACL user without ``DBSIZE``).
+    total: int | None
+    #: Keys the walk returned so far (those matching its pattern).
+    matched: int
+    #: True after the last SCAN call.
+    done: bool
+
+
+#: A callback given each :class:`ScanProgress` of a walk (``progress=`` of the admin functions).
+Progress = Callable[[ScanProgress], None]
+
+
+def _dbsize(server: Any) -> int | None:
+    try:
+        return int(server.dbsize())
+    except redis.ResponseError:  # refused (ACL, a proxy without it): the walk goes on without it
+        return None
+
+
+def walk(client: RedisClient, match: str, pick: Callable[[str], T | None], commands: Sequence[str] = (),
+         progress: Progress | None = None, *, unique: bool = True) -> Iterator[list[tuple[str, T, list[Any]]]]:
+    """The keys matching ``match`` that ``pick`` accepts, with the replies of ``commands`` on each.
+
+    ``SCAN <cursor> MATCH <match> COUNT`` :data:`SCAN_COUNT` on each primary in turn, never
+    ``KEYS``: ``KEYS`` would block the server for the whole walk, which on a production Redis
+    stalls every lock of every worker, while each SCAN call looks at about ``SCAN_COUNT`` keys.
+    The server filters with ``match`` (give the narrowest pattern: only the matching keys cross
+    the network); ``pick(key)`` returns what to keep of a key (e.g. its parsed name), None to
+    skip it. Yields ``(key, picked, replies)`` for the keys of each SCAN call as soon as they are
+    read: the ``commands`` (e.g. ``"get", "pttl"``) on one call's keys are sent in the same
+    pipeline as the next SCAN call, the GETs as one ``MGET`` (on Cluster, in a round trip of
+    their own through the Cluster client), so reading costs no round trip of its own. A key of
+    another type answers with an error (None for a GET). A key SCAN returns twice (it may,
+    while the server resizes its table) is given once when ``unique``, which keeps the
+    matching keys in memory (not the others).
+    ``progress`` is called after each SCAN call, once its keys were handed out (``DBSIZE`` is
+    asked first).
+    """
+    servers = primary_clients(client)
+    sizes = [_dbsize(server) for server in servers] if progress is not None else []
+    total = None if progress is None or None in sizes else sum(size or 0 for size in sizes)
+    piggyback = bool(commands) and not is_cluster(client)
+    seen: set[str] = set()
+    scanned = matched = 0
+    for index, server in enumerate(servers):
+        cursor = 0
+        calls = 0
+        pending: list[tuple[str, T]] = []  # picked from the last SCAN call, read with the next one
+        while True:
+            pipe = server.pipeline(transaction=False)
+            pipe.scan(cursor=cursor, match=match, count=SCAN_COUNT)
+            if piggyback:
+                _queue(pipe, [key for key, _ in pending], commands, mget=True)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            if isinstance(replies[0], Exception):
+                raise replies[0]
+            cursor, found = replies[0]
+            calls += 1
+            if pending:
+                yield _joined(pending, _rows(replies[1:], len(pending), commands, mget=True))
+            keys = [text(key) for key in found]
+            if unique:
+                keys = [key for key in keys if key not in seen]
+                seen.update(keys)
+            matched += len(keys)
+            picked = [(key, kept) for key in keys if (kept := pick(key)) is not None]
+            pending = []
+            if piggyback and cursor != 0:
+                pending = picked
+            else:  # no commands; or the last call's keys, or a Cluster's: a round trip of their own
+                for start in range(0, len(picked), BATCH):
+                    chunk = picked[start:start + BATCH]
+                    rows = read(client, [key for key, _ in chunk], *commands) if commands else [[]] * len(chunk)
+                    yield _joined(chunk, rows)
+            if progress is not None:
+                size = sizes[index]
+                here = calls * SCAN_COUNT if size is None else size if cursor == 0 else min(calls * SCAN_COUNT, size)
+                progress(ScanProgress(scanned + here, total, matched, cursor == 0 and index == len(servers) - 1))
+                if cursor == 0:
+                    scanned += here
+            if cursor == 0:
+                break
+
+
+def _queue(pipe: Any, keys: Sequence[str], commands: Sequence[str], *, mget: bool = False) -> None:
+    """Queue each of ``commands`` on every key; with ``mget``, the GETs as one ``MGET`` (keys
+    of one server only: not on Cluster)."""
+    for command in commands:
+        if mget and command == "get":
+            if keys:
+                pipe.mget(list(keys))
+        else:
+            for key in keys:
+                getattr(pipe, command)(key)
+
+
+def _rows(replies: Sequence[Any], count: int, commands: Sequence[str], *, mget: bool = False) -> list[list[Any]]:
+    """The replies of :func:`_queue` on ``count`` keys, as one row per key."""
+    columns: list[Sequence[Any]] = []
+    at = 0
+    for command in commands:
+        if mget and command == "get":
+            if count:
+                if isinstance(replies[at], Exception):
+                    raise replies[at]
+                columns.append(replies[at])
+                at += 1
+            else:
+                columns.append([])
+        else:
+            columns.append(replies[at:at + count])
+            at += count
+    return [list(row) for row in zip(*columns, strict=True)] if columns else [[] for _ in range(count)]
+
+
+def _joined(picked: Sequence[tuple[str, T]], rows: Sequence[list[Any]]) -> list[tuple[str, T, list[Any]]]:
+    return [(key, kept, row) for (key, kept), row in zip(picked, rows, strict=True)]
+
+
+def scan(client: RedisClient, match: str, progress: Progress | None = None, *,
+         unique: bool = True) -> Iterator[list[str]]:
+    """Keys matching ``match``, each SCAN call's as they come, in lists of at most ``BATCH``
+    (see :func:`walk`)."""
+    for found in walk(client, match, _itself, (), progress, unique=unique):
+        yield [key for key, _, _ in found]
+
+
+def _itself(key: str) -> str:
+    return key
 
 
 def read(client: RedisClient, keys: Sequence[str], *commands: str) -> list[list[Any]]:
@@ -293,12 +443,8 @@ def read(client: RedisClient, keys: Sequence[str], *commands: str) -> list[list[
     A key of an unexpected type answers with the error instead of its value.
     """
     pipe = client.pipeline(transaction=False)
-    for key in keys:
-        for command in commands:
-            getattr(pipe, command)(key)
-    replies: list[Any] = pipe.execute(raise_on_error=False)
-    width = len(commands)
-    return [replies[i:i + width] for i in range(0, len(replies), width)]
+    _queue(pipe, keys, commands)
+    return _rows(pipe.execute(raise_on_error=False), len(keys), commands)
 
 
 def examples(keys: Sequence[str], limit: int = 5) -> str:

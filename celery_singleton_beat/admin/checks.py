@@ -33,7 +33,7 @@ from ..recovery.startup import (
     server_name,
     version_problem,
 )
-from ._common import REDIS_ERRORS, KeySpace, examples, load_tasks, read, scan, text
+from ._common import REDIS_ERRORS, KeySpace, examples, load_tasks, text, walk
 
 __all__ = [
     "EX_CONFIG",
@@ -176,8 +176,9 @@ def _check_expiry(client: RedisClient, prefix: str) -> Check:
     scanned = 0
     stuck: list[str] = []
     foreign: list[str] = []
-    for batch in scan(client, space.pattern):
-        for key, (pttl,) in zip(batch, read(client, batch, "pttl"), strict=True):
+    # Not unique: a key SCAN lists twice is counted twice, rather than every key kept in memory.
+    for found in walk(client, space.pattern, str, ("pttl",), unique=False):
+        for key, _, (pttl,) in found:
             kind = space.kind(key)
             if kind in ("server-record", "recovery-window"):
                 continue  # the library's own record of the server (never expires by design)

@@ -7,7 +7,7 @@ as changed, never deleted.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -16,7 +16,7 @@ from celery import Celery
 from ..lease.behalf import release_value
 from ..lease.holder import Holder, parse_holder
 from ..task.keys import QUEUED_SUFFIX, task_stats_key
-from ._common import AdminError, KeySpace, NotALockKey, Target, connect, glob_escape, read, scan
+from ._common import AdminError, KeySpace, NotALockKey, Progress, Target, connect, read, walk
 
 __all__ = [
     "AmbiguousRelease",
@@ -29,6 +29,7 @@ __all__ = [
     "check_holders",
     "find_release_targets",
     "force_release",
+    "iter_locks",
     "list_locks",
     "read_lock",
     "release",
@@ -147,38 +148,57 @@ def _held(key: str, task: str, kind: str, value: Any, pttl: Any) -> HeldLock | N
     return HeldLock(key, task, cast(LockKind, kind), holder, value, None if pttl < 0 else pttl / 1000)
 
 
-def _scan_locks(target: Target, task: str | None) -> list[HeldLock]:
+def _walk_locks(target: Target, task: str | None, kinds: Collection[str] | None, node: str | None,
+                progress: Progress | None) -> Iterator[HeldLock]:
     space = KeySpace(target.prefix)
-    match = f"{glob_escape(target.prefix)}:{{{glob_escape(task) + ':' if task else ''}*"
-    found: list[HeldLock] = []
-    for batch in scan(target.client, match):
-        keys = [(key, parsed) for key in batch
-                if (parsed := space.lock(key)) is not None and (task is None or parsed[0] == task)]
-        replies = read(target.client, [key for key, _ in keys], "get", "pttl")
-        for (key, (name, kind)), (value, pttl) in zip(keys, replies, strict=True):
-            lock = _held(key, name, kind, value, pttl)
-            if lock is not None:
-                found.append(lock)
-    found.sort(key=lambda lock: (lock.task, lock.holder.acquired_at or 0.0, lock.key))
-    return found
+
+    def pick(key: str) -> tuple[str, str] | None:
+        parsed = space.lock(key)
+        return parsed if parsed is not None and (task is None or parsed[0] == task) else None
+
+    with target.guard():
+        for found in walk(target.client, space.lock_pattern(task), pick, ("get", "pttl"), progress):
+            for key, (name, kind), (value, pttl) in found:
+                lock = _held(key, name, kind, value, pttl)
+                if lock is not None and (kinds is None or lock.kind in kinds) and (
+                        node is None or lock.holder.node == node):
+                    yield lock
+
+
+def _kinds(kind: LockKind | Collection[LockKind] | None) -> set[str] | None:
+    return None if kind is None else {kind} if isinstance(kind, str) else set(kind)
+
+
+def iter_locks(app: Celery, *, task: str | None = None, kind: LockKind | Collection[LockKind] | None = None,
+               node: str | None = None, progress: Progress | None = None) -> Iterator[HeldLock]:
+    """Every task lock and claim held now, each yielded as soon as it is read, in the order found.
+
+    What :func:`list_locks` returns, streamed: the keys are walked with SCAN (never KEYS;
+    ``MATCH <prefix>:{<task>:*`` with ``task``, so the server filters by task), and each
+    SCAN call's locks are read in the same round trip as the next call and yielded at once.
+    Memory holds the locks' keys, not the other keys. Filters as in :func:`list_locks`.
+    ``progress`` (a :data:`Progress`) is called with a :class:`ScanProgress` after each
+    SCAN call. A key SCAN lists twice is yielded once; a lock that expires between the
+    SCAN and the read is left out. The call raises :class:`InvalidSettings`; the iteration
+    :class:`RedisUnavailable` or :class:`AdminRedisError`.
+    """
+    target = connect(app)
+    return _walk_locks(target, task, _kinds(kind), node, progress)
 
 
 def list_locks(app: Celery, *, task: str | None = None, kind: LockKind | Collection[LockKind] | None = None,
-               node: str | None = None) -> list[HeldLock]:
+               node: str | None = None, progress: Progress | None = None) -> list[HeldLock]:
     """Every task lock and claim held now, sorted by task then acquisition time.
 
     Filters: ``task`` (its registered name), ``kind`` (one or several of
     :data:`LockKind`), ``node`` (the holder's worker node name). Read with
     SCAN (never KEYS); a lock that expires between the SCAN and the read is
-    left out. Raises :class:`InvalidSettings`, :class:`RedisUnavailable` or
-    :class:`AdminRedisError`.
+    left out. :func:`iter_locks` yields the same locks as they are found
+    (``progress`` is passed to it). Raises :class:`InvalidSettings`,
+    :class:`RedisUnavailable` or :class:`AdminRedisError`.
     """
-    kinds = None if kind is None else {kind} if isinstance(kind, str) else set(kind)
-    target = connect(app)
-    with target.guard():
-        found = _scan_locks(target, task)
-    return [lock for lock in found
-            if (kinds is None or lock.kind in kinds) and (node is None or lock.holder.node == node)]
+    return sorted(iter_locks(app, task=task, kind=kind, node=node, progress=progress),
+                  key=lambda lock: (lock.task, lock.holder.acquired_at or 0.0, lock.key))
 
 
 def read_lock(app: Celery, key: str) -> HeldLock | None:

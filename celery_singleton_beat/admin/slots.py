@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -10,7 +11,7 @@ from typing import Any, Literal
 from celery import Celery
 
 from ..beat import history_key as beat_history_key
-from ._common import BATCH, KeySpace, Target, connect, glob_escape, read, scan
+from ._common import BATCH, KeySpace, Progress, Target, connect, read, scan
 
 __all__ = ["SlotClaim", "SlotHistory", "SlotSource", "recent_slots"]
 
@@ -58,9 +59,9 @@ def _claim_from_history(record: Any) -> SlotClaim | None:
                      record.get("at"), record.get("key"), record.get("task"))
 
 
-def _slot_instant(claim: SlotClaim) -> float:
+def _slot_instant(slot: str) -> float:
     try:
-        return datetime.fromisoformat(claim.slot.replace("Z", "+00:00")).timestamp()
+        return datetime.fromisoformat(slot.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return float("-inf")
 
@@ -83,38 +84,58 @@ def _from_history(target: Target, history: str, entry: str | None, last: int) ->
     return found[:last]
 
 
-def _from_claim_keys(target: Target, entry: str | None, last: int) -> list[SlotClaim]:
+def _from_claim_keys(target: Target, entry: str | None, last: int, progress: Progress | None) -> list[SlotClaim]:
+    """The ``last`` newest claim keys: only the keys of the newest slots are kept while walking
+    (a slot's instant is in its key) and only theirs are read."""
     space = KeySpace(target.prefix)
-    name_glob = glob_escape(entry) if entry is not None else ""
-    claims: list[SlotClaim] = []
-    for batch in scan(target.client, f"{glob_escape(target.prefix)}:{{beat:{name_glob}*"):
-        keys: list[tuple[str, str, str]] = []
+    newest: list[tuple[float, str, str, str]] = []  # (instant, key, entry, slot); the newest `last`, and ties
+    limit = 2 * last + BATCH
+    for batch in scan(target.client, space.slot_pattern(entry), progress):
         for key in batch:
             parsed = space.slot(key)
             # entries with include_args claim under "<name>:<digest>"
             if parsed and (entry is None or parsed[0] == entry or parsed[0].startswith(entry + ":")):
-                keys.append((key, *parsed))
-        for (key, name, slot), (value,) in zip(keys, read(target.client, [k for k, _, _ in keys], "get"), strict=True):
+                newest.append((_slot_instant(parsed[1]), key, *parsed))
+        if len(newest) > limit:
+            newest = _newest(newest, last)
+            limit = max(limit, 2 * len(newest))  # many claims of one slot: prune less often
+    newest = _newest(newest, last)
+    claims: list[SlotClaim] = []
+    for start in range(0, len(newest), BATCH):
+        chunk = newest[start:start + BATCH]
+        for (_, key, name, slot), (value,) in zip(chunk, read(target.client, [c[1] for c in chunk], "get"),
+                                                  strict=True):
             if not isinstance(value, (bytes, str)):
-                continue
+                continue  # expired since the SCAN
             try:
                 data = json.loads(value)
             except ValueError:
                 data = {}
             data = data if isinstance(data, dict) else {}
             claims.append(SlotClaim(name, slot, data.get("instance"), data.get("at"), key, None))
-    claims.sort(key=lambda c: (_slot_instant(c), c.claimed_at or 0.0), reverse=True)
+    claims.sort(key=lambda c: (_slot_instant(c.slot), c.claimed_at or 0.0), reverse=True)
     return claims[:last]
 
 
-def recent_slots(app: Celery, *, entry: str | None = None, last: int = 20) -> SlotHistory:
+def _newest(found: list[tuple[float, str, str, str]], last: int) -> list[tuple[float, str, str, str]]:
+    """The entries of the ``last`` newest instants in ``found``, with any others of the oldest of those."""
+    if len(found) <= last:
+        return found
+    floor = heapq.nlargest(last, (instant for instant, *_ in found))[-1]
+    return [one for one in found if one[0] >= floor]
+
+
+def recent_slots(app: Celery, *, entry: str | None = None, last: int = 20,
+                 progress: Progress | None = None) -> SlotHistory:
     """The ``last`` most recent slot claims (of ``entry`` only, if given), newest first.
 
     Read from the beat's capped history list, which names entries and tasks;
     without one (no beat recorded any yet, or an older scheduler), from the
-    live claim keys with SCAN: they name the claim key's entry part and
-    disappear when they expire. Raises :class:`InvalidSettings`,
-    :class:`RedisUnavailable` or :class:`AdminRedisError`.
+    live claim keys with SCAN (``MATCH <prefix>:{beat:<entry>*``, never KEYS; ``progress``
+    as for :func:`iter_locks`): they name the claim key's entry part and disappear when they
+    expire. Only the ``last`` newest claim keys are kept and read (a slot's instant is in its
+    key). Raises :class:`InvalidSettings`, :class:`RedisUnavailable` or
+    :class:`AdminRedisError`.
     """
     if last < 1:
         raise ValueError("last must be at least 1")
@@ -123,4 +144,4 @@ def recent_slots(app: Celery, *, entry: str | None = None, last: int = 20) -> Sl
     with target.guard():
         if target.client.exists(history):
             return SlotHistory(tuple(_from_history(target, history, entry, last)), "history")
-        return SlotHistory(tuple(_from_claim_keys(target, entry, last)), "claims")
+        return SlotHistory(tuple(_from_claim_keys(target, entry, last, progress)), "claims")

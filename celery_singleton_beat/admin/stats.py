@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from celery import Celery
 
 from ..beat import stats_key as beat_totals_key
-from ..connection.client import RedisClient
 from ..lease.counters import flush as flush_counters
 from ..task.keys import beat_stats_key, task_stats_key
-from ._common import connect, glob_escape, read, scan, text
+from ._common import KeySpace, Progress, Target, connect, text, walk
 
-__all__ = ["BEAT_COUNTERS", "TASK_COUNTERS", "Counters", "read_counters"]
+__all__ = ["BEAT_COUNTERS", "TASK_COUNTERS", "CounterHash", "Counters", "iter_counters", "read_counters"]
 
 #: Task counters always present (0 when never bumped); others (refused,
 #: deferred, claimed, publish_deduplicated, force_released, ...) appear once bumped.
@@ -66,41 +65,69 @@ def _counters(raw: Mapping[Any, Any]) -> dict[str, int]:
     return out
 
 
-def _hashes(client: RedisClient, match: str, name_from: int) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for batch in scan(client, match):
-        for key, (raw,) in zip(batch, read(client, batch, "hgetall"), strict=True):
-            if isinstance(raw, dict) and raw:
-                out[key[name_from:]] = _counters(raw)
-    return dict(sorted(out.items()))
+@dataclass(frozen=True)
+class CounterHash:
+    """The counters of one task or beat entry, as read from its hash (only those bumped)."""
+
+    #: ``task`` or ``beat`` (a beat entry).
+    kind: Literal["task", "beat"]
+    #: The task's registered name, or the beat entry's name.
+    name: str
+    counts: Mapping[str, int]
+
+
+def _walk_counters(target: Target, progress: Progress | None) -> Iterator[CounterHash]:
+    bases: tuple[tuple[Literal["task", "beat"], str], ...] = (
+        ("task", task_stats_key(target.prefix, "")), ("beat", beat_stats_key(target.prefix, "")))
+
+    def pick(key: str) -> tuple[Literal["task", "beat"], str] | None:
+        return next(((kind, key[len(base):]) for kind, base in bases if key.startswith(base)), None)
+
+    with target.guard():
+        for found in walk(target.client, KeySpace(target.prefix).stats_pattern, pick, ("hgetall",), progress):
+            for _, (kind, name), (raw,) in found:
+                if isinstance(raw, dict) and raw:
+                    yield CounterHash(kind, name, _counters(raw))
+
+
+def iter_counters(app: Celery, *, progress: Progress | None = None) -> Iterator[CounterHash]:
+    """The counter hash of each task and beat entry, yielded as soon as it is read, in the order found.
+
+    One SCAN walk (``MATCH <prefix>:{stats}:*``, never KEYS); each SCAN call's hashes are read
+    (``HGETALL``) in the same round trip as the next call. Counts are those bumped (see
+    :func:`read_counters` for the totals and the counters always present). ``progress`` as for
+    :func:`iter_locks`. The call raises :class:`InvalidSettings`; the iteration
+    :class:`RedisUnavailable` or :class:`AdminRedisError`.
+    """
+    return _walk_counters(connect(app), progress)
 
 
 def _filled(counts: Mapping[str, int], names: Sequence[str]) -> dict[str, int]:
     return {**{name: 0 for name in names}, **counts}
 
 
-def read_counters(app: Celery) -> Counters:
+def read_counters(app: Celery, *, progress: Progress | None = None) -> Counters:
     """The counters under the app's prefix; :data:`TASK_COUNTERS` and
     :data:`BEAT_COUNTERS` are always present (0 when never bumped).
 
     Workers count in their own process and write every second (see
     :mod:`~celery_singleton_beat.lease.counters`); this process's own counts are
-    written first. Raises :class:`InvalidSettings`, :class:`RedisUnavailable`
+    written first. The hashes are found in one SCAN walk (:func:`iter_counters`, which
+    ``progress`` is passed to). Raises :class:`InvalidSettings`, :class:`RedisUnavailable`
     or :class:`AdminRedisError`.
     """
     flush_counters()
     target = connect(app)
-    prefix = target.prefix
-    task_base = task_stats_key(prefix, "")
-    beat_base = beat_stats_key(prefix, "")
+    tasks: dict[str, dict[str, int]] = {}
+    entries: dict[str, dict[str, int]] = {}
+    for found in _walk_counters(target, progress):
+        (tasks if found.kind == "task" else entries)[found.name] = dict(found.counts)
     with target.guard():
-        tasks = _hashes(target.client, glob_escape(task_base) + "*", len(task_base))
-        entries = _hashes(target.client, glob_escape(beat_base) + "*", len(beat_base))
-        raw_total: Mapping[Any, Any] = target.client.hgetall(beat_totals_key(prefix))
+        raw_total: Mapping[Any, Any] = target.client.hgetall(beat_totals_key(target.prefix))
     total = _counters(raw_total)
     return Counters(
-        tasks={name: _filled(c, TASK_COUNTERS) for name, c in tasks.items()},
-        beat_entries={name: _filled(c, BEAT_COUNTERS) for name, c in entries.items()},
+        tasks={name: _filled(c, TASK_COUNTERS) for name, c in sorted(tasks.items())},
+        beat_entries={name: _filled(c, BEAT_COUNTERS) for name, c in sorted(entries.items())},
         beat_total=_filled(total, BEAT_COUNTERS) if total else {},
         stats_enabled=target.settings.stats,
     )
