@@ -56,7 +56,7 @@ BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     # The current code only (a before/after table: `python -m benchmarks.bench_admin --before REF`).
     "admin": ("bench_admin", "Admin tools on a large Redis: `singleton locks`, `stats` and `slots`",
               {"keys": 1_000_000, "locks": 10_000, "rare": 10, "real": 200, "slots": 1_000, "rounds": 3},
-              {"keys": 20_000, "locks": 200, "rare": 10, "real": 20, "slots": 100, "rounds": 1}),
+              {"keys": 2_000, "locks": 50, "rare": 5, "real": 10, "slots": 20, "rounds": 1}),
 }
 
 
