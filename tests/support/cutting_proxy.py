@@ -134,9 +134,11 @@ class CuttingProxy(LoopbackProxy):
         if not cut:
             self.forward(link.client, data)
             return True
+        # Counted before the sockets close: the client sees the cut as soon as they do, and a
+        # test reading ``cuts`` right after its request came back must find it counted.
+        self.cuts += 1
+        self.cut_done.set()
         for sock in (link.client, link.upstream):
             close_socket(sock)
-        self.cuts += 1
         self._note(f"cut a connection after {link.answered} replies (the last ones dropped)")
-        self.cut_done.set()
         return False
