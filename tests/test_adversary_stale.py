@@ -11,9 +11,11 @@ Each "process" here is a client with a ``LockServer`` (a memory) of its own
 (:func:`process`); a holder is renewed by a real ``LeaseKeeper`` thread, or by hand
 (``support.locking.renew``, as the keeper does) where its schedule is the subject.
 
-Open breaks (``xfail(strict=True, raises=AssertionError)``: the assertion is the promise,
+Breaks found, both fixed since (each failed before its fix; the assertion is the promise,
 a live holder that still vouches for its lock keeps it; a scenario that is not reached
-fails through ``pytest.fail`` instead):
+fails through ``pytest.fail``). The rule now decides on what the server says in one
+transaction (the lock, its TTL, the clock, the record's ``since_ms``, the window's key)
+and gives a replace back when its connection found another loss:
 
 * 1. ``test_a_window_start_remembered_from_a_server_whose_clock_ran_ahead``: ``since_ms``
   is the largest this process ever learnt, from any server: one read on the clock of a
@@ -99,10 +101,6 @@ CLAIM = "singleton:{stale:claim}"
 OLD = "singleton:{stale:old}"
 WARM = "singleton:{stale:warm}"
 STATS = "singleton:{stats}:task:stale"
-
-
-def breaks(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
 
 def reached(condition: Any, what: str) -> None:
@@ -254,7 +252,6 @@ def server_ms(client: redis.Redis) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-@breaks("since_ms is the largest ever learnt, from any server's clock: a clock ahead frees renewed locks")
 def test_a_window_start_remembered_from_a_server_whose_clock_ran_ahead(skew_library: Path) -> None:
     """The lock Redis runs on a host whose clock is five minutes fast; it is new, so the
     first check opens a window (``since_ms`` on that clock, learnt by ``a`` and ``h``). ``h``
@@ -369,7 +366,6 @@ class Gate(LoopbackProxy):
                    name="gate-down")
 
 
-@breaks("the rule decides before its look; the look may reach a server restarted from an older snapshot")
 def test_a_restart_between_the_acquire_and_its_look(make_redis: Callable[..., RedisServer]) -> None:
     """``h`` (liveness 6 s: renewals every 2 s, a window of 3.5 s, which its need in the
     record makes everyone's) holds ``k``; the server snapshots (``SAVE``: the RDB file

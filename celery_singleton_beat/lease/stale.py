@@ -25,11 +25,15 @@ this rule does not read yet: there such a lock waits for its TTL.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from ..connection.client import RedisClient, is_cluster
+from ..connection.wire import Request
 from ..log import logger
 from ..recovery.server import server_of
+from ..recovery.window import ServerRecord, recovery_key, server_key
 from . import counters
-from .commands import look_request, take_over_request
+from .commands import raise_errors, release_request, take_over_request
 from .executor import execute
 from .holder import Holder, text_of
 from .lease import Lease, replaced_lease
@@ -42,24 +46,65 @@ def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str
                      holder: Holder, token: int) -> Lease | None:
     """Take ``key`` if ``holder``'s lock was not confirmed since the latest recovery window
     opened and that window has closed; ``token``: the server's clock (µs) at the acquire
-    that found it. The new lease, or None (confirmed, or not known to be stale)."""
+    that found it. The new lease, or None (confirmed, or not known to be stale).
+
+    This process's memory only says whether to look: the decision is made on what the
+    server says in one transaction (the lock, its TTL, the clock, the server record's
+    ``since_ms`` and the window's key), so a window start remembered from another server
+    (another clock) or a window opened since the acquire decides nothing. A replace whose
+    connection found yet another loss is given up.
+    """
     if holder.claim or holder.ttl is None or is_cluster(client):
         return None  # a queued message's claim is never renewed; a value before 0.3 has no TTL
     server = server_of(client)
-    since_ms = server.data_lost_since_ms()
+    remembered = server.data_lost_since_ms()
     ttl_ms = round(holder.ttl * 1000)
-    if not since_ms or token // 1000 - since_ms > ttl_ms or server.recovery().open:
+    if not remembered or token // 1000 - remembered > ttl_ms or server.recovery().open:
         return None  # renewed (or taken) since the window opened, or its holders' grace still runs
-    look = execute(client, key, lambda info: look_request(key))
-    if look.current is None or text_of(look.current) != holder.raw or look.pttl < 0:
-        return None
-    if look.server_ms + look.pttl >= since_ms + ttl_ms:
-        return None  # renewed after the window opened: its holder confirmed it
+    epoch = server.epoch
+    look = execute(client, key, lambda info: stale_look_request(key, server_key(server.prefix),
+                                                                 recovery_key(server.prefix)))
+    record = ServerRecord.decode(look.record)
+    since_ms = record.since_ms if record is not None else 0
+    if (look.window or not since_ms or look.current is None or text_of(look.current) != holder.raw
+            or look.pttl < 0 or look.server_ms + look.pttl >= since_ms + ttl_ms):
+        return None  # a window open now, the lock gone or renewed after the window opened
     lease = replaced_lease(client, key, spec, task_id,
                            take_over_request(key, holder.raw, look.pttl, look.server_ms, value, spec.ttl_ms), value)
+    if lease is not None and server.epoch != epoch:
+        # The replace went to a server found only now to have lost data (a new window):
+        # its holders' grace starts again. Give the key back.
+        execute(client, key, lambda info: release_request(info, key, value))
+        return None
     if lease is not None:
         logger.warning("lock %s of %s[%s] was not renewed by its holder in the recovery window after the lock Redis "
                        "may have lost data (%s): freed for this run", key, holder.task, holder.task_id,
                        server.recovery_reason or "restarted or failed over")
         counters.count(client, spec.stats_key, "unconfirmed_freed")
     return lease
+
+
+class StaleLook(NamedTuple):
+    """A lock and the server's record of its data, at one instant."""
+
+    current: Any
+    pttl: int
+    server_ms: int
+    #: The raw ``<prefix>:server`` record.
+    record: Any
+    #: A recovery window is open on the server now.
+    window: bool
+
+
+def stale_look_request(key: str, record_key: str, window_key: str) -> Request:
+    """``MULTI TIME GET PTTL GET(record) EXISTS(window) EXEC``: a :class:`StaleLook` (one server)."""
+    def finish(replies: list[Any]) -> StaleLook:
+        raise_errors(replies)
+        executed = replies[-1]
+        raise_errors(executed)
+        seconds, micros = executed[0]
+        return StaleLook(executed[1], int(executed[2]), int(seconds) * 1000 + int(micros) // 1000, executed[3],
+                         bool(executed[4]))
+
+    return Request([(b"MULTI",), (b"TIME",), (b"GET", key), (b"PTTL", key), (b"GET", record_key),
+                    (b"EXISTS", window_key), (b"EXEC",)], finish)
