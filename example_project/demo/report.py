@@ -17,29 +17,44 @@ Definitions (per beat entry; the JSON summary adds them up over all entries):
 * **executions**: every recorded execution of the entry, catch-up included.
 * **duplicates**: executions beyond the first of any slot, window or not.
 * **missed**: slots inside the window that have no execution.
+* **outside**: slots outside the window that ran (the slot running when the
+  window opened, the tail's): why ``executions`` can exceed ``slots``, as
+  ``executions = slots - missed + outside + duplicates``.
+
+The demo also follows the slot claims of the beat it kills (:func:`claim_keys`,
+:func:`read_claim`): a beat killed between claiming a slot and sending it
+leaves the claim ``pending``, and a surviving beat sends that slot one
+``singleton_beat_pending_lease`` after it found the claim, not at once. The
+demo stops the beats only once no such claim is left unsent, so the count
+never takes a slot the library was about to send for a missed one.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 from typing import Any
 
 from celery import Celery
 from celery.schedules import BaseSchedule, crontab, maybe_schedule
 from celery.schedules import schedule as interval
 
-from celery_singleton_beat.beat import current_slot, format_slot
+from celery_singleton_beat.beat import current_slot, entry_spec, format_slot, slot_key
 
 __all__ = [
+    "NOT_SENT",
     "SETTLE_SECONDS",
     "EntryCount",
     "ScheduledEntry",
     "Summary",
     "beat_pid",
+    "claim_keys",
     "count_executions",
     "format_table",
+    "read_claim",
     "scheduled_entries",
     "slots_between",
 ]
@@ -49,6 +64,10 @@ UTC = timezone.utc
 #: Longest tail of the window left out: a slot this close to the stop may not
 #: have been sent yet (beats send a few milliseconds after the slot instant).
 SETTLE_SECONDS = 2.0
+
+#: Claim states in which the claim's beat has not (provably) sent the slot
+#: (docs/beat.md, "Keys and formats in Redis"); ``sent`` and ``received`` are sent.
+NOT_SENT = ("pending", "released")
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,8 @@ class ScheduledEntry:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     schedule: BaseSchedule
+    #: The name its slots are claimed under (``options["singleton"]``); None: not claimed.
+    claim_name: str | None = None
 
     @property
     def when(self) -> str:
@@ -80,11 +101,15 @@ class ScheduledEntry:
 
 def scheduled_entries(app: Celery) -> list[ScheduledEntry]:
     """The entries of ``app.conf.beat_schedule``, with schedules bound to ``app``."""
-    return [
-        ScheduledEntry(name, spec["task"], tuple(spec.get("args") or ()),
-                       dict(spec.get("kwargs") or {}), maybe_schedule(spec["schedule"], app=app))
-        for name, spec in app.conf.beat_schedule.items()
-    ]
+    entries = []
+    for name, spec in app.conf.beat_schedule.items():
+        args, kwargs = tuple(spec.get("args") or ()), dict(spec.get("kwargs") or {})
+        claimed = entry_spec(SimpleNamespace(name=name, args=args, kwargs=kwargs,
+                                             options=spec.get("options") or {}))
+        entries.append(ScheduledEntry(name, spec["task"], args, kwargs,
+                                      maybe_schedule(spec["schedule"], app=app),
+                                      claimed.name if claimed is not None else None))
+    return entries
 
 
 def _utc(epoch: float) -> datetime:
@@ -106,6 +131,34 @@ def slots_between(schedule: BaseSchedule, after: datetime, until: datetime) -> l
     return slots
 
 
+def claim_keys(entries: list[ScheduledEntry], prefix: str, since: datetime,
+               until: datetime) -> dict[str, tuple[str, str]]:
+    """The claim keys of the entries' slots from the one in effect at ``since`` to
+    ``until``, each with its entry name and slot label (entries not claimed left out)."""
+    keys: dict[str, tuple[str, str]] = {}
+    for entry in entries:
+        if entry.claim_name is None:
+            continue
+        current = current_slot(entry.schedule, since)
+        start = current.at - timedelta(microseconds=1) if current is not None else since
+        for at in slots_between(entry.schedule, start, until):
+            keys[slot_key(prefix, entry.claim_name, at)] = (entry.name, format_slot(at))
+    return keys
+
+
+def read_claim(raw: bytes | str | None) -> tuple[str | None, str | None]:
+    """``(instance, state)`` of a claim value; ``(None, None)`` for none (expired, never made)."""
+    if raw is None:
+        return None, None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None, None
+    if not isinstance(value, dict):
+        return None, None
+    return value.get("instance"), value.get("state")
+
+
 def last_period(schedule: BaseSchedule, at: datetime) -> timedelta:
     """The period of the slot in effect at ``at`` (a day for one-off schedules)."""
     slot = current_slot(schedule, at)
@@ -122,13 +175,14 @@ class EntryCount:
     executions: int = 0
     duplicates: int = 0
     missed: int = 0
+    outside: int = 0
     missed_slots: list[str] = field(default_factory=list)
     duplicate_slots: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"schedule": self.when, "slots": self.slots,
                                 "executions": self.executions, "duplicates": self.duplicates,
-                                "missed": self.missed}
+                                "missed": self.missed, "outside": self.outside}
         if self.missed_slots:
             data["missed_slots"] = self.missed_slots
         if self.duplicate_slots:
@@ -140,8 +194,8 @@ class EntryCount:
 class Summary:
     """Counts of a whole run; ``window`` is (opened, closed) in epoch seconds.
 
-    ``slots``, ``executions``, ``duplicates`` and ``missed`` are the sums over
-    the entries.
+    ``slots``, ``executions``, ``duplicates``, ``missed`` and ``outside`` are the
+    sums over the entries.
     """
 
     entries: list[EntryCount]
@@ -151,9 +205,10 @@ class Summary:
     executions: int = field(init=False)
     duplicates: int = field(init=False)
     missed: int = field(init=False)
+    outside: int = field(init=False)
 
     def __post_init__(self) -> None:
-        for total in ("slots", "executions", "duplicates", "missed"):
+        for total in ("slots", "executions", "duplicates", "missed", "outside"):
             setattr(self, total, sum(getattr(entry, total) for entry in self.entries))
 
 
@@ -180,6 +235,7 @@ def count_executions(entries: list[ScheduledEntry], records: list[dict[str, Any]
             count.slots = len(window)
             count.missed_slots = [slot for slot in window if slot not in per_slot]
             count.missed = len(count.missed_slots)
+            count.outside = len(set(per_slot) - set(window))
         counts.append(count)
         for record in records:
             if entry.sent(record):

@@ -8,10 +8,17 @@ What it does, in order:
 3. starts 3 ``celery beat`` processes, 1.4 s apart, each with its own
    schedule file: they tick at different moments, as beats on different
    machines would;
-4. half-way through, SIGKILLs the beat that sent the latest slot (at the
-   middle of a second, between the schedule's slots): the others carry on;
-5. after ``DEMO_SECONDS`` (default 60, counted from the first beat's start)
-   stops the beats, lets the workers finish what was sent, stops them;
+4. half-way through, once every beat has claimed a slot, SIGKILLs the beat
+   that sent the latest slot: the others carry on. Should the kill land
+   between the victim's claim of a slot and its publish (it can: the kill
+   waits for the last beat's first claim, and a busy machine delays the
+   victim anywhere), the claim stays ``pending`` and a surviving beat takes
+   the slot over one ``singleton_beat_pending_lease`` (5 s) after it found
+   it claimed: the demo prints each such take-over;
+5. after ``DEMO_SECONDS`` (default 60, counted from the first execution; at
+   least as long after the kill as planned, and until no slot the killed
+   beat claimed is left unsent) stops the beats, lets the workers finish what
+   was sent, stops them;
 6. prints a table per beat entry (slots, executions, duplicates, missed; see
    :mod:`.report` for the definitions) and, as its last line, a JSON summary.
 
@@ -40,6 +47,7 @@ import traceback
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any, TextIO
@@ -51,11 +59,15 @@ from harness.redis_server import free_port
 from .processes import Child, DemoError, wait_until
 from .redis_source import RedisSource, provide_redis
 from .report import (
+    NOT_SENT,
     SETTLE_SECONDS,
+    ScheduledEntry,
     Summary,
     beat_pid,
+    claim_keys,
     count_executions,
     format_table,
+    read_claim,
     scheduled_entries,
 )
 from .status import StatusLine
@@ -74,6 +86,10 @@ FIRST_RUN_TIMEOUT = 120.0
 WORKER_CONCURRENCY = 3
 #: How long stopped workers get to finish what was sent before the beats stopped.
 DRAIN_SECONDS = 30.0
+#: How long past the run's end the demo waits for the surviving beats to send the slots
+#: the killed beat claimed and did not send (they do one pending lease, 5 s, after they
+#: found the claim). A give-up limit: a slot still unsent then is counted as missed.
+TAKE_OVER_TIMEOUT = 30.0
 #: Signals that stop the demo cleanly.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -124,9 +140,11 @@ def parse_options(argv: list[str] | None = None) -> Options:
 def _next_half_second(after: float) -> float:
     """The first instant ``n + 0.5`` (epoch seconds) at or after ``after``.
 
-    Interval slots of whole seconds and crontab slots fall on whole seconds,
-    so a beat killed at a half second is never between claiming a slot and
-    sending it.
+    Interval slots of whole seconds and crontab slots fall on whole seconds, so
+    the failover is aimed between them, where a beat is usually idle. Not always:
+    the kill also waits until every beat has claimed a slot, and a busy machine
+    can hold the victim between a claim and its publish at any moment. The demo
+    follows what the victim left claimed and unsent (:meth:`Demo._follow_left_claims`).
     """
     return math.floor(after - 0.5) + 1.5 if after % 1 > 0.5 else math.floor(after) + 0.5
 
@@ -146,9 +164,16 @@ class Demo:
         self.flower: Child | None = None
         self.flower_url: str | None = None
         self.shop: ModuleType | None = None  # example_project.shop.celery_app, once configured
+        self.launched: float | None = None  # when the first beat was started
         self.began: float | None = None
         self.stopped_at: float | None = None
         self.killed_at: float | None = None
+        self.victim: Child | None = None
+        #: Slots the killed beat claimed and had not sent, by claim key: (entry, slot label).
+        self._left: dict[str, tuple[str, str]] = {}
+        #: Those another beat took over and sent: {"entry", "slot", "by"}.
+        self.taken_over: list[dict[str, str]] = []
+        self._claimed: tuple[list[ScheduledEntry], str] | None = None  # entries, key prefix
         self.hurry = False
         self.warnings: list[str] = []
         #: Per-customer lock figures (runs, skipped, overlaps), read before Redis goes.
@@ -285,7 +310,7 @@ class Demo:
         start slowly, neither of which should eat the run or leave a beat to be killed
         before the others can take over."""
         o = self.options
-        launched = time.time()
+        self.launched = launched = time.time()
         self._start_beat(1, 0.0)
         self._wait_for_first_execution(launched)
         self.began = began = time.time()
@@ -295,6 +320,7 @@ class Demo:
         if kill_at is not None and kill_at > end - 2.0:
             self._warn(f"{o.seconds:g} s is too short to show a failover: no beat is killed")
             kill_at = None
+        waiting_since: float | None = None  # the end came while a slot the victim claimed was unsent
         while True:
             now = time.time()
             while len(self.beats) < o.beats and now >= starts[len(self.beats) - 1]:
@@ -303,16 +329,26 @@ class Demo:
                 self._kill_a_beat(began)
                 end = max(end, time.time() + (end - kill_at))  # as long after the kill as planned
                 kill_at = None
+            left = self._follow_left_claims() if self.victim is not None else 0
             if now >= end and kill_at is None:
-                break
+                if not left:
+                    break
+                if waiting_since is None:
+                    waiting_since = now
+                    self._say_waiting_for_take_over()
+                elif now - waiting_since > TAKE_OVER_TIMEOUT:
+                    self._warn(f"{left} slot(s) {self._victim_name} claimed were still not sent "
+                               f"{TAKE_OVER_TIMEOUT:g} s after the run's end: "
+                               + ", ".join(" ".join(slot) for slot in self._left.values()))
+                    break
             for child in [*self.workers, *self.beats]:
                 if not child.killed:
                     child.check_running()
-            self._show_progress(now - began)
+            self._show_progress(now - began, end - began)
             pending = [starts[len(self.beats) - 1]] if len(self.beats) < o.beats else []
-            wake = min([end, *pending, *([kill_at] if kill_at else [])])
+            wake = min([end if now < end else now + 0.25, *pending, *([kill_at] if kill_at else [])])
             time.sleep(max(0.05, min(0.25, wake - time.time())))
-        self._show_progress(o.seconds, force=True)
+        self._show_progress(time.time() - began, end - began, force=True)
 
     def _wait_for_first_execution(self, launched: float) -> None:
         """Wait until a beat-sent slot has run (the cluster works), saying why it may take a while."""
@@ -352,10 +388,66 @@ class Demo:
         victim = by_pid.get(sender or "", alive[0])
         victim.kill()
         victim.killed = True
+        self.victim = victim
         others = ", ".join(beat.name for beat in alive if beat is not victim)
         why = "it sent the latest slot" if sender in by_pid else "the first beat"
         self.say(f"failover   +{self.killed_at - began:.1f} s: SIGKILL {victim.name} "
                  f"(pid {victim.pid}; {why}); {others} keep every slot covered")
+
+    @property
+    def _victim_name(self) -> str:
+        return self.victim.name if self.victim is not None else "the killed beat"
+
+    def _follow_left_claims(self) -> int:
+        """Follow the slots the killed beat claimed and had not sent; return how many still wait.
+
+        Reads the claims of every entry's slots since the first beat started. A claim that
+        names the victim and is not sent (``pending``: it was killed between the claim and
+        its publish, or before the claim was marked ``sent``) is followed until it is sent:
+        ``received`` from the victim (it had published), or taken over by a surviving beat,
+        which sends it one pending lease after it found the claim. Each take-over is printed
+        and recorded in ``taken_over`` once the taker sent it (a beat stopped with its
+        take-over claimed and unsent would hand it back unsent)."""
+        assert self.victim is not None and self.shop is not None and self.launched is not None
+        from celery_singleton_beat.config import get_settings
+
+        if self._claimed is None:
+            self._claimed = (scheduled_entries(self.shop.app), get_settings(self.shop.app).key_prefix)
+        keys = claim_keys(*self._claimed, datetime.fromtimestamp(self.launched, timezone.utc),
+                          datetime.fromtimestamp(time.time(), timezone.utc))
+        try:
+            values = dict(zip(keys, self._client.mget(list(keys)), strict=True)) if keys else {}
+        except redis.RedisError:
+            return len(self._left)  # as last seen; looked at again on the next round
+        victim_pid = str(self.victim.pid)
+        for key, raw in values.items():
+            instance, state = read_claim(raw)
+            if state in NOT_SENT and beat_pid(instance) == victim_pid:
+                self._left.setdefault(key, keys[key])
+        for key in list(self._left):
+            instance, state = read_claim(values.get(key))
+            if state in NOT_SENT:
+                continue  # still unsent: the victim's, or a taker's about to send it
+            entry, slot = self._left.pop(key)
+            if state is None:
+                self.say(f"lost       {entry} {slot}: {self._victim_name}'s claim expired unsent")
+            elif beat_pid(instance) != victim_pid:
+                by = self._beat_names().get(beat_pid(instance) or "", instance or "?")
+                self.taken_over.append({"entry": entry, "slot": slot, "by": by})
+                after = time.time() - (self.killed_at or time.time())
+                self.say(f"took over  {entry} {slot}: {self._victim_name} claimed it and was killed "
+                         f"before sending it; {by} sent it ({after:.1f} s after the kill)")
+        return len(self._left)
+
+    def _say_waiting_for_take_over(self) -> None:
+        assert self.shop is not None
+        from celery_singleton_beat.config import get_settings
+
+        lease = get_settings(self.shop.app).beat_pending_lease
+        others = ", ".join(beat.name for beat in self.beats if beat.running) or "no beat"
+        self.say(f"waiting    for {others} to take over what {self._victim_name} claimed and did not send "
+                 f"({', '.join(' '.join(slot) for slot in self._left.values())}): a beat takes over a "
+                 f"claim left pending one pending lease ({lease:g} s) after it found it")
 
     def _beat_names(self) -> dict[str, str]:
         return {str(beat.pid): beat.name for beat in self.beats}
@@ -380,16 +472,19 @@ class Demo:
             self._redis_client = self.redis.client()
         return self._redis_client
 
-    def _show_progress(self, elapsed: float, force: bool = False) -> None:
+    def _show_progress(self, elapsed: float, planned: float, force: bool = False) -> None:
+        """The status line: seconds since the run began, of the run's planned length (which
+        grows when the kill comes late), and the live counts."""
+        clock = f"[{elapsed:4.0f}/{planned:.0f} s]"
         try:
             self._read_journal()
         except redis.RedisError as exc:
-            self.status.update(f"[{elapsed:4.0f}/{self.options.seconds:g} s] journal unreadable: {exc}")
+            self.status.update(f"{clock} journal unreadable: {exc}")
             return
         executions = sum(self._per_slot.values())
         duplicates = sum(n - 1 for n in self._per_slot.values() if n > 1)
         alive = sum(1 for beat in self.beats if beat.running)
-        text = (f"[{elapsed:4.0f}/{self.options.seconds:g} s] beats {alive}/{self.options.beats} up"
+        text = (f"{clock} beats {alive}/{self.options.beats} up"
                 f" | executions {executions} | duplicates {duplicates}")
         if self._latest is not None:
             sender = self._beat_names().get(beat_pid(self._latest.get("beat")) or "", "?")
@@ -543,6 +638,12 @@ class Demo:
             opened, closed = (bound - self.began for bound in summary.window)
             self.say(f"observed window: first execution at {opened:+.1f} s to the stop at "
                      f"{closed:+.1f} s, less each entry's last period (at most {SETTLE_SECONDS:g} s)")
+        if summary.outside:
+            self.say(f"executions also count {summary.outside} slot(s) outside the window (the slot "
+                     "running when it opened, the last period before the stop)")
+        if self.taken_over:
+            self.say("taken over after the kill: " + ", ".join(
+                f"{t['entry']} {t['slot']} by {t['by']}" for t in self.taken_over))
         sent = ", ".join(f"{beat.name} {summary.sent_by.get(beat.name, 0)}" + self._beat_fate(beat)
                          for beat in self.beats)
         self.say(f"slots sent per beat: {sent or 'none'}")
@@ -562,6 +663,7 @@ class Demo:
             "ok": ok,
             "entries": {e.name: e.as_dict() for e in summary.entries} if summary else {},
             "sent_by": summary.sent_by if summary else {},
+            "taken_over": self.taken_over,
             "window": summary.window if summary else None,
             "seconds": self.options.seconds,
             "beats": len(self.beats),
