@@ -374,7 +374,7 @@ url, go = sys.argv[1], sys.argv[2]
 app = Celery("adv-green", set_as_current=False)
 app.conf.singleton_redis_url = url
 client = get_redis(app)
-leases = [acquire(client, f"singleton:adv-green:{n}", LockSpec(task="adv", ttl=3.0), f"run-{n}").lease
+leases = [acquire(client, f"singleton:adv-green:{n}", LockSpec(task="adv", ttl=30.0), f"run-{n}").lease
           for n in range(4)]
 assert all(leases)
 print("ACQUIRED", flush=True)
@@ -410,7 +410,8 @@ def green_child(tmp_path: Path) -> Iterator[Callable[[str], tuple[TestProcess, P
 def test_a_greenlet_keeper_survives_its_cluster_client_copy_failing(
         cluster: Topology, green_child: Callable[[str], tuple[TestProcess, Path]]) -> None:
     """BREAK. A gevent-patched process (a greenlet worker) on Redis Cluster, its seed address
-    behind a proxy; it holds four leases (TTL 3 s, renewed every second).
+    behind a proxy; it holds four leases (TTL 30 s, renewed every 3.3 s: no lease can end
+    while the test sets the outage up, however slow the machine).
 
     1. The process acquires the four leases (its client read the layout through the seed).
     2. The seed address stops answering (the proxy refuses connections: a seed node
