@@ -64,6 +64,20 @@ RESEND_EVERY = 0.25
 _in_children = [False]
 
 
+def _end_greenlet(pool: Any, worker_pid: Any) -> None:
+    """A greenlet pool's run ends before Celery records its revoke: its ``finally`` (the
+    release) runs first. gevent's ``terminate_job`` only schedules the kill, and Celery
+    stores ``REVOKED`` right after it, before the greenlet has run again. Waits
+    :data:`GONE_WAIT` seconds at most (cooperatively: other greenlets go on)."""
+    greenlet = (getattr(pool, "_pool_map", None) or {}).get(worker_pid)
+    kill = getattr(greenlet, "kill", None)
+    if kill is not None:
+        try:
+            kill(block=True, timeout=GONE_WAIT)
+        except Exception:
+            logger.exception("could not end the greenlet of a terminated run")
+
+
 def worker_pool_is(pool_cls: Any) -> None:
     """The worker of this process starts with ``pool_cls`` (its main process, before any run)."""
     _in_children[0] = any(k.__module__ == "celery.concurrency.prefork" for k in getattr(pool_cls, "__mro__", ()))
@@ -287,6 +301,8 @@ class SingletonRequest(Request):
         """
         pid = self._in_pool_child() if self.time_start else None
         if pid is None:
+            if self.time_start:
+                _end_greenlet(pool, self.worker_pid)
             super().terminate(pool, signal)  # not started yet, or not in a pool child
             return
         signum = platform_signals.signum(signal or TERM_SIGNAME)  # SIGQUIT where REMAP_SIGTERM says so
