@@ -72,7 +72,7 @@ from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, soak, wait_for, wait_for_phase
 from .support.locking import renew
-from .support.loopback import LoopbackProxy, close_socket, shut_write
+from .support.loopback import QuietRelay, close_socket, shut_write
 from .support.owners import register
 from .support.topologies import cluster_shard, start_cluster
 
@@ -139,7 +139,7 @@ def vouched(lease: Lease) -> bool:
     return time.monotonic() < lease.vouched_until
 
 
-class Switch(LoopbackProxy):
+class Switch(QuietRelay):
     """One address in front of a server; :meth:`switch` moves it to another one (a VIP, a
     Service, DNS) and cuts the connections open; ``upstream_port`` alone moves new ones."""
 
@@ -149,15 +149,6 @@ class Switch(LoopbackProxy):
         self._lock = threading.Lock()
         register(self)
         self._start_accepting()
-
-    log = "(no log)"
-
-    @property
-    def running(self) -> bool:
-        return not self._closed
-
-    def tail(self, lines: int = 15) -> str:
-        return ""
 
     def connected(self, client: socket.socket, upstream: socket.socket) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LoopbackProxy", "close_socket", "shut_write"]
+__all__ = ["LoopbackProxy", "QuietRelay", "close_socket", "shut_write"]
 
 
 def shut_write(sock: socket.socket) -> None:
@@ -117,3 +117,16 @@ class LoopbackProxy:
                 for sock in (client, upstream):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.connected(client, upstream)
+
+
+class QuietRelay(LoopbackProxy):
+    """A relay a test drives itself, with no log of its own (what the owners' reports read)."""
+
+    log = "(no log)"
+
+    @property
+    def running(self) -> bool:
+        return not self._closed
+
+    def tail(self, lines: int = 15) -> str:
+        return ""
