@@ -473,18 +473,18 @@ def test_claims_and_values_without_a_ttl_are_left_alone(make_redis: Callable[...
     direct.set(OLD, old, px=60_000)  # as 0.2 wrote it: no ttl, no every
     direct.save()
     reached(ended.release(), "the ended run released after the snapshot")
-    before = freed(direct)
     server.kill()
     server.start()
-    reached(acquire(a, ENDED, spec(), "next").acquired and freed(direct) == before + 1,
-            "the rule freed the ended run's lock")
+    # The rule's own evidence, not the counter: a count written by the process's batch
+    # writer can be dropped with a write that met the restart.
+    reached(acquire(a, ENDED, spec(), "next").acquired and ENDED in looked
+            and parse_holder(direct.get(ENDED)).task_id == "next", "the rule freed the ended run's lock")
     for key in (CLAIM, OLD):
         result = acquire(a, key, spec(), "a")
         assert not result.acquired, f"a took {key}"
     assert direct.get(OLD).decode() == old
     assert parse_holder(direct.get(CLAIM)).task_id == "queued"
-    assert freed(direct) == before + 1
-    assert ENDED in looked
+    assert looked.count(ENDED) == 1 and CLAIM not in looked and OLD not in looked
 
 
 def test_a_put_back_at_the_end_of_the_window_counts_as_confirmed(make_redis: Callable[..., RedisServer],
