@@ -111,7 +111,7 @@ def test_a_slot_migrating_to_a_node_being_added_is_followed(cluster: Topology, h
     assert isinstance(admin, RedisCluster)
     t = tag()
     kept_key, gone_key, fresh_key = (f"singleton:{n}:{{{t}}}" for n in ("kept", "gone", "fresh"))
-    kept = take(client, kept_key, "kept", ttl=3).lease
+    kept = take(client, kept_key, "kept").lease
     gone = take(client, gone_key, "gone").lease
     assert kept is not None and gone is not None
     server, node = new_node(cluster)
@@ -158,7 +158,7 @@ def test_a_slot_moved_to_a_node_added_since_the_client_read_the_layout(cluster: 
     assert isinstance(admin, RedisCluster)
     t = tag()
     kept_key, fresh_key = (f"singleton:{n}:{{{t}}}" for n in ("kept", "fresh"))
-    kept = take(client, kept_key, "kept", ttl=3).lease
+    kept = take(client, kept_key, "kept").lease
     assert kept is not None
     server, node = new_node(cluster)
     assert client.get_node(host=node.host, port=node.port) is None, "the new node is not in the client's node table"
@@ -194,7 +194,7 @@ def test_a_slot_moved_off_a_node_then_removed(cluster: Topology, hooked: HookedC
         added.config_set("cluster-allow-replica-migration", "no")
     SlotMove(admin, kept_key, target=node).start().finish()
     admin.nodes_manager.initialize()
-    kept = take(client, kept_key, "kept", ttl=3).lease  # the client's map: the slot on the new node
+    kept = take(client, kept_key, "kept").lease  # the client's map: the slot on the new node
     assert kept is not None
     assert client.get_node_from_key(kept_key).name == node.name
     SlotMove(admin, kept_key, target=owner).start().finish()
