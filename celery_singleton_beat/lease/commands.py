@@ -412,16 +412,25 @@ class Look(NamedTuple):
     pttl: int
     #: The server's clock in ms.
     server_ms: int
+    #: The raw ``<prefix>:server`` record, when asked for (``record_key``).
+    record: Any = None
+    #: A recovery window is open on the server now, when asked for (``window_key``).
+    window: bool = False
 
 
-def look_request(key: str) -> Request:
-    """The lock's value, its remaining ms and the server's clock in ms, at one instant: a :class:`Look`."""
+def look_request(key: str, record_key: str | None = None, window_key: str | None = None) -> Request:
+    """The lock's value, its remaining ms and the server's clock in ms, at one instant: a
+    :class:`Look`; with ``record_key`` and ``window_key`` (one server: the same transaction),
+    also the server record and whether a recovery window is open."""
+    extra = [(b"GET", record_key), (b"EXISTS", window_key)] if record_key and window_key else []
+
     def finish(replies: list[Any]) -> Look:
         raise_errors(replies)
         executed = replies[-1]
         raise_errors(executed)
         seconds, micros = executed[0]
-        return Look(executed[1], int(executed[2]), int(seconds) * 1000 + int(micros) // 1000)
+        found = Look(executed[1], int(executed[2]), int(seconds) * 1000 + int(micros) // 1000)
+        return found._replace(record=executed[3], window=bool(executed[4])) if extra else found
 
-    return Request([(b"MULTI",), (b"TIME",), (b"GET", key), (b"PTTL", key), (b"EXEC",)], finish)
+    return Request([(b"MULTI",), (b"TIME",), (b"GET", key), (b"PTTL", key), *extra, (b"EXEC",)], finish)
 

@@ -246,20 +246,20 @@ class LeaseKeeper:
     def _renew_batch(self, leases: list[KeptLease]) -> list[tuple[KeptLease | PendingRelease, float | None]]:
         """Renew ``leases``: in one request per server where several share it (:mod:`.batches`),
         each judged on its own reply; the monotonic time of each one's next attempt."""
-        groups: dict[tuple[int, str], list[KeptLease]] = {}
+        groups: dict[tuple[int, str], tuple[Any, list[KeptLease]]] = {}
         for kept in leases:
             try:
-                groups.setdefault(group_key(thread_client(kept.lease.client), kept.lease), []).append(kept)
+                via = thread_client(kept.lease.client)
+                groups.setdefault(group_key(via, kept.lease), (via, []))[1].append(kept)
             except Exception:  # no client or node for it now (a Cluster unreachable or being
-                groups[(id(kept), "")] = [kept]  # reshaped): on its own, where errors are judged
+                groups[(id(kept), "")] = (None, [kept])  # reshaped): on its own, where errors are judged
         done: list[tuple[KeptLease | PendingRelease, float | None]] = []
-        for group in groups.values():
+        for via, group in groups.values():
             if len(group) == 1:
                 done.append((group[0], self._renew(group[0])))
                 continue
             self.batches += 1
             try:
-                via = thread_client(group[0].lease.client)
                 outcomes: list[Renewal | BaseException] = renew_many(via, [kept.lease for kept in group])
             except Exception as exc:  # the request as a whole: each lease's error
                 outcomes = [exc] * len(group)

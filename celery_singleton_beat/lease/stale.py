@@ -25,15 +25,12 @@ this rule does not read yet: there such a lock waits for its TTL.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 from ..connection.client import RedisClient, is_cluster
-from ..connection.wire import Request
 from ..log import logger
 from ..recovery.server import server_of
 from ..recovery.window import ServerRecord, recovery_key, server_key
 from . import counters
-from .commands import raise_errors, release_request, take_over_request
+from .commands import look_request, release_request, take_over_request
 from .executor import execute
 from .holder import Holder, text_of
 from .lease import Lease, replaced_lease
@@ -62,8 +59,8 @@ def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str
     if not remembered or token // 1000 - remembered > ttl_ms or server.recovery().open:
         return None  # renewed (or taken) since the window opened, or its holders' grace still runs
     epoch = server.epoch
-    look = execute(client, key, lambda info: stale_look_request(key, server_key(server.prefix),
-                                                                 recovery_key(server.prefix)))
+    look = execute(client, key, lambda info: look_request(key, server_key(server.prefix),
+                                                          recovery_key(server.prefix)))
     record = ServerRecord.decode(look.record)
     since_ms = record.since_ms if record is not None else 0
     if (look.window or not since_ms or look.current is None or text_of(look.current) != holder.raw
@@ -82,29 +79,3 @@ def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str
                        server.recovery_reason or "restarted or failed over")
         counters.count(client, spec.stats_key, "unconfirmed_freed")
     return lease
-
-
-class StaleLook(NamedTuple):
-    """A lock and the server's record of its data, at one instant."""
-
-    current: Any
-    pttl: int
-    server_ms: int
-    #: The raw ``<prefix>:server`` record.
-    record: Any
-    #: A recovery window is open on the server now.
-    window: bool
-
-
-def stale_look_request(key: str, record_key: str, window_key: str) -> Request:
-    """``MULTI TIME GET PTTL GET(record) EXISTS(window) EXEC``: a :class:`StaleLook` (one server)."""
-    def finish(replies: list[Any]) -> StaleLook:
-        raise_errors(replies)
-        executed = replies[-1]
-        raise_errors(executed)
-        seconds, micros = executed[0]
-        return StaleLook(executed[1], int(executed[2]), int(seconds) * 1000 + int(micros) // 1000, executed[3],
-                         bool(executed[4]))
-
-    return Request([(b"MULTI",), (b"TIME",), (b"GET", key), (b"PTTL", key), (b"GET", record_key),
-                    (b"EXISTS", window_key), (b"EXEC",)], finish)
