@@ -106,7 +106,7 @@ STATS = "singleton:{stats}:task:stale"
 def reached(condition: Any, what: str) -> None:
     """The scenario got where it must: else a plain failure (never counted as the xfail)."""
     if not condition:
-        pytest.fail(f"scenario not reached: {what}")
+        pytest.fail(f"scenario not reached: {what}; the rule's requests answered {LOOKS}")
 
 
 @contextlib.contextmanager
@@ -156,6 +156,11 @@ def freed(direct: redis.Redis) -> int:
     return int(direct.hget(STATS, "unconfirmed_freed") or 0)
 
 
+#: What the rule's requests answered in the running test, with the process's remembered
+#: window start and epoch then: shown when a scenario is not reached.
+LOOKS: list[tuple[str, Any, int, int]] = []
+
+
 @pytest.fixture
 def looked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Keys the rule looked at (it passed its gates: a window known, closed, within a ttl)."""
@@ -164,8 +169,11 @@ def looked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     def spy(client: Any, key: str, build: Any, **options: Any) -> Any:
         keys.append(key)
-        return real(client, key, build, **options)
+        result = real(client, key, build, **options)
+        LOOKS.append((key, result, server_of(client).data_lost_since_ms(), server_of(client).epoch))
+        return result
 
+    LOOKS.clear()
     monkeypatch.setattr(stale_module, "execute", spy)
     return keys
 

@@ -485,3 +485,64 @@ def test_a_release_on_a_full_server_reports_what_it_did(make_redis: Callable[...
     assert released is True
     assert not admin.exists(KEY), "the lock is free"
     assert not admin.exists(done_key(KEY, "id-1")), "no marker: the server refused to grow"
+
+
+def test_a_look_never_dates_a_lock_s_expiry_before_the_server_does(locks: redis.Redis) -> None:
+    """The unconfirmed-lock rule frees a lock whose expiry comes before ``window start +
+    its TTL`` (it was not renewed since the window opened). The look that reads the expiry
+    must never date it earlier than the server holds it: a renewal made right after the
+    window opened would look older than it is, and a live holder's lock would be freed.
+
+    The lock's expiry is set to a known absolute ms (``PEXPIREAT``) and looked at many
+    times. Where the server has ``PEXPIRETIME`` (Redis 7.0+, Valkey) the look reads it:
+    exactly the stored expiry. On Redis 6.2 it is the server's clock plus the remaining
+    ms, both read in one transaction with the clock read last: never earlier.
+
+    Before, the clock was read first and the remaining ms after it; the sum was off by the
+    time between the two reads within the transaction whenever a millisecond boundary fell
+    between them (or Redis was descheduled there, on a busy host: tens of ms), earlier on
+    Redis 6.2 and later on 7.0, whose ``PTTL`` reads the transaction's start time."""
+    from celery_singleton_beat.lease.commands import look_request
+    from celery_singleton_beat.lease.executor import execute
+
+    client = locks
+    expires = int(client.time()[0]) * 1000 + 3_600_000 + 123
+    client.set(KEY, "held")
+    client.pexpireat(KEY, expires)
+    servers: list[Any] = []
+
+    def look(info: Any) -> Any:
+        servers.append(info)
+        return look_request(KEY, info=info)
+
+    dated = [execute(client, KEY, look).expires_ms for _ in range(3000)]
+    assert min(dated) >= expires, f"a look dated the expiry {expires - min(dated)} ms early"
+    if servers[0].redis_version >= (7, 0, 0):
+        assert set(dated) == {expires}, f"looks dated the expiry {sorted(set(dated) - {expires})[:5]}, not {expires}"
+
+
+def server_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def test_a_take_over_replaces_a_lock_unrenewed_since_its_look_and_never_a_renewed_one(locks: redis.Redis) -> None:
+    """``TAKE_OVER`` replaces the looked-at value only if the lock's expiry has not moved
+    since the look (read as stored where the server has ``PEXPIRETIME``): whatever time
+    passed in between, an unrenewed lock is replaced; a lock renewed since is not."""
+    from celery_singleton_beat.lease.commands import look_request, take_over_request
+    from celery_singleton_beat.lease.executor import execute
+
+    locks.set(KEY, "dead", px=60_000)
+    look = execute(locks, KEY, lambda info: look_request(KEY, info=info))
+    wait_for(lambda: server_ms(locks) > look.server_ms + 100, timeout=5,
+             message="time passed on the server's clock; the lock was not renewed")
+    taken = execute(locks, KEY, lambda info: take_over_request(info, KEY, "dead", look, "new", 60_000))
+    assert taken.token is not None and locks.get(KEY) == b"new"
+
+    locks.set(KEY, "alive", px=60_000)
+    look = execute(locks, KEY, lambda info: look_request(KEY, info=info))
+    wait_for(lambda: server_ms(locks) > look.server_ms + 100, timeout=5, message="the server's clock moved on")
+    locks.pexpire(KEY, 60_000)  # renewed: its expiry moves by the 100+ ms since the look (6.2's slack: 50)
+    refused = execute(locks, KEY, lambda info: take_over_request(info, KEY, "alive", look, "new", 60_000))
+    assert refused.token is None and locks.get(KEY) == b"alive"

@@ -75,9 +75,10 @@ ACL_COMMANDS: dict[str, tuple[str, ...]] = {
     # acquire (SET NX PX GET, TIME, EXISTS, DEL; MULTI/EXEC only in a take-over's look), renew / release and their
     # scripts, the per-connection look at the server (INFO, EVAL of the recovery
     # check), counters in batches (singleton_stats). Native DELIFEQ / DELEX / SET IFEQ
-    # are used where granted (a NOPERM falls back to the scripts).
+    # are used where granted (a NOPERM falls back to the scripts); so is PEXPIRETIME
+    # (Redis 7.0+: a look at a held lock reads its expiry as stored).
     "locks": ("multi", "exec", "time", "get", "set", "del", "exists", "pexpire", "pttl", "evalsha", "eval",
-              "script|load", "info", "hincrby"),
+              "script|load", "info", "hincrby", "pexpiretime"),
     # worker liveness: the heartbeat (SET ... GET) and the take-over check (EXISTS)
     "liveness": ("set", "exists"),
     # beat: slot claims, history and counters, start-up check

@@ -224,8 +224,10 @@ class Replaced(NamedTuple):
     current: Any
 
 
-def _replace_request(command: tuple[Any, ...], script: Any, value: str) -> Request:
+def _replace_request(command: tuple[Any, ...], script: Any, value: str, *, native: bool = False) -> Request:
     def finish(replies: list[Any]) -> Replaced:
+        if native and (refusal := _refusal(replies[0])) is not None:
+            raise refusal
         raise_errors(replies)
         reply = replies[0]
         current = reply[3] if len(reply) > 3 else None
@@ -241,10 +243,12 @@ def adopt_request(key: str, claim: str, value: str, ttl_ms: int) -> Request:
     return _replace_request(ADOPT.command([key], [claim, value, ttl_ms]), ADOPT, value)
 
 
-def take_over_request(key: str, holder: str, pttl: int, server_ms: int, value: str, ttl_ms: int) -> Request:
-    """Replace a dead holder's value if the lock stayed unrenewed since it was looked at
-    (its ``pttl`` and the server's clock then): :class:`Replaced`."""
-    return _replace_request(TAKE_OVER.command([key], [holder, pttl, server_ms, value, ttl_ms]), TAKE_OVER, value)
+def take_over_request(info: ServerInfo, key: str, holder: str, look: Look, value: str, ttl_ms: int) -> Request:
+    """Replace a dead holder's value if the lock stayed unrenewed since ``look`` (its
+    expiry did not move): :class:`Replaced`. ``PEXPIRETIME`` where ``info`` has it; a
+    refusal of it (an ACL short of it) raises :class:`NativeRefused`."""
+    arguments = [holder, look.expires_ms, value, ttl_ms, "1" if info.expire_time else "0"]
+    return _replace_request(TAKE_OVER.command([key], arguments), TAKE_OVER, value, native=info.expire_time)
 
 
 # -------------------------------------------------------------------- release
@@ -416,21 +420,46 @@ class Look(NamedTuple):
     record: Any = None
     #: A recovery window is open on the server now, when asked for (``window_key``).
     window: bool = False
+    #: When it expires on the server's clock (Unix ms), never earlier than the server holds
+    #: it: ``PEXPIRETIME`` where the server has it, else ``server_ms + pttl`` (see
+    #: :func:`look_request`). Meaningful only when ``pttl >= 0``.
+    expires_ms: int = 0
+    #: ``expires_ms`` is the expiry as stored (``PEXPIRETIME``).
+    exact: bool = False
 
 
-def look_request(key: str, record_key: str | None = None, window_key: str | None = None) -> Request:
+def look_request(key: str, record_key: str | None = None, window_key: str | None = None, *,
+                 info: ServerInfo | None = None) -> Request:
     """The lock's value, its remaining ms and the server's clock in ms, at one instant: a
     :class:`Look`; with ``record_key`` and ``window_key`` (one server: the same transaction),
-    also the server record and whether a recovery window is open."""
+    also the server record and whether a recovery window is open.
+
+    The expiry: on a server ``info`` says has ``PEXPIRETIME`` (Redis 7.0+), read as
+    stored (refused by an ACL: :class:`NativeRefused`, the portable form from then).
+    Elsewhere the clock is read after ``PTTL``, so that ``server_ms + pttl`` can only
+    come out later than the stored expiry, never earlier (clock first, the sum was a
+    millisecond early on every look on Redis 7.0, and earlier still when Redis was
+    descheduled between the two reads): a lock looked at as renewed before a moment
+    was renewed before it.
+    """
     extra = [(b"GET", record_key), (b"EXISTS", window_key)] if record_key and window_key else []
+    exact = info is not None and info.expire_time
+    expiry = [(b"PEXPIRETIME", key)] if exact else []
 
     def finish(replies: list[Any]) -> Look:
+        refusal = next(filter(None, map(_refusal, replies)), None) if exact else None
+        if refusal is not None:
+            raise refusal
         raise_errors(replies)
         executed = replies[-1]
         raise_errors(executed)
-        seconds, micros = executed[0]
-        found = Look(executed[1], int(executed[2]), int(seconds) * 1000 + int(micros) // 1000)
-        return found._replace(record=executed[3], window=bool(executed[4])) if extra else found
+        current, pttl, (seconds, micros) = executed[0], int(executed[1]), executed[2]
+        server_ms = int(seconds) * 1000 + int(micros) // 1000
+        rest = executed[3:]
+        expires_ms = int(rest.pop(0)) if exact else server_ms + pttl
+        found = Look(current, pttl, server_ms, expires_ms=expires_ms, exact=exact)
+        return found._replace(record=rest[0], window=bool(rest[1])) if extra else found
 
-    return Request([(b"MULTI",), (b"TIME",), (b"GET", key), (b"PTTL", key), *extra, (b"EXEC",)], finish)
+    return Request([(b"MULTI",), (b"GET", key), (b"PTTL", key), (b"TIME",), *expiry, *extra, (b"EXEC",)],
+                   finish)
 

@@ -303,14 +303,15 @@ class Lease:
         return f"<Lease {self.key} fence={self.fence} ttl={self.ttl}s>"
 
 
-def replaced_lease(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, request: Request,
-                   value: str) -> Lease | None:
+def replaced_lease(client: RedisClient, key: str, spec: LockSpec, task_id: str | None,
+                   request: Request | Callable[[ServerInfo], Request], value: str) -> Lease | None:
     """Run a compare-and-replace (:func:`.commands.adopt_request`, :func:`.commands.take_over_request`)
     writing ``value``; the lease if ``value`` holds the key now."""
     after = acknowledged(spec, key, value, lambda r: r.token is not None) if spec.wait_replicas > 0 else None
     started = time.monotonic()
     epoch = server_of(client).epoch
-    replaced = execute(client, key, lambda info: request, after=after)
+    build = (lambda info: request) if isinstance(request, Request) else request
+    replaced = execute(client, key, build, after=after)
     if replaced.token is None:
         return None
     return Lease(client, key, value, spec, replaced.token, task_id, started, epoch)

@@ -84,19 +84,29 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return {1, now[1], now[2]}
 """)
 
-# KEYS: lock. ARGV: the holder's exact value, the lock's PTTL and the server's
-# clock (ms) at the first look, the new value, ttl ms.
-# Taken over only if the holder is still that value and the lock was not
-# renewed since the first look: its PTTL went down with the server's clock
-# (within 50 ms). The caller checked just before that the holder's liveness
+# KEYS: lock. ARGV: the holder's exact value, the lock's expiry (server clock, Unix
+# ms) at the first look, the new value, ttl ms, "1" where PEXPIRETIME reads the expiry
+# as stored (Redis 7.0+), else "0".
+# Taken over only if the holder is still that value and the lock was not renewed
+# since the first look: its expiry did not move (a renewal moves it later by the time
+# since the previous one). Where PEXPIRETIME is missing (Redis 6.2) the expiry is the
+# clock read after PTTL, which can come out later than stored by the time between the
+# two reads, hence 50 ms of slack there; the expiry is never compared with a clock
+# read at another moment. The caller checked just before that the holder's liveness
 # key is still gone (it lives in another hash slot). Same replies as ADOPT.
 TAKE_OVER = LuaScript("""
 local current = redis.call('GET', KEYS[1])
+local expires, slack
+if ARGV[5] == '1' then
+  expires, slack = redis.call('PEXPIRETIME', KEYS[1]), 0
+else
+  local pttl = redis.call('PTTL', KEYS[1])
+  local t = redis.call('TIME')
+  expires, slack = t[1] * 1000 + math.floor(t[2] / 1000) + pttl, 50
+end
 local now = redis.call('TIME')
-if current ~= ARGV[1] then return {0, now[1], now[2], current} end
-local elapsed = now[1] * 1000 + math.floor(now[2] / 1000) - tonumber(ARGV[3])
-if redis.call('PTTL', KEYS[1]) > tonumber(ARGV[2]) - elapsed + 50 then return {0, now[1], now[2], current} end
-redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+if current ~= ARGV[1] or expires > tonumber(ARGV[2]) + slack then return {0, now[1], now[2], current} end
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 return {1, now[1], now[2]}
 """)
 

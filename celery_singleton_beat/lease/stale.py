@@ -60,14 +60,15 @@ def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str
         return None  # renewed (or taken) since the window opened, or its holders' grace still runs
     epoch = server.epoch
     look = execute(client, key, lambda info: look_request(key, server_key(server.prefix),
-                                                          recovery_key(server.prefix)))
+                                                          recovery_key(server.prefix), info=info))
     record = ServerRecord.decode(look.record)
     since_ms = record.since_ms if record is not None else 0
     if (look.window or not since_ms or look.current is None or text_of(look.current) != holder.raw
-            or look.pttl < 0 or look.server_ms + look.pttl >= since_ms + ttl_ms):
+            or look.pttl < 0 or look.expires_ms >= since_ms + ttl_ms):
         return None  # a window open now, the lock gone or renewed after the window opened
+    raw = text_of(look.current)  # the holder's exact value (checked above)
     lease = replaced_lease(client, key, spec, task_id,
-                           take_over_request(key, holder.raw, look.pttl, look.server_ms, value, spec.ttl_ms), value)
+                           lambda info: take_over_request(info, key, raw, look, value, spec.ttl_ms), value)
     if lease is not None and server.epoch != epoch:
         # The replace went to a server found only now to have lost data (a new window):
         # its holders' grace starts again. Give the key back.

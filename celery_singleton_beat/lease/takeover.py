@@ -54,14 +54,15 @@ def take_over(client: RedisClient, key: str, spec: LockSpec, task_id: str | None
     """Take the lock of ``holder`` if it is provably dead (see the module docstring); the new
     lease, or None when it is not (or another got there first)."""
     assert spec.liveness_prefix is not None
-    look = execute(client, key, lambda info: look_request(key))
+    look = execute(client, key, lambda info: look_request(key, info=info))
     if look.current is None or text_of(look.current) != holder.raw or not missed_renewals(holder, look.pttl):
         return None
     time.sleep(TAKEOVER_WAIT)
     if is_alive(client, spec.liveness_prefix, holder.boot or ""):
         return None
-    request = take_over_request(key, holder.raw, look.pttl, look.server_ms, value, spec.ttl_ms)
-    lease = replaced_lease(client, key, spec, task_id, request, value)
+    raw = text_of(look.current)  # the holder's exact value (checked above)
+    lease = replaced_lease(client, key, spec, task_id,
+                           lambda info: take_over_request(info, key, raw, look, value, spec.ttl_ms), value)
     if lease is not None:
         counters.count(client, spec.stats_key, "taken_over")
     return lease

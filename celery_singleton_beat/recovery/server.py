@@ -85,11 +85,18 @@ class ServerInfo:
     #: Whole seconds since the server process started (``uptime_in_seconds``: the difference
     #: of two whole-second clocks, so the process started less than ``uptime + 1`` seconds ago).
     uptime: int = 0
+    #: False once a native command was refused here (an ACL short of it): portable from then.
+    natives: bool = True
 
     @functools.cached_property
     def set_nx_get(self) -> bool:
         """``SET key value NX PX ms GET`` in one command (Redis 7.0+; 6.2 refuses NX with GET)."""
         return self.redis_version >= (7, 0, 0)
+
+    @property
+    def expire_time(self) -> bool:
+        """``PEXPIRETIME key``: a key's expiry as stored, in Unix ms (Redis 7.0+, Valkey)."""
+        return self.known and self.natives and self.redis_version >= (7, 0, 0)
 
     @functools.cached_property
     def release_kind(self) -> str:
@@ -303,7 +310,7 @@ class LockServer:
         """A native command was refused: use the portable commands from now on."""
         with self._lock:
             self.info = UNKNOWN if self.info is None else replace(
-                self.info, flavour="redis", version=min(self.info.redis_version, (8, 0, 0)))
+                self.info, flavour="redis", version=min(self.info.redis_version, (8, 0, 0)), natives=False)
 
 
 #: What requests are built for before a connection told what the server is: the
