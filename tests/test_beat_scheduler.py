@@ -646,6 +646,45 @@ def test_many_due_entries_are_claimed_in_batches(redis_db: redis.Redis,
     assert Counting.pipelines == 6  # 2 beats x ceil(2500 / 1000) round trips
 
 
+class CreepingClock(ManualClock):
+    """A manual clock that also moves a microsecond each time it is read, as a real one
+    does: the entries made due together get heap times of their own (no ties)."""
+
+    def now(self) -> datetime:
+        self.value += timedelta(microseconds=1)
+        return self.value
+
+
+def test_slots_claimed_ahead_are_the_ones_sent_next(redis_db: redis.Redis,
+                                                    redis_server: RedisServer) -> None:
+    """A burst larger than a batch, with the heap times of a real clock: each batch claims
+    the entries the heap hands out next, so the next batch is claimed once the previous one
+    was sent; not at the first send that was not among those claimed ahead, which claimed
+    most of a large burst in its first ticks and left those claims pending while the rest
+    of the burst went out (past the pending lease, for the other beats to take over)."""
+    clock = CreepingClock(START)
+    schedule = {f"e{i}": {"task": "t.e", "schedule": 60.0, "args": [i]} for i in range(2500)}
+    already_scheduled(redis_server.client(LOCK_DB), schedule)
+    claimed: list[list[str]] = []
+    sent_before: list[int] = []  # slots sent when each batch was claimed
+
+    class Counting(RecordingScheduler):
+        def _claim_many(self, batch: Any) -> None:
+            claimed.append([claim.name for claim, _ in batch])
+            sent_before.append(len(self.sent))
+            super()._claim_many(batch)
+
+    beat = Counting(app=scheduler_app(redis_server, clock, schedule))
+    sent: list[str] = []
+    while beat.tick() <= 0:
+        sent.append(f"e{beat.sent[-1]['args'][0]}")
+    assert sorted(sent) == sorted(schedule)
+    assert [len(batch) for batch in claimed] == [1000, 1000, 500]
+    assert sent_before == [0, 1000, 2000]
+    # Each batch is the next stretch of the sends, in the order they were sent.
+    assert [name for batch in claimed for name in batch] == sent
+
+
 def test_sent_marks_go_out_in_multi_key_calls(redis_db: redis.Redis,
                                              redis_server: RedisServer) -> None:
     """2,500 slots sent by one beat: each claim ends ``sent``, and the marks are not one
