@@ -504,6 +504,39 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
     assert claims.pttl(stats_key("app7")) > 0  # counters expire when no longer updated
 
 
+def test_the_record_rides_in_the_claims_round_trip(redis_db: redis.Redis,
+                                                   redis_server: RedisServer) -> None:
+    """History and counters are written by a script in the claims' own pipeline; a server
+    that does not have the script yet gets the record in a round trip of its own, and the
+    script for the next round. Both write the same records and counts."""
+    claims = redis_server.client(LOCK_DB)
+    claims.script_flush()
+    clock = ManualClock(START)
+    already_scheduled(claims, EVERY_SECOND)
+    apart: list[str] = []  # rounds recorded in a round trip of their own, by beat
+
+    class Spy(RecordingScheduler):
+        def _record(self, won: Any, lost: Any, taken: Any, at: float) -> None:
+            apart.append(self.instance_id)
+            super()._record(won, lost, taken, at)
+
+    beats = [Spy(app=scheduler_app(redis_server, clock, EVERY_SECOND)) for _ in range(2)]
+    run_ticks(beats, clock, 4, 0.25)
+    slots = assert_contiguous_once(sent_slots(*beats), timedelta(seconds=1))
+    assert len(slots) >= 4
+    assert apart == [beats[0].instance_id]  # the first round only: NOSCRIPT, then loaded
+    history = read_history(claims, "singleton", 100)
+    winners = {sent["slot"]: beat.instance_id for beat in beats for sent in beat.sent}
+    assert [(r["slot"], r["winner"], r["entry"], r["task"]) for r in history] == [
+        (slot, winners[slot], "tick", "t.tick") for slot in reversed(slots)]
+    for record in history:
+        assert json.loads(claims.get(record["key"]))["at"] == record["at"]
+    counts = {b"won": str(len(slots)).encode(), b"lost": str(len(slots)).encode()}
+    assert claims.hgetall(stats_key("singleton")) == counts
+    assert claims.hgetall(beat_stats_key("singleton", "tick")) == counts
+    assert claims.pttl(beat_stats_key("singleton", "tick")) > 0  # set when its fields were created
+
+
 def test_history_is_capped(redis_db: redis.Redis, redis_server: RedisServer) -> None:
     clock = ManualClock(START)
     beat = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND))

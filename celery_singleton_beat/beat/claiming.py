@@ -142,11 +142,13 @@ class ClaimRounds:
 
     def _claim_many(self, batch: list[tuple[Claim, Any]]) -> None:
         """Claim ``batch`` (and mark earlier sends) in one round trip; watch the slots lost
-        to unsent claims; record the outcome."""
+        to unsent claims; record the outcome (in the same round trip on one server)."""
         marks = self.handover.take_marks(time.monotonic())
         at = round(self._now().timestamp(), 3)
+        self.claims.history_size = self.history_size  # a class attribute users may change
         try:
-            self.claims.claim([claim for claim, _ in batch], at, self._mark_swaps(marks))
+            _, recorded = self.claims.claim([claim for claim, _ in batch], at, self._mark_swaps(marks),
+                                            [entry.task for _, entry in batch])
         except redis.RedisError:
             for claim in marks:  # not marked: try again with the next round trip
                 self.handover.sent(claim, time.monotonic())
@@ -158,7 +160,8 @@ class ClaimRounds:
             (won if claim.won else lost).append((claim, entry))
             if not claim.won and claim.holder_state in UNSENT:
                 self.handover.watch(claim, now)
-        self._record(won, lost, [], at)
+        if not recorded:  # the record could not ride along (Cluster, replicas waited for)
+            self._record(won, lost, [], at)
 
     def _record(self, won: list[tuple[Claim, Any]], lost: list[tuple[Claim, Any]],
                 taken: list[tuple[Claim, Any]], at: float) -> None:
