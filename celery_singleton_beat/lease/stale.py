@@ -36,7 +36,23 @@ from .holder import Holder, text_of
 from .lease import Lease, replaced_lease
 from .spec import LockSpec
 
-__all__ = ["take_unconfirmed"]
+__all__ = ["take_unconfirmed", "unconfirmed"]
+
+
+def unconfirmed(holder: Holder, pttl_ms: int, server_ms: int, since_ms: int, window_open: bool) -> bool:
+    """The rule, on what the server said at one instant: the lock whose value is ``holder``,
+    with ``pttl_ms`` left when the server's clock read ``server_ms``, was not confirmed by its
+    holder in the recovery window that opened at ``since_ms`` (the server record's, 0: none)
+    and has closed (``window_open`` false): its expiry comes before ``since_ms`` + its TTL,
+    so it was not renewed since that window opened. Such a lock is free to the next acquire
+    (:func:`take_unconfirmed`), and ``celery singleton locks`` shows it as stale.
+
+    Never a queued message's claim (never renewed), a value without its TTL (written
+    before 0.3) or a lock that never expires.
+    """
+    if holder.claim or holder.ttl is None or window_open or not since_ms or pttl_ms < 0:
+        return False
+    return server_ms + pttl_ms < since_ms + round(holder.ttl * 1000)
 
 
 def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, value: str,
@@ -63,8 +79,8 @@ def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str
                                                           recovery_key(server.prefix)))
     record = ServerRecord.decode(look.record)
     since_ms = record.since_ms if record is not None else 0
-    if (look.window or not since_ms or look.current is None or text_of(look.current) != holder.raw
-            or look.pttl < 0 or look.server_ms + look.pttl >= since_ms + ttl_ms):
+    if (look.current is None or text_of(look.current) != holder.raw
+            or not unconfirmed(holder, look.pttl, look.server_ms, since_ms, bool(look.window))):
         return None  # a window open now, the lock gone or renewed after the window opened
     lease = replaced_lease(client, key, spec, task_id,
                            take_over_request(key, holder.raw, look.pttl, look.server_ms, value, spec.ttl_ms), value)
