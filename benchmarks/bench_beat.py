@@ -64,7 +64,7 @@ from celery import Celery
 from celery.beat import PersistentScheduler, ScheduleEntry
 
 from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMixin, entry_record_key, entry_spec
-from celery_singleton_beat.beat.claims import SENT, claim_value
+from celery_singleton_beat.beat.claims import SENT, Claim, claim_value
 from celery_singleton_beat.beat.slots import current_slot
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
@@ -129,10 +129,16 @@ def build(cls: type, app: Celery, workdir: str, name: str) -> Any:
 
 def warm(scheduler: Any, app: Celery) -> None:
     """Send one message through the scheduler as a running beat already had (not timed):
-    the producer's queue is declared and the send path's caches are filled."""
+    the producer's queue is declared and the send path's caches are filled; the mixin also
+    claims one slot, as a running beat had (its first round learns what the server takes)."""
     entry = ScheduleEntry(name="warm-up", task="bench.noop", schedule=timedelta(hours=1),
                           options={"singleton": False}, app=app)
     scheduler.apply_async(entry, producer=scheduler.producer, advance=False)
+    if isinstance(scheduler, SingletonSchedulerMixin):
+        slot = current_slot(entry.schedule, scheduler._now())
+        assert slot is not None
+        key = f"{scheduler.singleton_settings.key_prefix}:{{beat:warm-up}}:{slot.label}"
+        scheduler.claims.claim([Claim("warm-up", slot, key, None)], round(time.time(), 3), (), ["bench.noop"])
 
 
 def first_heap(scheduler: Any) -> float:

@@ -506,9 +506,10 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
 
 def test_the_record_rides_in_the_claims_round_trip(redis_db: redis.Redis,
                                                    redis_server: RedisServer) -> None:
-    """History and counters are written by a script in the claims' own pipeline; a server
-    that does not have the script yet gets the record in a round trip of its own, and the
-    script for the next round. Both write the same records and counts."""
+    """History and counters are written by a script in the claims' own pipeline, from each
+    beat's second round (its first learns whether the server takes ``SET NX GET``); a
+    server that does not have the script yet gets the record in a round trip of its own,
+    and the script for the next round. Both write the same records and counts."""
     claims = redis_server.client(LOCK_DB)
     claims.script_flush()
     clock = ManualClock(START)
@@ -524,7 +525,9 @@ def test_the_record_rides_in_the_claims_round_trip(redis_db: redis.Redis,
     run_ticks(beats, clock, 4, 0.25)
     slots = assert_contiguous_once(sent_slots(*beats), timedelta(seconds=1))
     assert len(slots) >= 4
-    assert apart == [beats[0].instance_id]  # the first round only: NOSCRIPT, then loaded
+    # Each beat's first round; then the first round that carried the script met NOSCRIPT
+    # (beats tick in turn: the first beat's second round) and loaded it; none after.
+    assert apart == [beats[0].instance_id, beats[1].instance_id, beats[0].instance_id]
     history = read_history(claims, "singleton", 100)
     winners = {sent["slot"]: beat.instance_id for beat in beats for sent in beat.sent}
     assert [(r["slot"], r["winner"], r["entry"], r["task"]) for r in history] == [
@@ -535,6 +538,39 @@ def test_the_record_rides_in_the_claims_round_trip(redis_db: redis.Redis,
     assert claims.hgetall(stats_key("singleton")) == counts
     assert claims.hgetall(beat_stats_key("singleton", "tick")) == counts
     assert claims.pttl(beat_stats_key("singleton", "tick")) > 0  # set when its fields were created
+
+
+def test_a_server_that_refuses_set_nx_get_counts_each_claim_once(redis_db: redis.Redis,
+                                                                   redis_server: RedisServer) -> None:
+    """Redis < 7 answers ``SET ... NX ... GET`` with a syntax error, in the pipeline that
+    carries the round's claims: the round goes again with ``SET NX`` and ``GET``. Nothing
+    of the refused round is recorded (a record riding along would have counted every
+    claim of it as lost); the counters count each slot once, won by one beat, lost by the other."""
+    claims = redis_server.client(LOCK_DB)
+    clock = ManualClock(START)
+    already_scheduled(claims, EVERY_SECOND)
+
+    class OldRedis(RecordingScheduler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            store, add_sets = self.claims, self.claims._add_sets
+
+            def old_sets(pipe: Any, batch: Any, value: str) -> None:
+                if not store.use_set_get:
+                    return add_sets(pipe, batch, value)
+                for claim in batch:  # the server itself refuses it, as Redis 6.2 refuses NX with GET
+                    pipe.execute_command("SET", claim.key, value, "NX", "PX", store.ttl_ms(claim.slot), "GET", "X")
+
+            store._add_sets = old_sets  # type: ignore[method-assign]
+
+    beats = [OldRedis(app=scheduler_app(redis_server, clock, EVERY_SECOND)) for _ in range(2)]
+    run_ticks(beats, clock, 4, 0.25)
+    slots = assert_contiguous_once(sent_slots(*beats), timedelta(seconds=1))
+    assert not any(beat.claims.use_set_get for beat in beats)
+    counts = {b"won": str(len(slots)).encode(), b"lost": str(len(slots)).encode()}
+    assert claims.hgetall(stats_key("singleton")) == counts
+    assert claims.hgetall(beat_stats_key("singleton", "tick")) == counts
+    assert [r["slot"] for r in read_history(claims, "singleton", 100)] == list(reversed(slots))
 
 
 def test_history_is_capped(redis_db: redis.Redis, redis_server: RedisServer) -> None:

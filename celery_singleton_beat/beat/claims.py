@@ -204,6 +204,9 @@ class ClaimStore:
         self.history_size = history_size
         #: False once the server refused ``SET NX GET`` (Redis < 7).
         self.use_set_get = True
+        #: True once a ``SET NX GET`` worked: until then the record does not ride along (a
+        #: refused claim round would have it count every claim of the round as lost).
+        self.set_get_works = False
         #: The claims this beat holds, to write back into a server that lost them.
         self.kept = KeptClaims()
         self._epoch = 0
@@ -228,20 +231,22 @@ class ClaimStore:
         trip when no replica wait is asked for; their outcomes are returned, with
         whether the round was recorded too: given ``tasks`` (the task name of each
         claim's entry), the record (:mod:`.history`) rides along where one server
-        holds every key. Else the caller records it (:meth:`record`).
+        holds every key, once the server's answer to this beat's claims is known
+        (not in its first round). Else the caller records it (:meth:`record`).
         """
         value = claim_value(self.instance_id, at, PENDING)
         server = server_of(self.client)
         epoch = server.epoch
-        record = (None if tasks is None else
+        record = (None if tasks is None or (self.use_set_get and not self.set_get_works) else
                   record_calls(self.prefix, self.instance_id, value, at, batch, tasks, self.history_size, self.stats))
         try:
             replies, marked, recorded = self._set(batch, value, marks, record)
+            self.set_get_works = self.use_set_get
         except redis.ResponseError as exc:
             if not (self.use_set_get and "syntax" in str(exc).lower()):
                 raise
             self.use_set_get = False  # Redis < 7 cannot combine NX and GET
-            replies, marked, recorded = self._set(batch, value, marks, record)
+            replies, marked, recorded = self._set(batch, value, marks, None)
         for claim, reply in zip(batch, replies, strict=True):
             won, holder = reply
             claim.won = won
@@ -279,7 +284,8 @@ class ClaimStore:
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
         replies = pipe.execute(raise_on_error=False)
         sets_end = len(replies) - len(calls) - len(record)
-        sets, recorded, tail = replies[:sets_end], replies[sets_end:sets_end + len(record)], replies[sets_end + len(record):]
+        tail_start = sets_end + len(record)
+        sets, recorded, tail = replies[:sets_end], replies[sets_end:tail_start], replies[tail_start:]
         for reply in sets:
             if isinstance(reply, Exception):
                 raise reply
@@ -296,13 +302,13 @@ class ClaimStore:
         errors = [reply for reply in replies if isinstance(reply, Exception)]
         if not errors:
             return True
-        if any(isinstance(error, NoScriptError) for error in errors):
-            if len(errors) == len(replies):  # no call ran: the caller records the round
-                try:
-                    client.script_load(RECORD_SCRIPT.source)
-                except redis.RedisError as exc:
-                    logger.debug("beat: could not load the record script: %s", exc)
-                return False
+        if len(errors) == len(replies) and any(isinstance(error, NoScriptError) for error in errors):
+            # No call ran: the caller records the round.
+            try:
+                client.script_load(RECORD_SCRIPT.source)
+            except redis.RedisError as exc:
+                logger.debug("beat: could not load the record script: %s", exc)
+            return False
         logger.warning("beat: could not record a round of claims in the history: %s", errors[0])
         return True
 
