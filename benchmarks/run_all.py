@@ -6,7 +6,9 @@ run. Sizes default to the published ones; ``--quick`` shrinks them to seconds
 section of the output file is not a benchmark's (``make chaos``, documented
 by hand): it is kept as it was.
 
-Usage: python -m benchmarks.run_all [--quick] [--only NAME ...] [--output PATH]
+``--large`` adds the sizes that take minutes more (the beat at 100,000 due entries).
+
+Usage: python -m benchmarks.run_all [--quick] [--large] [--only NAME ...] [--output PATH]
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ BENCHMARKS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                      {"small": 2, "large": 4, "variants": ("ours",), "servers": ("default",)}),
     "contention": ("bench_contention", "Contention: 8 pool processes, 1,000 submissions over 10 keys",
                    {"submissions": 1000, "keys": 10, "rounds": 3}, {"submissions": 20, "keys": 4, "rounds": 1}),
-    "beat": ("bench_beat", "Beat dispatch: entries due at once, PersistentScheduler vs SingletonScheduler",
-             {"sizes": (1, 100, 10_000), "rounds": 3, "large_rounds": 1}, {"quick": True}),
+    "beat": ("bench_beat", "Beat at scale: tick time and memory, PersistentScheduler vs SingletonScheduler",
+             {"sizes": (1, 100, 10_000), "rounds": 3, "small_rounds": 10, "large_rounds": 1, "ticks": 50},
+             {"quick": True}),
     "primitives": ("bench_primitives", "Lock primitives: acquire/release pairs per second",
                    {"pairs": 10000, "rounds": 3}, {"pairs": 200, "rounds": 1}),
     "child_kill": ("bench_child_kill", "Killed pool child: seconds until its key runs again, one-process pool",
@@ -77,13 +80,19 @@ def machine() -> str:
             f"Python {platform.python_version()}, redis-py with {parser}, redis-server on loopback")
 
 
-def run_one(name: str, quick: bool) -> tuple[str, float, dict[str, Any]]:
+#: What ``--large`` changes of the published sizes: sizes that take minutes more.
+LARGE: dict[str, dict[str, Any]] = {
+    "beat": {"sizes": (1, 100, 10_000, 100_000)},
+}
+
+
+def run_one(name: str, quick: bool, large: bool = False) -> tuple[str, float, dict[str, Any]]:
     """One benchmark: its section of the report, the seconds it took, its report."""
     module_name, title, sizes, quick_sizes = BENCHMARKS[name]
     module = importlib.import_module(f"benchmarks.{module_name}")
     run: Callable[..., dict[str, Any]] = module.run
     started = time.monotonic()
-    report = run(**(quick_sizes if quick else sizes))
+    report = run(**(quick_sizes if quick else {**sizes, **(LARGE.get(name, {}) if large else {})}))
     return f"### {title}\n\n{module.table(report)}\n", time.monotonic() - started, report
 
 
@@ -104,6 +113,8 @@ def kept_sections(output: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--large", action="store_true",
+                        help="also the large sizes (beat: 100,000 due entries, about 10 minutes more)")
     parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), default=None)
     parser.add_argument("--output", type=Path, default=HERE / "results.md")
     args = parser.parse_args(argv)
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         progress(f"== {name}")
         try:
-            section, seconds, reports[name] = run_one(name, args.quick)
+            section, seconds, reports[name] = run_one(name, args.quick, args.large)
         except Exception as exc:  # report it, keep the other benchmarks' results
             failed.append(name)
             progress(f"!! {name} failed: {exc!r}")

@@ -298,28 +298,33 @@ def locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
     Printed as they are found, in no particular order (the first 100 rows
     size the table's columns). Columns: task, kind (run: a running task; claim/queued: a message
     waiting in the queue), holder task id, node, pid, acquisition time (UTC),
-    TTL left, time since the holder last renewed it, key. JSON: a list of
-    objects with task, key, kind, task_id, node, pid, boot, acquired_at (epoch
-    seconds), ttl (seconds, null if the lock never expires) and renewed_ago
-    (seconds, null for a claim).
+    TTL left, time since the holder last renewed it, stale, key. Stale: its holder did not
+    confirm it in the recovery window after the lock Redis may have lost data (a restart
+    from a snapshot, a failover), and the window has closed: the next acquire of the key
+    replaces it. JSON: a list of objects with task, key, kind, task_id, node, pid, boot,
+    acquired_at (epoch seconds), ttl (seconds, null if the lock never expires), renewed_ago
+    (seconds, null for a claim) and stale (true or false).
     """
     session = _Session(ctx)
     progress = _Progress("lock", "locks")
     pending = _Pending(session, progress)
     found = session.run(lambda: admin.iter_locks(session.app, task=task_name, progress=pending.after_each_call))
     out: _JsonList | _StreamedTable = _JsonList(pending.write) if as_json else _StreamedTable(
-        pending.write, ("TASK", "KIND", "HOLDER TASK ID", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWED", "KEY"),
-        numeric=(4, 6, 7))
+        pending.write, ("TASK", "KIND", "HOLDER TASK ID", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWED", "STALE",
+                        "KEY"), numeric=(4, 6, 7))
+    stale = 0
     try:
         with _exit_codes():
             for lock in found:
                 progress.found += 1
+                stale += lock.stale
                 if isinstance(out, _JsonList):
                     out.add(lock.as_json())
                 else:
                     renewed = "-" if lock.renewed_ago is None else f"{_duration(lock.renewed_ago)} ago"
                     out.add((lock.task, lock.kind, lock.holder.task_id, lock.holder.node, lock.holder.pid,
-                             _utc(lock.holder.acquired_at), _duration(lock.ttl), renewed, lock.key))
+                             _utc(lock.holder.acquired_at), _duration(lock.ttl), renewed,
+                             "stale" if lock.stale else "-", lock.key))
         out.close()
     finally:  # what was found, also before an error
         pending.flush()
@@ -329,6 +334,9 @@ def locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
     if not out.count:
         none = f"No lock of task {task_name} is held" if task_name else "No task lock is held"
         session.echo(f"{none} (prefix '{session.prefix}', {session.url}).")
+    elif stale:
+        session.echo(f"\n{out.count} lock(s) held, {stale} stale: not confirmed by their holders after the lock "
+                     "Redis may have lost data; each is replaced by the next acquire of its key.")
     else:
         session.echo(f"\n{out.count} lock(s) held.")
 

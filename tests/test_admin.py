@@ -10,6 +10,7 @@ imported them before.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import subprocess
@@ -27,10 +28,14 @@ from celery.exceptions import ImproperlyConfigured
 
 from celery_singleton_beat import SingletonError, admin
 from celery_singleton_beat.lease.holder import done_key
+from celery_singleton_beat.lease.keeper import LeaseKeeper
 from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.liveness import Heartbeat
-from celery_singleton_beat.lease.lock import AcquireResult
+from celery_singleton_beat.lease.lock import AcquireResult, acquire
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import get_redis
+from celery_singleton_beat.recovery.server import LockServer, server_of
+from celery_singleton_beat.recovery.window import mark_in_use, recovery_key
 from celery_singleton_beat.task.slot_delivery import ENTRY_HEADER
 
 from .support import (
@@ -104,6 +109,82 @@ def test_list_locks_with_filters_and_read_lock(ops: ModuleType, locks: redis.Red
     with pytest.raises(admin.NotALockKey) as bad:
         admin.read_lock(ops.app, "singleton:{beat:tick}:2024-01-01T00:00:00Z")
     assert isinstance(bad.value, ValueError) and "is not a task lock" in str(bad.value)
+
+
+STALE_TASK = "tests.stale_locks"
+
+
+def stale_test_key(name: str) -> str:
+    """A run lock key of :data:`STALE_TASK` (``<prefix>:{<task>:<sha256>}``)."""
+    return f"singleton:{{{STALE_TASK}:{hashlib.sha256(name.encode()).hexdigest()}}}"
+
+
+def holder_process(server: RedisServer, liveness: float) -> redis.Redis:
+    """The lock client of a process of its own (its own memory of the servers it saw), whose
+    holders renew on ``singleton_liveness_ttl`` ``liveness``."""
+    client = server.client(LOCK_DB, socket_timeout=30)
+    client.csb_server = LockServer("singleton", liveness)  # type: ignore[attr-defined]
+    return client
+
+
+def test_a_lock_not_confirmed_after_a_snapshot_restart_is_listed_as_stale(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """An RDB snapshot holds two locks of live-looking runs; one run ends (releases) after the
+    snapshot; the server restarts from it: the ended run's lock is back. While the recovery
+    window is open neither is stale. Once it has closed, the lock the keeper renewed in the
+    window (confirmed) is not; the ended run's is, in ``list_locks``, ``read_lock``, the JSON
+    and the ``locks`` command, until the next acquire of its key replaces it."""
+    server = make_redis()
+    direct = server.client(LOCK_DB)
+    mark_in_use(direct)  # a Redis in use: no first-deploy window
+    # Renewals every 2 s: the restarted server's window lasts this holder's need (3.5 s, in
+    # the server record of the snapshot), long enough to list the locks inside it.
+    holder = holder_process(server, liveness=6.0)
+    spec = LockSpec(task=STALE_TASK, ttl=60.0, liveness_ttl=6.0)
+    ended = acquire(holder, stale_test_key("ended"), spec, "ended-run").lease
+    live = acquire(holder, stale_test_key("live"), spec, "live-run").lease
+    assert ended is not None and live is not None
+    assert json.loads(direct.get("singleton:server"))["need_ms"] == 3500
+    app = app_for(server.url(LOCK_DB), singleton_liveness_ttl=1.5)  # its own need is shorter
+    keeper = LeaseKeeper()
+    kept = keeper.keep(live)
+    try:
+        direct.save()  # the snapshot holds both locks
+        assert ended.release()  # the run ends after the snapshot
+        server.kill()
+        server.start()  # from the snapshot: the ended run's lock is back
+
+        inside = admin.list_locks(app, task=STALE_TASK)  # its connection finds the loss: the window opens
+        assert direct.exists(recovery_key("singleton")), "listed within the recovery window"
+        assert {lock.holder.task_id: lock.stale for lock in inside} == {"ended-run": False, "live-run": False}
+
+        renewals = kept.renewals
+        wait_for(lambda: kept.renewals > renewals and server_of(holder).epoch > 0, timeout=30,
+                 message="the live run's keeper renewed its lock on the restarted server")
+        wait_for(lambda: not direct.exists(recovery_key("singleton")), timeout=30,
+                 message="the recovery window to close")
+        after = {lock.holder.task_id: lock for lock in admin.list_locks(app, task=STALE_TASK)}
+        assert after["ended-run"].stale and not after["live-run"].stale
+        assert after["ended-run"].as_json()["stale"] is True and after["live-run"].as_json()["stale"] is False
+        read = admin.read_lock(app, ended.key)
+        assert read is not None and read.stale
+
+        command = run_command([sys.executable, "-m", "celery", "-A", "tests.apps.ops_app", "singleton", "locks"],
+                              env=child_env(server), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=120)
+        assert command.returncode == 0, command.stderr
+        rows = {line.split()[2]: line.split() for line in command.stdout.splitlines() if STALE_TASK in line}
+        assert rows["ended-run"][-2:] == ["stale", ended.key] and rows["live-run"][-2:] == ["-", live.key]
+        assert "2 lock(s) held, 1 stale" in command.stdout
+
+        # The next acquire of the key replaces it (the library's rule): held, and not stale.
+        taken = acquire(holder_process(server, 1.5), ended.key, LockSpec(task=STALE_TASK, ttl=60.0), "next-run")
+        assert taken.acquired, taken.holder
+        replaced = admin.read_lock(app, ended.key)
+        assert replaced is not None and replaced.holder.task_id == "next-run" and not replaced.stale
+        assert not kept.lost
+    finally:
+        keeper.forget(kept)
 
 
 def test_release_deletes_exactly_what_was_listed_and_refuses_a_changed_lock(

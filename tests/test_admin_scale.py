@@ -288,6 +288,29 @@ def test_list_locks_keeps_its_order_and_iter_locks_yields_the_same(make_redis: C
         lock.key for lock in listed if lock.task == TASKS[0]]
 
 
+def test_stale_locks_read_the_server_record_once_per_walk(make_redis: Callable[..., RedisServer]) -> None:
+    """After a recovery window that closed (its opening in the server record, no window key),
+    every lock is judged by the rule: the record and the window are read once per walk, and
+    the server's clock once per read of a SCAN call's locks, never once per lock."""
+    server = make_redis()
+    client = server.client()
+    fill(client, locks={TASKS[0]: 150, TASKS[1]: 150})
+    seconds, micros = client.time()
+    record = json.loads(client.get(f"{PREFIX}:server"))
+    record["since_ms"] = seconds * 1000 + micros // 1000  # a window opened after the locks were taken
+    client.set(f"{PREFIX}:server", json.dumps(record))
+    app = app_for(server)
+    assert len(admin.list_locks(app)) == 300  # the client's connection is made and checked
+
+    with monitoring(server) as commands:
+        found = admin.list_locks(app)
+    assert len(found) == 300 and all(lock.stale for lock in found)  # none renewed since it opened
+    names = [args[0].upper() for args in commands]
+    assert [args for args in commands if args[:2] == ["GET", f"{PREFIX}:server"]] == [["GET", f"{PREFIX}:server"]]
+    assert [args for args in commands if args[0].upper() == "EXISTS"] == [["EXISTS", f"{PREFIX}:recovery"]]
+    assert 1 <= names.count("TIME") <= names.count("SCAN") + 1
+
+
 # ----------------------------------------------------------------- slots
 
 

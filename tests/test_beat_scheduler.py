@@ -504,6 +504,75 @@ def test_claims_history_counters_and_headers(redis_db: redis.Redis,
     assert claims.pttl(stats_key("app7")) > 0  # counters expire when no longer updated
 
 
+def test_the_record_rides_in_the_claims_round_trip(redis_db: redis.Redis,
+                                                   redis_server: RedisServer) -> None:
+    """History and counters are written by a script in the claims' own pipeline, from each
+    beat's second round (its first learns whether the server takes ``SET NX GET``); a
+    server that does not have the script yet gets the record in a round trip of its own,
+    and the script for the next round. Both write the same records and counts."""
+    claims = redis_server.client(LOCK_DB)
+    claims.script_flush()
+    clock = ManualClock(START)
+    already_scheduled(claims, EVERY_SECOND)
+    apart: list[str] = []  # rounds recorded in a round trip of their own, by beat
+
+    class Spy(RecordingScheduler):
+        def _record(self, won: Any, lost: Any, taken: Any, at: float) -> None:
+            apart.append(self.instance_id)
+            super()._record(won, lost, taken, at)
+
+    beats = [Spy(app=scheduler_app(redis_server, clock, EVERY_SECOND)) for _ in range(2)]
+    run_ticks(beats, clock, 4, 0.25)
+    slots = assert_contiguous_once(sent_slots(*beats), timedelta(seconds=1))
+    assert len(slots) >= 4
+    # Each beat's first round; then the first round that carried the script met NOSCRIPT
+    # (beats tick in turn: the first beat's second round) and loaded it; none after.
+    assert apart == [beats[0].instance_id, beats[1].instance_id, beats[0].instance_id]
+    history = read_history(claims, "singleton", 100)
+    winners = {sent["slot"]: beat.instance_id for beat in beats for sent in beat.sent}
+    assert [(r["slot"], r["winner"], r["entry"], r["task"]) for r in history] == [
+        (slot, winners[slot], "tick", "t.tick") for slot in reversed(slots)]
+    for record in history:
+        assert json.loads(claims.get(record["key"]))["at"] == record["at"]
+    counts = {b"won": str(len(slots)).encode(), b"lost": str(len(slots)).encode()}
+    assert claims.hgetall(stats_key("singleton")) == counts
+    assert claims.hgetall(beat_stats_key("singleton", "tick")) == counts
+    assert claims.pttl(beat_stats_key("singleton", "tick")) > 0  # set when its fields were created
+
+
+def test_a_server_that_refuses_set_nx_get_counts_each_claim_once(redis_db: redis.Redis,
+                                                                   redis_server: RedisServer) -> None:
+    """Redis < 7 answers ``SET ... NX ... GET`` with a syntax error, in the pipeline that
+    carries the round's claims: the round goes again with ``SET NX`` and ``GET``. Nothing
+    of the refused round is recorded (a record riding along would have counted every
+    claim of it as lost); the counters count each slot once, won by one beat, lost by the other."""
+    claims = redis_server.client(LOCK_DB)
+    clock = ManualClock(START)
+    already_scheduled(claims, EVERY_SECOND)
+
+    class OldRedis(RecordingScheduler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            store, add_sets = self.claims, self.claims._add_sets
+
+            def old_sets(pipe: Any, batch: Any, value: str) -> None:
+                if not store.use_set_get:
+                    return add_sets(pipe, batch, value)
+                for claim in batch:  # the server itself refuses it, as Redis 6.2 refuses NX with GET
+                    pipe.execute_command("SET", claim.key, value, "NX", "PX", store.ttl_ms(claim.slot), "GET", "X")
+
+            store._add_sets = old_sets  # type: ignore[method-assign]
+
+    beats = [OldRedis(app=scheduler_app(redis_server, clock, EVERY_SECOND)) for _ in range(2)]
+    run_ticks(beats, clock, 4, 0.25)
+    slots = assert_contiguous_once(sent_slots(*beats), timedelta(seconds=1))
+    assert not any(beat.claims.use_set_get for beat in beats)
+    counts = {b"won": str(len(slots)).encode(), b"lost": str(len(slots)).encode()}
+    assert claims.hgetall(stats_key("singleton")) == counts
+    assert claims.hgetall(beat_stats_key("singleton", "tick")) == counts
+    assert [r["slot"] for r in read_history(claims, "singleton", 100)] == list(reversed(slots))
+
+
 def test_history_is_capped(redis_db: redis.Redis, redis_server: RedisServer) -> None:
     clock = ManualClock(START)
     beat = RecordingScheduler(app=scheduler_app(redis_server, clock, EVERY_SECOND))
@@ -644,6 +713,45 @@ def test_many_due_entries_are_claimed_in_batches(redis_db: redis.Redis,
     assert counts == {"2024-05-01T12:00:00Z": 2500}
     assert sorted(s["args"][0] for beat in beats for s in beat.sent) == list(range(2500))
     assert Counting.pipelines == 6  # 2 beats x ceil(2500 / 1000) round trips
+
+
+class CreepingClock(ManualClock):
+    """A manual clock that also moves a microsecond each time it is read, as a real one
+    does: the entries made due together get heap times of their own (no ties)."""
+
+    def now(self) -> datetime:
+        self.value += timedelta(microseconds=1)
+        return self.value
+
+
+def test_slots_claimed_ahead_are_the_ones_sent_next(redis_db: redis.Redis,
+                                                    redis_server: RedisServer) -> None:
+    """A burst larger than a batch, with the heap times of a real clock: each batch claims
+    the entries the heap hands out next, so the next batch is claimed once the previous one
+    was sent; not at the first send that was not among those claimed ahead, which claimed
+    most of a large burst in its first ticks and left those claims pending while the rest
+    of the burst went out (past the pending lease, for the other beats to take over)."""
+    clock = CreepingClock(START)
+    schedule = {f"e{i}": {"task": "t.e", "schedule": 60.0, "args": [i]} for i in range(2500)}
+    already_scheduled(redis_server.client(LOCK_DB), schedule)
+    claimed: list[list[str]] = []
+    sent_before: list[int] = []  # slots sent when each batch was claimed
+
+    class Counting(RecordingScheduler):
+        def _claim_many(self, batch: Any) -> None:
+            claimed.append([claim.name for claim, _ in batch])
+            sent_before.append(len(self.sent))
+            super()._claim_many(batch)
+
+    beat = Counting(app=scheduler_app(redis_server, clock, schedule))
+    sent: list[str] = []
+    while beat.tick() <= 0:
+        sent.append(f"e{beat.sent[-1]['args'][0]}")
+    assert sorted(sent) == sorted(schedule)
+    assert [len(batch) for batch in claimed] == [1000, 1000, 500]
+    assert sent_before == [0, 1000, 2000]
+    # Each batch is the next stretch of the sends, in the order they were sent.
+    assert [name for batch in claimed for name in batch] == sent
 
 
 def test_sent_marks_go_out_in_multi_key_calls(redis_db: redis.Redis,

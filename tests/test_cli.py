@@ -108,9 +108,10 @@ def test_locks_shows_holders_and_stats_counts_them(
     table = ok(cli(redis_server, "locks"))
     header, *rows = table.splitlines()
     assert header.split() == ["TASK", "KIND", "HOLDER", "TASK", "ID", "NODE", "PID", "ACQUIRED",
-                              "(UTC)", "TTL", "RENEWED", "KEY"]
+                              "(UTC)", "TTL", "RENEWED", "STALE", "KEY"]
     row_a = next(row for row in rows if "task-a" in row)
     assert row_a.split()[:4] == [HOLD, "run", "task-a", "w9@gone-host"]
+    assert row_a.split()[-2:] == ["-", first.lease.key]  # not stale: no data loss on this server
     assert " ago " in row_a and first.lease.key in row_a
     assert any(claim.id in row and "claim" in row for row in rows)
     assert "3 lock(s) held." in table
@@ -124,6 +125,7 @@ def test_locks_shows_holders_and_stats_counts_them(
     assert a["pid"] == os.getpid() and a["acquired_at"] == first.lease.holder.acquired_at
     assert 0 < a["ttl"] <= HELD_TTL
     assert listed[claim.id]["kind"] == "claim" and listed[claim.id]["task"] == PUBLISH_ONCE
+    assert not any(item["stale"] for item in listed.values())
 
     only = json.loads(ok(cli(redis_server, "locks", "--task", PUBLISH_ONCE, "--json")))
     assert [item["task_id"] for item in only] == [claim.id]

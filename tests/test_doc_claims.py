@@ -470,19 +470,24 @@ def test_guarantees_name_a_test_for_each_statement_or_mark_its_figure_measured()
 
 
 def test_benchmark_ratios_are_stated_with_their_range_and_conditions() -> None:
-    """The beat's 28x was one round at 10,000 due entries (0.89x with one due): a statement
-    of it gives the range. The worker's 1.064x came from a loaded machine, whose worker
+    """The beat's ratio to Celery's own scheduler runs from slower with one due entry to
+    hundreds of times faster with 100,000: a statement of it gives the range (one due entry
+    and 100,000), not the large figure alone (the retired 28x was one round at 10,000, 0.89x
+    with one due). The worker's 1.064x came from a loaded machine, whose worker
     counts are not comparable with a quiet run's: a statement of it says so (celery-once's
     own 1.064x, measured on 2026-12-02, is another figure)."""
     documents = {"README.md": (ROOT / "README.md").read_text(),
                  **{f"docs/{path.name}": path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}}
-    found = {"28x": 0, "1.064x": 0}
+    found = {"beat": 0, "1.064x": 0}
     for where, text in documents.items():
         for block in _blocks(text):
-            if re.search(r"\b28(\.\d+)?x\b", block) and "scheduler" in block.lower():
-                found["28x"] += 1
-                assert "0.89x" in block and "10,000" in block, f"{where}: 28x without its range: {block[:300]}"
+            assert not (re.search(r"\b28(\.\d+)?x\b", block) and "scheduler" in block.lower()), \
+                f"{where}: the retired 28x: {block[:300]}"
+            if re.search(r"\b\d[\d,.]*x\b", block) and "Celery's own scheduler" in block:
+                found["beat"] += 1
+                assert "one due entry" in block and "100,000" in block, \
+                    f"{where}: a beat ratio without its range: {block[:300]}"
             if re.search(r"(?<!celery-once\s)\b1\.064x?\b", block) and "worker" in block:  # ours, not the peer's
                 found["1.064x"] += 1
                 assert "loaded" in block and "1.068x" in block, f"{where}: 1.064x without its conditions: {block[:300]}"
-    assert found["28x"] >= 2, found
+    assert found["beat"] >= 2, found

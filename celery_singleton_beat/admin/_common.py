@@ -392,9 +392,13 @@ def walk(client: RedisClient, match: str, pick: Callable[[str], T | None], comma
 
 def _queue(pipe: Any, keys: Sequence[str], commands: Sequence[str], *, mget: bool = False) -> None:
     """Queue each of ``commands`` on every key; with ``mget``, the GETs as one ``MGET`` (keys
-    of one server only: not on Cluster)."""
+    of one server only: not on Cluster). ``"time"`` is the server's clock, asked once after
+    the commands before it (one server only): each key's row gets it, in Unix ms."""
     for command in commands:
-        if mget and command == "get":
+        if command == "time":
+            if keys:
+                pipe.time()
+        elif mget and command == "get":
             if keys:
                 pipe.mget(list(keys))
         else:
@@ -407,7 +411,16 @@ def _rows(replies: Sequence[Any], count: int, commands: Sequence[str], *, mget: 
     columns: list[Sequence[Any]] = []
     at = 0
     for command in commands:
-        if mget and command == "get":
+        if command == "time":
+            if count:
+                if isinstance(replies[at], Exception):
+                    raise replies[at]
+                seconds, micros = replies[at]
+                columns.append([int(seconds) * 1000 + int(micros) // 1000] * count)
+                at += 1
+            else:
+                columns.append([])
+        elif mget and command == "get":
             if count:
                 if isinstance(replies[at], Exception):
                     raise replies[at]

@@ -13,8 +13,11 @@ from typing import Any, Literal, cast
 
 from celery import Celery
 
+from ..connection.client import is_cluster
 from ..lease.behalf import release_value
 from ..lease.holder import Holder, parse_holder
+from ..lease.stale import unconfirmed
+from ..recovery.window import ServerRecord, recovery_key, server_key
 from ..task.keys import QUEUED_SUFFIX, task_stats_key
 from ._common import AdminError, KeySpace, NotALockKey, Progress, Target, connect, read, walk
 
@@ -65,6 +68,11 @@ class HeldLock:
     value: bytes | str
     #: Seconds left, or None for a lock that never expires (a problem).
     ttl: float | None
+    #: Its holder did not confirm it in the recovery window after the lock Redis may have
+    #: lost data (a restart from a snapshot, a failover), and that window has closed: the
+    #: lock is free to the next acquire of its key, which replaces it (the rule of
+    #: :func:`~celery_singleton_beat.lease.stale.unconfirmed`, on the server's clock).
+    stale: bool = False
 
     @property
     def renewed_ago(self) -> float | None:
@@ -83,7 +91,7 @@ class HeldLock:
         return {
             "task": self.task, "key": self.key, "kind": self.kind, "task_id": h.task_id,
             "node": h.node, "pid": h.pid, "boot": h.boot, "acquired_at": h.acquired_at,
-            "ttl": self.ttl, "renewed_ago": self.renewed_ago,
+            "ttl": self.ttl, "renewed_ago": self.renewed_ago, "stale": self.stale,
         }
 
 
@@ -135,8 +143,11 @@ class HolderReport:
 # --------------------------------------------------------------------------- reading
 
 
-def _held(key: str, task: str, kind: str, value: Any, pttl: Any) -> HeldLock | None:
-    """A :class:`HeldLock` from a GET and a PTTL reply; None if the key is gone or not a string."""
+def _held(key: str, task: str, kind: str, value: Any, pttl: Any, server_ms: int | None = None,
+          since_ms: int = 0) -> HeldLock | None:
+    """A :class:`HeldLock` from a GET and a PTTL reply; None if the key is gone or not a string.
+    ``server_ms``: the server's clock after they were read (None: not asked, never stale);
+    ``since_ms``: when the latest recovery window opened, which has closed (0: none)."""
     if not isinstance(value, (bytes, str)) or not isinstance(pttl, int) or pttl == -2:
         return None
     holder = parse_holder(value)
@@ -145,7 +156,33 @@ def _held(key: str, task: str, kind: str, value: Any, pttl: Any) -> HeldLock | N
         kind = "unknown"
     elif kind == "lock":
         kind = "claim" if holder.claim else "run"
-    return HeldLock(key, task, cast(LockKind, kind), holder, value, None if pttl < 0 else pttl / 1000)
+    stale = server_ms is not None and unconfirmed(holder, pttl, server_ms + pttl, since_ms, False)
+    return HeldLock(key, task, cast(LockKind, kind), holder, value, None if pttl < 0 else pttl / 1000, stale)
+
+
+def _closed_window_since(target: Target) -> int:
+    """When the latest recovery window opened (the server record's ``since_ms``), if one did
+    and it has closed; else 0: no lock is stale. Read once per walk (one round trip).
+
+    A window that closes during the walk leaves its locks shown as held: stale means free
+    to the next acquire now, and the next ``locks`` shows them. Redis Cluster keeps a
+    record per shard, which the rule does not read (such a lock waits for its TTL): 0.
+    """
+    client = target.client
+    if is_cluster(client):
+        return 0
+    pipe = client.pipeline(transaction=False)
+    pipe.get(server_key(target.prefix))
+    pipe.exists(recovery_key(target.prefix))
+    raw, window_open = pipe.execute()
+    record = ServerRecord.decode(raw)
+    return 0 if window_open or record is None else record.since_ms
+
+
+def _lock_commands(since_ms: int) -> tuple[str, ...]:
+    """What is read of each lock: its value and TTL, and the server's clock after them
+    when a closed window can have left stale locks (:func:`_held`)."""
+    return ("get", "pttl", "time") if since_ms else ("get", "pttl")
 
 
 def _walk_locks(target: Target, task: str | None, kinds: Collection[str] | None, node: str | None,
@@ -157,9 +194,10 @@ def _walk_locks(target: Target, task: str | None, kinds: Collection[str] | None,
         return parsed if parsed is not None and (task is None or parsed[0] == task) else None
 
     with target.guard():
-        for found in walk(target.client, space.lock_pattern(task), pick, ("get", "pttl"), progress):
-            for key, (name, kind), (value, pttl) in found:
-                lock = _held(key, name, kind, value, pttl)
+        since_ms = _closed_window_since(target)
+        for found in walk(target.client, space.lock_pattern(task), pick, _lock_commands(since_ms), progress):
+            for key, (name, kind), (value, pttl, *clock) in found:
+                lock = _held(key, name, kind, value, pttl, clock[0] if clock else None, since_ms)
                 if lock is not None and (kinds is None or lock.kind in kinds) and (
                         node is None or lock.holder.node == node):
                     yield lock
@@ -179,8 +217,11 @@ def iter_locks(app: Celery, *, task: str | None = None, kind: LockKind | Collect
     Memory holds the locks' keys, not the other keys. Filters as in :func:`list_locks`.
     ``progress`` (a :data:`Progress`) is called with a :class:`ScanProgress` after each
     SCAN call. A key SCAN lists twice is yielded once; a lock that expires between the
-    SCAN and the read is left out. The call raises :class:`InvalidSettings`; the iteration
-    :class:`RedisUnavailable` or :class:`AdminRedisError`.
+    SCAN and the read is left out. A lock its holder did not confirm after the lock Redis
+    may have lost data, free to the next acquire of its key, is marked
+    :attr:`HeldLock.stale` (the server's record of the recovery window is read once per
+    walk, its clock once per SCAN call's reads). The call raises :class:`InvalidSettings`;
+    the iteration :class:`RedisUnavailable` or :class:`AdminRedisError`.
     """
     target = connect(app)
     return _walk_locks(target, task, _kinds(kind), node, progress)
@@ -213,8 +254,9 @@ def read_lock(app: Celery, key: str) -> HeldLock | None:
         raise NotALockKey(f"{key} is not a task lock under the prefix '{target.prefix}' (expected "
                           f"{target.prefix}:{{<task>:<sha256>}}, optionally followed by {QUEUED_SUFFIX})")
     with target.guard():
-        [(value, pttl)] = read(target.client, [key], "get", "pttl")
-    return _held(key, *parsed, value, pttl)
+        since_ms = _closed_window_since(target)
+        [(value, pttl, *clock)] = read(target.client, [key], *_lock_commands(since_ms))
+    return _held(key, *parsed, value, pttl, clock[0] if clock else None, since_ms)
 
 
 # --------------------------------------------------------------------------- releasing

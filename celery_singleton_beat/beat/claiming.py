@@ -16,6 +16,7 @@ Each method is one round trip to Redis (:class:`~.claims.ClaimStore`):
 
 from __future__ import annotations
 
+import heapq
 import time
 from datetime import datetime
 from typing import Any
@@ -96,24 +97,31 @@ class ClaimRounds:
         return mine, now
 
     def _due_candidates(self, now: datetime, exclude: str, limit: int) -> list[tuple[Claim, Any]]:
-        """Other singleton entries that the heap says are due at ``now``.
+        """Other singleton entries that the heap says are due at ``now``, in the order
+        Celery's ``tick`` will take them off the heap.
 
         Walks only the due part of the heap (children of a node that is not due
-        are not due either), so the cost follows the number of due entries.
+        are not due either), smallest first: the entries claimed ahead are the ones
+        sent next, so a burst larger than a batch claims each batch once, and each
+        claim waits for its send no longer than it must. The cost follows the
+        number of due entries looked at (a heap of the walk's frontier).
         """
         heap = getattr(self, "_heap", None)
-        if not isinstance(heap, list) or limit <= 0:
+        if not isinstance(heap, list) or not heap or limit <= 0:
             return []
         prefix = self.singleton_settings.key_prefix
         now_ts = now.timestamp()
         found: list[tuple[Claim, Any]] = []
-        stack = [0]
-        while stack and len(found) < limit:
-            index = stack.pop()
-            if index >= len(heap) or heap[index][0] > now_ts:
-                continue
-            stack.extend((2 * index + 2, 2 * index + 1))
-            entry = heap[index][2]
+        frontier: list[tuple[Any, int]] = [(heap[0], 0)]  # (heap event, its index): events compare as in the heap
+        size = len(heap)
+        while frontier and len(found) < limit:
+            event, index = heapq.heappop(frontier)
+            if event[0] > now_ts:
+                break  # the smallest left is not due: nothing after it is
+            for child in (2 * index + 1, 2 * index + 2):
+                if child < size:
+                    heapq.heappush(frontier, (heap[child], child))
+            entry = event[2]
             name = entry.name
             if (name == exclude or name in self._prefetched or name in self._reserved
                     or name in self._provisional):  # decided when it is sent
@@ -134,11 +142,13 @@ class ClaimRounds:
 
     def _claim_many(self, batch: list[tuple[Claim, Any]]) -> None:
         """Claim ``batch`` (and mark earlier sends) in one round trip; watch the slots lost
-        to unsent claims; record the outcome."""
+        to unsent claims; record the outcome (in the same round trip on one server)."""
         marks = self.handover.take_marks(time.monotonic())
         at = round(self._now().timestamp(), 3)
+        self.claims.history_size = self.history_size  # a class attribute users may change
         try:
-            self.claims.claim([claim for claim, _ in batch], at, self._mark_swaps(marks))
+            _, recorded = self.claims.claim([claim for claim, _ in batch], at, self._mark_swaps(marks),
+                                            [entry.task for _, entry in batch])
         except redis.RedisError:
             for claim in marks:  # not marked: try again with the next round trip
                 self.handover.sent(claim, time.monotonic())
@@ -150,7 +160,8 @@ class ClaimRounds:
             (won if claim.won else lost).append((claim, entry))
             if not claim.won and claim.holder_state in UNSENT:
                 self.handover.watch(claim, now)
-        self._record(won, lost, [], at)
+        if not recorded:  # the record could not ride along (Cluster, replicas waited for)
+            self._record(won, lost, [], at)
 
     def _record(self, won: list[tuple[Claim, Any]], lost: list[tuple[Claim, Any]],
                 taken: list[tuple[Claim, Any]], at: float) -> None:

@@ -51,6 +51,7 @@ from ..recovery.server import server_of
 from ..task.keys import beat_stats_key
 from ..task.slot_delivery import parse_claim
 from .entries import history_key, stats_key
+from .history import RECORD_SCRIPT, history_record, record_calls
 from .recovery import KeptClaims
 from .slots import Slot
 
@@ -203,6 +204,9 @@ class ClaimStore:
         self.history_size = history_size
         #: False once the server refused ``SET NX GET`` (Redis < 7).
         self.use_set_get = True
+        #: True once a ``SET NX GET`` worked: until then the record does not ride along (a
+        #: refused claim round would have it count every claim of the round as lost).
+        self.set_get_works = False
         #: The claims this beat holds, to write back into a server that lost them.
         self.kept = KeptClaims()
         self._epoch = 0
@@ -219,23 +223,30 @@ class ClaimStore:
 
     # ----------------------------------------------------------------- claiming
 
-    def claim(self, batch: Sequence[Claim], at: float,
-              marks: Sequence[tuple[str, str, str, int]] = ()) -> list[tuple[bool, bytes | None]]:
+    def claim(self, batch: Sequence[Claim], at: float, marks: Sequence[tuple[str, str, str, int]] = (),
+              tasks: Sequence[str] | None = None) -> tuple[list[tuple[bool, bytes | None]], bool]:
         """``SET NX PX`` every claim of ``batch`` as ``pending``; fill in who won.
 
         ``marks`` (swaps of earlier claims to ``sent``) ride in the same round
-        trip when no replica wait is asked for; their outcomes are returned.
+        trip when no replica wait is asked for; their outcomes are returned, with
+        whether the round was recorded too: given ``tasks`` (the task name of each
+        claim's entry), the record (:mod:`.history`) rides along where one server
+        holds every key, once the server's answer to this beat's claims is known
+        (not in its first round). Else the caller records it (:meth:`record`).
         """
         value = claim_value(self.instance_id, at, PENDING)
         server = server_of(self.client)
         epoch = server.epoch
+        record = (None if tasks is None or (self.use_set_get and not self.set_get_works) else
+                  record_calls(self.prefix, self.instance_id, value, at, batch, tasks, self.history_size, self.stats))
         try:
-            replies, marked = self._set(batch, value, marks)
+            replies, marked, recorded = self._set(batch, value, marks, record)
+            self.set_get_works = self.use_set_get
         except redis.ResponseError as exc:
             if not (self.use_set_get and "syntax" in str(exc).lower()):
                 raise
             self.use_set_get = False  # Redis < 7 cannot combine NX and GET
-            replies, marked = self._set(batch, value, marks)
+            replies, marked, recorded = self._set(batch, value, marks, None)
         for claim, reply in zip(batch, replies, strict=True):
             won, holder = reply
             claim.won = won
@@ -249,25 +260,32 @@ class ClaimStore:
                 claim.holder = None if parsed is None else parsed.get("instance")
         self._keep(marks, marked, epoch)
         self._write_back(server)
-        return marked
+        return marked, recorded
 
-    def _set(self, batch: Sequence[Claim], value: str, marks: Sequence[tuple[str, str, str, int]]
-             ) -> tuple[list[tuple[bool, bytes | None]], list[tuple[bool, bytes | None]]]:
+    def _set(self, batch: Sequence[Claim], value: str, marks: Sequence[tuple[str, str, str, int]],
+             record: Sequence[tuple[list[str], list[Any]]] | None = None
+             ) -> tuple[list[tuple[bool, bytes | None]], list[tuple[bool, bytes | None]], bool]:
+        """The claims (then the record's calls, then the marks' swaps) in one round trip;
+        their outcomes, the marks' and whether the record was written."""
         client = self.client
         if self.wait_replicas > 0 or is_cluster(client):  # scripts cannot ride along there
             marked = swap_many(client, marks)
             if self.wait_replicas > 0:
-                return self._set_acknowledged(batch, value), marked
+                return self._set_acknowledged(batch, value), marked, False
             pipe = client.pipeline(transaction=False)
             self._add_sets(pipe, batch, value)
-            return self._outcomes(pipe.execute()), marked
+            return self._outcomes(pipe.execute()), marked, False
         pipe = client.pipeline(transaction=False)
         self._add_sets(pipe, batch, value)
+        record = record or []
         calls = _swap_calls(marks)
-        for keys, args in calls:
-            pipe.evalsha(SWAP_SCRIPT.sha, len(keys), *keys, *args)
+        for script, script_calls in ((RECORD_SCRIPT, record), (SWAP_SCRIPT, calls)):
+            for keys, args in script_calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
         replies = pipe.execute(raise_on_error=False)
-        sets, tail = replies[:len(replies) - len(calls)], replies[len(replies) - len(calls):]
+        sets_end = len(replies) - len(calls) - len(record)
+        tail_start = sets_end + len(record)
+        sets, recorded, tail = replies[:sets_end], replies[sets_end:tail_start], replies[tail_start:]
         for reply in sets:
             if isinstance(reply, Exception):
                 raise reply
@@ -275,7 +293,24 @@ class ClaimStore:
             marked = swap_many(client, marks)  # loads the script on NOSCRIPT, raises the rest
         else:
             marked = [_swapped(item) for reply in tail for item in reply]
-        return self._outcomes(sets), marked
+        return self._outcomes(sets), marked, bool(record) and self._recorded(client, recorded)
+
+    def _recorded(self, client: Any, replies: Sequence[Any]) -> bool:
+        """Whether every :data:`.history.RECORD_SCRIPT` call of a round worked. Not loaded on
+        this server yet (NOSCRIPT): loaded now for the next round, and this round's record
+        is left to the caller; another error: a warning (the record is best effort)."""
+        errors = [reply for reply in replies if isinstance(reply, Exception)]
+        if not errors:
+            return True
+        if len(errors) == len(replies) and any(isinstance(error, NoScriptError) for error in errors):
+            # No call ran: the caller records the round.
+            try:
+                client.script_load(RECORD_SCRIPT.source)
+            except redis.RedisError as exc:
+                logger.debug("beat: could not load the record script: %s", exc)
+            return False
+        logger.warning("beat: could not record a round of claims in the history: %s", errors[0])
+        return True
 
     def _add_sets(self, pipe: Any, batch: Iterable[Claim], value: str) -> None:
         for claim in batch:
@@ -390,11 +425,8 @@ class ClaimStore:
         and in total, kept for the library's stats TTL after their last update.
         """
         sent = [*won, *taken_over][-self.history_size:]
-        records = [
-            _ENCODE({"entry": entry.name, "key": claim.key, "task": entry.task,
-                     "slot": claim.slot.label, "winner": self.instance_id, "at": at})
-            for claim, entry in sent
-        ]
+        records = [history_record(entry.name, claim.key, entry.task, claim.slot.label, self.instance_id, at)
+                   for claim, entry in sent]
         pipe = self.client.pipeline(transaction=False)
         if records:
             pipe.lpush(history_key(self.prefix), *records)
@@ -420,9 +452,6 @@ class ClaimStore:
             for key in stale:
                 pipe.pexpire(key, STATS_TTL_MS)
             pipe.execute()
-
-
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _per_entry(replies: Sequence[Any], *groups: Sequence[Any]) -> list[int]:

@@ -36,7 +36,24 @@ from .holder import Holder, text_of
 from .lease import Lease, replaced_lease
 from .spec import LockSpec
 
-__all__ = ["take_unconfirmed"]
+__all__ = ["take_unconfirmed", "unconfirmed"]
+
+
+def unconfirmed(holder: Holder, pttl_ms: int, expires_ms: int, since_ms: int, window_open: bool) -> bool:
+    """The rule, on what the server said: the lock whose value is ``holder``, with
+    ``pttl_ms`` left and expiring at ``expires_ms`` on the server's clock (never dated
+    earlier than the server holds it: see :func:`.commands.look_request`), was not confirmed by its
+    holder in the recovery window that opened at ``since_ms`` (the server record's, 0: none)
+    and has closed (``window_open`` false): its expiry comes before ``since_ms`` + its TTL,
+    so it was not renewed since that window opened. Such a lock is free to the next acquire
+    (:func:`take_unconfirmed`), and ``celery singleton locks`` shows it as stale.
+
+    Never a queued message's claim (never renewed), a value without its TTL (written
+    before 0.3) or a lock that never expires.
+    """
+    if holder.claim or holder.ttl is None or window_open or not since_ms or pttl_ms < 0:
+        return False
+    return expires_ms < since_ms + round(holder.ttl * 1000)
 
 
 def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, value: str,
@@ -63,8 +80,8 @@ def take_unconfirmed(client: RedisClient, key: str, spec: LockSpec, task_id: str
                                                           recovery_key(server.prefix), info=info))
     record = ServerRecord.decode(look.record)
     since_ms = record.since_ms if record is not None else 0
-    if (look.window or not since_ms or look.current is None or text_of(look.current) != holder.raw
-            or look.pttl < 0 or look.expires_ms >= since_ms + ttl_ms):
+    if (look.current is None or text_of(look.current) != holder.raw
+            or not unconfirmed(holder, look.pttl, look.expires_ms, since_ms, bool(look.window))):
         return None  # a window open now, the lock gone or renewed after the window opened
     raw = text_of(look.current)  # the holder's exact value (checked above)
     lease = replaced_lease(client, key, spec, task_id,
