@@ -16,8 +16,9 @@ each does (:data:`KINDS`):
 
 * ``kill-worker``: SIGKILL of a worker's whole process group (a pod dies);
   restarted after the fault's length.
-* ``kill-worker-main``: SIGKILL of a prefork worker's main process alone; its
-  pool children live on until their run ends; restarted after the length.
+* ``kill-worker-main``: SIGKILL of a prefork worker's main process alone;
+  restarted after the length. (Its pool children do not outlive it: Celery sets
+  their parent-death signal to SIGKILL, so runs in them end mid-way, unacknowledged.)
 * ``kill-child``: SIGKILL of one prefork pool child (the worker replaces it).
 * ``stop-worker``: SIGSTOP of a worker (its group, or its main process alone),
   SIGCONT after the length.

@@ -28,6 +28,7 @@ import redis
 from .cluster import Cluster, Member, Settings
 from .history import ENV_DIR, ENV_ROOT, ENV_WHO, META, Recorder, load, recorder
 from .nemesis import KINDS, Nemesis, applicable_kinds
+from .switches import record_switches
 
 __all__ = ["run"]
 
@@ -96,6 +97,8 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
         rec("phase", name="done")
     finally:
         cluster.close()
+        if cluster.sentinels:
+            record_switches(run_dir)
     return history_dir
 
 
