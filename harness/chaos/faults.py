@@ -144,8 +144,9 @@ class ProcessFaults(_Builder):
             waited = time.monotonic() - sent[0]
             if code is None and waited < bound:
                 return False
-            if code is None:  # hangs: recorded, then killed so that the run goes on
+            if code is None:  # hangs: recorded, its stacks logged, then killed so that the run goes on
                 self.rec("term", name=member.name, pid=member.pid, sent=sent[0], exited=None, bound=bound)
+                member.dump_stacks()
                 member.kill(group=True)
             else:
                 self.rec("term", name=member.name, pid=member.pid, sent=sent[0], exited=time.monotonic(),

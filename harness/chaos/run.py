@@ -151,6 +151,7 @@ def _terminate(member: Member, rec: Recorder, bound: float) -> None:
     rec("term", name=member.name, pid=member.pid, sent=sent, exited=None if code is None else time.monotonic(),
         code=code, bound=bound)
     if code is None:
+        member.dump_stacks()
         member.kill(group=True)
     else:
         rec("proc", name=member.name, action="exit", pid=member.pid, code=code)
