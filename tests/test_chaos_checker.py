@@ -234,6 +234,51 @@ def test_a_retry_received_after_its_publish_began_is_not_lost_in_the_transport(t
     assert kinds(story.judge(tmp_path)) == ["lost"]
 
 
+@pytest.mark.parametrize(("restored_lost", "lost"), [(True, False), (False, True)])
+def test_a_delivery_whose_worker_died_goes_back_to_the_queue_and_can_be_lost_there(
+        tmp_path: Path, restored_lost: bool, lost: bool) -> None:
+    """A worker received the last publish and died (its main process SIGKILLed: the pool
+    goes with it) before any outcome: the message was never acknowledged, and kombu puts it
+    back on the queue once the visibility timeout (12 s) has passed, a publish the history
+    does not show. Another worker SIGKILLed after that can take it off the queue and lose it
+    (reported, the Sentinel chaos run of 2026-12-02: the broker's append-only file shows the
+    restore's RPUSH, then an RPOP with no record as unacknowledged, as the worker died). A
+    worker killed before the message could be back is no such loss (a violation)."""
+    story = baseline().submit("z", "k3", 20.0)
+    story.add("prerun", 20.1, "worker-w1-child", 21, id="z", key="k3")
+    story.add("proc", 20.5, name="w1", action="SIGKILL", group=False, pid=7)
+    story.add("proc", 20.51, name="w1", action="exit", pid=7, code=-9)
+    died = 32.3 if restored_lost else 25.0
+    story.add("proc", died, name="w2", action="SIGKILL", group=True, pid=8)
+    story.add("proc", died + 0.02, name="w2", action="exit", pid=8, code=-9)
+    story.add("broker", 32.6, ids=[], queued=[], unacked=[])
+    story.meta["settings"]["workers"].append({"name": "w2", "pool": "threads", "concurrency": 3})
+    verdict = story.judge(tmp_path)
+    if lost:
+        assert kinds(verdict) == ["lost"]
+    else:
+        assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
+        assert "died unacknowledged" in verdict.reports[0].what
+
+
+def test_a_rerun_after_the_sentinels_switched_primaries_is_reported_not_failed(tmp_path: Path) -> None:
+    """With Sentinel, the primary can move without a fault meant to move it (a restart or a
+    busy script longer than the down-after time): a done marker written on the old primary
+    just before the switch is not on the new one (asynchronous replication, or a former
+    primary elected again), and a copy of the message runs again (reported, the Sentinel
+    chaos run of 2026-12-02: marker written 0.05 s before the switch). The same re-run with
+    the switch before the completion is a violation."""
+    for switch_at, excused in ((14.0, True), (12.5, False)):
+        story = baseline().add("switch", switch_at, "sentinels", 0, sentinel="sentinel0",
+                               old="127.0.0.1:1", new="127.0.0.1:2")
+        story.run("c", "k", 16.0, 16.2, 600, pid=12)
+        verdict = story.judge(tmp_path / str(switch_at))
+        if excused:
+            assert kinds(verdict) == [] and "rerun-after-data-loss" in [r.kind for r in verdict.reports]
+        else:
+            assert kinds(verdict) == ["rerun"]
+
+
 def test_a_run_after_its_task_completed_is_a_rerun(tmp_path: Path) -> None:
     story = baseline().run("c", "k", 16.0, 16.2, 600, pid=12)
     verdict = story.judge(tmp_path)

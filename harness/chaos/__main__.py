@@ -13,6 +13,7 @@ from pathlib import Path
 from .checker import check
 from .history import load
 from .report import ROW_HEADER, kinds_table, render, row, row_of, save, total_row
+from .switches import record_switches
 
 #: Where ``run`` puts its directories unless told otherwise (ignored by git).
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / ".chaos"
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "table":
         rows = []
         for directory in args.directories:
+            record_switches(_history_of(directory).parent)
             verdict = check(load(_history_of(directory)))
             save(verdict, _history_of(directory).parent)
             rows.append(verdict.figures)
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         history_dir = run_cluster(settings, out, args.seconds, nemesis=not args.no_faults)
     else:
         history_dir = _history_of(args.directory)
+        record_switches(history_dir.parent)
     verdict = check(load(history_dir))
     save(verdict, history_dir.parent)
     print(render(verdict, limit=10))

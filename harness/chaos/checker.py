@@ -23,10 +23,16 @@ first check after resuming; a submission the broker lost with its own data).
   seen: a dying process's sockets stay open until it has exited; a crash
   seen; the broker restarted). BRPOP takes a message off the queue before the
   worker records it as unacknowledged, so a reply lost with its connection
-  loses the message.
+  loses the message. A delivery whose worker died before its outcome was never
+  acknowledged: kombu puts the message back on the queue once the visibility
+  timeout has passed since the delivery, a publish the history does not show;
+  the same rule then applies from then on (no worker received it since, a
+  connection died after that).
 * ``rerun``: a run of a task id that had already completed (its body ended, the
   run's outcome SUCCESS or FAILURE, so its done marker was written). Excused
-  (reported): the lock Redis lost data in between, or the done marker's TTL passed.
+  (reported): the lock Redis lost data in between (a fault that loses it, or a
+  switch of primaries the sentinels logged: ``switch`` events, see
+  :mod:`.switches`), or the done marker's TTL passed.
 * ``slot``: a beat slot due during the chaos phase that was never sent, outside
   the windows when every beat was down or the lock Redis gone (see :mod:`.model`).
 * ``hang``: a SIGTERMed process that did not exit within its bound.
@@ -164,6 +170,7 @@ def _lost(history: History, verdict: Verdict) -> None:
     for event in history.of("prerun", "revoked", "start"):
         seen[str(event.get("id"))] = event.m
     published = _last_publish(history)
+    given_back = _given_back(history)
     disruptions = _transport_disruptions(history)
     for sub in fates(history).values():
         if sub.ended:
@@ -183,18 +190,28 @@ def _lost(history: History, verdict: Verdict) -> None:
             found = [where[k] for k in where for e in scans if sub.id in (e.get(k) or [])]
             what += f"; the broker still held it at the end{' ' + found[0] if found else ''}"
         began = published.get(sub.id, sub.at)
+        unreceived = seen.get(sub.id, 0.0) < began
+        since = f"no worker received its last publish (begun at m={began:.3f}; no prerun since)"
+        back = given_back.get(sub.id)
+        if back is not None and back[0] > began:
+            # Its last delivery died unacknowledged: kombu puts it back on the queue, not
+            # before the visibility timeout has passed since that delivery (after the publish).
+            visibility = float(history.meta.get("settings", {}).get("visibility", 12.0))
+            began = max(back[0], began + visibility)
+            unreceived = seen.get(sub.id, 0.0) <= back[1]
+            since = (f"its last delivery (m={back[1]:.3f}) died unacknowledged, kombu gave it back to the queue "
+                     f"(not before m={began:.3f}), and no worker received it since")
         disruption = next((w for w in disruptions if w.end > began), None)
         if any(sub.at < m and seen.get(sub.id, 0.0) < m for m in losses):
             verdict.reports.append(Finding("lost-with-broker", what + "; the broker (the lock Redis) restarted "
                                            "empty after it was published, and no worker saw it since",
                                            sub.at, evidence))
-        elif scans and sub.id not in held and seen.get(sub.id, 0.0) < began and disruption is not None:
+        elif scans and sub.id not in held and unreceived and disruption is not None:
             verdict.reports.append(Finding(
-                "lost-in-transport", what + f"; no worker received its last publish (begun at m={began:.3f}; no "
-                "prerun since), the broker no longer holds it (neither queued nor unacknowledged), and a broker "
-                f"connection died after that publish began ({disruption.why}): kombu's Redis transport takes a "
-                "message off the queue (BRPOP) before it records it as unacknowledged, and a reply lost with its "
-                "connection loses the message", sub.at, evidence))
+                "lost-in-transport", what + f"; {since}, the broker no longer holds it (neither queued nor "
+                f"unacknowledged), and a broker connection died after that ({disruption.why}): kombu's Redis "
+                "transport takes a message off the queue (BRPOP) before it records it as unacknowledged, and a "
+                "reply lost with its connection loses the message", sub.at, evidence))
         else:
             verdict.violations.append(Finding("lost", what, sub.at, evidence))
 
@@ -215,6 +232,31 @@ def _last_publish(history: History) -> dict[str, float]:
                          event.m)
         began[task_id] = max(began.get(task_id, start), start)
     return began
+
+
+def _given_back(history: History) -> dict[str, tuple[float, float]]:
+    """Task id -> (when its worker died, when it received it) for a last delivery that
+    ended without an outcome because its worker died (SIGKILL of its group or its main
+    process, which takes the pool with it; a crash; an exit): never acknowledged, the
+    message goes back to the broker's queue (kombu's visibility timeout)."""
+    workers = {w["name"] for w in history.meta.get("settings", {}).get("workers", [])}
+    open_on: dict[str, dict[str, float]] = {}  # worker -> task id -> when its delivery began
+    back: dict[str, tuple[float, float]] = {}
+    for event in history.of("prerun", "outcome", "revoked", "proc"):
+        if event.ev == "proc":
+            name = event.get("name")
+            if name in workers and event.get("action") in ("SIGKILL", "crash", "exit"):
+                for task_id, received in open_on.pop(str(name), {}).items():
+                    back[task_id] = (event.m, received)
+            continue
+        task_id = str(event.get("id"))
+        for deliveries in open_on.values():
+            deliveries.pop(task_id, None)
+        back.pop(task_id, None)
+        if event.ev == "prerun":
+            worker = event.who.removeprefix("worker-").removesuffix("-child")
+            open_on.setdefault(worker, {})[task_id] = event.m
+    return back
 
 
 def _transport_disruptions(history: History) -> list[Window]:
@@ -247,6 +289,7 @@ def _reruns(history: History, all_runs: list[Run], verdict: Verdict) -> None:
     # The lock Redis's data is lost from the fault's start (a SIGKILL, then an empty start)
     # to its heal: nothing written in between survives, nor anything written before it.
     losses = [(inject.m, healed) for inject, healed in fault_spans(history) if inject.get("kind") in DATA_LOSS]
+    losses += [(switch.m, switch.m) for switch in history.of("switch")]  # the sentinels moved the primary
     done_ttl = 2 * float(history.meta.get("settings", {}).get("visibility", 12.0))
     ended_in = {(r.pid, r.id) for r in all_runs if r.how is not None}
     completed: dict[str, Event] = {}

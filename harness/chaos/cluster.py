@@ -133,6 +133,23 @@ class Member:
         code = self.process.process.wait()
         self.rec("proc", name=self.name, action="exit", pid=self.pid, code=code)
 
+    def dump_stacks(self, bound: float = 3.0) -> None:
+        """Before a hung worker is killed: SIGUSR1 makes Celery's worker log the stack of every
+        thread of its main process (its "cry" handler), which says where it hangs. Waits,
+        at most ``bound`` seconds, until its log stops growing."""
+        if self.kind != "worker" or not self.running:
+            return
+        log = self.process.log
+        before = log.stat().st_size if log.exists() else 0
+        self.send(signal.SIGUSR1)
+        deadline, size = time.monotonic() + bound, before
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = log.stat().st_size if log.exists() else 0
+            if now == size and size > before:
+                return
+            size = now
+
     def children(self) -> list[int]:
         """Pids of the main process's children (a prefork pool)."""
         if not self.running:

@@ -144,8 +144,9 @@ class ProcessFaults(_Builder):
             waited = time.monotonic() - sent[0]
             if code is None and waited < bound:
                 return False
-            if code is None:  # hangs: recorded, then killed so that the run goes on
+            if code is None:  # hangs: recorded, its stacks logged, then killed so that the run goes on
                 self.rec("term", name=member.name, pid=member.pid, sent=sent[0], exited=None, bound=bound)
+                member.dump_stacks()
                 member.kill(group=True)
             else:
                 self.rec("term", name=member.name, pid=member.pid, sent=sent[0], exited=time.monotonic(),
@@ -272,6 +273,28 @@ class RedisFaults(_Builder):
                                                  (max(length, 3.0), settled, "settled")], primary=old)
         return self._until_replicated(fault)
 
+    def _reelect_primary(self, length: float, busy: set[str]) -> Fault | None:
+        """P1 stopped, P2 promoted and used, P2 killed and P1 resumed: the sentinels elect
+        P1 again before making it a replica (see :mod:`.reelect`)."""
+        if LOCK in busy or not self.cluster.sentinels or not all(n.running for n in self.cluster.lock_nodes):
+            return None
+        try:
+            with self.cluster.lock.client(0, timeout=1.0) as client:
+                online = int(client.info("replication").get("connected_slaves", 0))
+        except (redis.RedisError, OSError):
+            return None
+        if online < 1:  # the replica is not following yet: nothing to promote
+            return None
+        from .reelect import Reelection
+
+        hold = round(min(length, 4.0) * self.rng.random(), 2)
+        fault = self._fault("reelect-primary", {LOCK}, [], primary=self.cluster.lock.name, hold=hold)
+        plan = Reelection(self.cluster, self.rec, lambda: fault.number, hold)
+        fault.steps = [(fault_time(at), step, name) for at, step, name in plan.steps()]
+        fault.ready = lambda: not fault.steps or plan.ready(fault.steps[0][2])
+        fault.params.update(primary=plan.p1.name, replica=plan.p2.name)
+        return self._until_replicated(fault)
+
     def _until_replicated(self, fault: Fault) -> Fault:
         """With ``singleton_wait_replicas``, the lock Redis takes no lock until its primary has
         that many replicas again: the fault lasts until then (at most 60 s more), so that
@@ -371,6 +394,11 @@ class RunFaults(_Builder):
                 self.rec("revoke", ids=ids)
 
         return self._burst("revoke", length, busy, dict, after=revoke)
+
+
+def fault_time(at: float) -> float:
+    """A step ``at`` seconds from now, on the clock the nemesis runs steps by."""
+    return time.monotonic() + at
 
 
 def signal_pid(pid: int, signum: int) -> None:

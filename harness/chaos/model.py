@@ -22,7 +22,7 @@ TERMINAL = frozenset({"success", "failure", "skipped", "completed-copy", "revoke
 #: Result-backend states that are ends.
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
 #: Faults after which the lock Redis has lost data (done markers, locks, records).
-DATA_LOSS = frozenset({"restart-lock-empty", "failover"})
+DATA_LOSS = frozenset({"restart-lock-empty", "failover", "reelect-primary"})
 
 
 @dataclass
@@ -175,7 +175,7 @@ def fault_spans(history: History) -> list[tuple[Event, float]]:
 
 #: Faults during which the lock Redis answers no beat (down, paused, busy).
 LOCK_GONE = frozenset({"restart-lock", "restart-lock-empty", "pause-lock", "busy-script", "soft-limit", "revoke",
-                       "failover"})
+                       "failover", "reelect-primary"})
 
 
 def lock_gone_windows(history: History) -> list[Window]:

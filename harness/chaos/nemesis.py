@@ -16,8 +16,9 @@ each does (:data:`KINDS`):
 
 * ``kill-worker``: SIGKILL of a worker's whole process group (a pod dies);
   restarted after the fault's length.
-* ``kill-worker-main``: SIGKILL of a prefork worker's main process alone; its
-  pool children live on until their run ends; restarted after the length.
+* ``kill-worker-main``: SIGKILL of a prefork worker's main process alone;
+  restarted after the length. (Its pool children do not outlive it: Celery sets
+  their parent-death signal to SIGKILL, so runs in them end mid-way, unacknowledged.)
 * ``kill-child``: SIGKILL of one prefork pool child (the worker replaces it).
 * ``stop-worker``: SIGSTOP of a worker (its group, or its main process alone),
   SIGCONT after the length.
@@ -40,6 +41,11 @@ each does (:data:`KINDS`):
 * ``failover``: ``SENTINEL FAILOVER`` (``LOCK=sentinel``): the replica becomes the
   lock Redis's primary. (``restart-lock`` there restarts the current primary: longer
   than a second down, the sentinels promote the replica.)
+* ``reelect-primary`` (``LOCK=sentinel``): the primary P1 SIGSTOPped, its replica P2
+  promoted and used (a run lock taken on it, then the length's share of up to 4 s
+  more), P2 SIGKILLed as P1 gets SIGCONT: the sentinels elect P1 again before they
+  make it a replica, and it serves its own older data; P2 then starts again as P1's
+  replica (:mod:`.reelect`).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ KINDS: dict[str, int] = {
     "kill-worker": 3, "kill-worker-main": 2, "kill-child": 3, "stop-worker": 3, "term-worker": 2,
     "kill-beat": 2, "term-beat": 2, "restart-lock": 2, "restart-lock-empty": 1, "pause-lock": 3,
     "delete-liveness": 2, "busy-script": 2, "proxy-delay": 2, "proxy-cut": 2, "soft-limit": 2, "revoke": 2,
-    "restart-broker": 2, "failover": 2,
+    "restart-broker": 2, "failover": 2, "reelect-primary": 2,
 }
 
 
@@ -81,8 +87,8 @@ def applicable_kinds(cluster: Cluster) -> dict[str, str]:
             "the lock Redis is found through Sentinel: clients connect to the address the sentinels name, "
             "not through a proxy" if cluster.sentinels else "no worker's lock connection goes through the proxy")
     if not cluster.sentinels:
-        out["failover"] = ("the lock Redis is one server (LOCK=sentinel gives a primary, a replica and "
-                           "three sentinels)")
+        out["failover"] = out["reelect-primary"] = (
+            "the lock Redis is one server (LOCK=sentinel gives a primary, a replica and three sentinels)")
     return out
 
 

@@ -28,6 +28,7 @@ import redis
 from .cluster import Cluster, Member, Settings
 from .history import ENV_DIR, ENV_ROOT, ENV_WHO, META, Recorder, load, recorder
 from .nemesis import KINDS, Nemesis, applicable_kinds
+from .switches import record_switches
 
 __all__ = ["run"]
 
@@ -96,6 +97,8 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
         rec("phase", name="done")
     finally:
         cluster.close()
+        if cluster.sentinels:
+            record_switches(run_dir)
     return history_dir
 
 
@@ -148,6 +151,7 @@ def _terminate(member: Member, rec: Recorder, bound: float) -> None:
     rec("term", name=member.name, pid=member.pid, sent=sent, exited=None if code is None else time.monotonic(),
         code=code, bound=bound)
     if code is None:
+        member.dump_stacks()
         member.kill(group=True)
     else:
         rec("proc", name=member.name, action="exit", pid=member.pid, code=code)
