@@ -36,7 +36,6 @@ def waiting_clients(node: redis.Redis) -> list[dict[str, Any]]:
     return [c for c in node.client_list() if "b" in str(c.get("flags", ""))]
 
 
-@pytest.mark.xfail(strict=True, reason="the stop waits for ever on the lock held by the client being built")
 def test_a_beat_stopped_while_its_cluster_client_is_built_exits(redis_server: RedisServer, tmp_path: Path) -> None:
     cluster = prepared_cluster()
     try:
