@@ -38,6 +38,23 @@ return 1
 """
 
 Step = tuple[float, Callable[[], None], str]
+#: Seconds between two looks at the Cluster lock store by a fault waiting for it (each look
+#: asks every node; the nemesis polls its faults every 20 ms).
+POLL = 0.25
+
+
+def every(seconds: float, condition: Callable[[], bool]) -> Callable[[], bool]:
+    """``condition``, asked at most once every ``seconds`` (False in between)."""
+    last = [float("-inf")]
+
+    def ask() -> bool:
+        now = time.monotonic()
+        if now - last[0] < seconds:
+            return False
+        last[0] = now
+        return condition()
+
+    return ask
 
 
 @dataclass
@@ -107,11 +124,12 @@ class _Builder:
         if store is None:
             return fault
         previous = fault.ready
+        healthy = every(POLL, store.healthy)
 
         def settled() -> bool:
             if len(fault.steps) > 1:  # the steps before: their own condition
                 return previous()
-            return store.healthy() or time.monotonic() > fault.steps[0][0] + bound
+            return healthy() or time.monotonic() > fault.steps[0][0] + bound
 
         fault.steps.append((fault.steps[-1][0], lambda: None, "cluster ok"))
         fault.ready = settled

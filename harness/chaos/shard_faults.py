@@ -36,7 +36,7 @@ from redis.crc import key_slot
 
 from ..redis_cluster import SlotMove, slot_list
 from .cluster import Redis
-from .faults import LOCK, Fault, _Builder
+from .faults import LOCK, POLL, Fault, _Builder, every
 from .shards import LockCluster, NodeState
 
 __all__ = ["BOUND", "MAX_ADDED", "ShardFaults"]
@@ -59,8 +59,9 @@ class ShardFaults(_Builder):
         return None if store is None or LOCK in busy else store
 
     def _gated(self, fault: Fault, gates: dict[str, Callable[[], bool]]) -> Fault:
-        """``fault`` goes on to a step named in ``gates`` only once its gate says so (or
-        :data:`BOUND` s after the step before ran)."""
+        """``fault`` goes on to a step named in ``gates`` only once its gate says so (asked at
+        most every :data:`~.faults.POLL` s), or :data:`BOUND` s after the step before ran."""
+        gates = {name: every(POLL, gate) for name, gate in gates.items()}
         since = [time.monotonic()]
         previous = fault.ready
 
