@@ -14,24 +14,33 @@ a failover:
   not yet replaced): redis-py's ``ClusterDownError`` carries the reply without its
   ``CLUSTERDOWN`` word, so it was read as a command the server refuses.
 
+And a run's first use of the lock Redis in a process (a pool child's first run): the
+Cluster client is built then, talking to the cluster, outside the run's fail-closed
+handling, so a node answering ``-BUSY`` (another client's script) failed the run instead
+of making it wait for the lock Redis.
+
 Real Clusters of the tests' own on loopback (3 primaries; with a replica each for the
 failover), the check in process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 from celery import Celery
+from redis.exceptions import RedisClusterException
 
+from celery_singleton_beat import LockUnavailable, SingletonTask
 from celery_singleton_beat.config import clear_settings_cache, get_settings
 from celery_singleton_beat.connection.client import RedisClient, redis_from_url
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.recovery.startup import LockRedisDown, check_lock_redis
 from harness.redis_cluster import cluster_nodes
 
 from .support import wait_for
+from .support.servers import RedisServer
 from .support.topologies import Topology, cluster_shard, start_cluster
 
 
@@ -103,4 +112,40 @@ def test_a_cluster_that_is_down_is_an_outage(app_of: dict[str, Celery]) -> None:
         for server, slot in removed:
             with server.client() as node:
                 node.execute_command("CLUSTER", "ADDSLOTS", slot)
+        cluster.stop()
+
+
+@pytest.mark.xfail(strict=True, raises=(redis.ResponseError, RedisClusterException),
+                   reason="the Cluster client is built outside the run's fail-closed handling")
+def test_a_runs_first_use_of_a_busy_cluster_waits_for_it(
+        busy_script: Callable[[RedisServer], Callable[[], None]]) -> None:
+    """Another client's script runs on every primary (``-BUSY``) when a run is the first use
+    of the lock Redis in its process. An eager run (``task_eager_propagates``) raises
+    ``LockUnavailable`` at once when the lock Redis cannot be asked, as on one server; a
+    worker's run retries. It raised what building the client raised: here, every node
+    answering ``CLUSTER SLOTS`` with ``-BUSY``, redis-py's ``RedisClusterException`` ("Cluster
+    mode is not enabled on this node"); in the chaos run, with one node busy, the
+    ``ResponseError`` of its ``-BUSY`` to ``COMMAND``, which failed 5 worker runs."""
+    cluster = start_cluster(primaries=3)
+    app = Celery("cluster-first-use", broker="memory://", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True, singleton_redis_url=cluster.url)
+    ran: list[int] = []
+
+    @app.task(base=SingletonTask, shared=False)
+    def job(x: int) -> None:
+        ran.append(x)
+
+    try:
+        reset_clients()
+        kills = [busy_script(server) for server in cluster.servers]  # type: ignore[arg-type]  # a node has .client() too
+        try:
+            with pytest.raises(LockUnavailable):
+                job.delay(1)
+        finally:
+            for kill in kills:
+                kill()
+        assert ran == []
+    finally:
+        reset_clients()
+        clear_settings_cache(app)
         cluster.stop()
