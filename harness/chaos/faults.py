@@ -299,9 +299,10 @@ class RedisFaults(_Builder):
 
         def delete() -> None:
             for client in clients.values():
-                keys = list(client.scan_iter(f"{self.cluster.settings.prefix}:live:*"))
-                if keys:
-                    client.delete(*keys)
+                pipe = client.pipeline(transaction=False)
+                for key in client.scan_iter(f"{self.cluster.settings.prefix}:live:*"):
+                    pipe.delete(key)  # one a command: a Cluster node refuses a DEL across hash slots
+                pipe.execute()
             _close(clients)
 
         return self._fault("delete-liveness", {LOCK}, [(0, delete, "DEL live keys")])
