@@ -72,7 +72,6 @@ def test_a_beat_stopped_while_its_cluster_client_is_built_exits(redis_server: Re
         cluster.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="the -MOVED answered to a mark of a sent slot is never followed")
 def test_a_beat_keeps_sending_after_the_shard_of_its_claims_fails_over() -> None:
     cluster = start_cluster(primaries=3, replicas=1)
     beat: RecordingScheduler | None = None
