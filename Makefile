@@ -115,8 +115,10 @@ fuzz: $(STAMP) redis-server
 
 # `make chaos`: the cluster (3 workers, 2 beats, a submitter) under overlapping faults for
 # SECONDS (default 60) seeded by SEED (default 1), the broker on a Redis of its own or on the
-# lock Redis (BROKER=separate|same), the lock Redis one server or a Sentinel group
-# (LOCK=standalone|sentinel, the latter with BROKER=separate); then the checker judges the whole
+# lock Redis (BROKER=separate|same), the lock Redis one server, a Sentinel group or a Redis Cluster
+# of three primaries with a replica each (LOCK=standalone|sentinel|cluster, the last two with
+# BROKER=separate; with cluster the nemesis also adds a node and migrates slots holding locks to
+# it, removes a node, and fails shards over); then the checker judges the whole
 # history and exits 1 on a violation. History, logs and report in .chaos/<time>-<broker>-<lock>-seed<seed>/.
 # `python -m harness.chaos check DIR` judges a saved history again. See benchmarks/results.md.
 SECONDS ?= 60

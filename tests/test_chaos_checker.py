@@ -339,6 +339,27 @@ def test_a_run_lock_left_when_idle_or_a_key_without_ttl_is_a_violation(tmp_path:
     assert kinds(story.judge(tmp_path)) == ["keys"]
 
 
+def test_the_records_of_cluster_shards_keep_no_ttl_by_design(tmp_path: Path) -> None:
+    """On Redis Cluster each shard has its server record, ``<prefix>:server:{<n>}``, kept
+    without a TTL as the single server's (docs/monitoring.md)."""
+    story = baseline()
+    story.add("keys", 32.1, keys=[{"key": "chaos:server:{1234}", "type": "string", "pttl": -1},
+                                  {"key": "chaos:server:{x}", "type": "string", "pttl": -1}])
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == ["keys"] and "chaos:server:{x}" in verdict.violations[0].what
+
+
+def test_counters_are_not_compared_when_the_app_keeps_none(tmp_path: Path) -> None:
+    """``singleton_stats`` off (as on Redis Cluster): nothing is counted, so the counters
+    rule does not apply; the report says so."""
+    story = baseline()
+    for event in story.events:
+        if event["ev"] == "counters":
+            event["counters"] = {"tasks": {}, "beat": {"entries": {}, "total": {}}, "stats": False}
+    verdict = story.judge(tmp_path)
+    assert kinds(verdict) == [] and "counters-off" in {r.kind for r in verdict.reports}
+
+
 @pytest.mark.parametrize("when", ["audit-end", "final"])
 def test_counters_that_disagree_with_the_history_are_a_violation(tmp_path: Path, when: str) -> None:
     story = baseline()

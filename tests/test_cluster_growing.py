@@ -18,15 +18,20 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import TryAgainError
 
 from celery_singleton_beat.connection.client import acl_rules, redis_from_url
 from celery_singleton_beat.lease.lock import AcquireResult
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.recovery.server import LockServer
+from celery_singleton_beat.recovery.window import shard_records
 
+from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots
 from .support.fixtures import prepared_cluster
 from .support.locking import renew, take_lock
 from .support.owners import Owner
@@ -41,6 +46,8 @@ from .support.topologies import (
 )
 
 _tags = itertools.count()
+#: The beat's clock in the tests that run a scheduler in process.
+START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=timezone.utc)
 
 
 def tag() -> str:
@@ -213,3 +220,66 @@ def test_a_slot_moved_off_a_node_then_removed(cluster: Topology, hooked: HookedC
     assert fresh.acquired and task_id_in(on_owner.get(fresh_key)) == "fresh"
     assert kept.release() and fresh.lease is not None and fresh.lease.release()
     assert on_owner.exists(kept_key, fresh_key) == 0
+
+
+# ----------------------------------------------------------------- found by make chaos LOCK=cluster
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="redis-py's pipeline follows -ASK only to a node of its node table")
+def test_a_beat_records_its_claims_while_their_history_moves_to_a_node_being_added(cluster: Topology) -> None:
+    """The beat's history of won claims (``<prefix>:{beat}:history``, one key of its own
+    slot) has migrated to a node being added; the source answers ``-ASK <slot> <new node>``
+    for it. A beat that wins a slot appends to it with a redis-py pipeline, which follows an
+    ``-ASK`` only to a node of its node table: it found none, and the beat's tick raised
+    ``AttributeError: 'NoneType' object has no attribute 'redis_connection'`` (a ``celery
+    beat`` exits on it; in the chaos run, a slot then went unsent when the other beat died
+    before taking the claim over). The slots must be sent and recorded on the new node."""
+    admin = cluster.admin
+    assert isinstance(admin, RedisCluster)
+    history = "singleton:{beat}:history"
+    admin.lpush(history, "earlier")
+    _, node = new_node(cluster)
+    move = SlotMove(admin, history, target=node).start()
+    move.migrate(history)  # the source answers -ASK for it now
+    clock = ManualClock(START)
+    beat = RecordingScheduler(app=beat_app(clock, {"e": {"task": "grow.e", "schedule": 1.0}}, cluster.url))
+    try:
+        run_ticks([beat], clock, 3, 0.5)
+        assert len(sent_slots(beat, task="grow.e")) == 3, "every slot sent"
+        assert move.on_target("LLEN", history) == 4, "the claims recorded where the history is"
+    finally:
+        beat.close()
+        reset_clients()
+
+
+@pytest.mark.xfail(strict=True, raises=(AttributeError, TryAgainError),
+                   reason="the connection's look at the server is refused with TRYAGAIN (and redis-py, "
+                          "when it made the connection, cannot record that error without one)")
+def test_a_connection_made_while_its_nodes_record_slot_migrates(cluster: Topology) -> None:
+    """A node's server record (``<prefix>:server:{<n>}``, in the lowest slot the node
+    serves) and its window key share a slot, which is migrating (``MIGRATING`` on the node,
+    the record not moved yet; no window open, so the window key exists nowhere). A new
+    connection's look at the server runs one script on both keys: the node answers
+    ``-TRYAGAIN`` (a request on keys of a migrating slot of which only some are there), the
+    connection is refused with it, and redis-py, recording the error of a connection it did
+    not get, raised ``AttributeError: 'NoneType' object has no attribute 'host'`` (a worker
+    starting in the chaos run exited on it); a connection the library's own request path
+    made raises the ``TryAgainError`` itself. The request must be answered."""
+    admin = cluster.admin
+    assert isinstance(admin, RedisCluster)
+    t = tag()
+    key = f"singleton:k:{{{t}}}"
+    owner = admin.get_node_from_key(key)
+    with admin.get_redis_connection(owner) as on_owner:
+        records = shard_records("singleton", on_owner.execute_command("CLUSTER", "NODES"))
+    assert records is not None and admin.exists(records[0]), "the owner's record is in place"
+    move = SlotMove(admin, records[0]).start()  # to another primary; the record stays on the source
+    try:
+        client = redis_from_url(cluster.url, redis_connect_func=LockServer("singleton", 3.0).on_connect)
+        try:
+            assert take(client, key, "fresh").acquired, "a lock taken through a new connection to the node"
+        finally:
+            client.close()
+    finally:
+        move.abort()

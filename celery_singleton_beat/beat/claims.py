@@ -41,7 +41,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from ..connection.client import ReplicasNotAcknowledged, group_by_node, is_cluster
+from ..connection.client import ReplicasNotAcknowledged, cluster_moved, group_by_node, is_cluster
 from ..connection.lending import borrow
 from ..connection.wire import LuaScript
 from ..lease.behalf import release_value
@@ -160,7 +160,11 @@ def _evalsha_pipelined(client: Any, script: LuaScript,
     """EVALSHA ``calls`` in one pipeline per server; load the script and redo once on NOSCRIPT.
 
     Redis Cluster clients refuse scripts in their pipelines, so each call goes
-    through a pipeline of the node that holds its key (one key per call).
+    through a pipeline of the node that holds its key (one key per call), as the
+    client's slot map names it. That node's own connection does not follow a
+    ``-MOVED`` (the slot has another owner since: a failover, a resharding): the
+    client's layout is read again before the error is raised, so that the next
+    attempt (the beat retries with back-off) goes to the slot's owner.
     """
     replies: list[Any] = [None] * len(calls)
     for group in group_by_node(client, [keys[0] for keys, _ in calls]):
@@ -184,6 +188,7 @@ def _evalsha_pipelined(client: Any, script: LuaScript,
                 replies[i] = reply
     for reply in replies:
         if isinstance(reply, Exception):
+            cluster_moved(client, reply)
             raise reply
     return replies
 
@@ -352,7 +357,8 @@ class ClaimStore:
                 if int(acknowledged) < self.wait_replicas:
                     raise ReplicasNotAcknowledged(keys[group[0]], int(acknowledged),
                                                   self.wait_replicas, self.wait_timeout)
-        except redis.RedisError:
+        except redis.RedisError as exc:
+            cluster_moved(client, exc)  # a node's own pipeline does not follow -MOVED: the next attempt will
             for key in won:  # an unacknowledged claim must not block the slot: as if never made
                 with contextlib.suppress(redis.RedisError):  # else it expires after its period
                     release_value(client, key, value)

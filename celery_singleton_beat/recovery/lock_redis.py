@@ -41,28 +41,46 @@ _inherited: list[RedisClient] = []
 
 
 def get_redis(app: Celery) -> RedisClient:
-    """The Redis client of ``app`` in this process, created on first use."""
+    """The Redis client of ``app`` in this process, created on first use.
+
+    Built outside the cache's lock: a Redis Cluster client talks to the cluster while it
+    is built (its slot map, its command table), each new connection looked at as it
+    connects (:meth:`.server.LockServer.on_connect`), which lasts as long as the cluster
+    takes to answer. A lock held meanwhile is held by a frame that a signal handler on the
+    same thread can interrupt, and Celery's beat answers SIGTERM by closing its scheduler,
+    building it first when it is not built yet, which asks for this client again: it
+    would wait for that lock for ever. Threads that build the client at the same time each
+    build one; the first stored is the app's, the others are closed.
+    """
     pid = os.getpid()
     cached = _clients.get(app)
     if cached is not None and cached[0] == pid:
         return cached[1]
+    client = _build(app)
     with _lock:
         cached = _clients.get(app)
         if cached is None or cached[0] != pid:
-            settings = get_settings(app)
-            assert settings.redis_url is not None
-            # What this process learns of the server, per connection (see .server): every
-            # connection of the client (locks, claims, liveness, counters) is looked at as it
-            # connects, so a restart or a failover is noticed by whichever use comes first.
-            url = settings.redis_url
-            server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
-                                factory=lambda: redis_from_url(url, **options))
-            options = dict(settings.redis_options)
-            options["redis_connect_func"] = server.on_connect  # on Cluster: each node's connections
-            client = redis_from_url(url, **options)
-            client.csb_server = server  # type: ignore[union-attr]
-            _clients[app] = cached = (pid, client)
+            _clients[app] = (pid, client)
+            return client
+    client.close()
     return cached[1]
+
+
+def _build(app: Celery) -> RedisClient:
+    """A new client of ``app``'s lock Redis, with its :class:`~.server.LockServer`."""
+    settings = get_settings(app)
+    assert settings.redis_url is not None
+    # What this process learns of the server, per connection (see .server): every
+    # connection of the client (locks, claims, liveness, counters) is looked at as it
+    # connects, so a restart or a failover is noticed by whichever use comes first.
+    url = settings.redis_url
+    server = LockServer(settings.key_prefix, settings.liveness_ttl, memory_for(url),
+                        factory=lambda: redis_from_url(url, **options))
+    options = dict(settings.redis_options)
+    options["redis_connect_func"] = server.on_connect  # on Cluster: each node's connections
+    client = redis_from_url(url, **options)
+    client.csb_server = server  # type: ignore[union-attr]
+    return client
 
 
 #: Bumped when cached clients are dropped (:func:`reset_clients`, a fork): references kept elsewhere are stale.

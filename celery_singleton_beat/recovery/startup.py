@@ -10,7 +10,8 @@ reactions:
   beat start anyway and retry, as they do for an outage later on.
 * **a configuration error** (a wrong password or user, an ACL that refuses a
   command or the key prefix, a database index the server does not have, a TLS
-  handshake that fails, a replica, a server older than :data:`MIN_REDIS`):
+  handshake that fails, a replica named as the lock Redis, a server older than
+  :data:`MIN_REDIS`):
   retrying cannot help, and a worker that started anyway would keep every
   singleton run in ``RETRY`` for ever. :class:`LockRedisUnusable` is raised;
   the worker and the beat stop with its one line (:func:`refuse_to_start`).
@@ -34,10 +35,11 @@ from typing import Any, NoReturn
 
 import redis
 from celery.exceptions import ImproperlyConfigured
-from redis.exceptions import RedisClusterException
+from redis.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 
 from ..config import SingletonSettings
-from ..connection.client import RedisClient, is_cluster_outage, primaries
+from ..connection.client import RedisClient, cluster_reread, is_cluster_outage, primaries
 from ..connection.pooled import run_script
 from ..connection.url import sanitize_redis_url
 from ..connection.wire import LuaScript
@@ -160,6 +162,8 @@ def is_outage(exc: BaseException) -> bool:
         return False  # both are ConnectionErrors to redis-py
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return True  # refused, reset, timed out, LOADING, no Sentinel or Cluster node answering
+    if isinstance(exc, (ClusterDownError, TryAgainError)):
+        return True  # CLUSTERDOWN, MASTERDOWN, TRYAGAIN: redis-py strips the word from the message
     if isinstance(exc, redis.ResponseError) and str(exc).startswith(_BUSY_REPLIES):
         return True  # another client's script, a full server, a failover under way: it passes
     if isinstance(exc, RedisClusterException):
@@ -238,8 +242,15 @@ def version_problem(version: str, role: str, name: str | None = None) -> str | N
 # --------------------------------------------------------------------------- the check
 
 
-def _server_info(server: redis.Redis, url: str) -> str:
-    """The name of one primary; raises :class:`LockRedisUnusable` for a replica or an old server."""
+class StaleLayout(redis.ConnectionError):
+    """A node the Cluster client's slot map names as a primary answers as a replica: the
+    map is older than a failover (``CLUSTER SLOTS`` names primaries only). An outage while
+    it lasts, never a configuration error."""
+
+
+def _server_info(server: redis.Redis, url: str, *, cluster: bool = False) -> str:
+    """The name of one primary; raises :class:`LockRedisUnusable` for a replica or an old
+    server (``cluster``: :class:`StaleLayout` for a replica)."""
     try:
         info: dict[str, Any] = server.info("server")
         role = str(server.info("replication").get("role", "?"))
@@ -248,6 +259,8 @@ def _server_info(server: redis.Redis, url: str) -> str:
     except redis.RedisError:  # INFO refused by an ACL: the SET ... GET probe decides instead
         return "Redis (version not readable: INFO refused)"
     name = server_name(info)
+    if cluster and role not in ("master", "?"):
+        raise StaleLayout(f"{name}, a primary in the client's slot map, is a {role} now (a failover)")
     problem = version_problem(str(info.get("redis_version", "?")), role, name)
     if problem:
         raise LockRedisUnusable(url, problem)
@@ -294,7 +307,7 @@ def check_lock_redis(client_of: Callable[[], RedisClient], settings: SingletonSe
     try:
         client = client_of()  # a Cluster client asks its nodes for the slots here
         client.ping()
-        names = tuple(_server_info(server, url) for _, server in primaries(client))
+        names = _primary_names(client, url)
         probe_set_get(client, settings.key_prefix, url)
         probe_lua(client, url)
     except LockRedisUnusable:
@@ -304,6 +317,20 @@ def check_lock_redis(client_of: Callable[[], RedisClient], settings: SingletonSe
             raise LockRedisDown(url, exc) from exc
         raise LockRedisUnusable(url, explain(exc)) from exc
     return ServerInfo(url, settings.topology, names)
+
+
+def _primary_names(client: RedisClient, url: str) -> tuple[str, ...]:
+    """The name of each primary (:func:`_server_info`). On Cluster, a replica among them
+    means the client's slot map is older than a failover: the layout is read again, once,
+    and a replica still named then is :class:`StaleLayout` (an outage: the next check reads
+    it again)."""
+    if not isinstance(client, RedisCluster):
+        return tuple(_server_info(server, url) for _, server in primaries(client))
+    try:
+        return tuple(_server_info(server, url, cluster=True) for _, server in primaries(client))
+    except StaleLayout:
+        cluster_reread(client)
+        return tuple(_server_info(server, url, cluster=True) for _, server in primaries(client))
 
 
 class StartupCheck:

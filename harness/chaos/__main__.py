@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seed", type=int, default=1, help="the nemesis's and submitter's seed (default 1)")
     run.add_argument("--broker", choices=("separate", "same"), default="separate",
                      help="the broker on a Redis of its own, or on the lock Redis (default separate)")
-    run.add_argument("--lock", choices=("standalone", "sentinel"), default="standalone",
-                     help="the lock Redis: one server, or a primary, a replica and 3 sentinels (default standalone)")
+    run.add_argument("--lock", choices=("standalone", "sentinel", "cluster"), default="standalone",
+                     help="the lock Redis: one server, a primary, a replica and 3 sentinels, or a Redis Cluster "
+                          "of 3 primaries with a replica each (default standalone)")
     run.add_argument("--wait-replicas", type=int, default=0,
                      help="singleton_wait_replicas: replicas that must acknowledge each lock (default 0)")
     run.add_argument("--out", type=Path, default=None, help=f"run directory (default: under {DEFAULT_OUT})")

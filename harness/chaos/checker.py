@@ -41,7 +41,13 @@ first check after resuming; a submission the broker lost with its own data).
   document as such.
 * ``counters``: in the audit phase the counters' difference is not exactly the
   history's (acquired = starts, skipped = skips, released = runs ended); over
-  the whole run a counter above what the history allows.
+  the whole run a counter above what the history allows. Not applied (reported)
+  when the app keeps no counters (``singleton_stats`` off, as on Redis Cluster).
+
+Nothing here depends on the lock store: faults are read by kind from the
+history (:mod:`.model`: which kinds take the lock Redis away, which lose its
+data), and the keys read at the end are every key of the lock data, each
+Cluster primary's included.
 """
 
 from __future__ import annotations
@@ -388,8 +394,10 @@ def _hangs(history: History, verdict: Verdict) -> None:
                                               f"within {event.get('bound')}s of SIGTERM", event.m, excerpt([event])))
 
 
-#: Keys the library keeps without a TTL (README, Monitoring; docs/beat.md).
-NO_TTL = (re.compile(r"^[^:]+:server$"), re.compile(r"^[^:]+:\{beat\}:history$"))
+#: Keys the library keeps without a TTL (README, Monitoring; docs/beat.md): the record of
+#: the server serving the data (one per shard on Redis Cluster), the beat's history.
+NO_TTL = (re.compile(r"^[^:]+:server$"), re.compile(r"^[^:]+:server:\{\d+\}$"),
+          re.compile(r"^[^:]+:\{beat\}:history$"))
 
 
 def _keys(history: History, verdict: Verdict) -> None:
@@ -407,6 +415,11 @@ def _keys(history: History, verdict: Verdict) -> None:
 
 def _counters(history: History, all_runs: list[Run], verdict: Verdict) -> None:
     snapshots = {e.get("when"): e for e in history.of("counters")}
+    off = next((e for e in snapshots.values() if (e.get("counters") or {}).get("stats") is False), None)
+    if off is not None:  # nothing counted, nothing to compare
+        verdict.reports.append(Finding("counters-off", "the app keeps no counters (singleton_stats is off, as it "
+                                       "must be on Redis Cluster): the counters rule does not apply", off.m))
+        return
     skips = [e for e in history.of("outcome") if e.get("kind") == "skipped"]
     begin, end = snapshots.get("audit-start"), snapshots.get("audit-end")
     if begin is not None and end is not None:

@@ -26,16 +26,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from ..processes import ChildProcess, group_alive, signal_group
 from ..proxy import DelayProxy
-from ..redis_server import RedisServerProcess, find_redis_server
+from ..redis_server import RedisServerProcess, find_redis_server, free_port
 from ..sentinel import MASTER_NAME, group_ready, master_address, sentinel_args
 from ..waiting import wait_until
 from .history import ENV_DIR, ENV_WHO, Recorder
+
+if TYPE_CHECKING:
+    from .shards import LockCluster
 
 __all__ = ["WORKERS", "Cluster", "Member", "Settings", "WorkerSpec"]
 
@@ -64,8 +67,9 @@ class Settings:
     """What a run is made of (written to the history's ``meta.json``)."""
 
     variant: str = "separate"
-    #: The lock Redis: one server (``standalone``) or a primary, a replica and three
-    #: sentinels (``sentinel``; with a broker of its own only).
+    #: The lock Redis: one server (``standalone``), a primary, a replica and three
+    #: sentinels (``sentinel``), or a Redis Cluster of three primaries with a replica each
+    #: (``cluster``, :mod:`.shards`); the last two with a broker of their own only.
     lock: str = "standalone"
     seed: int = 1
     #: ``singleton_wait_replicas``: replicas that must acknowledge a lock or a slot claim.
@@ -177,10 +181,12 @@ class Redis:
     ``replica_of`` (a primary's port) starts it as a replica. ``with_file``: its
     options are in a configuration file that Sentinel rewrites as it moves the
     roles around, so a restart keeps the role Sentinel gave it last.
+    ``cluster_bus``: a Redis Cluster node, with a bus port of its own (kept across
+    restarts, as its port: the other nodes know both).
     """
 
     def __init__(self, name: str, workdir: Path, rec: Recorder, extra: dict[str, str] | None = None, *,
-                 replica_of: int | None = None, with_file: bool = False) -> None:
+                 replica_of: int | None = None, with_file: bool = False, cluster_bus: bool = False) -> None:
         found = find_redis_server()
         if found is None:
             raise RuntimeError("redis-server not found: apt-get install redis-server (or set REDIS_SERVER)")
@@ -193,9 +199,16 @@ class Redis:
         if replica_of is not None:
             options["replicaof"] = f"127.0.0.1 {replica_of}"
 
+        #: The Cluster bus port (``cluster_bus``): a free one at each first start attempt, then kept.
+        self.bus_port: int | None = None
+
         def args_for(port: int) -> list[str]:
+            if cluster_bus and (self.bus_port is None or self.server.port is None):
+                self.bus_port = free_port()
+            bus = ["--cluster-port", str(self.bus_port)] if cluster_bus else []
             if not with_file:
-                return ["--port", str(port), *(a for k, v in options.items() for a in (f"--{k}", *v.split(" ")))]
+                return ["--port", str(port), *bus,
+                        *(a for k, v in options.items() for a in (f"--{k}", *v.split(" ")))]
             config = workdir / "redis.conf"
             if not config.exists():  # later starts read what Sentinel rewrote
                 workdir.mkdir(parents=True, exist_ok=True)
@@ -257,9 +270,19 @@ class Cluster:
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         busy = {"busy-reply-threshold": "100"}
-        if settings.lock == "sentinel":
-            if settings.variant == "same":
-                raise ValueError("the sentinel lock Redis needs a broker of its own (variant separate)")
+        #: The Redis Cluster lock store (``lock="cluster"``), else None.
+        self.store: LockCluster | None = None
+        if settings.lock in ("sentinel", "cluster") and settings.variant == "same":
+            raise ValueError(f"the {settings.lock} lock store needs a broker of its own (variant separate)")
+        if settings.lock == "cluster":
+            from .shards import LockCluster
+
+            if settings.wait_replicas:
+                raise ValueError("singleton_wait_replicas with the cluster lock store: a node the nemesis adds "
+                                 "has no replica, so its locks could never be acknowledged")
+            self.store = LockCluster(run_dir, rec, busy)
+            self.lock_nodes = self.store.nodes  # the same list: nodes added later are in it
+        elif settings.lock == "sentinel":
             first = Redis("lock-a", run_dir / "lock-a", rec, busy, with_file=True)
             self.lock_nodes = [first]
         else:
@@ -274,7 +297,10 @@ class Cluster:
 
     @property
     def lock(self) -> Redis:
-        """The lock Redis: its current primary, as the sentinels name it (else the first node up)."""
+        """The lock Redis: its current primary, as the sentinels name it (else the first node up);
+        with the Cluster store, a primary serving slots (else its first node)."""
+        if self.store is not None:
+            return next(iter(self.store.primaries()), self.lock_nodes[0])
         if not self.sentinels:
             return self.lock_nodes[0]
         named = self.named_primary()
@@ -300,7 +326,9 @@ class Cluster:
 
     @property
     def lock_url(self) -> str:
-        """The lock Redis's URL as the cluster's processes use it (database 2)."""
+        """The lock Redis's URL as the cluster's processes use it (database 2; 0 on Cluster)."""
+        if self.store is not None:
+            return self.store.url
         if not self.sentinels:
             return self.lock.url(2)
         hosts = ";".join(f"sentinel://127.0.0.1:{s.port}{'/2' if i == 0 else ''}" for i, s in enumerate(self.sentinels))
@@ -325,6 +353,10 @@ class Cluster:
     # ------------------------------------------------------------ start
 
     def start_servers(self) -> None:
+        if self.store is not None:
+            self.store.start()
+            self.broker.start()
+            return
         self.lock.start()
         if self.settings.lock == "sentinel":
             self._start_sentinels()
@@ -417,6 +449,13 @@ class Cluster:
     def client(self, timeout: float = 5.0) -> redis.Redis:
         """A client of the lock database (the controller's own: nemesis, key scans)."""
         return self.lock.client(2, timeout)
+
+    def lock_clients(self, timeout: float = 5.0) -> list[redis.Redis]:
+        """Clients of the lock data, every key in one of them: the lock database, or each
+        primary of the Cluster store."""
+        if self.store is None:
+            return [self.client(timeout)]
+        return [node.client(0, timeout) for node in self.store.primaries()]
 
     def close(self) -> None:
         """Stop everything (SIGKILL) and sweep every process group ever started."""

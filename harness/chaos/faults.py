@@ -38,6 +38,23 @@ return 1
 """
 
 Step = tuple[float, Callable[[], None], str]
+#: Seconds between two looks at the Cluster lock store by a fault waiting for it (each look
+#: asks every node; the nemesis polls its faults every 20 ms).
+POLL = 0.25
+
+
+def every(seconds: float, condition: Callable[[], bool]) -> Callable[[], bool]:
+    """``condition``, asked at most once every ``seconds`` (False in between)."""
+    last = [float("-inf")]
+
+    def ask() -> bool:
+        now = time.monotonic()
+        if now - last[0] < seconds:
+            return False
+        last[0] = now
+        return condition()
+
+    return ask
 
 
 @dataclass
@@ -80,10 +97,50 @@ class _Builder:
         self._threads.append(thread)
         thread.start()
 
-    def _lock_client(self, busy: set[str]) -> redis.Redis | None:
-        """A client of the lock Redis's primary, unless another fault holds the lock Redis."""
-        lock = self.cluster.lock
-        return None if LOCK in busy or not lock.running else lock.client(2, timeout=10)
+    def _lock_clients(self, busy: set[str], *, every: bool = True) -> dict[str, redis.Redis] | None:
+        """Clients of the lock Redis's primary, by node name, unless another fault holds the
+        lock Redis: with the Cluster store, of every primary (``every``) or of one."""
+        if LOCK in busy:
+            return None
+        store = self.cluster.store
+        if store is None:
+            lock = self.cluster.lock
+            return {lock.name: lock.client(2, timeout=10)} if lock.running else None
+        primaries = store.primaries()
+        if not primaries:
+            return None
+        chosen = primaries if every else [self.rng.choice(primaries)]
+        return {node.name: node.client(0, timeout=10) for node in chosen}
+
+    def _shard_failover(self, length: float, busy: set[str], mode: str | None = None) -> Fault | None:
+        raise NotImplementedError  # ShardFaults
+
+    def _until_settled(self, fault: Fault, bound: float = 30.0) -> Fault:
+        """With the Cluster lock store, the fault lasts until the cluster is whole again (every
+        node up and ok, none flagged failing, every replica in sync; at most ``bound`` s after
+        its last step was due): the next fault on the lock store starts from a whole cluster,
+        and what this one excuses covers the time it took."""
+        store = self.cluster.store
+        if store is None:
+            return fault
+        previous = fault.ready
+        healthy = every(POLL, store.healthy)
+
+        def settled() -> bool:
+            if len(fault.steps) > 1:  # the steps before: their own condition
+                return previous()
+            return healthy() or time.monotonic() > fault.steps[0][0] + bound
+
+        fault.steps.append((fault.steps[-1][0], lambda: None, "cluster ok"))
+        fault.ready = settled
+        return fault
+
+    def _lock_server(self) -> Any:
+        """The lock server a restart strikes: the primary (with the Cluster store, one of the
+        primaries, chosen)."""
+        store = self.cluster.store
+        primaries = store.primaries() if store is not None else []
+        return self.rng.choice(primaries) if primaries else self.cluster.lock
 
 
 class ProcessFaults(_Builder):
@@ -197,7 +254,9 @@ class RedisFaults(_Builder):
             began = time.monotonic()
             fault.ready = lambda: (self.cluster.named_primary() not in (server, None)
                                    or time.monotonic() - began > 15.0)
-        return self._until_replicated(fault) if server in self.cluster.lock_nodes else fault
+        if server not in self.cluster.lock_nodes:
+            return fault
+        return self._until_settled(self._until_replicated(fault))
 
     def _start_again(self, server: Any) -> None:
         if server in self.cluster.lock_nodes:
@@ -206,41 +265,54 @@ class RedisFaults(_Builder):
             server.start()
 
     def _restart_lock(self, length: float, busy: set[str]) -> Fault | None:
-        return self._restart("restart-lock", self.cluster.lock, length, busy, wipe=False, target=LOCK)
+        if LOCK in busy:
+            return None
+        return self._restart("restart-lock", self._lock_server(), length, busy, wipe=False, target=LOCK)
 
     def _restart_lock_empty(self, length: float, busy: set[str]) -> Fault | None:
-        return self._restart("restart-lock-empty", self.cluster.lock, length, busy, wipe=True, target=LOCK)
+        if LOCK in busy:
+            return None
+        return self._restart("restart-lock-empty", self._lock_server(), length, busy, wipe=True, target=LOCK)
 
     def _restart_broker(self, length: float, busy: set[str]) -> Fault | None:
         return self._restart("restart-broker", self.cluster.broker, length, busy, wipe=False)
 
     def _pause_lock(self, length: float, busy: set[str]) -> Fault | None:
-        client = self._lock_client(busy)
-        if client is None:
+        # With the Cluster store: every primary, or one (a shard paused).
+        clients = self._lock_clients(busy, every=self.cluster.store is None or self.rng.random() < 0.5)
+        if clients is None:
             return None
         length = round(min(length, 3.0), 2)
         mode = self.rng.choice(["WRITE", "ALL"])
+
+        def pause() -> None:
+            for client in clients.values():
+                client.execute_command("CLIENT", "PAUSE", int(length * 1000), mode)
+
         return self._fault("pause-lock", {LOCK}, [
-            (0, lambda: client.execute_command("CLIENT", "PAUSE", int(length * 1000), mode), f"CLIENT PAUSE {mode}"),
-            (length + 0.05, client.close, "pause over")], mode=mode)
+            (0, pause, f"CLIENT PAUSE {mode}"), (length + 0.05, lambda: _close(clients), "pause over")],
+            mode=mode, servers=sorted(clients))
 
     def _delete_liveness(self, length: float, busy: set[str]) -> Fault | None:
-        client = self._lock_client(busy)
-        if client is None:
+        clients = self._lock_clients(busy)
+        if clients is None:
             return None
 
         def delete() -> None:
-            keys = list(client.scan_iter(f"{self.cluster.settings.prefix}:live:*"))
-            if keys:
-                client.delete(*keys)
-            client.close()
+            for client in clients.values():
+                pipe = client.pipeline(transaction=False)
+                for key in client.scan_iter(f"{self.cluster.settings.prefix}:live:*"):
+                    pipe.delete(key)  # one a command: a Cluster node refuses a DEL across hash slots
+                pipe.execute()
+            _close(clients)
 
         return self._fault("delete-liveness", {LOCK}, [(0, delete, "DEL live keys")])
 
     def _busy_script(self, length: float, busy: set[str]) -> Fault | None:
-        client = self._lock_client(busy)
-        if client is None:
+        clients = self._lock_clients(busy, every=False)
+        if clients is None:
             return None
+        (server, client), = clients.items()
         length = round(min(length, 2.5), 2)
 
         def loop() -> None:
@@ -254,9 +326,12 @@ class RedisFaults(_Builder):
         thread = threading.Thread(target=loop, name="busy-script", daemon=True)
         self._threads.append(thread)
         return self._fault("busy-script", {LOCK}, [
-            (0, thread.start, "EVAL busy loop"), (length + 0.2, lambda: thread.join(15), "script over")])
+            (0, thread.start, "EVAL busy loop"), (length + 0.2, lambda: thread.join(15), "script over")],
+            server=server)
 
     def _failover(self, length: float, busy: set[str]) -> Fault | None:
+        if self.cluster.store is not None:
+            return self._shard_failover(length, busy)
         if LOCK in busy or not self.cluster.sentinels:
             return None
         sentinel = self.rng.choice(self.cluster.sentinels)
@@ -352,8 +427,8 @@ class RunFaults(_Builder):
         Publishing and revoking go through the broker, which another fault may have
         stopped: they run on threads of their own, so the nemesis never waits for them.
         """
-        client = self._lock_client(busy)
-        if client is None:
+        clients = self._lock_clients(busy)
+        if clients is None:
             return None
         from .submitter import length as run_length
         from .submitter import submit
@@ -370,7 +445,8 @@ class RunFaults(_Builder):
                     ids.append(task_id)
 
         def start() -> None:
-            client.execute_command("CLIENT", "PAUSE", int(pause * 1000), "WRITE")
+            for client in clients.values():
+                client.execute_command("CLIENT", "PAUSE", int(pause * 1000), "WRITE")
             self._thread(publish, f"{kind}-publish")
 
         steps: list[tuple[float, Callable[[], None], str]] = [(0, start, f"CLIENT PAUSE WRITE {pause}s + burst")]
@@ -378,7 +454,7 @@ class RunFaults(_Builder):
             act = after
             steps.append((round(self.rng.uniform(0.2, pause * 0.8), 2),
                           lambda: self._thread(lambda: act(list(ids)), f"{kind}-act"), "act"))
-        steps.append((pause + 0.05, client.close, "pause over"))
+        steps.append((pause + 0.05, lambda: _close(clients), "pause over"))
         return self._fault(kind, {LOCK}, steps, pause=pause, burst=len(plan))
 
     def _soft_limit(self, length: float, busy: set[str]) -> Fault | None:
@@ -399,6 +475,11 @@ class RunFaults(_Builder):
 def fault_time(at: float) -> float:
     """A step ``at`` seconds from now, on the clock the nemesis runs steps by."""
     return time.monotonic() + at
+
+
+def _close(clients: dict[str, redis.Redis]) -> None:
+    for client in clients.values():
+        client.close()
 
 
 def signal_pid(pid: int, signum: int) -> None:

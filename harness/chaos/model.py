@@ -21,8 +21,10 @@ __all__ = ["TERMINAL", "Run", "Submission", "Window", "beat_down_windows", "fate
 TERMINAL = frozenset({"success", "failure", "skipped", "completed-copy", "revoked", "ignored"})
 #: Result-backend states that are ends.
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
-#: Faults after which the lock Redis has lost data (done markers, locks, records).
-DATA_LOSS = frozenset({"restart-lock-empty", "failover", "reelect-primary"})
+#: Faults after which the lock Redis has lost data (done markers, locks, records): an
+#: empty restart, a failover (replication is asynchronous; a Cluster shard's primary
+#: killed and failed over too), a former primary elected again with its older data.
+DATA_LOSS = frozenset({"restart-lock-empty", "failover", "kill-primary", "reelect-primary"})
 
 
 @dataclass
@@ -175,7 +177,7 @@ def fault_spans(history: History) -> list[tuple[Event, float]]:
 
 #: Faults during which the lock Redis answers no beat (down, paused, busy).
 LOCK_GONE = frozenset({"restart-lock", "restart-lock-empty", "pause-lock", "busy-script", "soft-limit", "revoke",
-                       "failover", "reelect-primary"})
+                       "failover", "kill-primary", "reelect-primary"})
 
 
 def lock_gone_windows(history: History) -> list[Window]:

@@ -40,12 +40,19 @@ each does (:data:`KINDS`):
   restarted from its append-only file.
 * ``failover``: ``SENTINEL FAILOVER`` (``LOCK=sentinel``): the replica becomes the
   lock Redis's primary. (``restart-lock`` there restarts the current primary: longer
-  than a second down, the sentinels promote the replica.)
+  than a second down, the sentinels promote the replica.) With ``LOCK=cluster``:
+  ``CLUSTER FAILOVER`` or ``CLUSTER FAILOVER TAKEOVER`` sent to a shard's replica.
 * ``reelect-primary`` (``LOCK=sentinel``): the primary P1 SIGSTOPped, its replica P2
   promoted and used (a run lock taken on it, then the length's share of up to 4 s
   more), P2 SIGKILLed as P1 gets SIGCONT: the sentinels elect P1 again before they
   make it a replica, and it serves its own older data; P2 then starts again as P1's
   replica (:mod:`.reelect`).
+* ``add-node`` / ``remove-node`` / ``kill-primary`` (``LOCK=cluster``): a node added and
+  slots holding run locks migrated to it; a node added earlier emptied, forgotten and
+  stopped; a shard's primary SIGKILLed and failed over by the cluster (see
+  :mod:`.shard_faults`). With the Cluster store, ``restart-lock`` and
+  ``restart-lock-empty`` strike one primary, ``busy-script`` runs on one, ``pause-lock``
+  pauses one or every primary, the bursts pause every primary's writes.
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ from collections.abc import Callable
 from .cluster import Cluster
 from .faults import Fault, ProcessFaults, RedisFaults, RunFaults
 from .history import Recorder
+from .shard_faults import ShardFaults
 
-__all__ = ["KINDS", "MAX_ACTIVE", "MEAN_GAP", "Nemesis", "applicable_kinds"]
+__all__ = ["CLUSTER_KINDS", "KINDS", "MAX_ACTIVE", "MEAN_GAP", "Nemesis", "applicable_kinds"]
 
 #: Mean seconds between two injections, and how many faults may run at once.
 MEAN_GAP = 2.0
@@ -72,8 +80,10 @@ KINDS: dict[str, int] = {
     "kill-worker": 3, "kill-worker-main": 2, "kill-child": 3, "stop-worker": 3, "term-worker": 2,
     "kill-beat": 2, "term-beat": 2, "restart-lock": 2, "restart-lock-empty": 1, "pause-lock": 3,
     "delete-liveness": 2, "busy-script": 2, "proxy-delay": 2, "proxy-cut": 2, "soft-limit": 2, "revoke": 2,
-    "restart-broker": 2, "failover": 2, "reelect-primary": 2,
+    "restart-broker": 2, "failover": 2, "reelect-primary": 2, "add-node": 3, "remove-node": 3, "kill-primary": 2,
 }
+#: Kinds only the Cluster lock store has.
+CLUSTER_KINDS = ("add-node", "remove-node", "kill-primary")
 
 
 def applicable_kinds(cluster: Cluster) -> dict[str, str]:
@@ -85,14 +95,21 @@ def applicable_kinds(cluster: Cluster) -> dict[str, str]:
     if cluster.proxy is None:
         out["proxy-delay"] = out["proxy-cut"] = (
             "the lock Redis is found through Sentinel: clients connect to the address the sentinels name, "
-            "not through a proxy" if cluster.sentinels else "no worker's lock connection goes through the proxy")
+            "not through a proxy" if cluster.sentinels else
+            "the lock store is a Redis Cluster: clients connect to the nodes the cluster names, not through "
+            "a proxy" if cluster.store is not None else "no worker's lock connection goes through the proxy")
+    if not cluster.sentinels and cluster.store is None:
+        out["failover"] = ("the lock Redis is one server (LOCK=sentinel gives a primary, a replica and "
+                           "three sentinels; LOCK=cluster three primaries with a replica each)")
     if not cluster.sentinels:
-        out["failover"] = out["reelect-primary"] = (
-            "the lock Redis is one server (LOCK=sentinel gives a primary, a replica and three sentinels)")
+        out["reelect-primary"] = "the lock Redis has no sentinels to elect a former primary again (LOCK=sentinel)"
+    if cluster.store is None:
+        for kind in CLUSTER_KINDS:
+            out[kind] = "the lock Redis is not a Redis Cluster (LOCK=cluster)"
     return out
 
 
-class Nemesis(ProcessFaults, RedisFaults, RunFaults):
+class Nemesis(ProcessFaults, RedisFaults, RunFaults, ShardFaults):
     """Injects faults into ``cluster`` (see the module docstring)."""
 
     def __init__(self, cluster: Cluster, seed: int, rec: Recorder) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,13 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
     rec = recorder()
     assert rec is not None
     cluster = Cluster(settings, run_dir, rec)
+    stop_watch = threading.Event()
     meta: dict[str, Any] = {"settings": _settings(settings), "seconds": seconds, "nemesis": nemesis,
                             "clock": {"t": time.time(), "m": time.monotonic()}}
     try:
         cluster.start_servers()
+        if cluster.store is not None:  # who is what in the Cluster lock store, each time it changes
+            cluster.store.watch(stop_watch)
         cluster.add_members()
         os.environ.update(cluster.env("control"))  # the controller's own app (revokes, audit)
         chaos_app = _fresh_app()
@@ -96,6 +100,7 @@ def run(settings: Settings, run_dir: Path, seconds: float, *, nemesis: bool = Tr
         rec("counters", when="final", counters=_counters(chaos_app))
         rec("phase", name="done")
     finally:
+        stop_watch.set()
         cluster.close()
         if cluster.sentinels:
             record_switches(run_dir)
@@ -212,28 +217,33 @@ def _audit(chaos_app: Any, cluster: Cluster, history_dir: Path, settings: Settin
 
 
 def _counters(chaos_app: Any) -> dict[str, Any]:
+    """The counters as the admin API reads them, and whether the app keeps them
+    (``singleton_stats``: off on Redis Cluster)."""
     from celery_singleton_beat import admin
 
     try:
-        return admin.read_counters(chaos_app.app).as_json()
+        counters = admin.read_counters(chaos_app.app)
     except admin.AdminError as exc:
         return {"error": str(exc)}
+    return {**counters.as_json(), "stats": counters.stats_enabled}
 
 
 def _lock_keys(cluster: Cluster) -> list[dict[str, Any]]:
-    """Every key of the lock database: name, type, remaining TTL (ms; -1: none)."""
-    client = cluster.client()
-    try:
-        keys = sorted(client.scan_iter(count=1000))
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.type(key)
-            pipe.pttl(key)
-        replies = pipe.execute()
-        return [{"key": key.decode(), "type": replies[2 * i].decode(), "pttl": replies[2 * i + 1]}
-                for i, key in enumerate(keys)]
-    finally:
-        client.close()
+    """Every key of the lock database (of each Cluster primary): name, type, remaining TTL (ms; -1: none)."""
+    out = []
+    for client in cluster.lock_clients():
+        try:
+            keys = sorted(client.scan_iter(count=1000))
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.type(key)
+                pipe.pttl(key)
+            replies = pipe.execute()
+            out += [{"key": key.decode(), "type": replies[2 * i].decode(), "pttl": replies[2 * i + 1]}
+                    for i, key in enumerate(keys)]
+        finally:
+            client.close()
+    return sorted(out, key=lambda k: str(k["key"]))
 
 
 def _in_broker(cluster: Cluster) -> dict[str, list[str]]:

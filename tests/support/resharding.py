@@ -2,7 +2,8 @@
 
 :class:`SlotMove` takes the slot of a key from the primary that serves it (the
 source) to another primary (the target), one step at a time, so that a test can
-act between the steps:
+act between the steps. The steps are :class:`harness.redis_cluster.SlotMove`'s (the
+chaos run moves slots with them too); this one finds the nodes with a cluster client:
 
 1. :meth:`~SlotMove.start`: ``CLUSTER SETSLOT <slot> IMPORTING`` on the target,
    ``MIGRATING`` on the source. The source still serves the keys it has, and
@@ -10,18 +11,21 @@ act between the steps:
    serves a key of the slot only to a client that sent ``ASKING`` just before.
 2. :meth:`~SlotMove.migrate`: ``MIGRATE`` some keys (atomically, each) to the target.
 3. :meth:`~SlotMove.finish`: every key left, then ``CLUSTER SETSLOT <slot> NODE
-   <target>`` on every primary: the source answers ``-MOVED`` from then on.
+   <target>`` on the target, the source and every other primary: the source answers
+   ``-MOVED`` from then on.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
+
+from harness.redis_cluster import SlotMove as HandSlotMove
 
 __all__ = ["SlotMove", "monitored"]
 
@@ -50,60 +54,33 @@ def monitored(node: redis.Redis) -> Iterator[list[dict[str, Any]]]:
         watcher.join(10)
 
 
-class SlotMove:
+class SlotMove(HandSlotMove):
     """The slot of ``key`` moving from its primary to another (see the module docstring):
     ``target``, e.g. a node being added that ``admin``'s slot map does not list, or else
-    another primary."""
+    another primary. The steps are :class:`harness.redis_cluster.SlotMove`'s."""
 
     def __init__(self, admin: RedisCluster, key: str, target: ClusterNode | None = None) -> None:
         self.admin = admin
-        self.slot = admin.keyslot(key)
         source = admin.get_node_from_key(key)
         if target is None:
             target = next(node for node in admin.get_primaries() if node.name != source.name)
         self.source_node, self.target_node = source, target
-        self.source: redis.Redis = admin.get_redis_connection(source)
-        self.target: redis.Redis = admin.get_redis_connection(target)
-        self.source_id = self.source.execute_command("CLUSTER", "MYID").decode()
-        self.target_id = self.target.execute_command("CLUSTER", "MYID").decode()
+        super().__init__(admin.keyslot(key), admin.get_redis_connection(source), admin.get_redis_connection(target),
+                         (target.host, target.port))
 
     def start(self) -> SlotMove:
-        self.target.execute_command("CLUSTER", "SETSLOT", self.slot, "IMPORTING", self.source_id)
-        self.source.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.target_id)
+        super().start()
         return self
 
-    def on_target(self, *command: Any) -> Any:
-        """A command run on the target for keys of the slot (behind ``ASKING``: it is importing)."""
-        pipe = self.target.pipeline(transaction=False)
-        pipe.execute_command("ASKING")
-        pipe.execute_command(*command)
-        return pipe.execute()[1]
-
-    def keys_on(self, node: redis.Redis) -> list[str]:
-        """The keys of the slot a node holds (at most 1000)."""
-        return [k.decode() for k in node.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 1000)]
-
-    def migrate(self, *keys: str) -> None:
+    def migrate(self, *keys: str, timeout_ms: int = 5000) -> Any:
         """``MIGRATE`` these keys (each must be of the slot and on the source) to the target."""
-        if keys:
-            reply = self.source.execute_command("MIGRATE", self.target_node.host, self.target_node.port, "", 0,
-                                                5000, "KEYS", *keys)
-            assert reply in (b"OK", "OK", True), reply
+        reply = super().migrate(*keys, timeout_ms=timeout_ms)
+        assert reply in (None, b"OK", "OK", True), reply
+        return reply
 
-    def finish(self) -> None:
-        """Migrate what is left and give the slot to the target on every primary."""
-        self.migrate(*self.keys_on(self.source))
-        primaries = self.admin.get_primaries()
-        if all(node.name != self.target_node.name for node in primaries):  # a node being added: the target first
-            self.target.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", self.target_id)
-        for node in primaries:
-            self.admin.get_redis_connection(node).execute_command("CLUSTER", "SETSLOT", self.slot, "NODE",
-                                                                  self.target_id)
-
-    def abort(self) -> None:
-        """Leave the slot where it is now owned (``STABLE`` on both sides): tests' clean-up."""
-        for node in (self.source, self.target):
-            node.execute_command("CLUSTER", "SETSLOT", self.slot, "STABLE")
-
-    def state(self) -> dict[str, Any]:
-        return {"slot": self.slot, "source": self.keys_on(self.source), "target": self.keys_on(self.target)}
+    def finish(self, others: Sequence[redis.Redis] = ()) -> None:
+        """Migrate what is left and give the slot to the target on every primary (a node
+        being added, not among them yet, first)."""
+        ends = {self.source_node.name, self.target_node.name}
+        super().finish([self.admin.get_redis_connection(node) for node in self.admin.get_primaries()
+                        if node.name not in ends])

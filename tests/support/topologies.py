@@ -31,6 +31,7 @@ from redis.sentinel import Sentinel
 
 from celery_singleton_beat.connection.client import RedisClient
 from celery_singleton_beat.recovery.window import mark_in_use
+from harness.redis_cluster import cluster_nodes
 from harness.redis_server import RedisServerProcess, free_port, probe_options
 from harness.sentinel import MASTER_NAME, group_ready, master_address, sentinel_args
 
@@ -275,24 +276,9 @@ def cluster_shard(topology: Topology, slot: int) -> tuple[ServerProcess, list[Se
     """The primary serving ``slot`` in a cluster topology, and its replicas (as ``CLUSTER NODES`` says)."""
     by_port = {s.port: s for s in topology.servers}
     with topology.servers[0].client() as client:
-        nodes = client.execute_command("CLUSTER", "NODES")
-    lines = [line.split() for line in (nodes.decode() if isinstance(nodes, bytes) else nodes).splitlines()]
-
-    def port_of(fields: list[str]) -> int:
-        return int(fields[1].split("@")[0].rsplit(":", 1)[1])
-
-    def serves(fields: list[str]) -> bool:
-        for item in fields[8:]:
-            if item.startswith("["):
-                continue
-            low, _, high = item.partition("-")
-            if int(low) <= slot <= int(high or low):
-                return True
-        return False
-
-    primary = next(f for f in lines if "master" in f[2].split(",") and serves(f))
-    replicas = [by_port[port_of(f)] for f in lines if f[3] == primary[0]]
-    return by_port[port_of(primary)], replicas
+        lines = cluster_nodes(client)
+    primary = next(n for n in lines if n.is_primary and n.serves(slot))
+    return by_port[primary.port], [by_port[n.port] for n in lines if n.primary_id == primary.id]
 
 
 # -------------------------------------------------------------------- Sentinel
