@@ -17,17 +17,20 @@ hand; a stalled send moves the clock, as the reconnection loop did.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from celery.result import AsyncResult
+from celery.schedules import crontab
 
 from .support import LOCK_DB, RedisServer
 from .support.beat import (
     BeatMonotonic,
     ManualClock,
     RecordingScheduler,
+    RecordingSingletonScheduler,
     already_scheduled,
     beat_app,
     run_ticks,
@@ -42,10 +45,11 @@ EVERY_2S = {"e": {"task": "t.e", "schedule": 2.0}}
 STALL = 2.5
 
 
-class SendsSlowlyOnce(RecordingScheduler):
+class SlowFirstSend:
     """Its first send takes :attr:`stall` seconds of the manual clock (a publish that waits
     for the broker to come back), then returns as a publish that went through."""
 
+    app: Any
     stalled = False
     stall: float = STALL
     #: The beat package's monotonic clock, when a test moves it by hand too.
@@ -57,7 +61,15 @@ class SendsSlowlyOnce(RecordingScheduler):
             self.app.clock.advance(self.stall)
             if self.monotonic is not None:
                 self.monotonic.advance(self.stall)
-        return super().send_task(name, args, kwargs, **options)
+        return super().send_task(name, args, kwargs, **options)  # type: ignore[misc]
+
+
+class SendsSlowlyOnce(SlowFirstSend, RecordingScheduler):
+    """The mixin on Celery's in-memory scheduler, its first send slow."""
+
+
+class SendsSlowlyOnceFromFile(SlowFirstSend, RecordingSingletonScheduler):
+    """``SingletonScheduler`` (shelve-backed), its first send slow."""
 
 
 def test_a_send_that_outlasts_the_period_loses_no_slot(redis_db: redis.Redis, redis_server: RedisServer) -> None:
@@ -109,4 +121,23 @@ def test_a_send_stalled_over_several_periods_sends_the_latest_slot_not_a_backlog
     first = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
     expected = [*labels(first, 1, timedelta(seconds=2)), *labels(first + timedelta(seconds=4), 3, timedelta(seconds=2))]
     assert sorted(sent)[:4] == expected, f"the latest slot only, then on time: {sorted(sent)}"
+    assert set(sent.values()) == {1}, f"each slot sent once: {sent}"
+
+
+def test_a_crontab_send_that_outlasts_the_minute_loses_no_slot(
+        redis_db: redis.Redis, redis_server: RedisServer, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The same for a crontab entry, on the shelve-backed scheduler: the 12:00 slot's send
+    takes 70 s; 12:01 goes out right after it, then every minute on time."""
+    every_minute = {"report": {"task": "t.report", "schedule": crontab(minute="*")}}
+    already_scheduled(redis_server.client(LOCK_DB), every_minute)
+    clock = ManualClock(START)
+    beat = SendsSlowlyOnceFromFile(app=beat_app(clock, every_minute, redis_server.url(LOCK_DB)),
+                                   schedule_filename=str(tmp_path / "schedule"))
+    request.addfinalizer(beat.close)
+    beat.stall = 70.0
+    run_ticks([beat], clock, 190, 0.5)
+    assert beat.stalled, "the slow send happened"
+    sent = sent_slots(beat)
+    first = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+    assert sorted(sent)[:4] == labels(first, 4, timedelta(minutes=1)), f"no slot lost: {sorted(sent)}"
     assert set(sent.values()) == {1}, f"each slot sent once: {sent}"
