@@ -140,6 +140,9 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         self._sending: tuple[Claim, float] | None = None
         # Entries to move down the heap at the end of this tick: name -> seconds from now.
         self._reheap: dict[str, float] = {}
+        # Set by reserve within a tick: the entry Celery pushes back on the heap after
+        # its send, and the heap time of its next slot (see _when).
+        self._next_look: tuple[Any, float] | None = None
         # True while consecutive ticks send due entries (a burst), see schedules_equal.
         self._in_burst = False
         self._burst_compared = False
@@ -290,6 +293,7 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             raise SystemExit()
 
     def _tick(self, *args: Any, **kwargs: Any) -> float:
+        self._next_look = None  # set by a reserve within this tick only
         if self._server_check.pending:
             self._check_server_again()
         if not self.breaker.is_open():

@@ -49,6 +49,7 @@ class SlotSending(ClaimRounds, _SchedulerBase):
     _provisional: dict[str, Any]
     _unknown: dict[str, datetime]
     _since: dict[str, datetime]
+    _next_look: tuple[Any, float] | None
 
     def settle(self) -> None:
         raise NotImplementedError  # SlotAnchoring
@@ -68,7 +69,30 @@ class SlotSending(ClaimRounds, _SchedulerBase):
             self._handled[entry.name] = reserved.slot.at
         if entry.name in self._handled:
             new_entry.last_run_at = self._handled[entry.name]
+        if reserved.slot is not None and reserved.slot.next is not None:
+            # Where the entry goes back in the heap after this send: the slot after
+            # the reserved one, not "when the send ended + the delay is_due gave
+            # before it" (see _when).
+            self._next_look = (new_entry, reserved.slot.next.timestamp())
         return new_entry
+
+    def _when(self, entry: Any, next_time_to_run: Any, *args: Any, **kwargs: Any) -> float:
+        """Heap time of ``entry``: for the entry just sent, no later than its next slot.
+
+        After a send, Celery's ``tick`` puts the entry back in the heap at *the time
+        after the send* plus the delay ``is_due`` gave *before* it. A send that took
+        longer than the time left to the next slot (a publish waiting for the broker
+        to come back) would then look again only after that slot had passed, and
+        the slot would be lost. The slot after the one reserved comes from the
+        schedule: once it is past, the entry is due at once, and its latest slot is
+        claimed and sent, late.
+        """
+        when = float(super()._when(entry, next_time_to_run, *args, **kwargs))
+        pending = self._next_look
+        if pending is not None and pending[0] is entry:
+            self._next_look = None
+            when = min(when, pending[1])
+        return when
 
     def _choose_slot(self, entry: Any, previous: datetime | None) -> Reservation:
         prefetched = self._prefetched.get(entry.name)
