@@ -20,7 +20,9 @@ Breaks found, each fixed since (each test failed before its fix):
   refusal inside a script on Redis 7.0 ("ERR The user executing the script can't run this
   command or subcommand") was not recognised as one: the acquire raised ``ResponseError``
   instead of taking the dead worker's lock. Both fixed: a downgrade lasts for the process
-  (``LockServer``), and that text counts as a refusal.
+  (``LockServer``), and that text counts as a refusal. On a Redis Cluster
+  (``test_an_acl_user_without_pexpiretime_on_a_cluster_warns_once``) the first connection
+  to each further node granted them again: one more refusal and warning per node.
 * 2. ``test_a_take_over_built_for_redis_7_that_reaches_a_redis_6_2``: the server behind the
   address replaced by an older one between the look and the ``TAKE_OVER`` (a roll-back, a
   failover to an older replica): the request is built from what the last connection
@@ -67,6 +69,8 @@ take-over, never a wrong one); no deterministic way to pause Redis inside a scri
 from __future__ import annotations
 
 import logging
+import re
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +78,7 @@ import pytest
 import redis
 
 from benchmarks.servers import available_servers
-from celery_singleton_beat.connection.client import acl_rules
+from celery_singleton_beat.connection.client import acl_rules, redis_from_url
 from celery_singleton_beat.lease import takeover as takeover_module
 from celery_singleton_beat.lease.commands import look_request, take_over_request
 from celery_singleton_beat.lease.executor import execute
@@ -84,7 +88,8 @@ from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
-from .support import RedisServer, register, wait_for
+from .support import RedisServer, redis_server_binary, register, wait_for
+from .support.topologies import ACL_PASSWORD, ACL_USER, set_acl_user, start_cluster
 
 KEY = "singleton:{adv-look:k}"
 REFUSED = "refused a native command"
@@ -194,6 +199,44 @@ def test_an_acl_user_without_pexpiretime_frees_an_unconfirmed_lock(caplog: pytes
     has_pexpiretime = tuple(int(part) for part in str(version).split(".")[:2]) >= (7, 0)
     assert len(refused(caplog)) == (1 if has_pexpiretime else 0), refused(caplog)
     client.close()
+
+
+def test_an_acl_user_without_pexpiretime_on_a_cluster_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis Cluster of three primaries, the same user on each node: a dead worker's lock
+    on each node is taken over (the look runs on the pooled path, on that node's
+    connections, each checked as it connects); the refusal is logged once for the client,
+    not once per node."""
+    caplog.set_level(logging.WARNING, logger="celery_singleton_beat")
+    version = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True, check=True).stdout
+    if re.search(r"v=6\.", version):
+        pytest.skip("the test Cluster's nodes are configured with cluster-port (Redis 7.0+)")
+    topology = start_cluster()
+    try:
+        rules = [rule for rule in acl_rules(cluster=True) if rule != "+pexpiretime"]
+        for node in topology.servers:
+            with node.client() as direct:
+                set_acl_user(direct, rules)
+        server = LockServer("singleton", 1.5)
+        nodes = topology.url.split("://", 1)[1]
+        client = redis_from_url(f"redis+cluster://{ACL_USER}:{ACL_PASSWORD}@{nodes}",
+                                redis_connect_func=server.on_connect)
+        client.csb_server = server  # type: ignore[union-attr]
+        admin = topology.admin
+        mark_in_use(admin)
+        keys: dict[str, str] = {}  # node -> a key it serves
+        for n in range(200):
+            key = f"singleton:{{adv-look:c{n}}}"
+            keys.setdefault(admin.get_node_from_key(key).name, key)
+        assert len(keys) == 3, f"scenario not reached: a key on each primary {keys}"
+        for n, key in enumerate(keys.values()):
+            write_dead_lock(admin, key, f"dead-{n}")
+            result = acquire(client, key, ACQUIRER, f"run-{n}")
+            assert result.lease is not None, f"{key}: the dead worker's lock was not taken over"
+            assert admin.get(key) == result.lease.value.encode()
+        assert len(refused(caplog)) == 1, refused(caplog)  # Redis 7.0+ and Valkey have PEXPIRETIME
+        client.close()
+    finally:
+        topology.close()
 
 
 # -------------------------------------------------------------------- 2. a 7.0 request reaching 6.2
