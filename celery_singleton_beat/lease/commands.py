@@ -106,8 +106,12 @@ def _refusal(reply: Any) -> NativeRefused | None:
         return None
     text = str(reply)
     lowered = text.lower()
-    if ("unknown command" in lowered or "syntax error" in lowered or "unknown subcommand" in lowered
-            or lowered.startswith("noperm") or "no permissions" in lowered):
+    # A command the server lacks: "unknown command" ("Unknown Redis command called from Lua
+    # script" inside a script on Redis 6.2). An ACL's refusal: NOPERM; inside a script, "no
+    # permissions" (Redis 7.2+, Valkey) or "can't run this command" (Redis 7.0).
+    if ("unknown command" in lowered or "unknown redis command" in lowered or "syntax error" in lowered
+            or "unknown subcommand" in lowered or lowered.startswith("noperm") or "no permissions" in lowered
+            or "can't run this command" in lowered):
         return NativeRefused(text)
     if _out_of_memory(reply):
         return NativeRefused(text, lasting=False)

@@ -92,8 +92,10 @@ return {1, now[1], now[2]}
 # since the previous one). Where PEXPIRETIME is missing (Redis 6.2) the expiry is the
 # clock read after PTTL, which can come out later than stored by the time between the
 # two reads, hence 50 ms of slack there; the expiry is never compared with a clock
-# read at another moment. The caller checked just before that the holder's liveness
-# key is still gone (it lives in another hash slot). Same replies as ADOPT.
+# read at another moment. A key without expiry (made persistent since the look) is not
+# replaced: it never is the take-over's (see ``missed_renewals``). The caller checked
+# just before that the holder's liveness key is still gone (it lives in another hash
+# slot). Same replies as ADOPT.
 TAKE_OVER = LuaScript("""
 local current = redis.call('GET', KEYS[1])
 local expires, slack
@@ -103,9 +105,12 @@ else
   local pttl = redis.call('PTTL', KEYS[1])
   local t = redis.call('TIME')
   expires, slack = t[1] * 1000 + math.floor(t[2] / 1000) + pttl, 50
+  if pttl < 0 then expires = pttl end
 end
 local now = redis.call('TIME')
-if current ~= ARGV[1] or expires > tonumber(ARGV[2]) + slack then return {0, now[1], now[2], current} end
+if current ~= ARGV[1] or expires < 0 or expires > tonumber(ARGV[2]) + slack then
+  return {0, now[1], now[2], current}
+end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 return {1, now[1], now[2]}
 """)

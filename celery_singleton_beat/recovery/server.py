@@ -191,6 +191,9 @@ class LockServer:
         self.window = liveness_ttl / 3 + WINDOW_SLACK
         #: What the last connection learnt (``None`` before the first one).
         self.info: ServerInfo | None = None
+        #: A native command was refused here once (an ACL short of it): every connection's
+        #: ``info`` is the portable one from then (see :meth:`downgrade`).
+        self._refused = False
         self._lock = threading.Lock()
         #: This thread's last wait for a window (see :meth:`resumed`).
         self._paused = threading.local()
@@ -264,6 +267,8 @@ class LockServer:
                                "put theirs back",
                                info.describe(), opened.reason, opened.left())
         with self._lock:
+            if self._refused and info.known:
+                info = _portable(info)
             self.info = info
         if lost:
             for listener in _data_lost_listeners:
@@ -307,10 +312,17 @@ class LockServer:
         return copy
 
     def downgrade(self) -> None:
-        """A native command was refused: use the portable commands from now on."""
+        """A native command was refused: use the portable commands from now on, on this
+        connection and every later one (a new connection's check does not grant them again:
+        an ACL short of them would refuse, and warn, once per connection)."""
         with self._lock:
-            self.info = UNKNOWN if self.info is None else replace(
-                self.info, flavour="redis", version=min(self.info.redis_version, (8, 0, 0)), natives=False)
+            self._refused = True
+            self.info = UNKNOWN if self.info is None else _portable(self.info)
+
+
+def _portable(info: ServerInfo) -> ServerInfo:
+    """``info`` without its native lock commands (a refused one: see :meth:`LockServer.downgrade`)."""
+    return replace(info, flavour="redis", version=min(info.redis_version, (8, 0, 0)), natives=False)
 
 
 #: What requests are built for before a connection told what the server is: the

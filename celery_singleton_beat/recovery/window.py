@@ -292,7 +292,11 @@ def notice(connection: Any, records: tuple[str, str], run_id: str, *, promoted: 
                             known.generation if known else 0, round(brought * 1000), missing, other, older)
     finding, generation, need_ms, left_ms, why, since_ms = connection.read_response()
     record = ServerRecord(run_id, int(generation), int(need_ms) / 1000, int(since_ms))
-    return Notice(Finding(_text(finding)), max(0, int(left_ms)) / 1000, _text(why) or "", record)
+    # The window's key lives through the millisecond its PTTL ends in (Redis drops a key
+    # once its clock is past the expiry, read in whole ms): this process's window ends a
+    # millisecond later, so that a look once it has closed never finds the key still there.
+    left = (int(left_ms) + 1) / 1000 if int(left_ms) >= 0 else 0.0
+    return Notice(Finding(_text(finding)), left, _text(why) or "", record)
 
 
 class ServerMemory:
