@@ -31,12 +31,11 @@ from redis.crc import key_slot
 
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.recovery.window import mark_in_use
-from harness.redis_cluster import cluster_nodes
 
 from .support import RedisServer, wait_for
 from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots, start_beat
 from .support.fixtures import prepared_cluster
-from .support.topologies import cluster_shard, start_cluster
+from .support.topologies import fail_over_shard, start_cluster
 
 #: The in-process beat's clock.
 START = datetime(2024, 5, 1, 12, 0, 0, 300000, tzinfo=timezone.utc)
@@ -82,20 +81,7 @@ def test_a_beat_keeps_sending_after_the_shard_of_its_claims_fails_over() -> None
         beat = RecordingScheduler(app=beat_app(clock, {"e": {"task": "fo.e", "schedule": 1.0}}, cluster.url))
         run_ticks([beat], clock, 2, 0.5)
         assert sent_slots(beat, task="fo.e"), "slots sent before the failover"
-        old, (replica,) = cluster_shard(cluster, key_slot(b"singleton:{beat:e}"))
-        with replica.client() as on_replica:
-            on_replica.execute_command("CLUSTER", "FAILOVER")
-
-        def swapped() -> bool:
-            """Every node sees the replica as the primary and the old primary as its replica."""
-            for server in cluster.servers:
-                with server.client() as node:
-                    lines = {line.port: line for line in cluster_nodes(node)}
-                    if not lines[replica.port].is_primary or lines[old.port].is_primary:
-                        return False
-            return True
-
-        wait_for(swapped, timeout=60, message="the replica promoted and the old primary its replica")
+        fail_over_shard(cluster, key_slot(b"singleton:{beat:e}"))
         before = len(sent_slots(beat, task="fo.e"))
 
         def sending() -> bool:

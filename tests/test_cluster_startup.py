@@ -41,7 +41,7 @@ from harness.redis_cluster import cluster_nodes
 
 from .support import wait_for
 from .support.servers import RedisServer
-from .support.topologies import Topology, cluster_shard, start_cluster
+from .support.topologies import Topology, fail_over_shard, start_cluster
 
 
 @pytest.fixture
@@ -68,20 +68,7 @@ def test_a_failover_after_the_client_read_the_layout_is_no_configuration_error(a
         settings = settings_for(app_of, cluster.url)
         client = redis_from_url(cluster.url)
         check_lock_redis(lambda: client, settings)  # the slot map is read
-        old, (replica,) = cluster_shard(cluster, 0)
-        with replica.client() as on_replica:
-            on_replica.execute_command("CLUSTER", "FAILOVER")
-
-        def swapped() -> bool:
-            """Every node sees the replica as the primary and the old primary as its replica."""
-            for server in cluster.servers:
-                with server.client() as node:
-                    lines = {line.port: line for line in cluster_nodes(node)}
-                    if not lines[replica.port].is_primary or lines[old.port].is_primary:
-                        return False
-            return True
-
-        wait_for(swapped, timeout=60, message="the replica promoted and the old primary its replica")
+        fail_over_shard(cluster, 0)
         server = check_lock_redis(lambda: client, settings)
         assert len(server.servers) == 3, server
     finally:

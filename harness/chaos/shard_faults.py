@@ -109,10 +109,7 @@ class ShardFaults(_Builder):
             held["at"] = time.monotonic()
 
         def finish() -> None:
-            try:
-                _finish_all(held["moves"])
-            finally:
-                _close_all(held["clients"])
+            _finish_and_close(held)
 
         fault = self._fault("add-node", {LOCK}, [
             (0, add, "start a node + CLUSTER MEET"), (0, start_moves, "SETSLOT IMPORTING / MIGRATING"),
@@ -192,10 +189,7 @@ class ShardFaults(_Builder):
             held["at"] = time.monotonic()
 
         def finish() -> None:
-            try:
-                _finish_all(held["moves"])
-            finally:
-                _close_all(held["clients"])
+            _finish_and_close(held)
 
         fault = self._fault("remove-node", {LOCK}, [
             (0, start_moves, "SETSLOT IMPORTING / MIGRATING"), (0, finish, "MIGRATE + SETSLOT NODE"),
@@ -249,6 +243,14 @@ class ShardFaults(_Builder):
             primary=primary.name, replica=replica.name)
         self._gated(fault, {"start (to be a replica)": lambda: store.role_of(replica) == "master"})
         return self._until_settled(fault)
+
+
+def _finish_and_close(held: dict[str, Any]) -> None:
+    """A resharding fault's last step: every move of ``held`` finished, its clients closed."""
+    try:
+        _finish_all(held["moves"])
+    finally:
+        _close_all(held["clients"])
 
 
 def _finish_all(moves: list[Move]) -> None:

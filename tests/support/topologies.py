@@ -281,6 +281,25 @@ def cluster_shard(topology: Topology, slot: int) -> tuple[ServerProcess, list[Se
     return by_port[primary.port], [by_port[n.port] for n in lines if n.primary_id == primary.id]
 
 
+def fail_over_shard(topology: Topology, slot: int) -> tuple[ServerProcess, ServerProcess]:
+    """``CLUSTER FAILOVER`` on the replica of the shard serving ``slot``, returned once every
+    node sees the replica as the primary and the old primary as its replica: (old, new)."""
+    old, (replica,) = cluster_shard(topology, slot)
+    with replica.client() as on_replica:
+        on_replica.execute_command("CLUSTER", "FAILOVER")
+
+    def swapped() -> bool:
+        for server in topology.servers:
+            with server.client() as node:
+                lines = {line.port: line for line in cluster_nodes(node)}
+                if not lines[replica.port].is_primary or lines[old.port].is_primary:
+                    return False
+        return True
+
+    wait_for(swapped, timeout=60, message="the replica promoted and the old primary its replica")
+    return old, replica
+
+
 # -------------------------------------------------------------------- Sentinel
 
 
