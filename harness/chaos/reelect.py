@@ -42,8 +42,9 @@ from celery_singleton_beat.lease.holder import parse_holder
 from celery_singleton_beat.task.keys import is_run_lock_key
 
 from ..sentinel import master_address
-from .cluster import Cluster, Redis
+from .cluster import Cluster
 from .history import Recorder
+from .redis_node import Redis
 
 __all__ = ["ELECTION_BOUND", "LOCK_BOUND", "MARKER_DB", "PROMOTION_BOUND", "Reelection"]
 

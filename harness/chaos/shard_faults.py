@@ -35,8 +35,8 @@ import redis
 from redis.crc import key_slot
 
 from ..redis_cluster import SlotMove, slot_list
-from .cluster import Redis
 from .faults import LOCK, POLL, Fault, _Builder, every
+from .redis_node import Redis
 from .shards import LockCluster, NodeState
 
 __all__ = ["BOUND", "MAX_ADDED", "ShardFaults"]

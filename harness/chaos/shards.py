@@ -1,6 +1,6 @@
 """The Redis Cluster lock store of a chaos run (``LOCK=cluster``): three shards, nodes added and removed.
 
-* Six cluster-enabled servers (:class:`.cluster.Redis`: an append-only file synced on
+* Six cluster-enabled servers (:class:`.redis_node.Redis`: an append-only file synced on
   every write, ``-BUSY`` after 100 ms of another client's script, as the other lock
   stores), ``lock-n0`` to ``lock-n5``: ``n0``-``n2`` primaries serving a third of the
   hash slots each, ``n3``-``n5`` a replica of each. Formed by hand as ``redis-cli
@@ -31,8 +31,8 @@ import redis
 
 from ..redis_cluster import NodeLine, cluster_nodes, node_id
 from ..waiting import wait_until
-from .cluster import Redis
 from .history import Recorder
+from .redis_node import Redis
 
 __all__ = ["NODE_TIMEOUT_MS", "LockCluster", "NodeState"]
 
