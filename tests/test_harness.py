@@ -189,12 +189,15 @@ def test_hangs():
 def test_a_timeout_reports_the_logs_of_the_test_processes(tmp_path: Path) -> None:
     """pytest-timeout fails a hanging test; the report ends with its processes' output,
     and the process is stopped anyway."""
-    result = run_probe(tmp_path, HANGS, "--timeout", "3")
+    # The talker's command line names this run alone: another test session on the machine
+    # (a second clone's) runs the same probe, and its talker is alive while it hangs.
+    mine = f"hello from the talker {uuid.uuid4().hex}"
+    result = run_probe(tmp_path, HANGS.replace("hello from the talker", mine), "--timeout", "3")
     assert result.returncode == 1, result.stdout
     assert "Timeout" in result.stdout + result.stderr
     assert "log of talker (started by this test;" in result.stdout, result.stdout
-    assert "hello from the talker" in result.stdout
-    assert not processes_running("hello from the talker"), "the test's process was stopped"
+    assert mine in result.stdout
+    assert not processes_running(mine), "the test's process was stopped"
 
 
 def processes_running(text: str) -> list[int]:
