@@ -428,8 +428,6 @@ class Look(NamedTuple):
     #: it: ``PEXPIRETIME`` where the server has it, else ``server_ms + pttl`` (see
     #: :func:`look_request`). Meaningful only when ``pttl >= 0``.
     expires_ms: int = 0
-    #: ``expires_ms`` is the expiry as stored (``PEXPIRETIME``).
-    exact: bool = False
 
 
 def look_request(key: str, record_key: str | None = None, window_key: str | None = None, *,
@@ -461,7 +459,7 @@ def look_request(key: str, record_key: str | None = None, window_key: str | None
         server_ms = int(seconds) * 1000 + int(micros) // 1000
         rest = executed[3:]
         expires_ms = int(rest.pop(0)) if exact else server_ms + pttl
-        found = Look(current, pttl, server_ms, expires_ms=expires_ms, exact=exact)
+        found = Look(current, pttl, server_ms, expires_ms=expires_ms)
         return found._replace(record=rest[0], window=bool(rest[1])) if extra else found
 
     return Request([(b"MULTI",), (b"GET", key), (b"PTTL", key), (b"TIME",), *expiry, *extra, (b"EXEC",)],
