@@ -165,6 +165,57 @@ def test_nothing_is_written_between_claims_won_ahead_and_their_send(
         scheduler.close()
 
 
+class StopSignal(SystemExit):
+    """What ``celery beat``'s SIGTERM handler raises, wherever the tick is."""
+
+
+def _stop_once(target: Any, name: str, after: bool) -> None:
+    """Make ``target.name`` raise :class:`StopSignal` once, before or after doing its work:
+    a stop signal arriving inside it."""
+    original = getattr(target, name)
+    fired = []
+
+    def stopped(*args: Any, **kwargs: Any) -> Any:
+        if fired:
+            return original(*args, **kwargs)
+        fired.append(True)
+        if after:
+            original(*args, **kwargs)
+        raise StopSignal()
+
+    setattr(target, name, stopped)
+
+
+@pytest.mark.parametrize("where", ["meta write", "publish"])
+def test_a_stop_signal_inside_a_send_or_its_meta_write_leaves_last_run_at_on_the_slot(
+        redis_db: Any, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """The beat's stop handler raises ``SystemExit`` in the middle of the tick: inside the
+    write of RedBeat's ``meta`` (nothing written yet), or inside the publish once the message
+    is out. Beat's service then closes the scheduler: ``last_run_at`` is the slot sent."""
+    import celery_singleton_beat.contrib.redbeat as contrib
+
+    api = api_app(redis_server)
+    already_scheduled(redis_server.client(LOCK_DB), {"hourly": {}})
+    create_entry(api, "hourly", 3600)
+    as_created = meta_of(api, "hourly")
+    scheduler = recording_scheduler(redis_server)
+    if where == "meta write":
+        monkeypatch.setattr(contrib, "_evalsha_pipelined", contrib._evalsha_pipelined)
+        _stop_once(contrib, "_evalsha_pipelined", after=False)
+    else:
+        _stop_once(scheduler, "send_task", after=True)
+    with pytest.raises(StopSignal):
+        scheduler.tick()
+    assert sent_names(scheduler) == ["hourly"]
+    assert meta_of(api, "hourly") == as_created  # the stop came before the write
+    scheduler.close()
+    meta = meta_of(api, "hourly")
+    slot = parse_slot(scheduler.sent[0]["slot"])
+    assert meta["last_run_at"] == slot
+    assert meta["total_run_count"] == 1
+    assert meta["score"] == (slot + timedelta(hours=1)).timestamp()
+
+
 def test_an_entry_the_beat_cannot_schedule_is_logged_and_skipped(
         redis_db: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     """A definition with a bad ``singleton`` option does not stop the beat: the other entries run."""

@@ -24,7 +24,8 @@ What changes against ``RedBeatScheduler``:
   rule (:mod:`celery_singleton_beat.beat.following`);
 * the beat that sends a slot writes RedBeat's ``meta`` after the publish:
   ``last_run_at`` is the slot's instant (in the app's time zone), never an
-  earlier slot's, and ``total_run_count`` counts the slots written; the
+  earlier slot's, and ``total_run_count`` counts the slots written (a stop
+  signal inside the publish or the write leaves it to the close); the
   entry's score in RedBeat's schedule is the next slot. An entry deleted
   meanwhile is not written back.
 """
@@ -32,6 +33,7 @@ What changes against ``RedBeatScheduler``:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -285,27 +287,39 @@ class SingletonRedBeatScheduler(ScheduleFollower, SingletonSchedulerMixin, _RedB
         return delay
 
     def close(self) -> None:
-        if self._meta:
+        # Not from beat's stop handler in the middle of a tick (the interrupted code may be
+        # reading RedBeat's connection): the service closes again once the tick unwound.
+        if self._meta and self._ticking_in != threading.get_ident():
             self._write_meta()
         super().close()
 
     # ----------------------------------------------------------------- RedBeat's meta
 
     def _send(self, entry: Any, producer: Any, decided: tuple[Claim, float] | None, **kwargs: Any) -> Any:
-        result = super()._send(entry, producer, decided, **kwargs)
+        try:
+            result = super()._send(entry, producer, decided, **kwargs)
+        except Exception:
+            raise  # not published: the slot is handed back, and its sender writes meta
+        except BaseException:
+            # A stop signal inside the publish: the message may be out, and no beat may be
+            # left to send it again. RedBeat's own scheduler writes meta before it publishes.
+            if decided is not None:
+                self._note_sent(entry, decided[0].slot)
+            raise
         if decided is not None:  # a claimed slot (or failing open): RedBeat's meta follows
             self._note_sent(entry, decided[0].slot)
         return result
 
     def _note_sent(self, entry: Any, slot: Slot) -> None:
         """Remember to write ``meta`` for ``slot`` of ``entry`` (the latest slot per entry)."""
-        at = slot.at.timestamp()
-        key = _key_of(entry)
+        local = slot.at.astimezone(self.app.timezone)
+        following = (slot.next or slot.at).timestamp()  # RedBeat's score: when it is due next
+        self._keep_latest(_key_of(entry), (slot.at.timestamp(), json.dumps(local, cls=RedBeatJSONEncoder), following))
+
+    def _keep_latest(self, key: str, meta: tuple[float, str, float]) -> None:
         known = self._meta.get(key)
-        if known is None or known[0] < at:
-            local = slot.at.astimezone(self.app.timezone)
-            following = (slot.next or slot.at).timestamp()  # RedBeat's score: when it is due next
-            self._meta[key] = (at, json.dumps(local, cls=RedBeatJSONEncoder), following)
+        if known is None or known[0] < meta[0]:
+            self._meta[key] = meta
 
     def _write_meta(self) -> None:
         """Write ``meta`` (and the score) of the entries sent since the last write: two round trips.
@@ -331,6 +345,12 @@ class SingletonRedBeatScheduler(ScheduleFollower, SingletonSchedulerMixin, _RedB
                 len(keys), "y" if len(keys) == 1 else "ies", exc)
             self._meta_failing = True
             return
+        except BaseException:
+            # A stop signal inside the write: kept for close(), which writes it (the
+            # script never moves last_run_at back, so a part already written is harmless).
+            for key, meta in pending.items():
+                self._keep_latest(key, meta)
+            raise
         self._meta_failing = False
         logger.debug("beat: RedBeat meta of %d entries written in %.1f ms", len(keys),
                      (time.monotonic() - started) * 1000)
