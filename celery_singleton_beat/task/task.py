@@ -292,7 +292,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
             owner = next((klass for klass in after if "__call__" in vars(klass)), None)
             known = owner is celery.Task
             cls._singleton_direct = known
-        return known  # type: ignore[no-any-return]
+        return known
 
     if celery.VERSION[:2] < (5, 5):
         def push_request(self, *args: Any, **kwargs: Any) -> None:
