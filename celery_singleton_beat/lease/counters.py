@@ -110,7 +110,7 @@ class _Batch:
                 # One write on the writer thread's own lock channel where the client
                 # has one (standalone Redis), its commands spelt in RESP here and their
                 # replies (integers) read in one step: a redis-py pipeline on a pooled
-                # connection cost ~295k instructions per batch, this ~60k. Sentinel,
+                # connection cost ~295k instructions per batch, this ~77k. Sentinel,
                 # Cluster and greenlet pools keep redis-py's pipeline (its failover handling).
                 client = thread_client(clients[client_id])
                 channel = channel_or_none(client)
