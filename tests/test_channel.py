@@ -10,6 +10,7 @@ reorders nor hides anything.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,9 @@ import redis
 
 from celery_singleton_beat.connection import channel as channel_module
 from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.wire import NOT_SHORT, SocketLink
+from celery_singleton_beat.lease.commands import _TAKEN
+from celery_singleton_beat.lease.holder import done_key
 
 from .support import RedisServer, wait_for
 from .support.locking import take_lock
@@ -123,3 +127,53 @@ def test_a_forked_child_uses_its_own_connection(redis_db: redis.Redis) -> None:
         os._exit(0)
     os.waitpid(pid, 0)
     assert os.read(read, 1) == b"1"
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_the_usual_replies_read_in_one_step_mean_what_the_general_reader_says(
+        redis_server: RedisServer, protocol: int) -> None:
+    """An acquire and a release read their usual reply without the reply parser (the
+    pure-Python one): the same outcomes as through it, in RESP2 and RESP3, and every
+    other reply (held by another, released by no one) still through the general path."""
+    client = redis.Redis(port=redis_server.port, db=1, protocol=protocol)
+    client.delete(KEY)
+    mine = take(client, "id-1")
+    assert mine.acquired and isinstance(mine.lease.fence, int)
+    raw = client.execute_command("TIME")
+    assert abs(mine.lease.fence - (int(raw[0]) * 1_000_000 + int(raw[1]))) < 60_000_000, "the server's clock"
+    held = take(client, "id-2")
+    assert not held.acquired and held.holder is not None and held.holder.task_id == "id-1"
+    assert mine.lease.release() is True and client.get(KEY) is None
+    assert mine.lease.release() is False, "not ours any more"
+    assert take(client, "id-3").lease.release(done_ttl=5) is True
+    assert client.exists(done_key(KEY, "id-3")), "the done marker written ahead of it"
+    assert channel_for(client).outstanding == 0
+
+
+def test_a_reply_that_is_not_all_there_yet_is_left_to_the_general_reader() -> None:
+    """The one-step read takes the bytes received only when they are exactly the usual
+    reply: one still arriving (a segment at a time) or followed by more is read by the
+    general parser, nothing lost or read twice."""
+    ours, theirs = socket.socketpair()
+    try:
+        link = SocketLink(ours)
+        if type(link._reader).__name__ != "_PyReader":
+            pytest.skip("hiredis installed: the one-step read is not used")
+        reply = b"_\r\n*2\r\n$10\r\n1700000000\r\n$6\r\n000042\r\n"
+        link.outstanding = 2
+        theirs.sendall(reply[:9])
+        assert link.read_short(_TAKEN, 2) is NOT_SHORT and link.outstanding == 2
+        theirs.sendall(reply[9:])
+        assert link.read_many(2) == [None, [b"1700000000", b"000042"]] and link.outstanding == 0
+        link.outstanding = 3
+        theirs.sendall(reply + b":1\r\n")
+        while len(link._reader._buffer) < len(reply) + 4:  # both replies received (blocking reads)
+            link._receive()
+        assert link.read_short(_TAKEN, 2) is NOT_SHORT, "more than the reply: the general path"
+        assert link.read_many(3)[2] == 1
+        link.outstanding = 2
+        theirs.sendall(reply)
+        assert link.read_short(_TAKEN, 2) == 1_700_000_000_000_042 and link.outstanding == 0
+    finally:
+        ours.close()
+        theirs.close()

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterator
 
+import celery
 import pytest
 import redis
 from celery import Celery, chain, states
@@ -67,6 +68,43 @@ def test_eager_duplicate_inside_a_run_is_skipped(eager_app: Celery, locks: redis
 
     assert job.delay(1).get() == "REVOKED", "a skipped duplicate, as a worker records it"
     assert job.apply(args=(1, True)).get() == "ran", "free again once the outer run returned"
+    assert lock_keys(locks) == []
+
+
+def test_a_run_sees_the_request_celery_pushed_and_a_base_classes_own_call_still_runs(
+        eager_app: Celery, locks: redis.Redis) -> None:
+    """A traced run calls the body as Celery calls a task without a ``__call__`` of its own:
+    the body sees the one request the tracer pushed (no copy of it pushed on top); a class
+    of the task's own between SingletonTask and Celery's Task whose ``__call__`` wraps the
+    body keeps wrapping it, and a call nested in a run of the same task gets its own request."""
+    wrapped: list[int] = []
+
+    class Wrapping(celery.Task):  # type: ignore[misc]  # a user's base class with a __call__
+        def __call__(self, *args: object, **kwargs: object) -> object:
+            wrapped.append(len(self.request_stack.stack))
+            return super().__call__(*args, **kwargs)
+
+    @eager_app.task(base=SingletonTask, bind=True, shared=False)
+    def plain_base(self: SingletonTask, x: int) -> tuple[int, bool, int | None]:
+        return len(self.request_stack.stack), self.request.id is not None, self.singleton.fence
+
+    depth, has_id, fence = plain_base.delay(1).get()
+    assert (depth, has_id) == (1, True) and isinstance(fence, int), "the tracer's request, with the run on it"
+
+    class Base(SingletonTask, Wrapping):  # type: ignore[misc]
+        abstract = True
+
+    @eager_app.task(base=Base, bind=True, shared=False, unique_on=["x"])
+    def mixed(self: SingletonTask, x: int, nested: bool = False) -> object:
+        if nested:
+            return self.request.args, self.singleton.fence, len(self.request_stack.stack)
+        outer = self.singleton
+        inner = self(x + 1, nested=True)  # a nested direct call of the same task, lock taken
+        return inner[0], inner[2], self.request.args, outer is not None
+
+    inner_args, inner_depth, outer_args, had_run = mixed.delay(1).get()
+    assert wrapped and wrapped[0] == 1, "the base class's __call__ wrapped the body"
+    assert list(inner_args) == [2] and inner_depth > 1 and list(outer_args) == [1] and had_run
     assert lock_keys(locks) == []
 
 

@@ -60,6 +60,7 @@ from ..log import logger
 from .flusher import watcher
 from .wire import (
     BROKEN,
+    NOT_SHORT,
     RETRIED,
     Request,
     SocketLink,
@@ -154,6 +155,13 @@ class Channel:
                         written = write_request(link, request)
                         self._used = True
                         again = self._read_pending(link) if self._pending else None
+                        short = request.short
+                        if short is not None and not again and not written.loads:
+                            # The usual reply, read in one step (else the general path below).
+                            result = link.read_short(short, request.count)
+                            if result is not NOT_SHORT:
+                                self._last_read = time.monotonic()
+                                return result
                         try:
                             replies = read_own(link, written)
                         except _NoScript:  # a SCRIPT FLUSH: every send that met it, then this again

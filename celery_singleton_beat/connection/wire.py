@@ -39,14 +39,15 @@ command the source answered with ``ASK`` is sent to the target behind
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import redis
 from redis.exceptions import AskError, NoScriptError
 
 __all__ = [
-    "Link", "LuaScript", "PoolLink", "Request", "SocketLink", "Written", "ensure_checked",
+    "NOT_SHORT", "Link", "LuaScript", "PoolLink", "Request", "Short", "SocketLink", "Written", "ensure_checked",
            "looker_of", "pack", "read_own", "read_replies", "reply_reader", "run_on", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
@@ -76,11 +77,11 @@ class Request:
     in RESP (the hot path builds them so), with ``count`` replies.
     """
 
-    __slots__ = ("count", "data", "finish", "scripts", "unsure_when_repeated")
+    __slots__ = ("count", "data", "finish", "scripts", "short", "unsure_when_repeated")
 
     def __init__(self, commands: list[tuple[Any, ...]] | None, finish: Callable[[list[Any]], Any],
                  scripts: Sequence[LuaScript] = (), *, unsure_when_repeated: bool = False,
-                 data: bytes | None = None, count: int = 0) -> None:
+                 data: bytes | None = None, count: int = 0, short: Short | None = None) -> None:
         if commands is not None:
             data = b"".join([pack(*command) for command in commands])
             count = len(commands)
@@ -92,6 +93,22 @@ class Request:
         #: A compare-and-delete sent again after a lost connection: "not ours" may mean
         #: the first attempt ran. Its result is then reported unknown (None).
         self.unsure_when_repeated = unsure_when_repeated
+        #: The usual reply's bytes and its result, read without the reply parser (see
+        #: :meth:`SocketLink.read_short`); None: always the general path.
+        self.short = short
+
+
+class Short(NamedTuple):
+    """A request's usual reply, read in one step where the bytes received are exactly it.
+
+    ``pattern`` must match the whole of the request's replies (every one of them, in
+    RESP2 and RESP3 spellings) and nothing else; ``result(match)`` is what ``finish``
+    would return for those replies. Any other reply (an error, another value, a reply
+    still arriving) goes through the general parser and ``finish``.
+    """
+
+    pattern: re.Pattern[bytes]
+    result: Callable[[re.Match[bytes]], Any]
 
 
 class Written:
@@ -364,6 +381,29 @@ class SocketLink:
                 self.outstanding -= count
                 return replies
 
+    def read_short(self, short: Short, count: int) -> Any:
+        """The result of ``count`` replies that are exactly ``short``'s usual reply, read
+        without the reply parser; :data:`NOT_SHORT` (nothing consumed) for anything else:
+        another reply, more bytes than that, or a reply not complete yet -- the general
+        path (:meth:`read_many`) then reads them, receiving the rest as it needs.
+
+        Only with the pure-Python parser (hiredis's is fast already) and when nothing
+        received is waiting in it: at most one ``recv`` here.
+        """
+        reader = self._reader
+        if type(reader) is not _PyReader:
+            return NOT_SHORT
+        buffer = reader._buffer
+        if not buffer:
+            self._receive()
+        match = short.pattern.fullmatch(buffer)
+        if match is None:
+            return NOT_SHORT
+        result = short.result(match)
+        buffer.clear()
+        self.outstanding -= count
+        return result
+
     def unread(self) -> bool:
         """Bytes already received that no reply was read from (nothing is expected while idle)."""
         reader = self._reader
@@ -379,6 +419,10 @@ class SocketLink:
         if not data:
             raise redis.ConnectionError("Connection closed by server.")
         self._reader.feed(data)
+
+
+#: :meth:`SocketLink.read_short` found another reply than the usual one.
+NOT_SHORT: Any = object()
 
 
 class _NoScript(NoScriptError):

@@ -45,11 +45,12 @@ A done marker is a plain ``SET`` written just ahead of the release, in the same 
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, NamedTuple
 
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from ..connection.wire import Request
+from ..connection.wire import Request, Short
 from ..log import logger
 from ..recovery.server import ServerInfo
 from .holder import text_of
@@ -184,7 +185,17 @@ def acquire_request(info: ServerInfo, key: str, value: str, ttl_ms: int,
         return _acquired(time_token(*replies[at]), taken, previous,
                          done_key is not None and bool(replies[at + 1]), value)
 
-    return Request(None, finish, data=data, count=count)
+    return Request(None, finish, data=data, count=count,
+                   short=_TAKEN if one_command and done_key is None else None)
+
+
+def _token_of(match: re.Match[bytes]) -> int:
+    return int(match[1]) * 1_000_000 + int(match[2])
+
+
+#: The usual reply of an acquire on Redis 7.0+ / Valkey (no done marker): the key was
+#: free (a nil ``GET``, RESP2 or RESP3), then ``TIME``: the fencing token.
+_TAKEN = Short(re.compile(rb"(?:\$-1|_)\r\n\*2\r\n\$\d+\r\n(\d+)\r\n\$\d+\r\n(\d+)\r\n"), _token_of)
 
 
 def _acquired(token: int, taken: bool, previous: Any, completed: bool, value: str) -> int | AcquireReply:
@@ -272,10 +283,20 @@ def release_request(info: ServerInfo, key: str, value: str, done_key: str | None
         d, ttl = done_key.encode(), b"%d" % done_ttl_ms
         data = _DONE_MARKER % (len(d), d, len(ttl), ttl) + data
         count = 2
+    short = _RELEASED if count == 1 else _RELEASED_MARKED
     if kind == "lua":
         return Request(None, _released, scripts=(RELEASE,),
-                       unsure_when_repeated=True, data=data, count=count)
-    return Request(None, _native_released, unsure_when_repeated=True, data=data, count=count)
+                       unsure_when_repeated=True, data=data, count=count, short=short)
+    return Request(None, _native_released, unsure_when_repeated=True, data=data, count=count, short=short)
+
+
+def _deleted(match: re.Match[bytes]) -> bool:
+    return match[1] == b"1"
+
+
+#: The usual replies of a release: deleted (1) or not ours (0); behind the done marker's ``OK``.
+_RELEASED = Short(re.compile(rb":([01])\r\n"), _deleted)
+_RELEASED_MARKED = Short(re.compile(rb"\+OK\r\n:([01])\r\n"), _deleted)
 
 
 def _released(replies: list[Any]) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 import redis
 
 from .. import native
+from ..connection.channel import channel_or_none
 from ..connection.pooled import run_pooled
 from ..connection.wire import Request
 from ..log import logger
@@ -98,18 +99,22 @@ class Heartbeat:
     def client(self) -> Any:
         return self._client() if callable(self._client) else self._client
 
-    def beat(self, client: Any = None) -> bool:
+    def beat(self, client: Any = None, *, own_connection: bool = False) -> bool:
         """Write the key once; False when an earlier write of it had lapsed.
 
         Sent like the lock requests (:mod:`.connection.pooled`), so that the connection is
         checked as theirs are: the worker's main process learns which server
         it uses before the pool forks, and its pool processes inherit that
         (how they tell a restart of that server, see :mod:`.server`).
+        ``own_connection``: on the calling thread's own lock channel where the client
+        has one (the heartbeat thread: a connection of its own, never borrowed from
+        the pool the process's other requests use), else a pooled connection.
         """
         client = client or self.client
         server_of(client)  # the record that looks at the connection (a default one for a plain client)
-        previous = run_pooled(client, self.key,
-                              Request([(b"SET", self.key, self.value, b"PX", self.ttl_ms, b"GET")], _first_reply))
+        request = Request([(b"SET", self.key, self.value, b"PX", self.ttl_ms, b"GET")], _first_reply)
+        channel = channel_or_none(client) if own_connection else None
+        previous = channel.call(request) if channel is not None else run_pooled(client, self.key, request)
         lapsed = self.beats > 0 and previous is None
         self.beats += 1
         return not lapsed
@@ -139,7 +144,7 @@ class Heartbeat:
             if self._stopped:
                 return
             try:
-                if not self.beat(thread_client(self.client)):
+                if not self.beat(thread_client(self.client), own_connection=True):
                     logger.error("liveness key %s had expired: this worker counted as dead for a "
                                  "while; other workers may have taken over its locks", self.key)
                 wait = self.interval

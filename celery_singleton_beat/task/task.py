@@ -268,11 +268,31 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         if request.called_directly:
             # A plain function call in the caller's process, as with any Celery task.
             return super().__call__(*args, **kwargs)
+        # The tracer (worker or eager) has pushed this run's request and the task: the body
+        # runs as Celery runs a task without a __call__ of its own (``task.run``, no copy of
+        # the request pushed), unless a class between here and Celery's Task has a __call__
+        # to run, or this is a call nested in a run of this task (its own request then).
+        direct = type(self)._singleton_direct_call() and "singleton" not in request.__dict__
         run = request.singleton = self._begin(request, args, kwargs)
         try:
+            if direct:
+                return self.run(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         finally:
             self._end(request, run, sys.exc_info()[1])
+
+    @classmethod
+    def _singleton_direct_call(cls) -> bool:
+        """Whether ``super().__call__`` from :class:`SingletonTask` is Celery's own
+        ``Task.__call__`` (kept per class): then a traced run may call ``run`` directly."""
+        known = cls.__dict__.get("_singleton_direct")
+        if known is None:
+            mro = cls.__mro__
+            after = mro[mro.index(SingletonTask) + 1:]
+            owner = next((klass for klass in after if "__call__" in vars(klass)), None)
+            known = owner is celery.Task
+            cls._singleton_direct = known
+        return known
 
     if celery.VERSION[:2] < (5, 5):
         def push_request(self, *args: Any, **kwargs: Any) -> None:
