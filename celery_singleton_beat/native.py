@@ -21,33 +21,51 @@ import _thread
 import contextlib
 import sys
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Wakeup", "allocate_lock", "get_ident", "green", "start_thread"]
 
 
+#: Set once the process is found patched: patching is never undone, so from then on
+#: the answers below are looked up once, not per call (the keeper asks per lease it
+#: renews, thousands of times a second in a gevent worker holding thousands of leases).
+_patched = False
+_original: Any = None
+
+
 def green() -> bool:
     """True when gevent or eventlet patched the process (greenlet pools)."""
+    global _patched
+    if _patched:
+        return True
     gevent = sys.modules.get("gevent.monkey")
     if gevent is not None and (gevent.is_module_patched("socket") or gevent.is_module_patched("threading")):
+        _patched = True
         return True
     eventlet = sys.modules.get("eventlet.patcher")
-    return eventlet is not None and bool(eventlet.is_monkey_patched("socket")
-                                         or eventlet.is_monkey_patched("thread"))
+    _patched = eventlet is not None and bool(eventlet.is_monkey_patched("socket")
+                                             or eventlet.is_monkey_patched("thread"))
+    return _patched
 
 
 def _original_thread_module() -> Any:
+    """The unpatched ``_thread`` functions: looked up once the process is patched, then kept."""
+    global _original
+    if _original is not None:
+        return _original
     monkey: Any = sys.modules.get("gevent.monkey")
     if monkey is not None and monkey.is_module_patched("threading"):
-        class _Original:
-            start_new_thread = staticmethod(monkey.get_original("_thread", "start_new_thread"))
-            allocate_lock = staticmethod(monkey.get_original("_thread", "allocate_lock"))
-            get_ident = staticmethod(monkey.get_original("_thread", "get_ident"))
-        return _Original
+        _original = types.SimpleNamespace(
+            start_new_thread=monkey.get_original("_thread", "start_new_thread"),
+            allocate_lock=monkey.get_original("_thread", "allocate_lock"),
+            get_ident=monkey.get_original("_thread", "get_ident"))
+        return _original
     eventlet = sys.modules.get("eventlet.patcher")
     if eventlet is not None and eventlet.is_monkey_patched("thread"):
-        return eventlet.original("_thread")
+        _original = eventlet.original("_thread")
+        return _original
     return _thread
 
 

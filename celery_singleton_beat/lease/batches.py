@@ -58,9 +58,10 @@ def combined(requests: Sequence[Request]) -> Request:
     return Request(None, finish, scripts, data=b"".join(request.data for request in requests), count=sum(counts))
 
 
-def group_key(via: Any, lease: Lease) -> tuple[int, str]:
-    """Leases renewed through the same client and, on Cluster, held by the same node share a request."""
-    if is_cluster(via):
+def group_key(via: Any, lease: Lease, cluster: bool | None = None) -> tuple[int, str]:
+    """Leases renewed through the same client and, on Cluster, held by the same node share a request.
+    ``cluster``: whether ``via`` is a Cluster client, when the caller knows it already."""
+    if is_cluster(via) if cluster is None else cluster:
         return id(via), via.get_node_from_key(lease.key).name
     return id(via), ""
 

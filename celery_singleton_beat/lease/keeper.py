@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import redis
 
 from .. import native
+from ..connection.client import is_cluster
 from ..connection.flusher import read_all_replies
 from ..log import logger
 from ..recovery import server
@@ -247,16 +248,24 @@ class LeaseKeeper:
         """Renew ``leases``: in one request per server where several share it (:mod:`.batches`),
         each judged on its own reply; the monotonic time of each one's next attempt."""
         groups: dict[tuple[int, str], tuple[Any, list[KeptLease]]] = {}
+        # The keeper's own client and its kind, once per lock client, not per lease: in a
+        # gevent worker this thread's Python work holds up the hub (see .native).
+        vias: dict[int, tuple[Any, bool]] = {}
         for kept in leases:
             try:
-                via = thread_client(kept.lease.client)
-                groups.setdefault(group_key(via, kept.lease), (via, []))[1].append(kept)
+                client = kept.lease.client
+                found = vias.get(id(client))
+                if found is None:
+                    via = thread_client(client)
+                    found = vias[id(client)] = (via, is_cluster(via))
+                via, cluster = found
+                groups.setdefault(group_key(via, kept.lease, cluster), (via, []))[1].append(kept)
             except Exception:  # no client or node for it now (a Cluster unreachable or being
                 groups[(id(kept), "")] = (None, [kept])  # reshaped): on its own, where errors are judged
         done: list[tuple[KeptLease | PendingRelease, float | None]] = []
         for via, group in groups.values():
             if len(group) == 1:
-                done.append((group[0], self._renew(group[0])))
+                done.append((group[0], self._renew(group[0], via=via)))
                 continue
             self.batches += 1
             try:
@@ -266,7 +275,7 @@ class LeaseKeeper:
             for kept, outcome in zip(group, outcomes, strict=True):
                 # A reply of its own that is an error (-BUSY, -MOVED): on the one-lease path.
                 alone = isinstance(outcome, redis.ResponseError)
-                done.append((kept, self._renew(kept) if alone else self._renew(kept, outcome)))
+                done.append((kept, self._renew(kept, via=via) if alone else self._renew(kept, outcome, via)))
         return done
 
     def renew_all_soon(self) -> None:
@@ -318,12 +327,15 @@ class LeaseKeeper:
         kept.put_back_at = at
         return Later(at)
 
-    def _renew(self, kept: KeptLease, outcome: Renewal | BaseException | None = None) -> float | None:
-        """Renew once (or judge ``outcome``, what a batched renewal of it found); the
-        monotonic time of the next attempt, or None when done."""
+    def _renew(self, kept: KeptLease, outcome: Renewal | BaseException | None = None,
+               via: Any = None) -> float | None:
+        """Renew once (or judge ``outcome``, what a batched renewal of it found) through ``via``
+        (the keeper's client of the lease's server; found here when None); the monotonic
+        time of the next attempt, or None when done."""
         lease = kept.lease
         try:
-            via = thread_client(lease.client)
+            if via is None:
+                via = thread_client(lease.client)
             if isinstance(outcome, BaseException):
                 raise outcome
             held = self._settle(kept, lease.renew_once(via) if outcome is None else outcome, via)
