@@ -261,6 +261,34 @@ def test_a_delivery_whose_worker_died_goes_back_to_the_queue_and_can_be_lost_the
         assert "died unacknowledged" in verdict.reports[0].what
 
 
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_run_whose_pool_process_was_killed_goes_back_to_the_queue_at_once_and_can_be_lost_there(
+        tmp_path: Path, taken: bool) -> None:
+    """A run's pool process SIGKILLed under a living worker (``kill-child``): the chaos app runs
+    ``acks_late`` with ``task_reject_on_worker_lost``, so the worker gives the message back to
+    the queue at once, no visibility timeout. A worker SIGKILLed just after can take it off the
+    queue and lose it (reported, the standalone chaos run of 2026-12-02: the broker's
+    append-only file shows the requeue's LPUSH, an RPOP, and no record as unacknowledged). With
+    no broker connection lost after the give-back, nothing excuses the loss (a violation)."""
+    story = baseline().submit("z", "k3", 20.0)
+    story.add("prerun", 20.1, "worker-w1-child", 21, id="z", key="k3")
+    story.add("start", 20.12, "worker-w1-child", 21, id="z", key="k3", fence=99)
+    story.add("chk", 20.12, "worker-w1-child", 21, id="z", key="k3", m0=20.12, ok=True)
+    story.add("fault", 23.0, kind="kill-child", action="inject", step="SIGKILL child 21", targets=["w1"],
+              target="w1", child=21, n=1)
+    if taken:
+        story.add("proc", 24.0, name="w2", action="SIGKILL", group=True, pid=8)
+        story.add("proc", 24.02, name="w2", action="exit", pid=8, code=-9)
+    story.add("broker", 32.6, ids=[], queued=[], unacked=[])
+    story.meta["settings"]["workers"].append({"name": "w2", "pool": "threads", "concurrency": 3})
+    verdict = story.judge(tmp_path)
+    if taken:
+        assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["lost-in-transport"]
+        assert "pool process was SIGKILLed (m=23.000)" in verdict.reports[0].what
+    else:
+        assert kinds(verdict) == ["lost"]
+
+
 def test_a_rerun_after_the_sentinels_switched_primaries_is_reported_not_failed(tmp_path: Path) -> None:
     """With Sentinel, the primary can move without a fault meant to move it (a restart or a
     busy script longer than the down-after time): a done marker written on the old primary

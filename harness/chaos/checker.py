@@ -200,13 +200,20 @@ def _lost(history: History, verdict: Verdict) -> None:
         since = f"no worker received its last publish (begun at m={began:.3f}; no prerun since)"
         back = given_back.get(sub.id)
         if back is not None and back[0] > began:
-            # Its last delivery died unacknowledged: kombu puts it back on the queue, not
-            # before the visibility timeout has passed since that delivery (after the publish).
-            visibility = float(history.meta.get("settings", {}).get("visibility", 12.0))
-            began = max(back[0], began + visibility)
-            unreceived = seen.get(sub.id, 0.0) <= back[1]
-            since = (f"its last delivery (m={back[1]:.3f}) died unacknowledged, kombu gave it back to the queue "
-                     f"(not before m={began:.3f}), and no worker received it since")
+            unreceived = seen.get(sub.id, 0.0) < back[0]  # nothing received since it went back
+            if back[2]:
+                # Its run's pool process was killed under a living worker: Celery gives the
+                # message back to the queue at once (acks_late with reject_on_worker_lost).
+                began = back[0]
+                since = (f"its run's pool process was SIGKILLed (m={back[0]:.3f}), its worker gave the message "
+                         "back to the queue (acks_late, reject_on_worker_lost), and no worker received it since")
+            else:
+                # Its last delivery died unacknowledged: kombu puts it back on the queue, not
+                # before the visibility timeout has passed since that delivery (after the publish).
+                visibility = float(history.meta.get("settings", {}).get("visibility", 12.0))
+                began = max(back[0], began + visibility)
+                since = (f"its last delivery (m={back[1]:.3f}) died unacknowledged, kombu gave it back to the "
+                         f"queue (not before m={began:.3f}), and no worker received it since")
         disruption = next((w for w in disruptions if w.end > began), None)
         if any(sub.at < m and seen.get(sub.id, 0.0) < m for m in losses):
             verdict.reports.append(Finding("lost-with-broker", what + "; the broker (the lock Redis) restarted "
@@ -240,20 +247,33 @@ def _last_publish(history: History) -> dict[str, float]:
     return began
 
 
-def _given_back(history: History) -> dict[str, tuple[float, float]]:
-    """Task id -> (when its worker died, when it received it) for a last delivery that
-    ended without an outcome because its worker died (SIGKILL of its group or its main
-    process, which takes the pool with it; a crash; an exit): never acknowledged, the
-    message goes back to the broker's queue (kombu's visibility timeout)."""
+def _given_back(history: History) -> dict[str, tuple[float, float, bool]]:
+    """Task id -> (when it went back, when it was received, at once) for a last delivery that
+    ended without an outcome because its process died.
+
+    Its worker died (SIGKILL of its group or its main process, which takes the pool with
+    it; a crash; an exit): never acknowledged, the message goes back to the broker's queue
+    after kombu's visibility timeout (``at once`` False). Its pool process was SIGKILLed
+    under a living worker (``kill-child``): the chaos app runs ``acks_late`` with
+    ``task_reject_on_worker_lost``, so the worker rejects the message with requeue as it
+    sees the process gone (``at once`` True)."""
     workers = {w["name"] for w in history.meta.get("settings", {}).get("workers", [])}
-    open_on: dict[str, dict[str, float]] = {}  # worker -> task id -> when its delivery began
-    back: dict[str, tuple[float, float]] = {}
-    for event in history.of("prerun", "outcome", "revoked", "proc"):
+    open_on: dict[str, dict[str, tuple[float, int]]] = {}  # worker -> task id -> (received, pid)
+    back: dict[str, tuple[float, float, bool]] = {}
+    for event in history.of("prerun", "outcome", "revoked", "proc", "fault"):
+        if event.ev == "fault":
+            if event.get("kind") == "kill-child" and event.get("action") == "inject":
+                deliveries = open_on.get(str(event.get("target")), {})
+                for task_id, (received, pid) in list(deliveries.items()):
+                    if pid == event.get("child"):
+                        back[task_id] = (event.m, received, True)
+                        del deliveries[task_id]
+            continue
         if event.ev == "proc":
             name = event.get("name")
             if name in workers and event.get("action") in ("SIGKILL", "crash", "exit"):
-                for task_id, received in open_on.pop(str(name), {}).items():
-                    back[task_id] = (event.m, received)
+                for task_id, (received, _) in open_on.pop(str(name), {}).items():
+                    back[task_id] = (event.m, received, False)
             continue
         task_id = str(event.get("id"))
         for deliveries in open_on.values():
@@ -261,7 +281,7 @@ def _given_back(history: History) -> dict[str, tuple[float, float]]:
         back.pop(task_id, None)
         if event.ev == "prerun":
             worker = event.who.removeprefix("worker-").removesuffix("-child")
-            open_on.setdefault(worker, {})[task_id] = event.m
+            open_on.setdefault(worker, {})[task_id] = (event.m, event.pid)
     return back
 
 
