@@ -20,7 +20,9 @@ Every start, exit and signal is recorded in the controller's history.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -149,8 +151,26 @@ class Member:
             time.sleep(0.1)
             now = log.stat().st_size if log.exists() else 0
             if now == size and size > before:
-                return
+                break
             size = now
+        self._dump_children(log)
+
+    def _dump_children(self, log: Path) -> None:
+        """The pool processes' stacks too, where ``py-spy`` is installed (Celery's handler shows
+        only the main process, which may be waiting for a child that does not exit)."""
+        spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+        if spy is None:
+            return
+        for pid in self.children():
+            try:
+                out = subprocess.run([spy, "dump", "--locals", "--pid", str(pid)], capture_output=True,
+                                     text=True, timeout=20)
+            except (OSError, subprocess.SubprocessError) as exc:
+                text = f"py-spy dump of pool process {pid} failed: {exc}\n"
+            else:
+                text = f"py-spy dump of pool process {pid}:\n{out.stdout}{out.stderr}\n"
+            with log.open("a") as stream:
+                stream.write(text)
 
     def children(self) -> list[int]:
         """Pids of the main process's children (a prefork pool)."""
