@@ -276,6 +276,10 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         run = request.singleton = self._begin(request, args, kwargs)
         try:
             if direct:
+                # As a worker's stack protection marks the request when it runs the body on
+                # it: a call nested in this run (``self(...)``) then gets a request of its own
+                # from ``Task.__call__``, not this one (whose args are the outer run's).
+                request._protected = 1
                 return self.run(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         finally:
