@@ -17,11 +17,22 @@ What broke (each test failed before its fix):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
+import pytest
 import redis
+from celery.exceptions import SoftTimeLimitExceeded
+
+from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.wire import Request
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.commands import raise_errors
 
 from .support import RedisServer, wait_for
+from .support.interrupts import RaiseInto, blocked_on, when
+from .support.locking import take_lock
 from .support.processes import start_worker
 
 APP = "tests.apps.tasks_app"
@@ -39,3 +50,47 @@ def test_a_call_nested_in_a_worker_run_sees_its_own_request(
     assert inner[:4] == ["outer-inner", True, ["outer-inner"], {"inner": True}], \
         "the nested call's body sees its own arguments in self.request"
     assert inner[4] != outer[4], "each call holds the lock of its own key"
+
+
+# -------------------------------------------------------------------- one-step reads cut short
+
+
+def raise_while_paused(admin: redis.Redis, command: str, call: Callable[[], Any]) -> None:
+    """``call()`` on a server paused for writes; a soft time limit is raised into this thread
+    once the server holds ``command`` back (the one-step read waits in its ``recv``)."""
+    admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        with RaiseInto() as interrupt:
+            interrupt.arm(SoftTimeLimitExceeded)
+            with when(lambda: blocked_on(admin, command), interrupt.fire,
+                      otherwise=lambda: admin.execute_command("CLIENT", "UNPAUSE")), \
+                    pytest.raises(SoftTimeLimitExceeded):
+                call()
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+
+
+def test_a_release_or_a_counter_batch_cut_short_in_its_one_step_read_leaves_no_reply_behind(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """Held: a soft time limit lands while the release (and then a counter batch) waits for
+    its usual reply; the next acquire on the same thread's channel reads its own replies (the
+    key another holds is reported held). (The connection is dropped with the release unread:
+    a paused server never runs a closed client's commands, so the lock stays until its TTL,
+    as on the general path.)"""
+    server = make_redis()
+    client, admin, other = server.client(), server.client(), server.client()
+    assert take_lock(other, "t:{cost:held}", 30, task="t", task_id="theirs").acquired
+    lease = take_lock(client, "t:{cost:mine}", 30, task="t", task_id="mine").lease
+    assert lease is not None and lease.release() is True  # the channel is up, the script loaded
+    lease = take_lock(client, "t:{cost:mine}", 30, task="t", task_id="mine-2").lease
+    assert lease is not None
+    raise_while_paused(admin, "set", lambda: lease.release(done_ttl=60.0))
+    result = take_lock(client, "t:{cost:held}", 30, task="t", task_id="next")
+    assert not result.acquired and result.holder is not None and result.holder.task_id == "theirs"
+
+    channel = channel_for(client)
+    batch = Request(None, raise_errors, data=b"*4\r\n$7\r\nHINCRBY\r\n$2\r\nh1\r\n$1\r\nf\r\n$1\r\n1\r\n", count=1,
+                    short=counters._integers(1))
+    raise_while_paused(admin, "hincrby", lambda: channel.call(batch))
+    result = take_lock(client, "t:{cost:held}", 30, task="t", task_id="next")
+    assert not result.acquired and result.holder is not None and result.holder.task_id == "theirs"
