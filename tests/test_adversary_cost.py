@@ -38,10 +38,11 @@ from .support.processes import start_worker
 APP = "tests.apps.tasks_app"
 
 
+@pytest.mark.parametrize("pool", ["solo", "prefork", "threads"])
 def test_a_call_nested_in_a_worker_run_sees_its_own_request(
-    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis,
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, pool: str,
 ) -> None:
-    start_worker(redis_server, APP, "w1", pool="solo", concurrency=1)
+    start_worker(redis_server, APP, f"w-{pool}", pool=pool, concurrency=1)
     result = tasks.nesting.delay("outer")
     assert result.get(timeout=30)[0] == "outer"
     wait_for(lambda: records.llen("nesting") == 2, timeout=30)
