@@ -12,6 +12,14 @@ What broke (each test failed before its fix):
   Celery's ``Task.__call__``, so the worker's stack protection (which runs the body on
   the tracer's request the first time it is called with one request on the stack)
   fired at the nested call instead, and pushed no request of its own for it.
+
+Attacks that held, kept because they reach the new paths:
+
+* a soft time limit raised while a release (behind its done marker) and a counter batch
+  wait in their one-step read: the connection is dropped, the next acquire reads its own
+  replies;
+* counters whose hash and field names hold CRLF, RESP markers, ``%``, non-ASCII or 100k
+  characters, and a batch with an error reply between two integers.
 """
 
 from __future__ import annotations
@@ -95,3 +103,32 @@ def test_a_release_or_a_counter_batch_cut_short_in_its_one_step_read_leaves_no_r
     raise_while_paused(admin, "hincrby", lambda: channel.call(batch))
     result = take_lock(client, "t:{cost:held}", 30, task="t", task_id="next")
     assert not result.acquired and result.holder is not None and result.holder.task_id == "theirs"
+
+
+# -------------------------------------------------------------------- counters spelt as raw RESP
+
+
+def test_counters_of_any_name_are_written_and_an_error_reply_in_a_batch_spares_the_next(
+        redis_db: redis.Redis) -> None:
+    """Held: counter hashes and fields whose names hold spaces, CRLF, RESP markers, ``%``,
+    non-ASCII or 100k characters are written exactly (lengths in bytes, not characters); a
+    batch that meets an error reply in its middle (a hash key holding a string) is read to
+    its end through the general reader, and the next batch on the same channel is counted."""
+    names = ["k with space", "k\r\n*3\r\n$4\r\nnewline", "ключ-é-😀", "L" * 100_000, "%s%d%%"]
+    fields = {"acquired": 1, "f\r\n:1": 2, "é": -3, "big": 2**62}
+    for name in names:
+        for field, amount in fields.items():
+            counters.count(redis_db, name, field, amount)
+    counters.flush()
+    written = {field.encode(): str(amount).encode() for field, amount in fields.items()}
+    for name in names:
+        assert redis_db.hgetall(name) == written, f"counters of {name[:20]!r}"
+        assert redis_db.pttl(name) > 0
+    redis_db.set("a string", "x")
+    for name in ("first", "a string", "last"):
+        counters.count(redis_db, name, "n")
+    counters.flush()  # -WRONGTYPE between two integers: logged, best effort
+    counters.count(redis_db, "first", "m")
+    counters.flush()
+    assert redis_db.hgetall("first") == {b"n": b"1", b"m": b"1"}
+    assert redis_db.hgetall("last") == {b"n": b"1"}
