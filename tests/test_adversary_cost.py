@@ -11,7 +11,10 @@ What broke (each test failed before its fix):
   saw the *outer* run's request (its args and kwargs): the run no longer went through
   Celery's ``Task.__call__``, so the worker's stack protection (which runs the body on
   the tracer's request the first time it is called with one request on the stack)
-  fired at the nested call instead, and pushed no request of its own for it.
+  fired at the nested call instead, and pushed no request of its own for it;
+* (older than these changes) after such a nested call returned, the outer body's
+  ``self.singleton`` was the nested call's lock (key and fencing token), released already:
+  the nested call set its lock on the outer run's request.
 
 Attacks that held, kept because they reach the new paths:
 
@@ -31,14 +34,18 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
+from celery_singleton_beat import SingletonTask
 from celery_singleton_beat.connection.channel import channel_for
 from celery_singleton_beat.connection.wire import Request
 from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.commands import raise_errors
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 
-from .support import RedisServer, wait_for
+from .support import LOCK_DB, RedisServer, wait_for
 from .support.interrupts import RaiseInto, blocked_on, when
 from .support.locking import take_lock
 from .support.processes import start_worker
@@ -132,3 +139,32 @@ def test_counters_of_any_name_are_written_and_an_error_reply_in_a_batch_spares_t
     counters.flush()
     assert redis_db.hgetall("first") == {b"n": b"1", b"m": b"1"}
     assert redis_db.hgetall("last") == {b"n": b"1"}
+
+
+# -------------------------------------------------------------------- a nested call's lock
+
+
+def test_after_a_nested_call_the_run_still_sees_its_own_lock(redis_server: RedisServer, locks: redis.Redis) -> None:
+    """A call nested in a run (``self(...)`` in the body) takes the lock of its own key; once it
+    returned, the outer body's ``self.singleton`` is the outer run's lock again (its key and
+    fencing token), not the nested call's, which was released."""
+    app = Celery("nested", broker="memory://", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True,
+                    singleton_redis_url=redis_server.url(LOCK_DB))
+
+    @app.task(base=SingletonTask, bind=True, shared=False, unique_on=["x"])
+    def job(self: SingletonTask, x: int, inner: bool = False) -> Any:
+        if inner:
+            return self.singleton_run.key, self.singleton_run.fence
+        before = self.singleton_run.key, self.singleton_run.fence
+        nested = self(x + 1, inner=True)
+        after = self.singleton_run.key, self.singleton_run.fence
+        return before, nested, after, read_holder(locks, before[0]) is not None
+
+    try:
+        before, nested, after, held = job.delay(1).get()
+    finally:
+        reset_clients()
+    assert nested[0] != before[0], "the nested call held its own key"
+    assert after == before, "the outer body sees its own lock again"
+    assert held
