@@ -273,12 +273,21 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         # the request pushed), unless a class between here and Celery's Task has a __call__
         # to run, or this is a call nested in a run of this task (its own request then).
         direct = type(self)._singleton_direct_call() and "singleton" not in request.__dict__
+        # A nested call sets its lock on the outer run's request (the one its own is copied
+        # from): the outer body gets its own lock back once the nested call returned.
+        outer = None if direct else request.__dict__.get("singleton")
         run = request.singleton = self._begin(request, args, kwargs)
         try:
             if direct:
+                # As a worker's stack protection marks the request when it runs the body on
+                # it: a call nested in this run (``self(...)``) then gets a request of its own
+                # from ``Task.__call__``, not this one (whose args are the outer run's).
+                request._protected = 1
                 return self.run(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         finally:
+            if outer is not None:
+                request.singleton = outer
             self._end(request, run, sys.exc_info()[1])
 
     @classmethod

@@ -201,3 +201,14 @@ def queued_once(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
 def queued_until_start(self: SingletonTask, key: str, seconds: float = 0.0) -> str:
     record_run(key, self, seconds)
     return key
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"])
+def nesting(self: SingletonTask, key: str, inner: bool = False) -> list[Any]:
+    """Calls itself (``self(...)``: a plain call nested in the run) once; each call records
+    the request its body sees, and the key of the lock it holds."""
+    seen = [key, inner, list(self.request.args or ()), dict(self.request.kwargs or {}), self.singleton_run.key]
+    records().rpush("nesting", json.dumps(seen))
+    if not inner:
+        self(f"{key}-inner", inner=True)
+    return seen
