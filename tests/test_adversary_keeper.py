@@ -15,25 +15,48 @@ Attacks, and what they found:
 2. One round over two servers (two clients), one of them killed: HELD. The dead server's
    leases are retried before they end and not reported lost; the live server's are renewed
    in their own request. ``test_a_round_over_two_servers_judges_each_on_its_own_when_one_dies``.
+3. A greenlet process whose lock client is replaced (``reset_clients()`` after a settings
+   change, the lock Redis's URL now another server's): **BROKE**. The keeper's own client
+   (``lock_redis.thread_client``) was kept in a process-wide dict keyed by ``id()`` of the
+   client it copies, never dropped: every replaced client's copy (and its connections to the
+   old server) lived for ever, and a new client that CPython allocated where a dropped one
+   had been got the dropped one's copy: the keeper renewed the new server's leases on the old
+   server (in 2,000 replacements alternating between two servers, 0.3-1% of the new clients
+   got a copy of the other server). The copies now live on the client they copy.
+   ``test_a_replaced_lock_client_never_lends_its_keeper_copy_to_the_next``.
+5. A greenlet process whose keeper cannot make its own client of a server (a Redis Cluster whose
+   seed address does not answer: making the client connects, up to ``socket_connect_timeout``,
+   5 s by default, per attempt): **BROKE**. The keeper tried to make it twice per lease of that
+   server and round (once to group the lease, once on its own path), not once per round: 100
+   leases, 200 attempts, the keeper's thread held up for minutes while every other lease of
+   the process waited. ``test_a_keeper_copy_that_cannot_be_made_is_tried_once_per_round``.
+4. Greenlet processes, the keeper's hub blocked by a CPU loop, 50 leases of TTL 1.5 s:
+   eventlet, gevent, and gevent patching after the library was imported and its keeper made:
+   HELD (each lease renewed three times while the hub never ran, none lost; the original
+   thread functions kept are the unpatched ones). Not kept (``tests/test_pools.py`` runs
+   real gevent and eventlet workers).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import pytest
 import redis
 
+from celery_singleton_beat import native
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
 from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
-from celery_singleton_beat.recovery.server import server_of
+from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
-from .support import RedisServer, skip_or_fail
+from .support import RedisServer, TestProcess, importorskip, skip_or_fail
 from .support.owners import register
+from .support.paths import ROOT
 
 #: Distinct TTLs: a renewal sent with another lease's TTL (another lease's cached request) shows.
 TTLS = [30.0, 60.0, 40.0, 45.0, 50.0, 35.0]
@@ -134,3 +157,104 @@ def test_a_round_over_two_servers_judges_each_on_its_own_when_one_dies(
         else:
             assert k.renewals == 1
     assert_each_its_own(second.client(), twos, TTLS[3:])
+
+
+# -------------------------------------------------------------------- 3. a replaced client
+
+REPLACED = r"""
+from gevent import monkey
+monkey.patch_all()
+
+import gc
+import sys
+import weakref
+
+from celery import Celery
+
+from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.lease import counters
+from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients, thread_client
+from celery_singleton_beat.recovery.server import LockServer, server_of
+
+urls = sys.argv[1:3]
+app = Celery("replaced", set_as_current=False)
+app.conf.singleton_redis_url = urls[0]
+first = get_redis(app)
+copy = weakref.ref(thread_client(first))
+reset_clients()
+del first
+counters.flush()
+gc.collect()
+alive = copy() is not None
+wrong = 0
+for n in range(2000):
+    app.conf.singleton_redis_url = urls[n % 2]
+    clear_settings_cache()
+    reset_clients()
+    client = get_redis(app)
+    own = thread_client(client)
+    if server_of(own) is not server_of(client):
+        wrong += 1
+    del client, own
+print(f"RESULT alive={int(alive)} wrong={wrong}", flush=True)
+"""
+
+
+def test_a_replaced_lock_client_never_lends_its_keeper_copy_to_the_next(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """In a gevent-patched child, the app's lock client is replaced 2,000 times, its URL
+    alternating between two servers; each time the keeper's own client of the new one is
+    asked for. It must be a copy of that very client (sharing its server record), never the
+    copy of a client dropped before; and a dropped client's copy must go with it."""
+    importorskip("gevent")
+    urls = [make_redis().url(), make_redis().url()]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = TestProcess("replaced-client", [sys.executable, "-c", REPLACED, *urls], env=env).start()
+    try:
+        line = child.wait_for_line("RESULT", timeout=120)
+    finally:
+        child.close()
+    counts = {name: int(value) for name, value in (part.split("=") for part in line.split()[1:])}
+    assert counts["alive"] == 0, f"the keeper's copy of a dropped client outlived it ({counts})"
+    assert counts["wrong"] == 0, (
+        f"{counts['wrong']} of 2,000 new lock clients got the keeper copy of a client dropped "
+        f"before (another server's)")
+
+
+# -------------------------------------------------------------------- 5. no copy can be made
+
+
+def test_a_keeper_copy_that_cannot_be_made_is_tried_once_per_round(
+        make_redis: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greenlet process (``native.green``) holds 100 leases on one server, whose client the
+    keeper cannot copy (its making raises ``ConnectionError``, as a Cluster client whose seed
+    does not answer does after its connect timeout), and six on another. One round must try
+    to make the failing copy once, retry those 100 leases before they end (none lost), and
+    renew the six."""
+    failing, working = make_redis(), make_redis()
+    for server in (failing, working):
+        mark_in_use(server.client())
+    bad, good = failing.client(), working.client()
+    many = take(bad, "no-copy", [30.0] * 100)
+    six = take(good, "copy", TTLS)
+    monkeypatch.setattr(native, "green", lambda: True)
+    attempts: list[int] = []
+    copy_of = LockServer.copy_of
+
+    def cannot_copy(self: LockServer, client: redis.Redis) -> redis.Redis:
+        if client is bad:
+            attempts.append(1)
+            raise redis.ConnectionError("Timeout connecting to the seed node")
+        return copy_of(self, client)
+
+    monkeypatch.setattr(LockServer, "copy_of", cannot_copy)
+    keeper = LeaseKeeper()
+    kept = [KeptLease(lease, None) for lease in many + six]
+    retries = dict(keeper._renew_batch(kept))
+    assert len(attempts) == 1, f"the keeper tried to make its copy {len(attempts)} times in one round"
+    assert not any(k.lost for k in kept)
+    for k in kept[:100]:
+        at = retries[k]
+        assert k.renewals == 0 and at is not None and at <= k.lease.valid_until, "retried before its end"
+    assert all(k.renewals == 1 for k in kept[100:])
+    assert_each_its_own(working.client(), six, TTLS)
