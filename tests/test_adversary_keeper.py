@@ -21,20 +21,25 @@ Attacks, and what they found:
    client it copies, never dropped: every replaced client's copy (and its connections to the
    old server) lived for ever, and a new client that CPython allocated where a dropped one
    had been got the dropped one's copy: the keeper renewed the new server's leases on the old
-   server (in 2,000 replacements alternating between two servers, 0.3-1% of the new clients
-   got a copy of the other server). The copies now live on the client they copy.
+   server (in replacements alternating between two servers, 1-2% of the new clients got a
+   copy of the other server: 3 of 300, 41 of 2,000). The copies now live on the client they copy.
    ``test_a_replaced_lock_client_never_lends_its_keeper_copy_to_the_next``.
-5. A greenlet process whose keeper cannot make its own client of a server (a Redis Cluster whose
+4. A greenlet process whose keeper cannot make its own client of a server (a Redis Cluster whose
    seed address does not answer: making the client connects, up to ``socket_connect_timeout``,
    5 s by default, per attempt): **BROKE**. The keeper tried to make it twice per lease of that
    server and round (once to group the lease, once on its own path), not once per round: 100
    leases, 200 attempts, the keeper's thread held up for minutes while every other lease of
    the process waited. ``test_a_keeper_copy_that_cannot_be_made_is_tried_once_per_round``.
-4. Greenlet processes, the keeper's hub blocked by a CPU loop, 50 leases of TTL 1.5 s:
-   eventlet, gevent, and gevent patching after the library was imported and its keeper made:
+5. Greenlet processes, the keeper's hub blocked by a CPU loop, 50 leases of TTL 1.5 s:
+   eventlet, gevent, and either patching after the library was imported and its keeper made:
    HELD (each lease renewed three times while the hub never ran, none lost; the original
-   thread functions kept are the unpatched ones). Not kept (``tests/test_pools.py`` runs
-   real gevent and eventlet workers).
+   thread functions kept are the unpatched ones); and ``reset_clients()`` while ten leases of
+   the old client are kept: HELD (renewed three more times, none lost). Not kept
+   (``tests/test_pools.py`` runs real gevent and eventlet workers).
+6. Native renewals (Valkey 9.1's ``SET IFEQ``, a null reply that does not say why) in RESP2 and
+   RESP3, six in one batch, one deleted and one held by another, the second round sending the
+   kept requests: HELD (only those two lost, the other's key untouched, the rest renewed to
+   their own TTLs). ``test_native_renewals_judge_each_lease_on_its_own_reply``.
 """
 
 from __future__ import annotations
@@ -221,7 +226,7 @@ def test_a_replaced_lock_client_never_lends_its_keeper_copy_to_the_next(
         f"before (another server's)")
 
 
-# -------------------------------------------------------------------- 5. no copy can be made
+# -------------------------------------------------------------------- 4. no copy can be made
 
 
 def test_a_keeper_copy_that_cannot_be_made_is_tried_once_per_round(
@@ -258,3 +263,34 @@ def test_a_keeper_copy_that_cannot_be_made_is_tried_once_per_round(
         assert k.renewals == 0 and at is not None and at <= k.lease.valid_until, "retried before its end"
     assert all(k.renewals == 1 for k in kept[100:])
     assert_each_its_own(working.client(), six, TTLS)
+
+
+# -------------------------------------------------------------------- 6. native, RESP3
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_native_renewals_judge_each_lease_on_its_own_reply(protocol: int) -> None:
+    """Valkey 9.1 (``SET IFEQ``, which answers null without saying why): six leases in one
+    batch, one deleted and one held by another holder; twice, so that the second round sends
+    the kept requests. Only those two lost, the other's key untouched, the rest renewed to
+    their own TTLs."""
+    valkey = register(RedisServer(name="native-valkey", binary=valkey_server_binary()))
+    client = redis.Redis(port=valkey.port, protocol=protocol, socket_timeout=10)
+    try:
+        valkey.start()
+        direct = valkey.client()
+        mark_in_use(direct)
+        leases = take(client, f"native{protocol}", TTLS)
+        keeper = LeaseKeeper()
+        kept = [KeptLease(lease, None) for lease in leases]
+        keeper._renew_batch(kept)
+        assert not any(k.lost for k in kept) and keeper.batches == 1
+        direct.delete(leases[1].key)
+        direct.set(leases[4].key, "another holder's value", px=60_000)
+        keeper._renew_batch(kept)
+        assert [k.lost for k in kept] == [False, True, False, False, True, False]
+        assert direct.get(leases[4].key) == b"another holder's value" and direct.get(leases[1].key) is None
+        assert_each_its_own(direct, [leases[n] for n in (0, 2, 3, 5)], [TTLS[n] for n in (0, 2, 3, 5)])
+    finally:
+        client.close()
+        valkey.close()
