@@ -453,7 +453,6 @@ def test_the_keepers_own_client_shares_the_memory_the_rule_reads(
     first; the keeper's client, connecting afterwards, finds nothing new. Its put-back is
     still decided: both clients share one ``LockServer``, hence the epoch and ``lost_by``."""
     monkeypatch.setattr(native, "green", lambda: True)
-    monkeypatch.setattr(lock_redis, "_thread_clients", {})
     server = make_redis()
     mark_in_use(server.client())
     a = process(server.port)

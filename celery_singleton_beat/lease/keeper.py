@@ -249,20 +249,28 @@ class LeaseKeeper:
         each judged on its own reply; the monotonic time of each one's next attempt."""
         groups: dict[tuple[int, str], tuple[Any, list[KeptLease]]] = {}
         # The keeper's own client and its kind, once per lock client, not per lease: in a
-        # gevent worker this thread's Python work holds up the hub (see .native).
-        vias: dict[int, tuple[Any, bool]] = {}
+        # gevent worker this thread's Python work holds up the hub (see .native). A client
+        # that cannot be made (a Cluster whose seed does not answer: each attempt waits up to
+        # its connect timeout) is tried once per round too; its leases are retried.
+        vias: dict[int, tuple[Any, bool] | BaseException] = {}
+        done: list[tuple[KeptLease | PendingRelease, float | None]] = []
         for kept in leases:
-            try:
-                client = kept.lease.client
-                found = vias.get(id(client))
-                if found is None:
+            client = kept.lease.client
+            found = vias.get(id(client))
+            if found is None:
+                try:
                     via = thread_client(client)
                     found = vias[id(client)] = (via, is_cluster(via))
-                via, cluster = found
+                except Exception as exc:  # judged with each of its leases, where errors are
+                    found = vias[id(client)] = exc
+            if isinstance(found, BaseException):
+                done.append((kept, self._renew(kept, found)))
+                continue
+            via, cluster = found
+            try:
                 groups.setdefault(group_key(via, kept.lease, cluster), (via, []))[1].append(kept)
-            except Exception:  # no client or node for it now (a Cluster unreachable or being
-                groups[(id(kept), "")] = (None, [kept])  # reshaped): on its own, where errors are judged
-        done: list[tuple[KeptLease | PendingRelease, float | None]] = []
+            except Exception:  # no node for it now (a Cluster being reshaped): on its own
+                groups[(id(kept), "")] = (via, [kept])
         for via, group in groups.values():
             if len(group) == 1:
                 done.append((group[0], self._renew(group[0], via=via)))
@@ -334,10 +342,10 @@ class LeaseKeeper:
         time of the next attempt, or None when done."""
         lease = kept.lease
         try:
-            if via is None:
-                via = thread_client(lease.client)
             if isinstance(outcome, BaseException):
                 raise outcome
+            if via is None:
+                via = thread_client(lease.client)
             held = self._settle(kept, lease.renew_once(via) if outcome is None else outcome, via)
             if isinstance(held, Later):
                 return held.at

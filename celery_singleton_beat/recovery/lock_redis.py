@@ -95,6 +95,7 @@ def reset_clients() -> None:
         for owner, client in list(_clients.values()):
             if owner == pid:
                 client.close()
+                _close_copies(client)
         _clients.clear()
 
 
@@ -110,19 +111,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-_thread_clients: dict[tuple[int, int], Any] = {}
-
-
 def thread_client(client: Any) -> Any:
     """``client``, or in a greenlet process a copy of it owned by the calling OS thread.
 
     The copy has the same settings and shares what the library knows of the
-    server (see :func:`.server.server_of`).
+    server (see :func:`.server.server_of`). It is kept on ``client`` itself, by OS
+    thread: it goes with the client it copies (a client replaced by
+    :func:`reset_clients` takes its copies' connections along), and a new client can
+    never be given the copy of one dropped before (a cache keyed by ``id()`` could:
+    a new object may be allocated where a dropped one was).
     """
     if not native.green():
         return client
-    key = (native.get_ident(), id(client))
-    own = _thread_clients.get(key)
+    copies: dict[int, Any] | None = getattr(client, "csb_thread_clients", None)
+    if copies is None:
+        copies = vars(client).setdefault("csb_thread_clients", {})
+    ident = native.get_ident()
+    own = copies.get(ident)
     if own is None:
-        own = _thread_clients[key] = server_of(client).copy_of(client)
+        own = copies[ident] = server_of(client).copy_of(client)
     return own
+
+
+def _close_copies(client: Any) -> None:
+    """Close the OS threads' copies of ``client`` (see :func:`thread_client`)."""
+    for own in list(getattr(client, "csb_thread_clients", {}).values()):
+        own.close()
