@@ -85,6 +85,7 @@ from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, wait_for
 from .support.fault_proxy import command_length, reply_length
+from .support.locking import take_leases
 from .support.loopback import LoopbackProxy, close_socket, shut_write
 from .support.paths import ROOT
 from .support.processes import TestProcess
@@ -95,15 +96,6 @@ from .support.topologies import Topology
 
 #: Distinct TTLs: a renewal sent with another lease's TTL, or a reply read for another lease, shows.
 TTLS = [3.0, 30.0, 7.0, 11.0, 19.0, 5.0]
-
-
-def take(client: Any, prefix: str, ttls: list[float]) -> list[Lease]:
-    leases = []
-    for n, ttl in enumerate(ttls):
-        lease = acquire(client, f"singleton:{{{prefix}:{n}}}", LockSpec(task="adv", ttl=ttl), f"run-{n}").lease
-        assert lease is not None
-        leases.append(lease)
-    return leases
 
 
 def own_server(make_redis: Callable[..., RedisServer]) -> tuple[RedisServer, redis.Redis]:
@@ -186,7 +178,7 @@ def test_a_batch_cut_mid_reply_is_sent_again_and_each_lease_judged_on_its_own_re
     proxy = MidReplyCut(server.port, keep=3)
     client = redis.Redis(port=proxy.port)
     try:
-        leases = take(client, "cut", TTLS)
+        leases = take_leases(client, "cut", TTLS)
         for lease in leases:
             direct.pexpire(lease.key, 2_000)
         for taken in (1, 4):
@@ -228,7 +220,7 @@ def test_a_batch_after_a_data_loss_puts_each_lock_back_alone_but_not_an_ended_ru
     key untouched); 3 neither put back nor reported lost."""
     server, direct = own_server(make_redis)
     client = server.client()
-    leases = take(client, "loss", TTLS)
+    leases = take_leases(client, "loss", TTLS)
     epoch = server_of(client).epoch
     server.restart()
     direct.set(leases[1].key, "another holder's value")
@@ -269,7 +261,7 @@ def test_a_busy_server_sends_every_lease_of_a_batch_to_its_retry(
     is retried before its lease ends; none is lost. Once the script is killed, the next
     batch renews them all."""
     server, direct = own_server(make_redis)
-    leases = take(server.client(), "busy", [3.0] * 6)
+    leases = take_leases(server.client(), "busy", [3.0] * 6)
     keeper = LeaseKeeper()
     kept = [KeptLease(lease, None) for lease in leases]
     alone: list[KeptLease] = []
@@ -471,7 +463,7 @@ def test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper(
     keeper.) Expected: the round ends, each lease put back or lost, the mutex free."""
     server, _ = own_server(make_redis)
     client = server.client()
-    leases = take(client, "twice", [30.0] * 3)
+    leases = take_leases(client, "twice", [30.0] * 3)
     server.restart()  # data loss 1
     keeper = LeaseKeeper()
     monkeypatch.setattr(keeper_module, "_keeper", keeper)  # the process's keeper: its listener's

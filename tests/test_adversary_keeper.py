@@ -54,12 +54,11 @@ import redis
 from celery_singleton_beat import native
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
 from celery_singleton_beat.lease.lease import Lease
-from celery_singleton_beat.lease.lock import acquire
-from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, TestProcess, importorskip
+from .support.locking import take_leases
 from .support.owners import register
 from .support.paths import ROOT
 
@@ -79,15 +78,6 @@ def valkey_server_binary() -> str:
         # A skip in CI too (listed in support.skips.ALLOWED_SKIPS): its full run has no Valkey.
         pytest.skip("no Valkey 9.1: set VALKEY_SERVER, or BENCH_SERVERS after `make bench` installed it")
     return located[0]
-
-
-def take(client: redis.Redis, prefix: str, ttls: list[float]) -> list[Lease]:
-    leases = []
-    for n, ttl in enumerate(ttls):
-        lease = acquire(client, f"singleton:{prefix}:{n}", LockSpec(task="adv", ttl=ttl), f"run-{n}").lease
-        assert lease is not None
-        leases.append(lease)
-    return leases
 
 
 def assert_each_its_own(direct: redis.Redis, leases: list[Lease], ttls: list[float]) -> None:
@@ -112,7 +102,7 @@ def test_a_server_restarted_as_another_version_renews_each_lease_with_its_own_va
     try:
         valkey.start()
         mark_in_use(valkey.client())
-        leases = take(client, f"swap{protocol}", TTLS)
+        leases = take_leases(client, f"swap{protocol}", TTLS)
         keeper = LeaseKeeper()
         kept = [KeptLease(lease, None) for lease in leases]
         keeper._renew_batch(kept)
@@ -148,7 +138,7 @@ def test_a_round_over_two_servers_judges_each_on_its_own_when_one_dies(
     for server in (first, second):
         mark_in_use(server.client())
     one, two = first.client(), second.client()
-    ones, twos = take(one, "first", TTLS[:3]), take(two, "second", TTLS[3:])
+    ones, twos = take_leases(one, "first", TTLS[:3]), take_leases(two, "second", TTLS[3:])
     keeper = LeaseKeeper()
     kept = [KeptLease(lease, None) for pair in zip(ones, twos, strict=True) for lease in pair]
     first.kill()
@@ -241,8 +231,8 @@ def test_a_keeper_copy_that_cannot_be_made_is_tried_once_per_round(
     for server in (failing, working):
         mark_in_use(server.client())
     bad, good = failing.client(), working.client()
-    many = take(bad, "no-copy", [30.0] * 100)
-    six = take(good, "copy", TTLS)
+    many = take_leases(bad, "no-copy", [30.0] * 100)
+    six = take_leases(good, "copy", TTLS)
     monkeypatch.setattr(native, "green", lambda: True)
     attempts: list[int] = []
     copy_of = LockServer.copy_of
@@ -281,7 +271,7 @@ def test_native_renewals_judge_each_lease_on_its_own_reply(protocol: int) -> Non
         valkey.start()
         direct = valkey.client()
         mark_in_use(direct)
-        leases = take(client, f"native{protocol}", TTLS)
+        leases = take_leases(client, f"native{protocol}", TTLS)
         keeper = LeaseKeeper()
         kept = [KeptLease(lease, None) for lease in leases]
         keeper._renew_batch(kept)

@@ -22,3 +22,14 @@ def renew(lease: Lease) -> bool:
     """Renew ``lease`` once, putting its lock back where the server lost it, through the
     keeper's guarded path (:meth:`.keeper.LeaseKeeper.renew`); False if it is no longer ours."""
     return get_keeper().renew(KeptLease(lease, None))
+
+
+def take_leases(client: Any, prefix: str, ttls: list[float]) -> list[Lease]:
+    """One lease per TTL, keys ``singleton:{<prefix>:<n>}`` (a hash tag each: Cluster-safe), task
+    ids ``run-<n>``; each must be won."""
+    leases = []
+    for n, ttl in enumerate(ttls):
+        lease = acquire(client, f"singleton:{{{prefix}:{n}}}", LockSpec(task="adv", ttl=ttl), f"run-{n}").lease
+        assert lease is not None
+        leases.append(lease)
+    return leases
