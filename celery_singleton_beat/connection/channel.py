@@ -72,7 +72,7 @@ from .wire import (
     write_request,
 )
 
-__all__ = ["Channel", "channel_for", "channel_or_none", "supports_channel"]
+__all__ = ["Channel", "channel_for", "channel_or_none", "close_channels", "close_own_channels", "supports_channel"]
 
 #: Called with the result of a request sent without waiting (or the error it got).
 ReplyHandler = Callable[[Any, BaseException | None], None]
@@ -133,6 +133,9 @@ class Channel:
         self._unsent = False
         #: True while the flusher thread watches this channel (set and cleared by it).
         self.watched = False
+        #: Closed by :meth:`close` and not used since (a later use connects again).
+        self.closed = False
+        _register(self, client)
 
     # ----------------------------------------------------------------- public
 
@@ -256,6 +259,23 @@ class Channel:
         finally:
             self._lock.release()
 
+    def close(self) -> None:
+        """Read the pending replies (each handler gets its outcome), then close the connection.
+
+        For a channel nobody will use any more: its client was dropped
+        (:func:`close_channels`) or its thread is done (:func:`close_own_channels`).
+        Should it be used after all (a run still holding a lease of a dropped client),
+        it connects again.
+        """
+        with contextlib.suppress(Exception):  # each handler got the error
+            self.flush()
+        with self._lock:
+            if self._pending:  # could not be read: reported lost, not sent again
+                self._lost(None, resend=False)
+            else:
+                self._drop()
+            self.closed = True
+
     @property
     def pending(self) -> int:
         """Requests written whose reply has not been read yet."""
@@ -284,6 +304,7 @@ class Channel:
             pool = self._pool
             self._connection = pool.connection_class(**pool.connection_kwargs)
         self._used = False
+        self.closed = False
         self._last_read = time.monotonic()
         ensure_checked(self._connection, looker_of(self._client))
         link = self._link = SocketLink(self._connection._sock)
@@ -457,9 +478,48 @@ _local = threading.local()
 _generation = 0
 
 
+#: Guards the channel sets kept on clients (:func:`_register`, :func:`close_channels`).
+_registry_lock = threading.Lock()
+
+
 def _new_generation_in_child() -> None:
-    global _generation
+    global _generation, _registry_lock
     _generation += 1
+    _registry_lock = threading.Lock()  # another thread may have held it while forking
+
+
+def _register(channel: Channel, client: Any) -> None:
+    """Keep ``channel`` in the set of ``client``'s channels (every thread's), weakly: on the
+    client itself, so that the channels go with it (see :func:`close_channels`)."""
+    with _registry_lock:
+        channels: weakref.WeakSet[Channel] | None = vars(client).get("csb_channels")
+        if channels is None:
+            channels = client.csb_channels = weakref.WeakSet()
+        channels.add(channel)
+
+
+def close_channels(client: Any) -> None:
+    """Close the channel of every thread of this process for ``client``, which is dropped
+    (:func:`.recovery.lock_redis.reset_clients`): a channel's connection is its own, not of
+    the client's pool, so closing the client leaves it open. A thread busy on its channel
+    finishes its request first."""
+    with _registry_lock:
+        channels = list(getattr(client, "csb_channels", ()))
+    for channel in channels:
+        channel.close()
+
+
+def close_own_channels() -> None:
+    """Close every channel of the calling thread, which is done with them (a heartbeat
+    thread that stops). Never the channels a forked child's thread inherited: their
+    connections are the parent's."""
+    channels = getattr(_local, "channels", None)
+    if channels is None or _local.generation != _generation:
+        return
+    _local.channels = {}
+    for _, channel in channels.values():
+        if channel is not None:
+            channel.close()
 
 
 os.register_at_fork(after_in_child=_new_generation_in_child)
@@ -486,7 +546,11 @@ def channel_or_none(client: Any) -> Channel | None:
     else:
         channels = _local.channels = {}
         _local.generation = _generation
-    # A new client, an id reused, or a new process.
+    # A new client, an id reused, or a new process. Channels closed since their client was
+    # dropped are forgotten (each keeps its client alive, so its entry would stay for ever).
+    for ident in [ident for ident, (_, known_channel) in channels.items()
+                  if known_channel is not None and known_channel.closed]:
+        del channels[ident]
     channel = Channel(client) if supports_channel(client) else None
     channels[id(client)] = (weakref.ref(client), channel)
     return channel

@@ -31,11 +31,11 @@ from typing import Any
 import redis
 
 from .. import native
-from ..connection.channel import channel_or_none
+from ..connection.channel import channel_or_none, close_own_channels
 from ..connection.pooled import run_pooled
 from ..connection.wire import Request
 from ..log import logger
-from ..recovery.lock_redis import thread_client
+from ..recovery.lock_redis import release_thread_client, thread_client
 from ..recovery.server import server_of
 
 __all__ = ["Heartbeat", "boot_id", "is_alive", "live_key", "publishes_liveness"]
@@ -94,6 +94,8 @@ class Heartbeat:
         self._stopped = False
         self._wake = native.Wakeup()
         self.beats = 0
+        #: The client the thread used last (its own copy of it is closed when it stops).
+        self._last: Any = None
 
     @property
     def client(self) -> Any:
@@ -138,13 +140,25 @@ class Heartbeat:
         self._wake.notify()
 
     def _run(self) -> None:
+        try:
+            self._beat_until_stopped()
+        finally:
+            # The thread's own connection goes with it (its lock channel, or in a greenlet
+            # process its copy of the client); those of a client dropped meanwhile were
+            # closed with it (reset_clients).
+            close_own_channels()
+            if self._last is not None:
+                release_thread_client(self._last)
+
+    def _beat_until_stopped(self) -> None:
         wait = self.interval
         while True:
             self._wake.wait(wait)
             if self._stopped:
                 return
             try:
-                if not self.beat(thread_client(self.client), own_connection=True):
+                client = self._last = self.client
+                if not self.beat(thread_client(client), own_connection=True):
                     logger.error("liveness key %s had expired: this worker counted as dead for a "
                                  "while; other workers may have taken over its locks", self.key)
                 wait = self.interval

@@ -27,10 +27,11 @@ from celery import Celery
 
 from .. import native
 from ..config import get_settings
+from ..connection.channel import close_channels
 from ..connection.client import RedisClient, redis_from_url
 from .server import LockServer, memory_for, server_of
 
-__all__ = ["GENERATION", "get_redis", "reset_clients", "thread_client"]
+__all__ = ["GENERATION", "get_redis", "release_thread_client", "reset_clients", "thread_client"]
 
 
 _clients: weakref.WeakKeyDictionary[Celery, tuple[int, RedisClient]] = weakref.WeakKeyDictionary()
@@ -88,15 +89,23 @@ GENERATION = [0]
 
 
 def reset_clients() -> None:
-    """Drop every cached client (tests, or after changing settings at run time)."""
+    """Drop every cached client (tests, or after changing settings at run time).
+
+    Each is closed with everything made for it: its pool, its OS threads' copies
+    (:func:`thread_client`) and every thread's lock channel (a connection of the
+    thread's own, the heartbeat's included): a thread that goes on asks for the new
+    client and gets new ones. Closed outside the cache's lock: a thread busy on a
+    channel finishes its request first.
+    """
     GENERATION[0] += 1
     with _lock:
         pid = os.getpid()
-        for owner, client in list(_clients.values()):
-            if owner == pid:
-                client.close()
-                _close_copies(client)
+        dropped = [client for owner, client in _clients.values() if owner == pid]
         _clients.clear()
+    for client in dropped:
+        client.close()
+        _close_copies(client)
+        close_channels(client)
 
 
 def _after_fork_in_child() -> None:
@@ -131,6 +140,15 @@ def thread_client(client: Any) -> Any:
     if own is None:
         own = copies[ident] = server_of(client).copy_of(client)
     return own
+
+
+def release_thread_client(client: Any) -> None:
+    """Close the calling OS thread's copy of ``client`` (:func:`thread_client`), if it has
+    one: the thread is done with it (a heartbeat that stops)."""
+    copies: dict[int, Any] = getattr(client, "csb_thread_clients", {})
+    own = copies.pop(native.get_ident(), None)
+    if own is not None:
+        own.close()
 
 
 def _close_copies(client: Any) -> None:

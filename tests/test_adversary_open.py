@@ -1,0 +1,112 @@
+"""Adversarial review of the lock connection: what stays open after the lock clients are
+dropped, and what the raw reply reader makes of RESP3 push frames (real redis-servers).
+
+Attacks, and what they found:
+
+1. ``reset_clients()`` while the worker's heartbeat thread runs, and after it stopped:
+   **BROKE**. The heartbeat thread writes the liveness key on its own lock channel (a
+   connection of the thread, not of the client's pool). ``reset_clients()`` closed the
+   dropped clients' pools, never that connection: it stayed open for the life of the
+   thread (the channel kept the dropped client alive, so nothing ever collected it), one
+   more for every reset, and a stopped heartbeat left its connection open too. Now every
+   channel of a dropped client is closed (its pending replies read first), and a stopped
+   heartbeat closes what it opened.
+   ``test_a_reset_while_the_heartbeat_runs_leaves_no_connection_of_the_dropped_client`` and
+   ``test_a_stopped_heartbeat_leaves_no_connection_open``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_singleton_beat import native
+from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.lease import liveness
+from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
+
+from .support import RedisServer, wait_for
+
+#: The name every connection of the test's lock client gives itself (``CLIENT SETNAME``,
+#: from the client's options): the test's own admin connection has none.
+NAME = "csb-lock"
+PREFIX = "singleton"
+
+
+def named(admin: redis.Redis) -> set[int]:
+    """The ids of the lock client's connections open on the server now."""
+    return {int(entry["id"]) for entry in admin.client_list() if entry.get("name") == NAME}
+
+
+@pytest.fixture
+def lock_app(make_redis: Callable[..., RedisServer]) -> Iterator[tuple[Celery, redis.Redis]]:
+    """An app whose lock Redis is a server of its own (liveness renewed every 0.1 s), and
+    an admin client of that server."""
+    server = make_redis()
+    app = Celery("open-connections", set_as_current=False)
+    app.conf.singleton_redis_url = server.url()
+    app.conf.singleton_redis_options = {"client_name": NAME}
+    app.conf.singleton_liveness_ttl = 0.3
+    clear_settings_cache()
+    reset_clients()
+    admin = server.client()
+    yield app, admin
+    reset_clients()
+    clear_settings_cache()
+    admin.close()
+
+
+def start_heartbeat(app: Celery) -> liveness.Heartbeat:
+    """The worker's heartbeat as its boot step starts it, once its thread has beaten twice."""
+    beat = liveness.Heartbeat(lambda: get_redis(app), PREFIX, 0.3, "w@h").start()
+    wait_for(lambda: beat.beats >= 3, timeout=10, message="the heartbeat thread's first beats")
+    return beat
+
+
+@pytest.fixture(params=[False, True], ids=["threads", "greenlets"])
+def green(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run as a thread-pool process (the heartbeat on its lock channel) or as a greenlet one
+    (on an OS-thread copy of the client, see ``lock_redis.thread_client``)."""
+    if request.param:
+        monkeypatch.setattr(native, "green", lambda: True)
+    return bool(request.param)
+
+
+def test_a_reset_while_the_heartbeat_runs_leaves_no_connection_of_the_dropped_client(
+        lock_app: tuple[Celery, redis.Redis], green: bool) -> None:
+    """The heartbeat runs on across ``reset_clients()``: it moves to the new client, and
+    every connection the dropped client had (the heartbeat thread's own included) is closed."""
+    app, admin = lock_app
+    beat = start_heartbeat(app)
+    try:
+        before = named(admin)
+        assert before, "the lock client's connections are named"
+        reset_clients()
+        beats = beat.beats
+        wait_for(lambda: beat.beats >= beats + 2, timeout=10, message="the heartbeat beating on the new client")
+        assert admin.exists(liveness.live_key(PREFIX, liveness.boot_id()))
+        wait_for(lambda: not named(admin) & before, timeout=10,
+                 message=f"the dropped client's connections closed (open: {named(admin) & before})")
+    finally:
+        beat.stop()
+        liveness._publishing = False  # this test process is no worker
+
+
+def test_a_stopped_heartbeat_leaves_no_connection_open(lock_app: tuple[Celery, redis.Redis], green: bool) -> None:
+    """A stopped heartbeat closes what its thread opened; ``reset_clients()`` then closes
+    the rest: no connection of the library is left."""
+    app, admin = lock_app
+    get_redis(app).ping()  # the app's client in use in this thread too
+    main = named(admin)
+    beat = start_heartbeat(app)
+    own = named(admin) - main
+    assert own, "the heartbeat thread has a connection of its own"
+    beat.stop()
+    liveness._publishing = False  # this test process is no worker
+    wait_for(lambda: not named(admin) & own, timeout=10,
+             message=f"the stopped heartbeat's connections closed (open: {named(admin) & own})")
+    reset_clients()
+    wait_for(lambda: not named(admin), timeout=10, message=f"every connection closed (open: {named(admin)})")
