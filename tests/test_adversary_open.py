@@ -13,11 +13,22 @@ Attacks, and what they found:
    heartbeat closes what it opened.
    ``test_a_reset_while_the_heartbeat_runs_leaves_no_connection_of_the_dropped_client`` and
    ``test_a_stopped_heartbeat_leaves_no_connection_open``.
+2. RESP3 push frames on the lock channel's connection, which the library reads itself (not
+   through redis-py): client-side caching's ``invalidate`` (``CLIENT TRACKING ON`` on that
+   connection, a key read through it, then changed by another client), arriving while a
+   release's reply is still unread: **BROKE**. The reader took the push frame for the next
+   reply: the acquire after it was judged on the invalidation (and every reply after it
+   shifted by one), a deferred release likewise. Push frames are now skipped (the lock
+   connection has no client-side cache to invalidate). The same frames come from Redis
+   servers that announce maintenance (``MOVING``, ``MIGRATING``) to RESP3 clients.
+   ``test_a_push_frame_before_an_acquire_reply_is_not_taken_for_it`` and
+   ``test_a_push_frame_before_a_release_reply_is_not_taken_for_it``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -25,10 +36,15 @@ from celery import Celery
 
 from celery_singleton_beat import native
 from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.connection import flusher
+from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.wire import Request
 from celery_singleton_beat.lease import liveness
+from celery_singleton_beat.lease.lock import AcquireResult
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 
 from .support import RedisServer, wait_for
+from .support.locking import take_lock
 
 #: The name every connection of the test's lock client gives itself (``CLIENT SETNAME``,
 #: from the client's options): the test's own admin connection has none.
@@ -110,3 +126,84 @@ def test_a_stopped_heartbeat_leaves_no_connection_open(lock_app: tuple[Celery, r
              message=f"the stopped heartbeat's connections closed (open: {named(admin) & own})")
     reset_clients()
     wait_for(lambda: not named(admin), timeout=10, message=f"every connection closed (open: {named(admin)})")
+
+
+# -------------------------------------------------------------------- 2. RESP3 push frames
+
+KEY = "t:{demo.task:mine}"
+OTHER = "t:{demo.task:other}"
+#: Held by another client all along: whoever asks must be told so.
+HELD = "t:{demo.task:held}"
+#: A key the lock connection reads with tracking on: changed by another client, the server
+#: pushes an ``invalidate`` frame for it to the lock connection.
+TRACKED = "cached:{demo}"
+
+
+def take(client: redis.Redis, task_id: str, key: str = KEY) -> AcquireResult:
+    return take_lock(client, key, 30, task="demo.task", task_id=task_id, node="w1@host", boot="b1")
+
+
+def only(replies: list[Any]) -> Any:
+    if isinstance(replies[0], Exception):
+        raise replies[0]
+    return replies[0]
+
+
+@pytest.fixture
+def tracking(redis_db: redis.Redis, redis_server: RedisServer,
+             monkeypatch: pytest.MonkeyPatch) -> tuple[redis.Redis, redis.Redis]:
+    """A RESP3 lock client whose lock channel has client tracking on and has read
+    ``TRACKED``; and another client, which holds ``HELD``. Deferred replies are read
+    when the test says (the background flusher waits an hour)."""
+    monkeypatch.setattr(flusher, "FLUSH_AFTER", 3600.0)
+    client = redis_server.client(protocol=3)
+    other = redis_server.client()
+    assert take(other, "theirs", key=HELD).acquired
+    channel = channel_for(client)
+    assert channel.call(Request([(b"CLIENT", b"TRACKING", b"ON")], only)) in (b"OK", "OK")
+    assert channel.call(Request([(b"GET", TRACKED)], only)) is None  # tracked from now on
+    return client, other
+
+
+def invalidate_behind_the_pending_release(client: redis.Redis, other: redis.Redis, key: str) -> None:
+    """Once the lock channel's pending release of ``key`` ran (its reply is on the way), make
+    the server push an ``invalidate`` frame to that connection: it comes after that reply."""
+    assert channel_for(client).pending == 1
+    wait_for(lambda: not other.exists(key), timeout=10, message="the written release to run")
+    other.set(TRACKED, "changed")
+
+
+def assert_told_the_truth(client: redis.Redis) -> None:
+    """The next acquire on ``client``'s channel reads its own replies: ``HELD`` is another's."""
+    result = take(client, "next", key=HELD)
+    assert not result.acquired, f"told acquired (fence {result.lease and result.lease.fence}) for a key another holds"
+    assert result.holder is not None and result.holder.task_id == "theirs"
+
+
+def test_a_push_frame_before_an_acquire_reply_is_not_taken_for_it(
+        tracking: tuple[redis.Redis, redis.Redis]) -> None:
+    client, other = tracking
+    lease = take(client, "id-1").lease
+    assert lease is not None
+    seen: list[tuple[Any, BaseException | None]] = []
+    assert lease.release_soon(lambda released, error: seen.append((released, error)))
+    invalidate_behind_the_pending_release(client, other, KEY)
+    assert_told_the_truth(client)  # its reply comes after the release's and the push frame
+    assert seen == [(True, None)]
+    assert take(client, "id-2").acquired
+    assert_told_the_truth(client)
+
+
+def test_a_push_frame_before_a_release_reply_is_not_taken_for_it(
+        tracking: tuple[redis.Redis, redis.Redis]) -> None:
+    client, other = tracking
+    first, second = take(client, "id-1").lease, take(client, "id-2", key=OTHER).lease
+    assert first is not None and second is not None
+    seen: list[tuple[Any, BaseException | None]] = []
+    assert first.release_soon(lambda released, error: seen.append((released, error)))
+    invalidate_behind_the_pending_release(client, other, KEY)
+    assert second.release_soon(lambda released, error: seen.append((released, error)))
+    channel_for(client).flush()
+    assert seen == [(True, None), (True, None)], "each release judged on its own reply"
+    assert not other.exists(OTHER)
+    assert_told_the_truth(client)

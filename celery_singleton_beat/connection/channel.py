@@ -307,7 +307,8 @@ class Channel:
         self.closed = False
         self._last_read = time.monotonic()
         ensure_checked(self._connection, looker_of(self._client))
-        link = self._link = SocketLink(self._connection._sock)
+        link = self._link = SocketLink(self._connection._sock,
+                                       resp3=str(getattr(self._connection, "protocol", 2)) == "3")
         if self._pending:  # written on a connection dropped before their replies were read
             if not self._unsent:  # an interruption cut _lost short: the same outcome
                 for entry in self._pending:

@@ -311,7 +311,7 @@ class _PyReader:
                 items.append(item)
             if kind in (b"%", b"|"):
                 return dict(zip(items[::2], items[1::2], strict=True)), at
-            return items, at
+            return (_Push(items) if kind == b">" else items), at
         raise redis.InvalidResponse(f"unknown reply type {line[:20]!r}")
 
 
@@ -319,15 +319,39 @@ class _Short(Exception):
     """The buffer ends inside a reply."""
 
 
+class _Push(list):  # type: ignore[type-arg]
+    """A RESP3 push frame (``>``), as :class:`_PyReader` gives it: no reply to any request."""
+
+
+def _push_types() -> tuple[type, ...]:
+    """The types the reply parsers give RESP3 push frames: :class:`_Push`, and hiredis's
+    ``PushNotification`` (hiredis 3.2 and later, see :func:`reply_reader`)."""
+    try:
+        from hiredis import PushNotification
+    except ImportError:  # not installed, or too old to tell a push frame from an array
+        return (_Push,)
+    return (_Push, PushNotification)
+
+
+#: See :func:`_push_types`.
+PUSH_TYPES = _push_types()
+
+
 #: What a reader's ``gets()`` returns while its reply is not complete.
 _INCOMPLETE: Any = False
 
 
-def reply_reader() -> Any:
-    """A reply parser with ``feed(bytes)`` and ``gets()``: hiredis's C one when installed."""
+def reply_reader(resp3: bool = False) -> Any:
+    """A reply parser with ``feed(bytes)`` and ``gets()``: hiredis's C one when installed.
+
+    ``resp3``: for a connection that may receive push frames, which a hiredis older
+    than 3.2 gives as plain arrays: the Python parser then, which tells them apart.
+    """
     try:
         import hiredis
     except ImportError:
+        return _PyReader()
+    if resp3 and len(PUSH_TYPES) == 1:
         return _PyReader()
     return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError)
 
@@ -339,15 +363,21 @@ class SocketLink:
     ``AUTH``, ``SELECT``) and the server was looked at: nothing of redis-py's
     reads it from then on. Socket errors become redis-py's (a timeout is
     ``TimeoutError``, anything else ``ConnectionError``).
+
+    On a RESP3 connection (``resp3``) the server may send push frames between
+    replies, answering no request: client-side caching's invalidations (``CLIENT
+    TRACKING``), a managed Redis's maintenance notices. They are skipped: the
+    connection has no cache to invalidate, and a maintenance that moves the
+    server closes it, which the channel handles as any lost connection.
     """
 
     __slots__ = ("_reader", "loaded", "outstanding", "sock")
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, resp3: bool = False) -> None:
         self.sock = sock
         self.loaded: set[str] = set()
         self.outstanding = 0
-        self._reader = reply_reader()
+        self._reader = reply_reader(resp3)
 
     def send(self, data: bytes, replies: int = 1) -> None:
         self.outstanding += replies
@@ -361,8 +391,9 @@ class SocketLink:
     def read(self) -> Any:
         reader = self._reader
         reply = reader.gets()
-        while reply is _INCOMPLETE:
-            self._receive()
+        while reply is _INCOMPLETE or type(reply) in PUSH_TYPES:
+            if reply is _INCOMPLETE:
+                self._receive()
             reply = reader.gets()
         self.outstanding -= 1
         return reply
@@ -375,6 +406,8 @@ class SocketLink:
             reply = gets()
             if reply is _INCOMPLETE:
                 self._receive()
+                continue
+            if type(reply) in PUSH_TYPES:  # no reply: see the class's docstring
                 continue
             replies.append(reply)
             if len(replies) == count:
