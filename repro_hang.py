@@ -23,6 +23,8 @@ from harness.redis_server import RedisServerProcess, find_redis_server
 PY = sys.executable
 PYSPY = "/work/main/.venv/bin/py-spy"
 JOBS = [float(x) for x in os.environ.get("JOBS", "0.05,0.2,0.5,1.0").split(",")]
+GATED = bool(os.environ.get("GATED"))
+GATED_SPLIT = float(os.environ.get("GATED_SPLIT", "0.5"))
 DELAY_MAX = float(os.environ.get("DELAY_MAX", "1.5"))
 SCENARIOS = os.environ.get("SCENARIOS", "cut,cut,pause,pause+cut,pause+cut+empty,cut+empty").split(",")
 
@@ -56,7 +58,11 @@ def main() -> None:
     hangs = 0
     for it in range(iterations):
         log = outdir / f"w-{it}.log"
-        worker = subprocess.Popen([PY, "-m", "celery", "-A", "harness.chaos.app", "worker", "-P", "prefork", "-c", "2",
+        gate = outdir / f"gate-{it}"
+        if GATED:
+            gate.mkdir()
+            env["REPRO_GATE"] = str(gate)
+        worker = subprocess.Popen([PY, "-m", "celery", "-A", os.environ.get("APP", "harness.chaos.app"), "worker", "-P", "prefork", "-c", "2",
                                    "-n", f"r{it}@%h", "-l", "info", "-E", "--without-gossip", "--without-mingle",
                                    "--without-heartbeat"], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -80,6 +86,15 @@ def main() -> None:
         delay = rng.uniform(0.0, DELAY_MAX)
         worker.send_signal(signal.SIGTERM)
         term_at = time.monotonic()
+        if GATED:  # wait for the children to reach their exit, then cut, then open
+            while len(list(gate.glob("exiting-*"))) < 2 and time.monotonic() - term_at < 15:
+                time.sleep(0.005)
+            stop.set()
+            if delay < GATED_SPLIT:
+                proxy.cut()
+            (gate / "open").write_text("")
+            time.sleep(delay * 0.05)
+            delay = 0.0
         time.sleep(delay)
         if "pause" in scenario:
             try:
