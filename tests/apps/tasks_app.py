@@ -41,6 +41,15 @@ app.conf.update(
     worker_hijack_root_logger=True,
 )
 
+if os.environ.get("CSB_ENDLESS_CONSUMED_WAIT") == "1":
+    # billiard's pool process, before it exits, waits for the main process to count the
+    # results it sent: 300 looks 0.1 s apart, then it exits anyway. Endless here, so that
+    # a worker whose main process never counts them hangs instead of exiting late.
+    import billiard.pool
+
+    billiard.pool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT = 10**9
+
+
 def records() -> redis.Redis:
     """Client of the record database (one per process)."""
     return record_client(BASE)

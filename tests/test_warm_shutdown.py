@@ -1,0 +1,62 @@
+"""A prefork worker shut down warm exits once its runs have ended, whatever job its pool held.
+
+A warm shutdown (SIGTERM) closes the consumer first, and Celery's prefork pool then
+forgets every job whose pool process had not reported taking it up yet (it "will be
+delivered again"). A job already written into the process's pipe still runs there;
+its result goes unread, since the main process reads results at a shutdown only for
+the jobs it still knows. billiard's pool process, before it exits, waits for its main
+process to have counted every result it sent, up to 300 looks 0.1 s apart: so the
+worker took 30 s more to exit (a Kubernetes pod's whole grace period), its runs long
+over. The worker step (:mod:`celery_singleton_beat.task.worker`) lets the pool
+processes go once nothing reads their results any more.
+
+The test makes that race certain: the pool process is stopped (SIGSTOP) while a job
+is written into its pipe, so it cannot report taking it up; the worker is sent SIGTERM
+once the job is there, and the process resumed once the pool's end-of-work sentinel
+follows it (so the consumer is closed and the job forgotten). billiard's wait is
+made endless in the app (``CSB_ENDLESS_CONSUMED_WAIT``): a worker that relies on it
+never exits, which the test's deadline tells from a slow machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import ModuleType
+
+import pytest
+import redis
+
+from .support import RedisServer, start_worker, wait_for
+from .support.pipes import bytes_waiting
+from .support.tasks import lock_keys, runs
+
+APP = "tests.apps.tasks_app"
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads pipes through /proc")
+
+
+def test_warm_shutdown_exits_though_a_job_written_to_the_pool_was_forgotten(
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
+) -> None:
+    worker = start_worker(redis_server, APP, "w1", concurrency=1, env={"CSB_ENDLESS_CONSUMED_WAIT": "1"})
+    assert tasks.work.delay("first").get(timeout=30) == "first"
+    child = runs(records, "first")[0]["pid"]
+    os.kill(child, signal.SIGSTOP)
+    try:
+        idle = bytes_waiting(child)
+        held = tasks.work.delay("held")
+        written = wait_for(lambda: bytes_waiting(child) > idle and bytes_waiting(child),
+                           timeout=30, message="the job written into the stopped pool process's pipe")
+        worker.signal(signal.SIGTERM)
+        wait_for(lambda: bytes_waiting(child) > written, timeout=30,
+                 message="the pool's end-of-work sentinel written after the job (the consumer closed)")
+    finally:
+        os.kill(child, signal.SIGCONT)
+    wait_for(lambda: not worker.running, timeout=60,
+             message="the worker to exit once its pool process ran the job it held")
+    assert worker.returncode == 0, worker.tail(40)
+    assert held.get(timeout=30) == "held", "the job written before the shutdown ran"
+    assert [run["pid"] for run in runs(records, "held")] == [child]
+    assert lock_keys(locks) == [], "its lock was released"
