@@ -28,6 +28,8 @@
   shutdown): ``atexit`` never runs there. When it ends, the replies of its
   releases still unread are read and its counters written
   (:func:`~.counters.flush_at_exit`).
+* A soft time limit that reaches a pool process after its run ended is dropped
+  instead of being raised in billiard's own code (:mod:`.soft_limit`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck, refus
 from . import outage
 from .request import SingletonRequest, original_running, worker_pool_is
 from .slot_delivery import SlotDeliveryStep
+from .soft_limit import guard_soft_limits
 
 __all__ = ["POOL_CHECK_INTERVAL", "SingletonWorkerStep", "install", "sends_task_events"]
 
@@ -94,6 +97,7 @@ def install(app: Celery) -> None:
     app.steps["worker"].add(SingletonWorkerStep)
     app.steps["consumer"].add(SlotDeliveryStep)
     _guard_revoke()
+    guard_soft_limits()
 
 
 def _guard_revoke() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 
 from celery_singleton_beat import SingletonTask
 
@@ -221,3 +221,22 @@ def nesting(self: SingletonTask, key: str, inner: bool = False) -> list[Any]:
     if not inner:
         self(f"{key}-inner", inner=True)
     return seen
+
+
+@app.task
+def pid_of() -> int:
+    """A plain task: the pid of the pool process that ran it."""
+    return os.getpid()
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"])
+def until_soft_limit(self: SingletonTask, key: str) -> str:
+    """Marks ``running:<key>`` with its pid, then waits (60 s at most) for a soft time limit."""
+    records().set(f"running:{key}", os.getpid())
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    except SoftTimeLimitExceeded:
+        return "stopped by its soft time limit"
+    return "never stopped"

@@ -1,0 +1,77 @@
+"""A soft time limit that reaches a pool process after its run ended is dropped.
+
+A prefork worker's main process times each run; when a run passes its soft time
+limit it sends the pool process ``SIGUSR1`` (``revoke(terminate=True,
+signal="SIGUSR1")`` sends the same), and billiard's handler raises
+:class:`~billiard.exceptions.SoftTimeLimitExceeded` wherever that process is.
+The main process's timer fires late when that process is busy or was paused, so
+the signal can arrive after the run ended: while the pool process writes the
+run's result into the pipe it shares with the main process, or waits for its
+next job, or ends. Raised there, the exception
+
+* cuts the result message in two: the main process reads garbage
+  (``Unrecoverable error: UnpicklingError``), stops, and its warm shutdown then
+  waits for the rest of that message for ever (the worker never exits); or
+* ends the pool process (``Pool process ... error: SoftTimeLimitExceeded``) and
+  can cut its exit short, before its pending lock releases were sent.
+
+A worker with this library installed raises it only while Celery's tracer runs a
+task in that process (the task's body, its handlers, storing its result: as
+before), and drops a late one elsewhere, with a warning. The handler is billiard's
+own, replaced where billiard looks it up when it starts a pool process.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+import billiard.pool
+from billiard.exceptions import SoftTimeLimitExceeded
+from celery.app import trace
+
+from ..log import logger
+
+__all__ = ["dropped", "guard_soft_limits"]
+
+#: Celery's tracer: a frame of its ``trace_task`` on the stack means a task is being run.
+_TRACER_FILE = trace.__file__
+_TRACER_NAME = "trace_task"
+#: billiard's handler, as found before it was replaced.
+_billiard_handler = billiard.pool.soft_timeout_sighandler
+_dropped = 0
+
+
+def dropped() -> int:
+    """Soft time limits this process dropped because no run was being traced."""
+    return _dropped
+
+
+def _in_a_run(frame: FrameType | None) -> bool:
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == _TRACER_NAME and code.co_filename == _TRACER_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_soft_limit(signum: int, frame: FrameType | None) -> None:
+    """billiard's soft time limit handler, raising only inside a run."""
+    if _in_a_run(frame):
+        raise SoftTimeLimitExceeded()
+    global _dropped
+    _dropped += 1
+    logger.warning("a soft time limit (signal %d) reached this pool process after its run had ended: "
+                   "dropped (raised here it would corrupt the pool's result pipe)", signum)
+
+
+def guard_soft_limits() -> None:
+    """Make pool processes started from now on (and this one, if billiard's handler is
+    installed in it) raise a soft time limit only inside a run. Idempotent."""
+    billiard.pool.soft_timeout_sighandler = _on_soft_limit
+    sig = billiard.pool.SIG_SOFT_TIMEOUT
+    if (sig is not None and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(sig) is _billiard_handler):
+        signal.signal(sig, _on_soft_limit)
