@@ -3,8 +3,10 @@
 A gevent-patched process (as a ``-P gevent`` worker) runs ``--leases`` greenlets against a
 redis-server of its own. Each takes its own lock (``lock_ttl = --ttl``) through the
 library's client, hands it to the lease keeper, sleeps 15-25 s (a gevent sleep) and then
-ends as a run does (``forget``, then the compare-and-delete, through the pool). Starts are
-spread over ``--start-over`` seconds. ``--hogs`` other processes spin on the CPU, and
+ends as a run did (``forget``, then the compare-and-delete through the pool; with
+``--release-first`` as a run does now: the keeper renews until the release is answered).
+Starts are spread over ``--start-over`` seconds. ``--hogs`` other processes spin on the
+CPU, ``--hub-block`` blocks the hub now and then (a task's CPU-bound stretch), and
 ``--hub-busy`` makes the hub's own thread do Python work that fraction of the time (in
 slices of a few milliseconds: the keeper thread gets the interpreter lock only when the
 hub lets it go), as a worker busy taking in messages does.
@@ -31,6 +33,7 @@ from gevent import monkey
 monkey.patch_all()
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -53,6 +56,10 @@ confirmed: dict[str, list[float]] = {}
 ends: dict[str, tuple[float, float, float, bool | None]] = {}
 #: seconds each entry was taken after its due time (the keeper's lateness)
 lateness: list[float] = []
+#: (leases, keeper thread CPU s, wall s) per renewal batch
+batch_cost: list[tuple[int, float, float]] = []
+#: key -> why the keeper found it lost (None: it did not)
+reasons: dict[str, str | None] = {}
 #: key -> the due times the keeper gave it
 dues: dict[str, list[float]] = {}
 #: acquires and releases that raised (their error's name)
@@ -88,6 +95,16 @@ def instrument() -> None:
         return taken
 
     keeper_module.LeaseKeeper._take_due = recorded_take  # type: ignore[method-assign]
+    original_batch = keeper_module.LeaseKeeper._renew_batch
+
+    def timed_batch(self: Any, leases: list[Any]) -> Any:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            return original_batch(self, leases)
+        finally:
+            batch_cost.append((len(leases), time.thread_time() - cpu, time.perf_counter() - wall))
+
+    keeper_module.LeaseKeeper._renew_batch = timed_batch  # type: ignore[method-assign]
     keeper_module.LeaseKeeper._schedule = recorded_schedule  # type: ignore[method-assign]
 
 
@@ -105,6 +122,16 @@ def hub_work(busy: float) -> None:
         gevent.sleep(0.005 * (1 - busy) / busy)
 
 
+def hub_blocks(seconds: float, every: float) -> None:
+    """A greenlet that blocks the hub for ``seconds`` every ``every`` seconds (a task's
+    CPU-bound or unpatched blocking call): the keeper's thread renews meanwhile."""
+    while True:
+        gevent.sleep(every - seconds)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
@@ -119,6 +146,8 @@ def main() -> None:
     parser.add_argument("--hold", type=float, nargs=2, default=(15.0, 25.0))
     parser.add_argument("--hogs", type=int, default=0)
     parser.add_argument("--hub-busy", type=float, default=0.0)
+    parser.add_argument("--hub-block", type=float, nargs=2, default=None, metavar=("SECONDS", "EVERY"),
+                        help="block the hub SECONDS at a time, every EVERY seconds")
     parser.add_argument("--max-connections", type=int, default=None, help="the pool's (the library's default: 64)")
     parser.add_argument("--release-first", action="store_true",
                         help="end a run by its release, then forget (the keeper renews while the release waits)")
@@ -136,6 +165,8 @@ def main() -> None:
     keeper = keeper_module.get_keeper()
     if args.hub_busy > 0:
         gevent.spawn(hub_work, args.hub_busy)
+    if args.hub_block:
+        gevent.spawn(hub_blocks, *args.hub_block)
 
     def run(n: int) -> None:
         gevent.sleep(random.uniform(0, args.start_over))
@@ -150,7 +181,9 @@ def main() -> None:
         kept = keeper.keep(lease)
         gevent.sleep(random.uniform(*args.hold))
         forgot_at = time.monotonic()
-        if not args.release_first:
+        if args.release_first:
+            keeper.releasing(kept)
+        else:
             keeper.forget(kept)
         try:
             released = lease.release()
@@ -160,6 +193,7 @@ def main() -> None:
         if args.release_first:
             keeper.forget(kept)
         ends[key] = (kept_at, forgot_at, time.monotonic(), released)
+        reasons[key] = kept.lost_reason
 
     began = time.monotonic()
     cpu = os.times()
@@ -177,6 +211,7 @@ def report(args: argparse.Namespace, wall: float, cpu_used: float, keeper: Any) 
     lost = {"renewal late": 0, "renewal missing at forget": 0, "after forget": 0, "other": 0}
     tail: list[float] = []
     acquiring: list[float] = []
+    releases_failed = sum(name.startswith("release") for name in failed)
     releasing: list[float] = []
     for key, times in confirmed.items():
         if key not in ends:
@@ -186,7 +221,7 @@ def report(args: argparse.Namespace, wall: float, cpu_used: float, keeper: Any) 
         # The first interval from the acquire's reply (keep): its request may have waited
         # long for a pooled connection before Redis set the key.
         times = [kept_at, *times[1:]]
-        between = [b - a for a, b in zip(times, times[1:])]
+        between = [b - a for a, b in itertools.pairwise(times)]
         gaps.extend(between)
         late_leases += any(gap > ttl for gap in between)
         tail.append(replied_at - times[-1])
@@ -197,7 +232,7 @@ def report(args: argparse.Namespace, wall: float, cpu_used: float, keeper: Any) 
             elif forgot_at - times[-1] > ttl:
                 lost["renewal missing at forget"] += 1
                 if os.environ.get("GAPS_DEBUG") and lost["renewal missing at forget"] <= 3:
-                    print("DEBUG", key, [round(t - kept_at, 3) for t in times], "forgot",
+                    print("DEBUG", key, reasons.get(key), [round(t - kept_at, 3) for t in times], "forgot",
                           round(forgot_at - kept_at, 3), "replied", round(replied_at - kept_at, 3),
                           "due", [round(d - kept_at, 3) for d in dues.get(key, [])])
             elif replied_at - times[-1] > ttl:
@@ -206,10 +241,16 @@ def report(args: argparse.Namespace, wall: float, cpu_used: float, keeper: Any) 
                 lost["other"] += 1
     renewals = sum(len(times) - 1 for times in confirmed.values())
     print(f"leases {len(ends)}, ttl {ttl}s, hogs {args.hogs}, hub busy {args.hub_busy}, "
-          f"pool {args.max_connections or 'default'}, {'release first' if args.release_first else 'forget first'}, "
+          f"hub blocks {args.hub_block}, pool {args.max_connections or 'default'}, "
+          f"{'release first' if args.release_first else 'forget first'}, "
           f"wall {wall:.1f}s, cpu {cpu_used:.1f}s, load {os.getloadavg()[0]:.1f}")
     print(f"renewals {renewals}, keeper rounds {len(rounds)}, batches {keeper.batches}, "
           f"entries per round median {statistics.median(r[1] for r in rounds):.0f}")
+    batched = sum(n for n, _, _ in batch_cost)
+    cpu_us = sum(c for _, c, _ in batch_cost) / batched * 1e6
+    wall_us = sum(w for _, _, w in batch_cost) / batched * 1e6
+    print(f"keeper per lease renewed: {cpu_us:.0f} us thread CPU, {wall_us:.0f} us wall "
+          f"(batches of {batched / len(batch_cost):.0f})")
     print(f"gap between confirmations s: median {statistics.median(gaps):.3f}, p99 {percentile(gaps, 0.99):.3f}, "
           f"p99.9 {percentile(gaps, 0.999):.3f}, max {max(gaps):.3f}; > ttl: {sum(g > ttl for g in gaps)} "
           f"gaps in {late_leases} leases")
@@ -220,8 +261,8 @@ def report(args: argparse.Namespace, wall: float, cpu_used: float, keeper: Any) 
     print(f"last confirmation to release reply s: median {statistics.median(tail):.3f}, "
           f"p99 {percentile(tail, 0.99):.3f}, max {max(tail):.3f}")
     print(f"acquire (request start to keep) s: median {statistics.median(acquiring):.3f}, "
-          f"p99 {percentile(acquiring, 0.99):.3f}, max {max(acquiring):.3f}; raised: {len([f for f in failed if not f.startswith('release')])} acquires, "
-          f"{len([f for f in failed if f.startswith('release')])} releases")
+          f"p99 {percentile(acquiring, 0.99):.3f}, max {max(acquiring):.3f}; raised: {len(failed) - releases_failed} "
+          f"acquires, {releases_failed} releases")
     print(f"releases that found the lock gone: {sum(lost.values())} ({lost})")
 
 

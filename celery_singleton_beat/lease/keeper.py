@@ -127,9 +127,14 @@ class LeaseKeeper:
         self._next_look = float("-inf")
 
     def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
-        """Start renewing ``lease``; call :meth:`forget` when the run ends."""
+        """Start renewing ``lease``; call :meth:`forget` when the run ends.
+
+        Its first renewal is due a renewal interval after the lock was confirmed (the
+        start of its acquire), not after this call: in a busy gevent worker the reply
+        of an acquire may be read seconds after Redis set the key, and a lease scheduled
+        from then could expire before its first renewal."""
         kept = KeptLease(lease, on_lost)
-        self._add(kept, time.monotonic() + lease.renew_every)
+        self._add(kept, lease.confirmed_at + lease.renew_every)
         return kept
 
     def retry_release(self, lease: Lease, done_ttl: float | None = None) -> PendingRelease:

@@ -13,17 +13,29 @@ The body lends that connection to another greenlet, which keeps it until either 
 is gone from Redis (not renewed while the release waited: the old behaviour) or the
 keeper renewed the lease twice more after the body returned; only then can the release
 be written. The run must end released, not lost.
+
+``test_a_lease_kept_late_is_due_one_interval_after_its_confirmation``: the same worker
+may read an acquire's reply seconds after Redis set the key; the lease's first renewal
+must be due a renewal interval after the acquire started, not after it was handed to
+the keeper (a lease scheduled from then could expire before its first renewal).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import redis
+from celery import Celery
+
+from celery_singleton_beat.lease.keeper import LeaseKeeper
+from celery_singleton_beat.recovery.lock_redis import get_redis
 
 from .support import TestProcess, importorskip
+from .support.locking import take_leases
 from .support.paths import ROOT
+from .support.waiting import wait_for
 
 CHILD = r"""
 from gevent import monkey
@@ -92,3 +104,24 @@ def test_a_release_that_waits_for_a_pooled_connection_finds_its_lock_held(redis_
     assert "lost=False" in line and "gone_while_waiting=False" in line, (
         f"the lease expired while the run's release waited for a pooled connection: {line}")
     assert "left=0" in line, f"the release did not free the lock: {line}"
+
+
+def test_a_lease_kept_late_is_due_one_interval_after_its_confirmation(redis_db: redis.Redis) -> None:
+    """A lease handed to the keeper some time after its acquire (its reply read late: a busy
+    hub) is due for renewal one interval after the acquire's start, not one after ``keep``.
+
+    The keeper's thread is kept from starting (marked running), so that its queue can be
+    read as ``keep`` left it."""
+    app = Celery("kept-late", set_as_current=False)
+    kwargs = redis_db.connection_pool.connection_kwargs
+    app.conf.singleton_redis_url = f"redis://{kwargs['host']}:{kwargs['port']}/0"
+    [lease] = take_leases(get_redis(app), "kept-late", [3.0])
+    keeper = LeaseKeeper()
+    keeper._running = True  # no thread: its queue stays as keep() left it
+    wait_for(lambda: time.monotonic() > lease.confirmed_at, timeout=5, message="the clock moved on")
+    keeper.keep(lease)
+    [(due, _, kept)] = keeper._queue
+    assert kept.lease is lease
+    assert due <= lease.confirmed_at + lease.renew_every, (
+        f"first renewal due {due - lease.confirmed_at:.6f}s after the acquire started, "
+        f"more than its renewal interval ({lease.renew_every}s)")
