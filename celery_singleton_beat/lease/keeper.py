@@ -351,7 +351,7 @@ class LeaseKeeper:
         if late or lease.may_put_back(client):
             with self._mutex:
                 return kept.active and not kept.releasing and lease.put_back(client, decided=epoch)
-        if kept.releasing or kept.put_back_at is not None:  # its turn came too late (or the window closed early)
+        if kept.releasing or kept.put_back_at is not None:  # the run releases it; or its turn came too late
             return False
         at = lease.late_put_back_at(client)
         if at is None:

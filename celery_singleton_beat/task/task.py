@@ -459,10 +459,8 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         kept = run._kept if run is not None else None
         if kept is None:
             return
-        # Renewed until its release is written or answered: the release may wait (for a
-        # pooled connection in a gevent worker whose runs end together, for the interpreter),
-        # and a lease left unrenewed meanwhile could expire and be found gone, a run that
-        # held its lock to the end counted lost (see LeaseKeeper.releasing).
+        # Renewed until its release is sent: the release may wait (a pooled connection, a busy
+        # hub) longer than the lease has left (see LeaseKeeper.releasing).
         keeper = get_keeper()
         try:
             keeper.releasing(kept)
