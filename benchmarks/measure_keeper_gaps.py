@@ -23,7 +23,8 @@ request started (what the lease's TTL counts from, at the latest), and so are it
   came after the TTL finds the lock gone;
 * releases that found the lock gone, split by where the TTL ran out.
 
-Run from a checkout: ``python -m benchmarks.measure_keeper_gaps --leases 3000``.
+Run from a checkout: ``python -m benchmarks.measure_keeper_gaps --leases 3000`` (a
+redis-server of its own unless ``--url`` names one).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from celery_singleton_beat.lease.lease import Lease  # noqa: E402
 from celery_singleton_beat.lease.lock import acquire  # noqa: E402
 from celery_singleton_beat.lease.spec import LockSpec  # noqa: E402
 from celery_singleton_beat.recovery.lock_redis import get_redis  # noqa: E402
+
+from .common import Server  # noqa: E402
 
 #: key -> monotonic start times of the requests that confirmed it (acquire, renewals)
 confirmed: dict[str, list[float]] = {}
@@ -139,7 +142,8 @@ def percentile(values: list[float], p: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--url", required=True, help="the lock redis-server, redis://host:port/db")
+    parser.add_argument("--url", default=None,
+                        help="the lock redis-server, redis://host:port/db (default: one of its own)")
     parser.add_argument("--leases", type=int, default=3000)
     parser.add_argument("--ttl", type=float, default=3.0)
     parser.add_argument("--start-over", type=float, default=10.0, help="seconds the starts spread over")
@@ -152,6 +156,19 @@ def main() -> None:
     parser.add_argument("--release-first", action="store_true",
                         help="end a run by its release, then forget (the keeper renews while the release waits)")
     args = parser.parse_args()
+    server = None
+    if args.url is None:
+        server = Server()  # marked in use: no recovery window for the first locks
+        args.url = f"{server.url}/0"
+    try:
+        measure(args)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Run the leases of ``args`` and print the report."""
     instrument()
     hogs = [multiprocessing.Process(target=hog, daemon=True) for _ in range(args.hogs)]
     for process in hogs:
