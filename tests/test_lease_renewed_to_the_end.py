@@ -73,7 +73,7 @@ def lend_the_pool(run, kept):
     pool.release(connection)
 
 
-@app.task(base=SingletonTask, bind=True, lock_ttl=1)
+@app.task(base=SingletonTask, bind=True, lock_ttl=3)
 def held(self):
     run = self.singleton_run
     kept = run._kept
