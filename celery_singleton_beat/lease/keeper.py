@@ -66,7 +66,8 @@ class Later(NamedTuple):
 class KeptLease:
     """A lease under renewal; ``lost`` tells whether it still protects the run."""
 
-    __slots__ = ("active", "lease", "lost_reason", "next_complaint", "on_lost", "put_back_at", "renewals")
+    __slots__ = ("active", "lease", "lost_reason", "next_complaint", "on_lost", "put_back_at", "releasing",
+                 "renewals")
 
     def __init__(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None) -> None:
         self.lease = lease
@@ -74,6 +75,9 @@ class KeptLease:
         self.lost_reason: str | None = None
         self.renewals = 0
         self.active = True
+        #: The run ended and its release is on its way (:meth:`LeaseKeeper.releasing`): still
+        #: renewed, but a lock found gone or another's is the release's doing, not a loss.
+        self.releasing = False
         #: Monotonic time before which a failed renewal is not logged again.
         self.next_complaint = 0.0
         #: Monotonic time of a put-back waiting for the end of a recovery window (see
@@ -123,9 +127,14 @@ class LeaseKeeper:
         self._next_look = float("-inf")
 
     def keep(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None = None) -> KeptLease:
-        """Start renewing ``lease``; call :meth:`forget` when the run ends."""
+        """Start renewing ``lease``; call :meth:`forget` when the run ends.
+
+        Its first renewal is due a renewal interval after the lock was confirmed (the
+        start of its acquire), not after this call: in a busy gevent worker the reply
+        of an acquire may be read seconds after Redis set the key, and a lease scheduled
+        from then could expire before its first renewal."""
         kept = KeptLease(lease, on_lost)
-        self._add(kept, time.monotonic() + lease.renew_every)
+        self._add(kept, lease.confirmed_at + lease.renew_every)
         return kept
 
     def retry_release(self, lease: Lease, done_ttl: float | None = None) -> PendingRelease:
@@ -170,6 +179,20 @@ class LeaseKeeper:
             native.start_thread(self._run, "singleton-lease-keeper")
         elif wake:
             self._wake.notify()
+
+    def releasing(self, kept: KeptLease) -> None:
+        """The run ends and its release is about to be sent: keep renewing until :meth:`forget`
+        (called once the release was written or answered), but put nothing back and report
+        no loss from now on: a renewal that finds the lock gone or changed found the release.
+
+        The release may wait: for a connection of the pool (a gevent worker's ending runs
+        share ``max_connections``), for an interpreter busy elsewhere. A lease forgotten
+        before that wait was not renewed during it, and a wait longer than what was left
+        of its TTL let the lock expire: the release found it gone and the run was counted
+        lost, though it had held its lock to the end.
+        """
+        with self._mutex:
+            kept.releasing = True
 
     def forget(self, kept: KeptLease | PendingRelease) -> None:
         """Stop renewing (the entry is dropped lazily: when it comes due or the queue is compacted)."""
@@ -307,9 +330,10 @@ class LeaseKeeper:
         and tools and tests renewing a lease by hand (``renew(KeptLease(lease, None))``).
 
         The put-back happens under the keeper's mutex, and only while the run still
-        keeps the lease: a run that ends (:meth:`forget`, then its release) either
-        waits for it or is seen ended, so a renewal on its way when the run released
-        never writes the lock back. ``client``: another client of the same server to
+        keeps the lease and has not begun its release: a run that ends
+        (:meth:`releasing`, its release, then :meth:`forget`) either waits for it or is
+        seen ending, so a renewal on its way when the run released never writes the
+        lock back. ``client``: another client of the same server to
         send it through (the keeper's own); the lease's by default. Raises
         ``redis.RedisError`` when Redis cannot be asked.
         """
@@ -326,8 +350,8 @@ class LeaseKeeper:
         late = kept.put_back_at is not None and lease.may_put_back_late(kept.put_back_at, client)
         if late or lease.may_put_back(client):
             with self._mutex:
-                return kept.active and lease.put_back(client, decided=epoch)
-        if kept.put_back_at is not None:  # its turn came too late (or the window closed early)
+                return kept.active and not kept.releasing and lease.put_back(client, decided=epoch)
+        if kept.releasing or kept.put_back_at is not None:  # the run releases it; or its turn came too late
             return False
         at = lease.late_put_back_at(client)
         if at is None:
@@ -356,13 +380,13 @@ class LeaseKeeper:
                     logger.warning("renewed lock %s again: Redis answers", lease.key)
                 # From its confirmation, not from now: judging a large batch takes time.
                 return max(time.monotonic(), lease.confirmed_at + lease.renew_every)
-            if kept.active:  # else the run ended and released it while this renewal was on its way
+            if kept.active and not kept.releasing:  # else the run's release was on its way
                 kept.mark_lost("the lock was deleted, expired or taken by another holder")
             return None
         except redis.RedisError as exc:
             now = time.monotonic()
             if now >= lease.valid_until:
-                if kept.active:
+                if kept.active and not kept.releasing:  # else its release reports it
                     kept.mark_lost(f"the lease expired while Redis was unreachable ({exc})")
                 return None
             if now >= kept.next_complaint:  # the first failure, then every LOG_EVERY seconds

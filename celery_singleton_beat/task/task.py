@@ -459,7 +459,18 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         kept = run._kept if run is not None else None
         if kept is None:
             return
-        get_keeper().forget(kept)
+        # Renewed until its release is sent: the release may wait (a pooled connection, a busy
+        # hub) longer than the lease has left (see LeaseKeeper.releasing).
+        keeper = get_keeper()
+        try:
+            keeper.releasing(kept)
+            self._release(request, run, kept, exc)
+        finally:
+            keeper.forget(kept)
+
+    def _release(self, request: Context, run: SingletonRun | None, kept: KeptLease,
+                 exc: BaseException | None) -> None:
+        """Send the release of ``kept`` as the run's ending says; report what it found."""
         ending = ending_of(exc, self.lock_mode)
         done_ttl = run._done_ttl if ending.marker else None  # type: ignore[union-attr]  # kept: run too
         claim_ttl = self._retry_claim_ttl(request, exc) if ending.release is Release.CLAIM else None
