@@ -48,8 +48,8 @@ from ..lease.lock import AcquireResult
 from ..log import logger
 from .conflicts import ConflictOutcomes
 
-__all__ = ["SHUTDOWN_LOOK", "OutageWait", "accepted_at", "retry_uncapped", "shutting_down", "time_limit_of",
-           "wait_for_redis", "worker_starts", "worker_stops"]
+__all__ = ["SHUTDOWN_LOOK", "LateLockReply", "OutageWait", "accepted_at", "in_time", "retry_uncapped",
+           "shutting_down", "time_limit_of", "wait_for_redis", "worker_starts", "worker_stops"]
 
 #: Seconds between two looks at whether the worker is shutting down while a wait pauses.
 SHUTDOWN_LOOK = 0.1
@@ -133,6 +133,30 @@ def accepted_at(request: Any) -> float | None:
 
 
 # -- the wait -----------------------------------------------------------------
+
+
+class LateLockReply(redis.TimeoutError):
+    """An acquire's reply was read after the lease it granted had run out."""
+
+
+def in_time(result: AcquireResult, give_back: Callable[[Any], object]) -> AcquireResult:
+    """``result``, unless it granted a lease that had already run out when its reply was read.
+
+    A lease counts from when its acquire was sent: a reply that took longer than the
+    lease (a slow or stalled link, a process paused while it waited) grants a lock
+    that may have expired and been taken since. The run must not start on it: the
+    lock is handed to ``give_back`` (released if it is still ours, whenever Redis
+    answers) and :class:`LateLockReply` raised, which fails the acquire as a timeout
+    does: the run waits for its lock Redis (:func:`wait_for_redis`).
+    """
+    lease = result.lease
+    if lease is not None:
+        late = time.monotonic() - lease.valid_until
+        if late >= 0:
+            give_back(lease)
+            raise LateLockReply(f"the reply granting the lock came {late + lease.spec.ttl:.1f}s after its "
+                                f"request, past its {lease.spec.ttl:g}s lease")
+    return result
 
 
 def wait_for_redis(task: ConflictOutcomes, key: str, exc: redis.RedisError, take: Callable[[], AcquireResult], *,

@@ -73,7 +73,7 @@ from .conflicts import ConflictOutcomes, is_copy
 from .endings import Release, Report, ending_of
 from .events import TASK_LOCK_LOST, send_task_event_soon
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
-from .outage import wait_for_redis
+from .outage import in_time, wait_for_redis
 from .publish import PublishClaims, delay_of
 from .request import compose_request
 from .run import SingletonRun
@@ -366,14 +366,17 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         adopt = request.id if self.lock_mode == "until_executed" else None
         copy = spec.check_done and is_copy(request)  # its done marker is read before the key is written
         started = time.monotonic()
+
+        def take() -> AcquireResult:
+            return in_time(acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt,
+                                   copy=copy), get_keeper().retry_release)
+
         try:
-            result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt, copy=copy)
+            result = take()
         except redis.RedisError as exc:
             if settings.fail_open:
                 return self._run_unlocked(key, exc)
-            result = wait_for_redis(
-                self, key, exc, lambda: acquire(client, key, spec, request.id, node=request.hostname,
-                                                adopt_claim_of=adopt, copy=copy), started=started, client=client)
+            result = wait_for_redis(self, key, exc, take, started=started, client=client)
         if self.lock_mode == "until_executing":
             self._release_queue_claim(client, key)
         if result.completed:
