@@ -334,6 +334,43 @@ def test_a_rerun_after_the_lock_redis_died_as_the_run_ended_and_came_back_empty_
     assert kinds(verdict) == [] and "rerun-after-data-loss" in [r.kind for r in verdict.reports]
 
 
+@pytest.mark.parametrize("missing", [None, "broker-exit", "cut-off", "kill"])
+def test_a_rerun_whose_release_and_acknowledgement_were_both_lost_is_reported_not_failed(
+        tmp_path: Path, missing: str | None) -> None:
+    """The guarantees' done-marker limit, three faults at once (the standalone chaos run of
+    2026-12-02, seed 3): the run's process was cut off from the lock Redis (its proxy cut)
+    from the run's end until its worker was SIGKILLed, so its release and done marker never
+    reached Redis, and the broker had died while the run held the message, so its
+    acknowledgement was lost too: the redelivered copy runs again (reported). Without any
+    one of the three (the broker up throughout, Redis answering before the kill, no kill),
+    the re-run is a violation."""
+    story = baseline().submit("z", "k3", 20.0)
+    story.meta["settings"]["workers"][0]["proxied"] = True
+    story.add("prerun", 20.1, "worker-w1-child", 21, id="z", key="k3")
+    story.add("start", 20.12, "worker-w1-child", 21, id="z", key="k3", fence=99)
+    story.add("chk", 20.12, "worker-w1-child", 21, id="z", key="k3", m0=20.12, ok=True)
+    if missing != "broker-exit":
+        story.add("proc", 21.0, name="broker-redis", action="exit", pid=5, code=-9)
+    story.add("fault", 23.0, n=1, kind="proxy-cut", action="inject", targets=["proxy"])
+    story.add("end", 24.0, "worker-w1-child", 21, id="z", key="k3", how="done")
+    story.add("outcome", 25.0, "worker-w1-child", 21, id="z", key="k3", kind="success", state="SUCCESS")
+    story.add("fault", 25.5 if missing == "cut-off" else 27.0, n=1, kind="proxy-cut", action="heal",
+              targets=["proxy"])
+    if missing != "kill":
+        story.add("proc", 26.0, name="w1", action="SIGKILL", group=True, pid=7)
+        story.add("proc", 26.05, name="w1", action="exit", pid=7, code=-9)
+    story.add("prerun", 32.0, "worker-w2", 30, id="z", key="k3")
+    story.run("z", "k3", 32.1, 32.5, 990, pid=30, redelivered=True)
+    story.meta["settings"]["workers"].append({"name": "w2", "pool": "threads", "concurrency": 3})
+    verdict = story.judge(tmp_path)
+    if missing is None:
+        assert kinds(verdict) == [], verdict.violations
+        assert [r.kind for r in verdict.reports if r.kind.startswith("rerun")] == ["rerun-after-lost-release"]
+        assert verdict.figures["re-runs excused"] == 1
+    else:
+        assert kinds(verdict) == ["rerun"]
+
+
 def test_a_slot_never_sent_while_a_beat_and_redis_were_up_is_a_violation(tmp_path: Path) -> None:
     story = baseline().drop_slot(20.0)
     verdict = story.judge(tmp_path)

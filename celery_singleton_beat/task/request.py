@@ -16,12 +16,17 @@ for billiard to report the child gone, and the lock is freed before either is
 stored. A child that outlives :data:`GONE_WAIT` after that is left to a
 background thread, and its end recorded without waiting longer.
 
-A message revoked or expired before it ran frees its publish-time claims.
+A message revoked or expired before it ran frees its publish-time claims, on a
+thread of its own: Celery discards it in the worker's main loop, which also sends
+the acknowledgements of finished runs, and a lock Redis that does not answer (writes
+paused, a busy script) must not hold those back (an ``acks_late`` run whose
+acknowledgement waited behind it was delivered again when its worker died).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import threading
 import time
@@ -202,6 +207,33 @@ def _resend(request: Request, why: str, key: str, release: Callable[[], list[str
                  request.name, request.id, why, key)
 
 
+#: Claims of discarded messages still to free, in the order the messages were discarded.
+_discarded: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_discarding_lock = threading.Lock()
+_discarding: list[threading.Thread] = []
+
+
+def _free_discarded() -> None:
+    """The thread that frees the claims of discarded messages, one after the other."""
+    while True:
+        work = _discarded.get()
+        try:
+            work()
+        except Exception:
+            logger.exception("could not free the claims of a discarded message")
+
+
+def _in_background(work: Callable[[], None]) -> None:
+    """Run ``work`` on the discards' thread (started on first use, again if it died): the
+    caller, the worker's main loop, never waits for the lock Redis."""
+    _discarded.put(work)
+    with _discarding_lock:
+        if not (_discarding and _discarding[0].is_alive()):
+            thread = threading.Thread(target=_free_discarded, name="singleton-discards", daemon=True)
+            thread.start()
+            _discarding[:] = [thread]
+
+
 def original_running(request: Request) -> Holder | None:
     """The run of the same task id that holds the message's lock, if one does (another delivery)."""
     found = _keys_of(request)
@@ -336,9 +368,10 @@ class SingletonRequest(Request):
         revoked = bool(super().revoked())
         if revoked and not self._singleton_released and self.worker_pid is None:
             # Revoked or expired before it started: its publish-time claims
-            # would otherwise block every publish until they expire.
+            # would otherwise block every publish until they expire. Not here: this
+            # is the worker's main loop, and the lock Redis may not answer.
             self._singleton_released = True
-            _release_for_request(self, "was revoked or expired before it ran", pid=None)
+            _in_background(lambda: _release_for_request(self, "was revoked or expired before it ran", pid=None))
         return revoked
 
     def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> Any:

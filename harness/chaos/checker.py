@@ -32,7 +32,14 @@ first check after resuming; a submission the broker lost with its own data).
   run's outcome SUCCESS or FAILURE, so its done marker was written). Excused
   (reported): the lock Redis lost data in between (a fault that loses it, or a
   switch of primaries the sentinels logged: ``switch`` events, see
-  :mod:`.switches`), or the done marker's TTL passed.
+  :mod:`.switches`), or the done marker's TTL passed, or the three faults of the
+  guarantees' done-marker limit met: the completed run's release cannot have
+  reached the lock Redis (from the run's end until its process was SIGKILLed --
+  its worker's whole group, or the pool process alone -- the lock Redis was
+  paused, busy or down, or, for a worker behind the proxy, the proxy was cut)
+  and its acknowledgement was lost (the broker exited between the delivery and
+  the run's outcome: kombu acknowledges on the channel of the broker connection
+  that died).
 * ``slot``: a beat slot due during the chaos phase that was never sent, outside
   the windows when every beat was down or the lock Redis gone (see :mod:`.model`).
 * ``hang``: a SIGTERMed process that did not exit within its bound.
@@ -61,6 +68,7 @@ from typing import Any
 from .history import Event, History
 from .model import (
     DATA_LOSS,
+    LOCK_GONE,
     Run,
     Window,
     beat_down_windows,
@@ -317,7 +325,8 @@ def _reruns(history: History, all_runs: list[Run], verdict: Verdict) -> None:
     losses = [(inject.m, healed) for inject, healed in fault_spans(history) if inject.get("kind") in DATA_LOSS]
     losses += [(switch.m, switch.m) for switch in history.of("switch")]  # the sentinels moved the primary
     done_ttl = 2 * float(history.meta.get("settings", {}).get("visibility", 12.0))
-    ended_in = {(r.pid, r.id) for r in all_runs if r.how is not None}
+    ended = {(r.pid, r.id): r for r in all_runs if r.how is not None}
+    ended_in = set(ended)
     completed: dict[str, Event] = {}
     for event in history.of("outcome"):
         if event.get("kind") in ("success", "failure") and (event.pid, event.get("id")) in ended_in:
@@ -335,8 +344,65 @@ def _reruns(history: History, all_runs: list[Run], verdict: Verdict) -> None:
         elif run.start - done.m > done_ttl:
             verdict.reports.append(Finding("rerun-after-done-ttl", what + " (after the done marker's TTL)",
                                            run.start, evidence))
+        elif (why := _release_and_ack_lost(history, done, ended.get((done.pid, run.id)), run.start)) is not None:
+            verdict.reports.append(Finding("rerun-after-lost-release", what + f" ({why})", run.start, evidence))
         else:
             verdict.violations.append(Finding("rerun", what, run.start, evidence))
+
+
+def _release_and_ack_lost(history: History, done: Event, original: Run | None, rerun_at: float) -> str | None:
+    """Why the completed run's done marker and acknowledgement were both lost, or None.
+
+    The guarantees' done-marker limit: a process that dies after its run's body returned
+    and before its release reached Redis leaves no done marker, and a copy of the message
+    whose acknowledgement was lost too runs again. All three must show in the history:
+
+    * its process SIGKILLed after the run's end (the worker's group, the first thing that
+      befell that worker since; or ``kill-child`` of that very process), before the re-run;
+    * the lock Redis out of that process's reach the whole time from the run's end to the
+      kill (faults that pause, busy or stop it; the proxy cut, for a proxied worker): the
+      release and every sending of it again went unanswered;
+    * the broker gone between the delivery and the run's outcome: the acknowledgement is
+      sent on the channel of a connection that died, and is lost.
+    """
+    if original is None or original.end is None:
+        return None
+    settings = history.meta.get("settings", {})
+    worker = done.who.removeprefix("worker-").removesuffix("-child")
+    proxied = any(w.get("name") == worker and w.get("proxied") for w in settings.get("workers", []))
+    kill: Event | None = None
+    for event in history.of("proc", "fault"):
+        if event.m <= original.end or event.m >= rerun_at:
+            continue
+        if event.ev == "proc" and event.get("name") == worker:
+            if event.get("action") == "SIGKILL" and event.get("group"):
+                kill = event
+            break  # any other change to that worker first (a stop, an exit): not this case
+        if (event.ev == "fault" and event.get("kind") == "kill-child" and event.get("action") == "inject"
+                and event.get("child") == done.pid):
+            kill = event
+            break
+    if kill is None:
+        return None
+    gone = sorted((inject.m, healed) for inject, healed in fault_spans(history)
+                  if inject.get("kind") in LOCK_GONE or (proxied and inject.get("kind") == "proxy-cut"))
+    reached = original.end
+    for start, healed in gone:
+        if start <= reached:
+            reached = max(reached, healed)
+    if reached < kill.m:
+        return None
+    broker = "lock-redis" if settings.get("variant") == "same" else "broker-redis"
+    delivered = max((e.m for e in history.of("prerun") if e.pid == done.pid and e.get("id") == done.get("id")
+                     and e.m <= original.start), default=original.start)
+    exits = [e for e in history.of("proc") if e.get("name") == broker and e.get("action") == "exit"
+             and delivered <= e.m <= done.m]
+    if not exits:
+        return None
+    return (f"its release cannot have reached the lock Redis, out of its process's reach from the run's end "
+            f"at m={original.end:.3f} until the process was SIGKILLed at m={kill.m:.3f}, and its "
+            f"acknowledgement was lost with the broker's connection, the broker exited at m={exits[0].m:.3f}: "
+            f"the guarantees' done-marker limit")
 
 
 # ------------------------------------------------------------------ beat slots

@@ -41,7 +41,8 @@ def figures(history: History, all_runs: list[Run], verdict: Verdict) -> dict[str
         "lost": found["lost"], "lost with the broker": reported["lost-with-broker"],
         "lost in the broker's transport": reported["lost-in-transport"],
         "re-runs": found["rerun"],
-        "re-runs excused": reported["rerun-after-data-loss"] + reported["rerun-after-done-ttl"],
+        "re-runs excused": (reported["rerun-after-data-loss"] + reported["rerun-after-done-ttl"]
+                            + reported["rerun-after-lost-release"]),
         "slots": verdict.figures.get("slots", {}),
         "violations": dict(found), "violations total": len(verdict.violations),
         "reports": dict(reported),

@@ -1,9 +1,10 @@
 """The Celery app of ``tests/test_release_order.py``: runs whose end causes more work on the same key.
 
 Configured from the environment: ``CSB_TEST_REDIS`` (broker db 0, results db 1,
-records db 3: always direct) and ``CSB_LOCK_REDIS`` (the locks: the tests give one
+records db 3: always direct), ``CSB_LOCK_REDIS`` (the locks: the tests give one
 worker a delaying proxy in front of the lock database and another the same
-database directly).
+database directly) and ``CSB_LOCK_SOCKET_TIMEOUT`` (the lock connections' socket
+timeout, the library's default if unset).
 
 ``step`` (``quiet``, which ignores its result, and ``late``, acknowledged after
 its run) records every run it makes in
@@ -36,6 +37,11 @@ app.conf.update(
     result_expires=600,
     worker_hijack_root_logger=True,
 )
+
+
+if os.environ.get("CSB_LOCK_SOCKET_TIMEOUT"):
+    # A lock Redis that does not answer keeps a request waiting this long.
+    app.conf.singleton_redis_options = {"socket_timeout": float(os.environ["CSB_LOCK_SOCKET_TIMEOUT"])}
 
 
 @app.task(bind=True, base=SingletonTask, unique_on=["key"])
