@@ -1,0 +1,324 @@
+"""Adversary tests of four merged changes (real redis-servers, real sockets).
+
+1. ``reset_clients()`` closes every thread's lock channel of the dropped clients:
+   a deferred release whose reply is unread on another thread's channel, a run that
+   holds a lease across the reset (its keeper, its release), two resets in a row, a
+   reset in a forked child: **held**.
+2. The lock channel's reader skips RESP3 push frames. Push frames read a byte at a
+   time, right before an error reply, in the middle of a pipelined batch: **held**.
+   A RESP3 attribute frame (``|``, metadata ahead of a reply) was taken for the reply
+   itself by the Python parser, and every later request read the reply of the one
+   before: **broke**, fixed (``test_an_attribute_frame_is_not_taken_for_a_reply``).
+3. (see ``test_warm_shutdown.py``) and 4. the soft time limit guard: in-process
+   checks here -- raised inside Celery's tracer (a task's body, its ``on_failure``
+   handler, a nested eager ``apply()``), dropped outside it, and a process whose
+   ``SIGUSR1`` is not billiard's handler (Celery's stack dump in a solo or threads
+   worker's main process) keeps its handler: **held**.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from billiard.exceptions import SoftTimeLimitExceeded
+from celery import Celery
+
+from celery_singleton_beat import SingletonTask
+from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.connection import flusher
+from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.wire import Request, SocketLink, pack
+from celery_singleton_beat.lease.keeper import get_keeper
+from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
+from celery_singleton_beat.task import soft_limit
+
+from .support import RedisServer, wait_for
+from .support.locking import take_lock
+
+KEY = "t:{adv.merge:one}"
+OTHER = "t:{adv.merge:two}"
+
+
+def take(client: redis.Redis, task_id: str, key: str = KEY, ttl: float = 30) -> Any:
+    return take_lock(client, key, ttl, task="adv.merge", task_id=task_id, node="w1@host", boot="b1")
+
+
+@pytest.fixture
+def lock_app(redis_server: RedisServer, redis_db: redis.Redis,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
+    """An app whose lock Redis is the session's server; deferred replies are read when the
+    test says (the background flusher waits an hour)."""
+    monkeypatch.setattr(flusher, "FLUSH_AFTER", 3600.0)
+    app = Celery("adversary-merge", set_as_current=False)
+    app.conf.singleton_redis_url = redis_server.url()
+    clear_settings_cache()
+    reset_clients()
+    yield app
+    reset_clients()
+    clear_settings_cache()
+
+
+# ------------------------------------------------------------- 1. reset_clients()
+
+def test_a_reset_reads_a_release_reply_left_unread_on_another_threads_channel(
+        lock_app: Celery, redis_db: redis.Redis) -> None:
+    """The other thread is still alive (busy elsewhere) when the reset comes."""
+    seen: list[tuple[Any, BaseException | None]] = []
+    released, done = threading.Event(), threading.Event()
+    pending: list[int] = []
+
+    def release_soon() -> None:
+        client = get_redis(lock_app)
+        lease = take(client, "id-1").lease
+        assert lease is not None and lease.release_soon(lambda released, error: seen.append((released, error)))
+        pending.append(channel_for(client).pending)
+        released.set()
+        done.wait(30)
+
+    thread = threading.Thread(target=release_soon)
+    thread.start()
+    try:
+        assert released.wait(30) and pending == [1], "the release's reply is left unread on that thread's channel"
+        reset_clients()
+        assert seen == [(True, None)], "the reset read the release's reply and told its handler"
+    finally:
+        done.set()
+        thread.join(30)
+    assert not redis_db.exists(KEY)
+    assert take(get_redis(lock_app), "id-2").acquired, "the new client takes the freed key"
+
+
+@pytest.mark.xfail(strict=True, reason="a thread's lock channel goes with the thread (thread-local, watched "
+                   "weakly): a deferred reply still unread when the thread ends is never read, so its "
+                   "handler never hears of a release that failed (no retry: the lock lapses at its TTL)")
+def test_a_release_reply_unread_when_its_thread_ends_is_still_read(
+        lock_app: Celery, redis_db: redis.Redis) -> None:
+    seen: list[tuple[Any, BaseException | None]] = []
+
+    def release_soon() -> None:
+        client = get_redis(lock_app)
+        lease = take(client, "id-1").lease
+        assert lease is not None and lease.release_soon(lambda released, error: seen.append((released, error)))
+
+    thread = threading.Thread(target=release_soon)
+    thread.start()
+    thread.join(30)
+    reset_clients()
+    for channel in list(flusher.watcher()._channels):
+        alive = channel()
+        if alive is not None:
+            alive.flush()
+    assert seen == [(True, None)], "the release's reply was read and its handler told"
+
+
+def test_a_run_holding_a_lease_across_a_reset_is_kept_and_released(lock_app: Celery, redis_db: redis.Redis) -> None:
+    old = get_redis(lock_app)
+    lease = take(old, "id-1", ttl=1).lease
+    assert lease is not None
+    kept = get_keeper().keep(lease, on_lost=lambda kept, reason: None)
+    try:
+        reset_clients()
+        reset_clients()  # twice in a row: nothing left to close the second time
+        assert get_redis(lock_app) is not old
+        first = redis_db.execute_command("PEXPIRETIME", KEY)
+        # Renewed on the dropped client's channel, which connects again: the expiry moves on.
+        wait_for(lambda: redis_db.execute_command("PEXPIRETIME", KEY) > first, timeout=10,
+                 message="the keeper renewing across the reset")
+        assert not take(get_redis(lock_app), "id-2").acquired, "the new client sees the held lock"
+    finally:
+        get_keeper().forget(kept)
+    assert lease.release() is True, "the run's release on the dropped client's channel"
+    assert not redis_db.exists(KEY)
+    assert take(get_redis(lock_app), "id-3").acquired
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_reset_in_a_forked_child_leaves_the_parents_channel_alone(lock_app: Celery, redis_db: redis.Redis) -> None:
+    client = get_redis(lock_app)
+    lease = take(client, "id-1").lease
+    other = take(client, "id-2", key=OTHER).lease
+    assert lease is not None and other is not None
+    seen: list[tuple[Any, BaseException | None]] = []
+    assert lease.release_soon(lambda released, error: seen.append((released, error)))
+    wait_for(lambda: not redis_db.exists(KEY), timeout=10, message="the written release to run")
+    pid = os.fork()
+    if pid == 0:  # the child: resets its clients and leaves at once
+        code = 1
+        try:
+            reset_clients()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's channel still has its unread reply, then answers its next request.
+    assert other.release() is True
+    assert seen == [(True, None)]
+    assert not redis_db.exists(OTHER)
+
+
+# ------------------------------------------------------------- 2. RESP3 frames
+
+def server_bytes(server: RedisServer, *commands: tuple[Any, ...], expect: bytes) -> bytes:
+    """What a RESP3 connection with client tracking on receives for ``commands`` sent at
+    once (read until it ends with ``expect``)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    try:
+        received = bytearray()
+
+        def exchange(data: bytes, until: bytes) -> bytes:
+            received.clear()
+            sock.sendall(data)
+            while not received.endswith(until):
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the connection"
+                received.extend(chunk)
+            return bytes(received)
+
+        exchange(pack(b"HELLO", b"3"), b"\r\n")
+        exchange(pack(b"CLIENT", b"TRACKING", b"ON"), b"+OK\r\n")
+        return exchange(b"".join(pack(*command) for command in commands), expect)
+    finally:
+        sock.close()
+
+
+def dribbled(data: bytes) -> tuple[SocketLink, threading.Thread]:
+    """A link whose socket receives ``data`` one byte per ``send`` (a reader that gets
+    every frame in pieces)."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10)
+
+    def write() -> None:
+        for at in range(len(data)):
+            theirs.sendall(data[at:at + 1])
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    return SocketLink(ours, resp3=True), writer
+
+
+#: Read with tracking on, then set by the same connection: the server pushes an
+#: ``invalidate`` frame between the SET's reply and the next one.
+BATCH = ((b"GET", b"adv:tracked"), (b"SET", b"adv:tracked", b"v"), (b"INCR", b"adv:tracked"),
+         (b"GET", b"adv:tracked"), (b"SET", b"adv:tracked", b"w"), (b"PING",), (b"INCR", b"adv:count"))
+
+
+def test_push_frames_read_a_byte_at_a_time_before_an_error_and_inside_a_batch(redis_server: RedisServer) -> None:
+    redis_server.client().delete("adv:tracked", "adv:count")
+    data = server_bytes(redis_server, *BATCH, expect=b":1\r\n")
+    assert data.count(b">2\r\n$10\r\ninvalidate") == 2, data
+    assert data.index(b">2") < data.index(b"-ERR"), "a push frame right before the error reply"
+    link, writer = dribbled(data)
+    try:
+        link.outstanding = len(BATCH)
+        first = link.read_many(3)
+        assert first[:2] == [None, b"OK"] and isinstance(first[2], redis.ResponseError), first
+        assert link.read() == b"v"
+        assert link.read_many(3) == [b"OK", b"PONG", 1]
+        assert link.outstanding == 0
+        writer.join(10)
+        assert not link.unread(), "nothing left over"
+    finally:
+        link.sock.close()
+
+
+@pytest.fixture
+def debug_server(make_redis: Callable[..., RedisServer]) -> RedisServer:
+    """A server that answers ``DEBUG PROTOCOL`` (attribute frames on demand)."""
+    return make_redis("--enable-debug-command", "yes")
+
+
+def plain(replies: list[Any]) -> Any:
+    return replies[0]
+
+
+def test_an_attribute_frame_is_not_taken_for_a_reply(debug_server: RedisServer) -> None:
+    """RESP3 attributes (``|``) are metadata sent ahead of a reply, not a reply: taken for
+    one, each later request on the connection read the reply of the one before."""
+    client = debug_server.client(protocol=3)
+    channel = channel_for(client)
+    reply = channel.call(Request([(b"DEBUG", b"PROTOCOL", b"attrib")], plain))
+    assert reply == b"Some real reply following the attribute", reply
+    assert channel.call(Request([(b"PING",)], plain)) in (b"PONG", "PONG")
+    client.close()
+
+
+# ------------------------------------------------------------- 4. soft time limits
+
+@pytest.fixture
+def guarded() -> Iterator[None]:
+    """This process's SIGUSR1 handler is the library's (as in a prefork pool process)."""
+    previous = signal.signal(signal.SIGUSR1, soft_limit._on_soft_limit)
+    yield
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def soft_limit_now() -> None:
+    """What a pool process gets when its run passes its soft time limit."""
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@pytest.fixture
+def eager_app(lock_app: Celery) -> Celery:
+    lock_app.conf.task_store_eager_result = False
+    return lock_app
+
+
+def test_a_soft_limit_outside_a_run_is_dropped(guarded: None) -> None:
+    before = soft_limit.dropped()
+    soft_limit_now()
+    assert soft_limit.dropped() == before + 1
+
+
+def test_a_soft_limit_in_a_run_its_failure_handler_and_a_nested_apply_is_raised(
+        guarded: None, eager_app: Celery, redis_db: redis.Redis) -> None:
+    handled: list[str] = []
+
+    class Handled(SingletonTask):
+        def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+            handled.append(type(exc).__name__)
+            try:
+                soft_limit_now()  # a second one, in the handler: raised there as before
+            except SoftTimeLimitExceeded:
+                handled.append("raised in on_failure")
+
+    @eager_app.task(base=Handled, name="adv.merge.body", shared=False)
+    def body() -> str:
+        soft_limit_now()
+        return "never"
+
+    @eager_app.task(name="adv.merge.inner", shared=False)
+    def inner() -> str:
+        soft_limit_now()
+        return "never"
+
+    @eager_app.task(base=SingletonTask, name="adv.merge.outer", shared=False)
+    def outer() -> str:
+        result = inner.apply()
+        return type(result.result).__name__
+
+    result = body.apply()
+    assert isinstance(result.result, SoftTimeLimitExceeded)
+    assert handled == ["SoftTimeLimitExceeded", "raised in on_failure"]
+    assert outer.apply().get() == "SoftTimeLimitExceeded", "raised in the nested run"
+    assert not redis_db.keys("*adv.merge*"), "every run's lock released"
+
+
+def test_the_guard_leaves_another_sigusr1_handler_alone() -> None:
+    """A solo or threads worker's main process: SIGUSR1 is Celery's stack dump, not billiard's."""
+    def dump(signum: int, frame: Any) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGUSR1, dump)
+    try:
+        soft_limit.guard_soft_limits()
+        assert signal.getsignal(signal.SIGUSR1) is dump
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
