@@ -7,8 +7,14 @@
 2. The lock channel's reader skips RESP3 push frames. Push frames read a byte at a
    time, right before an error reply, in the middle of a pipelined batch: **held**.
    A RESP3 attribute frame (``|``, metadata ahead of a reply) was taken for the reply
-   itself by the Python parser, and every later request read the reply of the one
-   before: **broke**, fixed (``test_an_attribute_frame_is_not_taken_for_a_reply``).
+   itself, and every later request read the reply of the one before: **broke**, fixed
+   in the Python parser (``test_an_attribute_frame_is_not_taken_for_a_reply``; hiredis
+   does the same, which the library cannot tell: xfail with hiredis). A RESP3 ``#f``
+   reply (``False``) was taken for "not complete yet" and the read waited for bytes
+   that never came: **broke**, fixed
+   (``test_a_false_boolean_reply_is_not_taken_for_an_incomplete_one``). Neither comes
+   from the library's own requests today (Redis sends attributes only for ``DEBUG
+   PROTOCOL attrib``; a Lua ``false`` comes back as a null).
 3. (see ``test_warm_shutdown.py``) and 4. the soft time limit guard: in-process
    checks here -- raised inside Celery's tracer (a task's body, its ``on_failure``
    handler, a nested eager ``apply()``), dropped outside it, and a process whose
@@ -239,6 +245,18 @@ def plain(replies: list[Any]) -> Any:
     return replies[0]
 
 
+def hiredis_installed() -> bool:
+    try:
+        import hiredis  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.xfail(hiredis_installed(), strict=True,
+                   reason="hiredis (3.5 seen) gives a RESP3 attribute frame as a reply of its own (a plain list, "
+                   "nothing to tell it by): only the Python parser skips it. Redis sends attributes for "
+                   "DEBUG PROTOCOL attrib only today")
 def test_an_attribute_frame_is_not_taken_for_a_reply(debug_server: RedisServer) -> None:
     """RESP3 attributes (``|``) are metadata sent ahead of a reply, not a reply: taken for
     one, each later request on the connection read the reply of the one before."""
@@ -246,6 +264,17 @@ def test_an_attribute_frame_is_not_taken_for_a_reply(debug_server: RedisServer) 
     channel = channel_for(client)
     reply = channel.call(Request([(b"DEBUG", b"PROTOCOL", b"attrib")], plain))
     assert reply == b"Some real reply following the attribute", reply
+    assert channel.call(Request([(b"PING",)], plain)) in (b"PONG", "PONG")
+    client.close()
+
+
+def test_a_false_boolean_reply_is_not_taken_for_an_incomplete_one(debug_server: RedisServer) -> None:
+    """RESP3's ``#f``: the parser's "not complete yet" was ``False`` too, so the reader
+    waited for more bytes that never came (until the socket's timeout, if any)."""
+    client = debug_server.client(protocol=3, socket_timeout=30)
+    channel = channel_for(client)
+    assert channel.call(Request([(b"DEBUG", b"PROTOCOL", b"false")], plain)) is False
+    assert channel.call(Request([(b"DEBUG", b"PROTOCOL", b"true")], plain)) is True
     assert channel.call(Request([(b"PING",)], plain)) in (b"PONG", "PONG")
     client.close()
 
