@@ -29,6 +29,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -45,8 +46,9 @@ from celery_singleton_beat.lease.keeper import get_keeper
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.task import soft_limit
 
-from .support import RedisServer, wait_for
+from .support import BROKER_DB, RedisServer, start_worker, wait_for
 from .support.locking import take_lock
+from .support.tasks import lock_keys, runs, started
 
 KEY = "t:{adv.merge:one}"
 OTHER = "t:{adv.merge:two}"
@@ -277,6 +279,34 @@ def test_a_false_boolean_reply_is_not_taken_for_an_incomplete_one(debug_server: 
     assert channel.call(Request([(b"DEBUG", b"PROTOCOL", b"true")], plain)) is True
     assert channel.call(Request([(b"PING",)], plain)) in (b"PONG", "PONG")
     client.close()
+
+
+# ------------------------------------------------------------- 3. warm shutdown, prefork
+
+def test_a_warm_shutdown_with_recycled_pool_processes_reads_a_known_runs_result(
+        tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis) -> None:
+    """Pool processes recycled after each run (``--max-tasks-per-child 1``), and a run still
+    going when the warm shutdown begins: letting the pool processes go must wait until the
+    main process read that run's result (it is known): its SUCCESS stored, its message
+    acknowledged, its lock freed. billiard's wait for the count is endless here, so a pool
+    process that relied on it (a recycled one, or the last run's) would never exit."""
+    worker = start_worker(redis_server, "tests.apps.tasks_app", "recycled", concurrency=2,
+                          extra=["--max-tasks-per-child", "1"],
+                          env={"CSB_ACKS_LATE": "1", "CSB_ENDLESS_CONSUMED_WAIT": "1"})
+    for n in range(4):  # every run in a new pool process
+        assert tasks.work.delay(f"r{n}").get(timeout=30) == f"r{n}"
+    records.set("hold:last", 1)
+    last = tasks.work.delay("last")
+    wait_for(lambda: started(records, "last"), timeout=30, message="the last run started")
+    worker.signal(signal.SIGTERM)
+    worker.wait_for_line("Warm shutdown", timeout=30)
+    records.delete("hold:last")  # the run ends once the shutdown began
+    wait_for(lambda: not worker.running, timeout=60, message="the worker to exit once the last run ended")
+    assert worker.returncode == 0, worker.tail(40)
+    assert last.get(timeout=30) == "last"
+    assert redis_server.client(BROKER_DB).hlen("unacked") == 0, "the last run's message acknowledged"
+    assert lock_keys(locks) == []
+    assert len(runs(records, "last")) == 1
 
 
 # ------------------------------------------------------------- 4. soft time limits
