@@ -19,7 +19,10 @@
    checks here -- raised inside Celery's tracer (a task's body, its ``on_failure``
    handler, a nested eager ``apply()``), dropped outside it, and a process whose
    ``SIGUSR1`` is not billiard's handler (Celery's stack dump in a solo or threads
-   worker's main process) keeps its handler: **held**.
+   worker's main process) keeps its handler: **held**. One landing as the library
+   ended a run (its body returned), before the run's lease left the keeper, was raised
+   there: the lock stayed renewed for as long as the process lived: **broke**, fixed
+   (``test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.connection import flusher
 from celery_singleton_beat.connection.channel import channel_for
 from celery_singleton_beat.connection.wire import Request, SocketLink, pack
-from celery_singleton_beat.lease.keeper import get_keeper
+from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.task import soft_limit
 
@@ -368,6 +371,34 @@ def test_a_soft_limit_in_a_run_its_failure_handler_and_a_nested_apply_is_raised(
     assert handled == ["SoftTimeLimitExceeded", "raised in on_failure"]
     assert outer.apply().get() == "SoftTimeLimitExceeded", "raised in the nested run"
     assert not redis_db.keys("*adv.merge*"), "every run's lock released"
+
+
+def test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever(
+        guarded: None, eager_app: Celery, redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soft limit lands as the library begins ending the run (its body returned), just
+    before it stops renewing the run's lease: raised there, it left the lease in the
+    keeper, renewed for as long as the process lived (no later run of that key)."""
+    forget = LeaseKeeper.forget
+    fired: list[bool] = []
+
+    def late_signal_then_forget(self: LeaseKeeper, kept: Any) -> None:
+        if not fired and isinstance(kept, KeptLease):
+            fired.append(True)
+            soft_limit_now()  # handled here, on the way into the lease's forget
+        forget(self, kept)
+
+    monkeypatch.setattr(LeaseKeeper, "forget", late_signal_then_forget)
+
+    @eager_app.task(base=SingletonTask, name="adv.merge.ending", shared=False, lock_ttl=1.0)
+    def ending() -> str:
+        return "done"
+
+    result = ending.apply()
+    assert fired
+    monkeypatch.setattr(LeaseKeeper, "forget", forget)
+    wait_for(lambda: not redis_db.keys("*adv.merge.ending*"), timeout=15,
+             message=f"the run's lock freed or lapsed (outcome {result.state}: {result.result!r})")
+    assert result.get() == "done", "the body's outcome stands"
 
 
 def test_the_guard_leaves_another_sigusr1_handler_alone() -> None:

@@ -17,15 +17,21 @@ next job, or ends. Raised there, the exception
 
 A worker with this library installed raises it only while Celery's tracer runs a
 task in that process (the task's body, its handlers, storing its result: as
-before), and drops a late one elsewhere, with a warning. The handler is billiard's
-own, replaced where billiard looks it up when it starts a pool process.
+before), and drops a late one elsewhere, with a warning. It drops one that lands
+while the library ends a run, once its body returned (:meth:`.SingletonTask._end`):
+raised there, it could come before the run's lease left the keeper, which then
+renewed it for as long as the process lived (no later run of that key), or cut its
+release short; the body's outcome stands. The handler is billiard's own, replaced
+where billiard looks it up when it starts a pool process.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
+from typing import Any
 
 import billiard.pool
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -48,9 +54,21 @@ def dropped() -> int:
     return _dropped
 
 
-def _in_a_run(frame: FrameType | None) -> bool:
+def _ending_code() -> Any:
+    """The code of :meth:`.SingletonTask._end` (None before that module is imported: no run
+    of a singleton task can be ending then). Looked up, not imported: it imports this module."""
+    module = sys.modules.get("celery_singleton_beat.task.task")
+    end = getattr(getattr(module, "SingletonTask", None), "_end", None)
+    return getattr(end, "__code__", None)
+
+
+def _in_a_run(frame: FrameType | None) -> bool | None:
+    """True inside Celery's tracer; None while the library ends a run in it; else False."""
+    ending = _ending_code()
     while frame is not None:
         code = frame.f_code
+        if code is ending:
+            return None
         if code.co_name == _TRACER_NAME and code.co_filename == _TRACER_FILE:
             return True
         frame = frame.f_back
@@ -58,11 +76,17 @@ def _in_a_run(frame: FrameType | None) -> bool:
 
 
 def _on_soft_limit(signum: int, frame: FrameType | None) -> None:
-    """billiard's soft time limit handler, raising only inside a run."""
-    if _in_a_run(frame):
+    """billiard's handler, raising only inside a run, and not while the library ends it."""
+    where = _in_a_run(frame)
+    if where:
         raise SoftTimeLimitExceeded()
     global _dropped
     _dropped += 1
+    if where is None:
+        logger.warning("a soft time limit (signal %d) reached this pool process while its run's lock was being "
+                       "released, the run's body over: dropped (raised there it could leave the lock renewed)",
+                       signum)
+        return
     logger.warning("a soft time limit (signal %d) reached this pool process after its run had ended: "
                    "dropped (raised here it would corrupt the pool's result pipe)", signum)
 
