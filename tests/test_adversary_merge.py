@@ -22,7 +22,9 @@
    worker's main process) keeps its handler: **held**. One landing as the library
    ended a run (its body returned), before the run's lease left the keeper, was raised
    there: the lock stayed renewed for as long as the process lived: **broke**, fixed
-   (``test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever``).
+   (``test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever``). One landing
+   as a run began, once its lease was in the keeper: the same: **broke**, fixed (raised,
+   and the lease abandoned: ``test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever``).
 """
 
 from __future__ import annotations
@@ -401,12 +403,12 @@ def test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever(
     assert result.get() == "done", "the body's outcome stands"
 
 
-@pytest.mark.xfail(strict=True, reason="a soft time limit (or revoke(terminate=True, signal='SIGUSR1')) that "
-                   "lands as a run begins, after its lease was handed to the keeper and before _begin returned "
-                   "the run, is raised there: __call__ never gets the run to end, and the keeper renews the "
-                   "lock for as long as the process lives. Not dropped like one in _end: the body has not run")
 def test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever(
         guarded: None, eager_app: Celery, redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A soft time limit (or ``revoke(terminate=True, signal="SIGUSR1")``) that lands as a run
+    begins, once its lease is in the keeper and before the run has it: raised (the body has
+    not run), but ``__call__`` never got the run to end, and the keeper renewed the lock for
+    as long as the process lived."""
     keep = LeaseKeeper.keep
     fired: list[bool] = []
 

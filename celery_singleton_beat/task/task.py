@@ -389,10 +389,15 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 self._wait_for_original(key, holder)
             self._conflict(key, result)
         assert result.lease is not None
-        kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback(request))
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
-        return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
+        keeper = get_keeper()
+        try:
+            kept = keeper.keep(result.lease, on_lost=self._lease_lost_callback(request))
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
+            return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
+        except BaseException:  # a soft time limit as the run began: its end will not come
+            keeper.abandon(result.lease)
+            raise
 
     def _lease_lost_callback(self, request: Context) -> Callable[[KeptLease, str], None]:
         """Report a lost lease once, the moment it is noticed (keeper or release)."""
