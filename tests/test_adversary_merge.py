@@ -3,7 +3,10 @@
 1. ``reset_clients()`` closes every thread's lock channel of the dropped clients:
    a deferred release whose reply is unread on another thread's channel, a run that
    holds a lease across the reset (its keeper, its release), two resets in a row, a
-   reset in a forked child: **held**.
+   reset in a forked child, a release the keeper sends again: **held**. A release the
+   channel's own thread wrote between the close's read of the pending replies and the
+   close itself was reported lost though it ran (then sent again, with a warning):
+   **broke**, fixed (the close holds the channel's lock throughout).
 2. The lock channel's reader skips RESP3 push frames. Push frames read a byte at a
    time, right before an error reply, in the middle of a pipelined batch: **held**.
    A RESP3 attribute frame (``|``, metadata ahead of a reply) was taken for the reply
@@ -150,6 +153,68 @@ def test_a_run_holding_a_lease_across_a_reset_is_kept_and_released(lock_app: Cel
     assert lease.release() is True, "the run's release on the dropped client's channel"
     assert not redis_db.exists(KEY)
     assert take(get_redis(lock_app), "id-3").acquired
+
+
+def test_a_release_the_keeper_sends_again_goes_out_after_a_reset(lock_app: Celery, redis_db: redis.Redis) -> None:
+    """A release that got no answer is sent again by the keeper until it runs; the client
+    it was taken with is dropped meanwhile."""
+    lease = take(get_redis(lock_app), "id-1").lease
+    assert lease is not None
+    pending = get_keeper().retry_release(lease)
+    reset_clients()
+    wait_for(lambda: not redis_db.exists(KEY), timeout=30, message="the release sent again after the reset")
+    wait_for(lambda: not pending.active, timeout=30, message="the pending release done")
+
+
+def test_a_send_between_a_closing_channels_flush_and_its_close_is_not_lost(
+        lock_app: Celery, redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Channel.close`` (from the resetting thread) read the pending replies, then closed
+    under the channel's lock: a release the channel's own thread wrote in between was
+    reported lost (``ConnectionError``: the run's handler sent it again, with a warning)
+    though it had run. The owner's release is let go once the replies are read: if the
+    channel's lock is free then, it slips in (the test waits for it); else it waits."""
+    seen: list[tuple[Any, BaseException | None]] = []
+    ready, go, sent, done = (threading.Event() for _ in range(4))
+    owned: list[Any] = []
+
+    def owner() -> None:
+        client = get_redis(lock_app)
+        first, second = take(client, "id-1").lease, take(client, "id-2", key=OTHER).lease
+        assert first is not None and second is not None
+        owned.append(channel_for(client))
+        assert first.release_soon(lambda released, error: seen.append((released, error)))
+        ready.set()
+        go.wait(30)
+        assert second.release_soon(lambda released, error: seen.append((released, error)))
+        sent.set()
+        done.wait(30)
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        channel = owned[0]
+        flush = type(channel)._flush_locked
+
+        def flush_then_the_owners_send(self: Any) -> None:
+            flush(self)
+            if self is not channel or go.is_set():
+                return
+            go.set()
+            if self._lock.acquire(blocking=False):  # nothing keeps the owner out now
+                self._lock.release()
+                assert sent.wait(30)
+
+        monkeypatch.setattr(type(channel), "_flush_locked", flush_then_the_owners_send)
+        reset_clients()
+        monkeypatch.setattr(type(channel), "_flush_locked", flush)
+        assert sent.wait(30)
+        channel.flush()
+    finally:
+        done.set()
+        thread.join(30)
+    assert seen == [(True, None), (True, None)], "each release told it ran"
+    assert not redis_db.exists(KEY) and not redis_db.exists(OTHER)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
