@@ -3,7 +3,9 @@
 1. ``reset_clients()`` closes every thread's lock channel of the dropped clients:
    a deferred release whose reply is unread on another thread's channel, a run that
    holds a lease across the reset (its keeper, its release), two resets in a row, a
-   reset in a forked child, a release the keeper sends again: **held**. A release the
+   reset in a forked child, a release the keeper sends again: **held**. A thread that
+   ended with a release's reply unread took it along, its handler never told: **broke**,
+   fixed (the flusher holds a channel until it is idle). A release the
    channel's own thread wrote between the close's read of the pending replies and the
    close itself was reported lost though it ran (then sent again, with a warning):
    **broke**, fixed (the close holds the channel's lock throughout).
@@ -25,7 +27,9 @@
    worker's main process) keeps its handler: **held**. One landing as the library
    ended a run (its body returned), before the run's lease left the keeper, was raised
    there: the lock stayed renewed for as long as the process lived: **broke**, fixed
-   (``test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever``). One landing
+   (held until the lock is released, then raised:
+   ``test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever``, and
+   ``test_a_soft_limit_as_a_nested_run_ends_reaches_the_outer_body``). One landing
    as a run began, once its lease was in the keeper: the same: **broke**, fixed (raised,
    and the lease abandoned: ``test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever``).
 """
@@ -442,7 +446,8 @@ def test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever(
         guarded: None, eager_app: Celery, redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """The soft limit lands as the library begins ending the run (its body returned), just
     before it stops renewing the run's lease: raised there, it left the lease in the
-    keeper, renewed for as long as the process lived (no later run of that key)."""
+    keeper, renewed for as long as the process lived (no later run of that key). Raised
+    once the run's lock is released: the run's outcome is as before."""
     forget = LeaseKeeper.forget
     fired: list[bool] = []
 
@@ -463,7 +468,39 @@ def test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever(
     monkeypatch.setattr(LeaseKeeper, "forget", forget)
     wait_for(lambda: not redis_db.keys("*adv.merge.ending*"), timeout=15,
              message=f"the run's lock freed or lapsed (outcome {result.state}: {result.result!r})")
-    assert result.get() == "done", "the body's outcome stands"
+    assert isinstance(result.result, SoftTimeLimitExceeded), "raised as before, a moment later"
+
+
+def test_a_soft_limit_as_a_nested_run_ends_reaches_the_outer_body(
+        guarded: None, eager_app: Celery, redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's soft limit lands while the library ends a call nested in its body: the
+    outer body gets it once the nested call's lock is released (not dropped: it is the
+    outer run's only one)."""
+    forget = LeaseKeeper.forget
+    fired: list[bool] = []
+
+    def late_signal_then_forget(self: LeaseKeeper, kept: Any) -> None:
+        if not fired and isinstance(kept, KeptLease):
+            fired.append(True)
+            soft_limit_now()
+        forget(self, kept)
+
+    @eager_app.task(base=SingletonTask, name="adv.merge.nesting", shared=False, bind=True, unique_on=["key"])
+    def nesting(self: SingletonTask, key: str, inner: bool = False) -> str:
+        if inner:
+            monkeypatch.setattr(LeaseKeeper, "forget", late_signal_then_forget)
+            return "inner"
+        try:
+            self(f"{key}-inner", inner=True)
+        except SoftTimeLimitExceeded:
+            return "the outer body stopped"
+        return "never stopped"
+
+    result = nesting.apply(("k",))
+    monkeypatch.setattr(LeaseKeeper, "forget", forget)
+    assert fired
+    assert result.get() == "the outer body stopped"
+    wait_for(lambda: not redis_db.keys("*adv.merge.nesting*"), timeout=15, message="both locks freed")
 
 
 def test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever(

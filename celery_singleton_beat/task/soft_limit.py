@@ -17,12 +17,12 @@ next job, or ends. Raised there, the exception
 
 A worker with this library installed raises it only while Celery's tracer runs a
 task in that process (the task's body, its handlers, storing its result: as
-before), and drops a late one elsewhere, with a warning. It drops one that lands
-while the library ends a run, once its body returned (:meth:`.SingletonTask._end`):
-raised there, it could come before the run's lease left the keeper, which then
-renewed it for as long as the process lived (no later run of that key), or cut its
-release short; the body's outcome stands. The handler is billiard's own, replaced
-where billiard looks it up when it starts a pool process.
+before), and drops a late one elsewhere, with a warning. One that lands while the
+library ends a run (:meth:`.SingletonTask._end`) is held until that is done, then
+raised (:func:`raise_held`): raised there, it could come before the run's lease left
+the keeper, which then renewed it for as long as the process lived (no later run of
+that key), or cut its release short. The handler is billiard's own, replaced where
+billiard looks it up when it starts a pool process.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from celery.app import trace
 
 from ..log import logger
 
-__all__ = ["dropped", "guard_soft_limits"]
+__all__ = ["dropped", "guard_soft_limits", "raise_held"]
 
 #: Celery's tracer: a frame of its ``trace_task`` on the stack means a task is being run.
 _TRACER_FILE = trace.__file__
@@ -47,6 +47,8 @@ _TRACER_NAME = "trace_task"
 #: billiard's handler, as found before it was replaced.
 _billiard_handler = billiard.pool.soft_timeout_sighandler
 _dropped = 0
+#: A soft time limit landed while the library ended a run: raised once that is done.
+_held = False
 
 
 def dropped() -> int:
@@ -76,19 +78,27 @@ def _in_a_run(frame: FrameType | None) -> bool | None:
 
 
 def _on_soft_limit(signum: int, frame: FrameType | None) -> None:
-    """billiard's handler, raising only inside a run, and not while the library ends it."""
+    """billiard's handler, raising only inside a run, and once the library ended it."""
     where = _in_a_run(frame)
     if where:
         raise SoftTimeLimitExceeded()
+    if where is None:
+        global _held
+        _held = True
+        return
     global _dropped
     _dropped += 1
-    if where is None:
-        logger.warning("a soft time limit (signal %d) reached this pool process while its run's lock was being "
-                       "released, the run's body over: dropped (raised there it could leave the lock renewed)",
-                       signum)
-        return
     logger.warning("a soft time limit (signal %d) reached this pool process after its run had ended: "
                    "dropped (raised here it would corrupt the pool's result pipe)", signum)
+
+
+def raise_held() -> None:
+    """Raise the soft time limit that landed while the library ended a run, now that it
+    is done (where the signal's own exception would have gone, a moment later)."""
+    global _held
+    if _held:
+        _held = False
+        raise SoftTimeLimitExceeded()
 
 
 def guard_soft_limits() -> None:

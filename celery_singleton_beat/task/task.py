@@ -68,6 +68,7 @@ from ..lease.spec import LockSpec
 from ..log import logger
 from ..recovery import lock_redis
 from ..recovery.lock_redis import get_redis
+from . import soft_limit
 from . import worker as worker_support
 from .conflicts import ConflictOutcomes, is_copy
 from .endings import Release, Report, ending_of
@@ -288,7 +289,10 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         finally:
             if outer is not None:
                 request.singleton = outer
-            self._end(request, run, sys.exc_info()[1])
+            try:
+                self._end(request, run, sys.exc_info()[1])
+            finally:
+                soft_limit.raise_held()  # one that landed in _end
 
     @classmethod
     def _singleton_direct_call(cls) -> bool:
