@@ -532,6 +532,17 @@ def test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever(
              message="the run's lock freed or lapsed")
 
 
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_sigusr1_to_a_solo_or_threads_worker_is_still_celerys_stack_dump(
+        pool: str, tasks: ModuleType, redis_server: RedisServer) -> None:
+    worker = start_worker(redis_server, "tests.apps.tasks_app", f"dump-{pool}", pool=pool, concurrency=1)
+    worker.signal(signal.SIGUSR1)
+    worker.wait_for_line("LOCAL VARIABLES", timeout=30)  # Celery's stack dump of every thread
+    assert tasks.work.delay(f"after-{pool}").get(timeout=30) == f"after-{pool}", "the worker goes on"
+    assert worker.running
+    assert "soft time limit" not in worker.output()
+
+
 def test_the_guard_leaves_another_sigusr1_handler_alone() -> None:
     """A solo or threads worker's main process: SIGUSR1 is Celery's stack dump, not billiard's."""
     def dump(signum: int, frame: Any) -> None:
