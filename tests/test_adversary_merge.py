@@ -20,11 +20,13 @@
    (``test_a_false_boolean_reply_is_not_taken_for_an_incomplete_one``). Neither comes
    from the library's own requests today (Redis sends attributes only for ``DEBUG
    PROTOCOL attrib``; a Lua ``false`` comes back as a null).
-3. (see ``test_warm_shutdown.py``) and 4. the soft time limit guard: in-process
-   checks here -- raised inside Celery's tracer (a task's body, its ``on_failure``
+3. Pool processes let go at a warm shutdown: with pool processes recycled after each
+   run (``--max-tasks-per-child 1``) and a run still going when the shutdown begins,
+   its result is still read (SUCCESS, acknowledged, lock freed): **held** (real worker).
+4. The soft time limit guard: in-process checks here -- raised inside Celery's tracer (a task's body, its ``on_failure``
    handler, a nested eager ``apply()``), dropped outside it, and a process whose
    ``SIGUSR1`` is not billiard's handler (Celery's stack dump in a solo or threads
-   worker's main process) keeps its handler: **held**. One landing as the library
+   worker's main process, real workers) keeps its handler: **held**. One landing as the library
    ended a run (its body returned), before the run's lease left the keeper, was raised
    there: the lock stayed renewed for as long as the process lived: **broke**, fixed
    (held until the lock is released, then raised:
