@@ -222,25 +222,29 @@ class Channel:
     def flush(self) -> None:
         """Read every pending reply now (blocks one round trip at most, two after a lost connection)."""
         with self._lock:
-            try:
-                for attempt in (1, 2):
-                    if not self._pending:
-                        return
-                    try:
-                        link = self._connect()
-                        if self._read_pending(link):
-                            self._write_unsent(link)
-                            self._read_pending(link, last=True)
-                        self._last_read = time.monotonic()
-                        return
-                    except RETRIED as exc:
-                        self._lost(exc, resend=attempt == 1)
-                    except BROKEN as exc:
-                        self._lost(exc, resend=False)
-                        raise
-            except BaseException:
-                self._drop_if_unread()
-                raise
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        """:meth:`flush`, the channel's lock held."""
+        try:
+            for attempt in (1, 2):
+                if not self._pending:
+                    return
+                try:
+                    link = self._connect()
+                    if self._read_pending(link):
+                        self._write_unsent(link)
+                        self._read_pending(link, last=True)
+                    self._last_read = time.monotonic()
+                    return
+                except RETRIED as exc:
+                    self._lost(exc, resend=attempt == 1)
+                except BROKEN as exc:
+                    self._lost(exc, resend=False)
+                    raise
+        except BaseException:
+            self._drop_if_unread()
+            raise
 
     def unwatch_if_idle(self) -> bool:
         """The flusher's check: nothing pending, so stop being watched (True), else False.
@@ -267,9 +271,9 @@ class Channel:
         Should it be used after all (a run still holding a lease of a dropped client),
         it connects again.
         """
-        with contextlib.suppress(Exception):  # each handler got the error
-            self.flush()
-        with self._lock:
+        with self._lock:  # held throughout: a send of its thread meanwhile is read too, or waits
+            with contextlib.suppress(Exception):  # each handler got the error
+                self._flush_locked()
             if self._pending:  # could not be read: reported lost, not sent again
                 self._lost(None, resend=False)
             else:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
 from typing import Protocol
 
 from ..log import logger
@@ -42,14 +41,16 @@ class Flusher:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._channels: list[weakref.ref[Watched]] = []
+        #: Held until idle: a channel whose thread ended (its thread-local gone) still has
+        #: its pending replies read, and each handler told.
+        self._channels: list[Watched] = []
         threading.Thread(target=self._run, name="singleton-flush", daemon=True).start()
 
     def watch(self, channel: Watched) -> None:
         with self._cond:
             if not channel.watched:
                 channel.watched = True
-                self._channels.append(weakref.ref(channel))
+                self._channels.append(channel)
                 self._cond.notify()
 
     def _run(self) -> None:
@@ -57,7 +58,7 @@ class Flusher:
             with self._cond:
                 while not self._channels:
                     self._cond.wait()
-                channels = [c for c in (ref() for ref in self._channels) if c is not None]
+                channels = list(self._channels)
             now = time.monotonic()
             due = [c for c in channels if c.oldest is not None and now - c.oldest >= FLUSH_AFTER]
             for channel in due:
@@ -68,13 +69,10 @@ class Flusher:
             waits = [c.oldest + FLUSH_AFTER - now for c in channels if c.oldest is not None and c not in due]
             with self._cond:
                 kept = []
-                for ref in self._channels:
-                    alive = ref()
-                    if alive is None:
-                        continue
-                    if alive.unwatch_if_idle():
+                for channel in self._channels:
+                    if channel.unwatch_if_idle():
                         continue  # its next send asks again
-                    kept.append(ref)
+                    kept.append(channel)
                 self._channels = kept
                 self._cond.wait(timeout=max(min(waits, default=FLUSH_AFTER), 0.005))
 
@@ -112,7 +110,7 @@ def read_all_replies() -> None:
     if flusher is None:
         return
     with flusher._cond:
-        channels = [channel for channel in (ref() for ref in flusher._channels) if channel is not None]
+        channels = list(flusher._channels)
     for channel in channels:
         try:
             channel.flush()

@@ -252,11 +252,13 @@ class _PyReader:
     """A RESP2/RESP3 reply parser for when hiredis is not installed (``feed``/``gets`` as hiredis's).
 
     Error replies become ``ResponseError`` objects; ``gets()`` returns
-    :data:`_INCOMPLETE` while a reply is not complete.
+    ``incomplete`` while a reply is not complete (:data:`_INCOMPLETE`, as hiredis's,
+    unless told otherwise: on RESP3, ``False`` is a reply).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, incomplete: Any = False) -> None:
         self._buffer = bytearray()
+        self._incomplete = incomplete
 
     def feed(self, data: bytes) -> None:
         self._buffer += data
@@ -268,7 +270,7 @@ class _PyReader:
         try:
             reply, end = self._parse(0)
         except _Short:
-            return _INCOMPLETE
+            return self._incomplete
         del self._buffer[:end]
         return reply
 
@@ -301,15 +303,19 @@ class _PyReader:
                 raise _Short
             value = bytes(self._buffer[at:at + size])
             return (value[4:] if kind == b"=" else value), at + size + 2
-        if kind in (b"*", b"~", b">", b"%", b"|"):
+        if kind == b"|":  # attributes: about the reply that follows, which is the reply
+            for _ in range(int(rest) * 2):
+                _, at = self._parse(at)
+            return self._parse(at)
+        if kind in (b"*", b"~", b">", b"%"):
             count = int(rest)
             if count < 0:
                 return None, at
             items = []
-            for _ in range(count * 2 if kind in (b"%", b"|") else count):
+            for _ in range(count * 2 if kind == b"%" else count):
                 item, at = self._parse(at)
                 items.append(item)
-            if kind in (b"%", b"|"):
+            if kind == b"%":
                 return dict(zip(items[::2], items[1::2], strict=True)), at
             return (_Push(items) if kind == b">" else items), at
         raise redis.InvalidResponse(f"unknown reply type {line[:20]!r}")
@@ -339,6 +345,8 @@ PUSH_TYPES = _push_types()
 
 #: What a reader's ``gets()`` returns while its reply is not complete.
 _INCOMPLETE: Any = False
+#: The same for a RESP3 connection, whose replies include ``False`` (``#f``).
+_NOT_YET: Any = object()
 
 
 def reply_reader(resp3: bool = False) -> Any:
@@ -346,13 +354,21 @@ def reply_reader(resp3: bool = False) -> Any:
 
     ``resp3``: for a connection that may receive push frames, which a hiredis older
     than 3.2 gives as plain arrays: the Python parser then, which tells them apart.
+    Its ``gets()`` returns :data:`_NOT_YET` while a reply is not complete (else
+    :data:`_INCOMPLETE`): on RESP3 ``False`` is a reply.
     """
     try:
         import hiredis
     except ImportError:
-        return _PyReader()
-    if resp3 and len(PUSH_TYPES) == 1:
-        return _PyReader()
+        return _PyReader(_NOT_YET if resp3 else _INCOMPLETE)
+    if resp3:
+        if len(PUSH_TYPES) == 1:
+            return _PyReader(_NOT_YET)
+        try:
+            return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError,
+                                  notEnoughData=_NOT_YET)
+        except TypeError:  # a hiredis without that option
+            return _PyReader(_NOT_YET)
     return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError)
 
 
@@ -371,13 +387,15 @@ class SocketLink:
     server closes it, which the channel handles as any lost connection.
     """
 
-    __slots__ = ("_reader", "loaded", "outstanding", "sock")
+    __slots__ = ("_incomplete", "_reader", "loaded", "outstanding", "sock")
 
     def __init__(self, sock: Any, resp3: bool = False) -> None:
         self.sock = sock
         self.loaded: set[str] = set()
         self.outstanding = 0
         self._reader = reply_reader(resp3)
+        #: What the reader's ``gets()`` returns while a reply is not complete.
+        self._incomplete = _NOT_YET if resp3 else _INCOMPLETE
 
     def send(self, data: bytes, replies: int = 1) -> None:
         self.outstanding += replies
@@ -389,10 +407,10 @@ class SocketLink:
             raise redis.ConnectionError(f"Error writing to the lock Redis: {exc}") from exc
 
     def read(self) -> Any:
-        reader = self._reader
+        reader, incomplete = self._reader, self._incomplete
         reply = reader.gets()
-        while reply is _INCOMPLETE or type(reply) in PUSH_TYPES:
-            if reply is _INCOMPLETE:
+        while reply is incomplete or type(reply) in PUSH_TYPES:
+            if reply is incomplete:
                 self._receive()
             reply = reader.gets()
         self.outstanding -= 1
@@ -400,11 +418,11 @@ class SocketLink:
 
     def read_many(self, count: int) -> list[Any]:
         """The next ``count`` replies: one call for a request's replies (the hot path reads 1 to 4)."""
-        gets = self._reader.gets
+        gets, incomplete = self._reader.gets, self._incomplete
         replies = []
         while True:
             reply = gets()
-            if reply is _INCOMPLETE:
+            if reply is incomplete:
                 self._receive()
                 continue
             if type(reply) in PUSH_TYPES:  # no reply: see the class's docstring

@@ -23,6 +23,7 @@ timeout, a cut connection; :meth:`LeaseKeeper.retry_release`, :mod:`.releases`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import heapq
 import itertools
 import os
@@ -136,6 +137,19 @@ class LeaseKeeper:
         kept = KeptLease(lease, on_lost)
         self._add(kept, lease.confirmed_at + lease.renew_every)
         return kept
+
+    def abandon(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` and release it: a run being set up was cut short after
+        :meth:`keep` (a soft time limit or a revoke's ``SIGUSR1`` landing as it began, even
+        inside :meth:`keep` once the lease was queued). Its entry never reached the run,
+        which could not end it: the lock was renewed for the life of the process."""
+        with self._mutex:
+            entries = [entry[2] for entry in self._queue
+                       if entry[2].lease is lease and isinstance(entry[2], KeptLease)]
+        for kept in entries:
+            self.forget(kept)
+        with contextlib.suppress(Exception):  # else it lapses at its TTL
+            lease.release()
 
     def retry_release(self, lease: Lease, done_ttl: float | None = None) -> PendingRelease:
         """Send ``lease``'s release (and its ``done_ttl`` done marker) again soon, and until it

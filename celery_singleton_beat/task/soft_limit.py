@@ -17,15 +17,21 @@ next job, or ends. Raised there, the exception
 
 A worker with this library installed raises it only while Celery's tracer runs a
 task in that process (the task's body, its handlers, storing its result: as
-before), and drops a late one elsewhere, with a warning. The handler is billiard's
-own, replaced where billiard looks it up when it starts a pool process.
+before), and drops a late one elsewhere, with a warning. One that lands while the
+library ends a run (:meth:`.SingletonTask._end`) is held until that is done, then
+raised (:func:`raise_held`): raised there, it could come before the run's lease left
+the keeper, which then renewed it for as long as the process lived (no later run of
+that key), or cut its release short. The handler is billiard's own, replaced where
+billiard looks it up when it starts a pool process.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
+from typing import Any
 
 import billiard.pool
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -33,7 +39,7 @@ from celery.app import trace
 
 from ..log import logger
 
-__all__ = ["dropped", "guard_soft_limits"]
+__all__ = ["dropped", "guard_soft_limits", "raise_held"]
 
 #: Celery's tracer: a frame of its ``trace_task`` on the stack means a task is being run.
 _TRACER_FILE = trace.__file__
@@ -41,6 +47,8 @@ _TRACER_NAME = "trace_task"
 #: billiard's handler, as found before it was replaced.
 _billiard_handler = billiard.pool.soft_timeout_sighandler
 _dropped = 0
+#: A soft time limit landed while the library ended a run: raised once that is done.
+_held = False
 
 
 def dropped() -> int:
@@ -48,9 +56,21 @@ def dropped() -> int:
     return _dropped
 
 
-def _in_a_run(frame: FrameType | None) -> bool:
+def _ending_code() -> Any:
+    """The code of :meth:`.SingletonTask._end` (None before that module is imported: no run
+    of a singleton task can be ending then). Looked up, not imported: it imports this module."""
+    module = sys.modules.get("celery_singleton_beat.task.task")
+    end = getattr(getattr(module, "SingletonTask", None), "_end", None)
+    return getattr(end, "__code__", None)
+
+
+def _in_a_run(frame: FrameType | None) -> bool | None:
+    """True inside Celery's tracer; None while the library ends a run in it; else False."""
+    ending = _ending_code()
     while frame is not None:
         code = frame.f_code
+        if code is ending:
+            return None
         if code.co_name == _TRACER_NAME and code.co_filename == _TRACER_FILE:
             return True
         frame = frame.f_back
@@ -58,13 +78,27 @@ def _in_a_run(frame: FrameType | None) -> bool:
 
 
 def _on_soft_limit(signum: int, frame: FrameType | None) -> None:
-    """billiard's soft time limit handler, raising only inside a run."""
-    if _in_a_run(frame):
+    """billiard's handler, raising only inside a run, and once the library ended it."""
+    where = _in_a_run(frame)
+    if where:
         raise SoftTimeLimitExceeded()
+    if where is None:
+        global _held
+        _held = True
+        return
     global _dropped
     _dropped += 1
     logger.warning("a soft time limit (signal %d) reached this pool process after its run had ended: "
                    "dropped (raised here it would corrupt the pool's result pipe)", signum)
+
+
+def raise_held() -> None:
+    """Raise the soft time limit that landed while the library ended a run, now that it
+    is done (where the signal's own exception would have gone, a moment later)."""
+    global _held
+    if _held:
+        _held = False
+        raise SoftTimeLimitExceeded()
 
 
 def guard_soft_limits() -> None:

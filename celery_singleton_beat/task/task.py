@@ -68,6 +68,7 @@ from ..lease.spec import LockSpec
 from ..log import logger
 from ..recovery import lock_redis
 from ..recovery.lock_redis import get_redis
+from . import soft_limit
 from . import worker as worker_support
 from .conflicts import ConflictOutcomes, is_copy
 from .endings import Release, Report, ending_of
@@ -288,7 +289,10 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         finally:
             if outer is not None:
                 request.singleton = outer
-            self._end(request, run, sys.exc_info()[1])
+            try:
+                self._end(request, run, sys.exc_info()[1])
+            finally:
+                soft_limit.raise_held()  # one that landed in _end
 
     @classmethod
     def _singleton_direct_call(cls) -> bool:
@@ -392,10 +396,15 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
                 self._wait_for_original(key, holder)
             self._conflict(key, result)
         assert result.lease is not None
-        kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback(request))
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
-        return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
+        keeper = get_keeper()
+        try:
+            kept = keeper.keep(result.lease, on_lost=self._lease_lost_callback(request))
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
+            return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
+        except BaseException:  # a soft time limit as the run began: its end will not come
+            keeper.abandon(result.lease)
+            raise
 
     def _lease_lost_callback(self, request: Context) -> Callable[[KeptLease, str], None]:
         """Report a lost lease once, the moment it is noticed (keeper or release)."""
