@@ -225,8 +225,6 @@ def test_a_slot_moved_off_a_node_then_removed(cluster: Topology, hooked: HookedC
 # ----------------------------------------------------------------- found by make chaos LOCK=cluster
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="redis-py's pipeline follows -ASK only to a node of its node table")
 def test_a_beat_records_its_claims_while_their_history_moves_to_a_node_being_added(cluster: Topology) -> None:
     """The beat's history of won claims (``<prefix>:{beat}:history``, one key of its own
     slot) has migrated to a node being added; the source answers ``-ASK <slot> <new node>``
@@ -234,7 +232,8 @@ def test_a_beat_records_its_claims_while_their_history_moves_to_a_node_being_add
     ``-ASK`` only to a node of its node table: it found none, and the beat's tick raised
     ``AttributeError: 'NoneType' object has no attribute 'redis_connection'`` (a ``celery
     beat`` exits on it; in the chaos run, a slot then went unsent when the other beat died
-    before taking the claim over). The slots must be sent and recorded on the new node."""
+    before taking the claim over). The slots must be sent and recorded on the new node.
+    (The beat starts at 12:00:00.3 and ticks until 12:00:03: slots 12:00:01 and 12:00:02.)"""
     admin = cluster.admin
     assert isinstance(admin, RedisCluster)
     history = "singleton:{beat}:history"
@@ -246,8 +245,43 @@ def test_a_beat_records_its_claims_while_their_history_moves_to_a_node_being_add
     beat = RecordingScheduler(app=beat_app(clock, {"e": {"task": "grow.e", "schedule": 1.0}}, cluster.url))
     try:
         run_ticks([beat], clock, 3, 0.5)
-        assert len(sent_slots(beat, task="grow.e")) == 3, "every slot sent"
-        assert move.on_target("LLEN", history) == 4, "the claims recorded where the history is"
+        assert sent_slots(beat, task="grow.e") == {"2024-05-01T12:00:01Z": 1, "2024-05-01T12:00:02Z": 1}, \
+            "every slot sent, once"
+        assert move.on_target("LLEN", history) == 3, "the claims recorded where the history is"
+        assert history not in move.keys_on(move.source)
+    finally:
+        beat.close()
+        reset_clients()
+
+
+def test_a_beat_claims_slots_while_the_slot_of_its_claims_moves_to_a_node_being_added(cluster: Topology) -> None:
+    """The hash slot of an entry's claims (``<prefix>:{beat:<entry>}:<slot>``) migrates to a
+    node being added: each new claim is a key the source does not have, so it answers
+    ``-ASK <slot> <new node>`` to the claim's ``SET NX``. The claims are made on the new
+    node (the beat sent its claims with redis-py's cluster pipeline, which crashed on that
+    ``-ASK`` as in the test above), each slot is sent once, and once the slot is the new
+    node's (the source answers ``-MOVED``) the beat goes on claiming there."""
+    admin = cluster.admin
+    assert isinstance(admin, RedisCluster)
+    claim = "singleton:{beat:e}:2024-05-01T12:00:00Z"  # a key of the claims' slot
+    admin.set(claim, "earlier")
+    server, node = new_node(cluster)
+    move = SlotMove(admin, claim, target=node).start()
+    move.migrate(claim)
+    clock = ManualClock(START)
+    beat = RecordingScheduler(app=beat_app(clock, {"e": {"task": "grow.e", "schedule": 1.0}}, cluster.url))
+    try:
+        run_ticks([beat], clock, 3, 0.5)
+        assert sent_slots(beat, task="grow.e") == {"2024-05-01T12:00:01Z": 1, "2024-05-01T12:00:02Z": 1}, \
+            "every slot sent, once"
+        on_target = move.keys_on(move.target)
+        assert {"singleton:{beat:e}:2024-05-01T12:00:01Z", "singleton:{beat:e}:2024-05-01T12:00:02Z"} <= set(on_target)
+        assert move.keys_on(move.source) == [], "no claim made on the source"
+        move.finish()
+        run_ticks([beat], clock, 2, 0.5)  # -MOVED to the new node now
+        assert sent_slots(beat, task="grow.e") == {f"2024-05-01T12:00:0{n}Z": 1 for n in (1, 2, 3, 4)}
+        with server.client() as on_new:
+            assert on_new.exists("singleton:{beat:e}:2024-05-01T12:00:04Z") == 1
     finally:
         beat.close()
         reset_clients()

@@ -43,6 +43,7 @@ from redis.exceptions import NoScriptError
 
 from ..connection.client import ReplicasNotAcknowledged, cluster_moved, group_by_node, is_cluster
 from ..connection.lending import borrow
+from ..connection.pooled import run_by_node
 from ..connection.wire import LuaScript
 from ..lease.behalf import release_value
 from ..lease.scripts import STATS_TTL_MS
@@ -277,9 +278,9 @@ class ClaimStore:
             marked = swap_many(client, marks)
             if self.wait_replicas > 0:
                 return self._set_acknowledged(batch, value), marked, False
-            pipe = client.pipeline(transaction=False)
-            self._add_sets(pipe, batch, value)
-            return self._outcomes(pipe.execute()), marked, False
+            # The library's own requests, one per node: redis-py's cluster pipeline cannot follow
+            # an -ASK to a node being added (see .connection.pooled.run_by_node).
+            return self._outcomes(_raising(run_by_node(client, self._set_commands(batch, value)))), marked, False
         pipe = client.pipeline(transaction=False)
         self._add_sets(pipe, batch, value)
         record = record or []
@@ -316,6 +317,16 @@ class ClaimStore:
             return False
         logger.warning("beat: could not record a round of claims in the history: %s", errors[0])
         return True
+
+    def _set_commands(self, batch: Iterable[Claim], value: str) -> list[tuple[Any, ...]]:
+        """The commands of :meth:`_add_sets`, for :func:`.connection.pooled.run_by_node`."""
+        commands: list[tuple[Any, ...]] = []
+        for claim in batch:
+            commands.append((b"SET", claim.key, value, b"NX", b"PX", self.ttl_ms(claim.slot),
+                             *((b"GET",) if self.use_set_get else ())))
+            if not self.use_set_get:
+                commands.append((b"GET", claim.key))
+        return commands
 
     def _add_sets(self, pipe: Any, batch: Iterable[Claim], value: str) -> None:
         for claim in batch:
@@ -433,31 +444,49 @@ class ClaimStore:
         sent = [*won, *taken_over][-self.history_size:]
         records = [history_record(entry.name, claim.key, entry.task, claim.slot.label, self.instance_id, at)
                    for claim, entry in sent]
-        pipe = self.client.pipeline(transaction=False)
+        commands: list[tuple[Any, ...]] = []
         if records:
-            pipe.lpush(history_key(self.prefix), *records)
-            pipe.ltrim(history_key(self.prefix), 0, self.history_size - 1)
+            commands.append((b"LPUSH", history_key(self.prefix), *records))
+            commands.append((b"LTRIM", history_key(self.prefix), 0, self.history_size - 1))
         counted: list[str] = []  # per entry hash, in the order of their HINCRBY replies
         if self.stats:
             totals = stats_key(self.prefix)
             for field, items in (("won", won), ("lost", lost), ("taken_over", taken_over)):
                 for _, entry in items:
                     counted.append(beat_stats_key(self.prefix, entry.name))
-                    pipe.hincrby(counted[-1], field, 1)
+                    commands.append((b"HINCRBY", counted[-1], field, 1))
                 if items:
-                    pipe.hincrby(totals, field, len(items))
-            pipe.pexpire(totals, STATS_TTL_MS)
-        replies = pipe.execute()
+                    commands.append((b"HINCRBY", totals, field, len(items)))
+            commands.append((b"PEXPIRE", totals, STATS_TTL_MS))
+        replies = self._run(commands)
         # An entry's hash gets its TTL when a field is created and every 64th update
         # (as the lock scripts do): one command per claim, not two.
         counts = replies[2:] if records else replies
         stale = {key for key, count in zip(counted, _per_entry(counts, won, lost, taken_over), strict=True)
                  if count % 64 == 1}
         if stale:
-            pipe = self.client.pipeline(transaction=False)
-            for key in stale:
-                pipe.pexpire(key, STATS_TTL_MS)
-            pipe.execute()
+            self._run([(b"PEXPIRE", key, STATS_TTL_MS) for key in stale])
+
+    def _run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``commands`` in one pipeline (on Cluster, one request per node, following
+        ``-ASK`` to any node: see :func:`.connection.pooled.run_by_node`); their replies, or
+        the first error reply raised."""
+        client = self.client
+        if is_cluster(client):
+            return _raising(run_by_node(client, commands))
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = pipe.execute()
+        return replies
+
+
+def _raising(replies: list[Any]) -> list[Any]:
+    """``replies``, or the first error among them raised (as a pipeline's ``execute()``)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
 
 
 def _per_entry(replies: Sequence[Any], *groups: Sequence[Any]) -> list[int]:
