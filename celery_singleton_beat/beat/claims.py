@@ -160,36 +160,37 @@ def _evalsha_pipelined(client: Any, script: LuaScript,
                        calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
     """EVALSHA ``calls`` in one pipeline per server; load the script and redo once on NOSCRIPT.
 
-    Redis Cluster clients refuse scripts in their pipelines, so each call goes
-    through a pipeline of the node that holds its key (one key per call), as the
-    client's slot map names it. That node's own connection does not follow a
-    ``-MOVED`` (the slot has another owner since: a failover, a resharding): the
-    client's layout is read again before the error is raised, so that the next
-    attempt (the beat retries with back-off) goes to the slot's owner.
+    Redis Cluster clients refuse scripts in their pipelines: there the calls go as the
+    library's own requests, one per node (:func:`.connection.pooled.run_by_node`, which
+    loads the script where missing and follows ``-MOVED`` and ``-ASK``, to a node being
+    added too). An error left is raised, the client's layout read again first when it
+    says a slot moved, so that the next attempt (the beat retries with back-off) goes to
+    the slot's owner.
     """
-    replies: list[Any] = [None] * len(calls)
-    for group in group_by_node(client, [keys[0] for keys, _ in calls]):
-        server = (client.get_redis_connection(client.get_node_from_key(calls[group[0]][0][0]))
-                  if is_cluster(client) else client)
+    if is_cluster(client):
+        replies = run_by_node(client, [script.command(keys, args) for keys, args in calls], (script,))
+        for reply in replies:
+            if isinstance(reply, Exception):
+                cluster_moved(client, reply)
+                raise reply
+        return replies
 
-        def run(indexes: Sequence[int], server: Any = server) -> list[Any]:
-            pipe = server.pipeline(transaction=False)
-            for i in indexes:
-                keys, args = calls[i]
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            replies: list[Any] = pipe.execute(raise_on_error=False)
-            return replies
+    def run(indexes: Sequence[int]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for i in indexes:
+            keys, args = calls[i]
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
 
-        for i, reply in zip(group, run(group), strict=True):
+    replies = run(range(len(calls)))
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        client.script_load(script.source)
+        for i, reply in zip(missing, run(missing), strict=True):
             replies[i] = reply
-        missing = [i for i in group if isinstance(replies[i], NoScriptError)]
-        if missing:
-            server.script_load(script.source)
-            for i, reply in zip(missing, run(missing), strict=True):
-                replies[i] = reply
     for reply in replies:
         if isinstance(reply, Exception):
-            cluster_moved(client, reply)
             raise reply
     return replies
 

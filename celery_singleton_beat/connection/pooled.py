@@ -90,11 +90,12 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     raise AssertionError("unreachable")
 
 
-def run_by_node(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """Keyed commands (``(name, key, *args)``) of keys in any hash slots, one request per
-    server (:func:`run_pooled`, so on Cluster ``-MOVED`` and ``-ASK`` are followed: see
-    :mod:`.redirects`); their raw replies in order, an error reply as the exception in its
-    place (as a pipeline's ``execute(raise_on_error=False)`` gives them).
+def run_by_node(client: Any, commands: Sequence[tuple[Any, ...]], scripts: Sequence[LuaScript] = ()) -> list[Any]:
+    """Keyed commands (``(name, key, *args)``, or :meth:`.wire.LuaScript.command` of one of
+    ``scripts``) of keys in any hash slots, one request per server (:func:`run_pooled`, so
+    scripts are loaded where missing and, on Cluster, ``-MOVED`` and ``-ASK`` are followed:
+    see :mod:`.redirects`); their raw replies in order, an error reply as the exception in
+    its place (as a pipeline's ``execute(raise_on_error=False)`` gives them).
 
     For the beat's writes on Redis Cluster: redis-py's cluster pipeline follows an ``-ASK``
     only to a node of its slot map, and a node being added to the cluster is in none until
@@ -103,11 +104,17 @@ def run_by_node(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
     """
     replies: list[Any] = [None] * len(commands)
     with _outage_as_connection_error():  # a slot no node serves: an outage, as in redis-py's pipeline
-        for group in group_by_node(client, [command[1] for command in commands]):
-            answered = run_pooled(client, commands[group[0]][1], Request([commands[i] for i in group], list))
+        keys = [_key_of(command) for command in commands]
+        for group in group_by_node(client, keys):
+            answered = run_pooled(client, keys[group[0]], Request([commands[i] for i in group], list, scripts))
             for index, reply in zip(group, answered, strict=True):
                 replies[index] = reply
     return replies
+
+
+def _key_of(command: tuple[Any, ...]) -> Any:
+    """The (first) key of a keyed command or of a script call."""
+    return command[3] if command[0] in (b"EVALSHA", "EVALSHA") else command[1]
 
 
 def run_script(client: Any, script: LuaScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
