@@ -25,7 +25,7 @@ import pytest
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import TryAgainError
 
-from celery_singleton_beat.connection.client import acl_rules, redis_from_url
+from celery_singleton_beat.connection.client import ClusterUnavailable, acl_rules, redis_from_url
 from celery_singleton_beat.lease.lock import AcquireResult
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.recovery.server import LockServer
@@ -285,6 +285,38 @@ def test_a_beat_claims_slots_while_the_slot_of_its_claims_moves_to_a_node_being_
     finally:
         beat.close()
         reset_clients()
+
+
+def test_redis_py_commands_on_a_key_moved_to_a_node_being_added_fail_as_an_outage(cluster: Topology,
+                                                                                  hooked: HookedClient) -> None:
+    """redis-py's own commands and pipelines (the admin tools', the counters', a worker-run
+    beat's start-up look at the history) follow an ``-ASK`` only to a node of the client's
+    node table: for a key migrated to a node being added they crashed with
+    ``AttributeError: 'NoneType' object has no attribute 'redis_connection'``. They fail as
+    the cluster momentarily unavailable now (:class:`ClusterUnavailable`, a
+    ``redis.ConnectionError``: callers fail closed and try again), and the client still
+    serves the slot's other keys and the other slots."""
+    client = hooked.client
+    admin = cluster.admin
+    assert isinstance(admin, RedisCluster)
+    t = tag()
+    moved, stays = (f"singleton:{n}:{{{t}}}" for n in ("moved", "stays"))
+    admin.set(moved, "1")
+    admin.set(stays, "1")
+    _, node = new_node(cluster)
+    move = SlotMove(admin, moved, target=node).start()
+    move.migrate(moved)
+    with pytest.raises(ClusterUnavailable):
+        client.get(moved)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(stays)
+    pipe.get(moved)
+    with pytest.raises(ClusterUnavailable):
+        pipe.execute()
+    assert client.get(stays) == b"1", "the source still serves the keys it has"
+    assert client.set("singleton:other", "1") and client.get("singleton:other") == b"1"
+    move.finish()
+    assert client.get(moved) == b"1", "-MOVED to the new node once the slot is its"
 
 
 @pytest.mark.xfail(strict=True, raises=(AttributeError, TryAgainError),
