@@ -257,9 +257,12 @@ def test_a_beat_records_its_claims_while_their_history_moves_to_a_node_being_add
 def test_a_beat_claims_slots_while_the_slot_of_its_claims_moves_to_a_node_being_added(cluster: Topology) -> None:
     """The hash slot of an entry's claims (``<prefix>:{beat:<entry>}:<slot>``) migrates to a
     node being added: each new claim is a key the source does not have, so it answers
-    ``-ASK <slot> <new node>`` to the claim's ``SET NX``. The claims are made on the new
-    node (the beat sent its claims with redis-py's cluster pipeline, which crashed on that
-    ``-ASK`` as in the test above), each slot is sent once, and once the slot is the new
+    ``-ASK <slot> <new node>`` to the claim's ``SET NX`` (and to the script that reads the
+    entry's record, ``<prefix>:{beat:<entry>}:scheduled``, also a key it does not have).
+    Before, that script ran through the node's own pipeline, which does not follow an
+    ``-ASK``: the beat failed closed, and sent no slot until the migration ended (its claims
+    went through redis-py's cluster pipeline, the path that crashed in the test above). The
+    claims are made on the new node, each slot is sent once, and once the slot is the new
     node's (the source answers ``-MOVED``) the beat goes on claiming there."""
     admin = cluster.admin
     assert isinstance(admin, RedisCluster)
