@@ -43,6 +43,7 @@ from redis.exceptions import NoScriptError
 
 from ..connection.client import ReplicasNotAcknowledged, cluster_moved, group_by_node, is_cluster
 from ..connection.lending import borrow
+from ..connection.pooled import run_by_node
 from ..connection.wire import LuaScript
 from ..lease.behalf import release_value
 from ..lease.scripts import STATS_TTL_MS
@@ -159,36 +160,37 @@ def _evalsha_pipelined(client: Any, script: LuaScript,
                        calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
     """EVALSHA ``calls`` in one pipeline per server; load the script and redo once on NOSCRIPT.
 
-    Redis Cluster clients refuse scripts in their pipelines, so each call goes
-    through a pipeline of the node that holds its key (one key per call), as the
-    client's slot map names it. That node's own connection does not follow a
-    ``-MOVED`` (the slot has another owner since: a failover, a resharding): the
-    client's layout is read again before the error is raised, so that the next
-    attempt (the beat retries with back-off) goes to the slot's owner.
+    Redis Cluster clients refuse scripts in their pipelines: there the calls go as the
+    library's own requests, one per node (:func:`.connection.pooled.run_by_node`, which
+    loads the script where missing and follows ``-MOVED`` and ``-ASK``, to a node being
+    added too). An error left is raised, the client's layout read again first when it
+    says a slot moved, so that the next attempt (the beat retries with back-off) goes to
+    the slot's owner.
     """
-    replies: list[Any] = [None] * len(calls)
-    for group in group_by_node(client, [keys[0] for keys, _ in calls]):
-        server = (client.get_redis_connection(client.get_node_from_key(calls[group[0]][0][0]))
-                  if is_cluster(client) else client)
+    if is_cluster(client):
+        replies = run_by_node(client, [script.command(keys, args) for keys, args in calls], (script,))
+        for reply in replies:
+            if isinstance(reply, Exception):
+                cluster_moved(client, reply)
+                raise reply
+        return replies
 
-        def run(indexes: Sequence[int], server: Any = server) -> list[Any]:
-            pipe = server.pipeline(transaction=False)
-            for i in indexes:
-                keys, args = calls[i]
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            replies: list[Any] = pipe.execute(raise_on_error=False)
-            return replies
+    def run(indexes: Sequence[int]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for i in indexes:
+            keys, args = calls[i]
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
 
-        for i, reply in zip(group, run(group), strict=True):
+    replies = run(range(len(calls)))
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        client.script_load(script.source)
+        for i, reply in zip(missing, run(missing), strict=True):
             replies[i] = reply
-        missing = [i for i in group if isinstance(replies[i], NoScriptError)]
-        if missing:
-            server.script_load(script.source)
-            for i, reply in zip(missing, run(missing), strict=True):
-                replies[i] = reply
     for reply in replies:
         if isinstance(reply, Exception):
-            cluster_moved(client, reply)
             raise reply
     return replies
 
@@ -277,9 +279,9 @@ class ClaimStore:
             marked = swap_many(client, marks)
             if self.wait_replicas > 0:
                 return self._set_acknowledged(batch, value), marked, False
-            pipe = client.pipeline(transaction=False)
-            self._add_sets(pipe, batch, value)
-            return self._outcomes(pipe.execute()), marked, False
+            # The library's own requests, one per node: redis-py's cluster pipeline cannot follow
+            # an -ASK to a node being added (see .connection.pooled.run_by_node).
+            return self._outcomes(_raising(run_by_node(client, self._set_commands(batch, value)))), marked, False
         pipe = client.pipeline(transaction=False)
         self._add_sets(pipe, batch, value)
         record = record or []
@@ -316,6 +318,16 @@ class ClaimStore:
             return False
         logger.warning("beat: could not record a round of claims in the history: %s", errors[0])
         return True
+
+    def _set_commands(self, batch: Iterable[Claim], value: str) -> list[tuple[Any, ...]]:
+        """The commands of :meth:`_add_sets`, for :func:`.connection.pooled.run_by_node`."""
+        commands: list[tuple[Any, ...]] = []
+        for claim in batch:
+            commands.append((b"SET", claim.key, value, b"NX", b"PX", self.ttl_ms(claim.slot),
+                             *((b"GET",) if self.use_set_get else ())))
+            if not self.use_set_get:
+                commands.append((b"GET", claim.key))
+        return commands
 
     def _add_sets(self, pipe: Any, batch: Iterable[Claim], value: str) -> None:
         for claim in batch:
@@ -433,31 +445,49 @@ class ClaimStore:
         sent = [*won, *taken_over][-self.history_size:]
         records = [history_record(entry.name, claim.key, entry.task, claim.slot.label, self.instance_id, at)
                    for claim, entry in sent]
-        pipe = self.client.pipeline(transaction=False)
+        commands: list[tuple[Any, ...]] = []
         if records:
-            pipe.lpush(history_key(self.prefix), *records)
-            pipe.ltrim(history_key(self.prefix), 0, self.history_size - 1)
+            commands.append((b"LPUSH", history_key(self.prefix), *records))
+            commands.append((b"LTRIM", history_key(self.prefix), 0, self.history_size - 1))
         counted: list[str] = []  # per entry hash, in the order of their HINCRBY replies
         if self.stats:
             totals = stats_key(self.prefix)
             for field, items in (("won", won), ("lost", lost), ("taken_over", taken_over)):
                 for _, entry in items:
                     counted.append(beat_stats_key(self.prefix, entry.name))
-                    pipe.hincrby(counted[-1], field, 1)
+                    commands.append((b"HINCRBY", counted[-1], field, 1))
                 if items:
-                    pipe.hincrby(totals, field, len(items))
-            pipe.pexpire(totals, STATS_TTL_MS)
-        replies = pipe.execute()
+                    commands.append((b"HINCRBY", totals, field, len(items)))
+            commands.append((b"PEXPIRE", totals, STATS_TTL_MS))
+        replies = self._run(commands)
         # An entry's hash gets its TTL when a field is created and every 64th update
         # (as the lock scripts do): one command per claim, not two.
         counts = replies[2:] if records else replies
         stale = {key for key, count in zip(counted, _per_entry(counts, won, lost, taken_over), strict=True)
                  if count % 64 == 1}
         if stale:
-            pipe = self.client.pipeline(transaction=False)
-            for key in stale:
-                pipe.pexpire(key, STATS_TTL_MS)
-            pipe.execute()
+            self._run([(b"PEXPIRE", key, STATS_TTL_MS) for key in stale])
+
+    def _run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``commands`` in one pipeline (on Cluster, one request per node, following
+        ``-ASK`` to any node: see :func:`.connection.pooled.run_by_node`); their replies, or
+        the first error reply raised."""
+        client = self.client
+        if is_cluster(client):
+            return _raising(run_by_node(client, commands))
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = pipe.execute()
+        return replies
+
+
+def _raising(replies: list[Any]) -> list[Any]:
+    """``replies``, or the first error among them raised (as a pipeline's ``execute()``)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
 
 
 def _per_entry(replies: Sequence[Any], *groups: Sequence[Any]) -> list[int]:

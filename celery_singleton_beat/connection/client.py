@@ -27,7 +27,7 @@ on the very connection (and node) that made the write.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar, Union
 
 import redis
@@ -147,29 +147,49 @@ def is_cluster_outage(exc: RedisClusterException) -> bool:
     return isinstance(exc.__cause__, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
 
 
+def _asked_to_unknown_node(exc: AttributeError) -> bool:
+    """redis-py's crash when it follows an ``-ASK`` to a node its node table lacks (it looks
+    the node up by name, finds None, and asks None for its connection): a node being added
+    to the cluster, which serves no slot until a first slot finished migrating to it."""
+    return "'NoneType' object has no attribute 'redis_connection'" in str(exc)
+
+
 @contextmanager
-def _outage_as_connection_error() -> Iterator[None]:
+def _outage_as_connection_error(client: Any = None) -> Iterator[None]:
     try:
         yield
     except RedisClusterException as exc:
         if is_cluster_outage(exc):
             raise ClusterUnavailable(str(exc)) from exc
         raise
+    except AttributeError as exc:
+        # redis-py's own commands and pipelines cannot follow such an -ASK (the library's
+        # requests can: .redirects). Reported as the cluster momentarily unavailable for the
+        # request (callers fail closed and try again), the layout read again for the next.
+        if client is None or not _asked_to_unknown_node(exc):
+            raise
+        with suppress(RedisClusterException, redis.RedisError):
+            client.nodes_manager.initialize()
+        raise ClusterUnavailable("a -ASK named a node outside the client's slot map "
+                                 "(a slot migrating to a node being added)") from exc
 
 
 class _SingletonClusterPipeline(ClusterPipeline):
-    """A Cluster pipeline whose ``execute`` reports outages as :class:`ClusterUnavailable`."""
+    """A Cluster pipeline whose ``execute`` reports outages as :class:`ClusterUnavailable`
+    (and redis-py's crash on an ``-ASK`` to a node being added as one: see
+    :func:`_outage_as_connection_error`)."""
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
-        with _outage_as_connection_error():
+        with _outage_as_connection_error(self):
             return super().execute(*args, **kwargs)
 
 
 class SingletonRedisCluster(RedisCluster):
-    """:class:`RedisCluster` whose outages are :class:`ClusterUnavailable` (a ``RedisError``)."""
+    """:class:`RedisCluster` whose outages are :class:`ClusterUnavailable` (a ``RedisError``),
+    redis-py's crash on an ``-ASK`` to a node being added too."""
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        with _outage_as_connection_error():
+        with _outage_as_connection_error(self):
             return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:

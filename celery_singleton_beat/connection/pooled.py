@@ -16,12 +16,12 @@ from typing import Any
 
 import redis
 
-from .client import cluster_moved, cluster_reread, is_cluster
+from .client import _outage_as_connection_error, cluster_moved, cluster_reread, group_by_node, is_cluster
 from .lending import borrow, give_back, pool_is_full
 from .redirects import AskFollower
 from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, ensure_checked, looker_of, run_on
 
-__all__ = ["run_pooled", "run_script"]
+__all__ = ["run_by_node", "run_pooled", "run_script"]
 
 
 def _node_client(client: Any, key: str) -> Any:
@@ -88,6 +88,33 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             if follow is not None:
                 follow.close()
     raise AssertionError("unreachable")
+
+
+def run_by_node(client: Any, commands: Sequence[tuple[Any, ...]], scripts: Sequence[LuaScript] = ()) -> list[Any]:
+    """Keyed commands (``(name, key, *args)``, or :meth:`.wire.LuaScript.command` of one of
+    ``scripts``) of keys in any hash slots, one request per server (:func:`run_pooled`, so
+    scripts are loaded where missing and, on Cluster, ``-MOVED`` and ``-ASK`` are followed:
+    see :mod:`.redirects`); their raw replies in order, an error reply as the exception in
+    its place (as a pipeline's ``execute(raise_on_error=False)`` gives them).
+
+    For the beat's writes on Redis Cluster: redis-py's cluster pipeline follows an ``-ASK``
+    only to a node of its slot map, and a node being added to the cluster is in none until
+    a first slot finished migrating to it (its request then fails with an ``AttributeError``).
+    The servers are asked one after another: a round trip each.
+    """
+    replies: list[Any] = [None] * len(commands)
+    with _outage_as_connection_error():  # a slot no node serves: an outage, as in redis-py's pipeline
+        keys = [_key_of(command) for command in commands]
+        for group in group_by_node(client, keys):
+            answered = run_pooled(client, keys[group[0]], Request([commands[i] for i in group], list, scripts))
+            for index, reply in zip(group, answered, strict=True):
+                replies[index] = reply
+    return replies
+
+
+def _key_of(command: tuple[Any, ...]) -> Any:
+    """The (first) key of a keyed command or of a script call."""
+    return command[3] if command[0] in (b"EVALSHA", "EVALSHA") else command[1]
 
 
 def run_script(client: Any, script: LuaScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
