@@ -176,12 +176,21 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
 
         Exit code 78, through :meth:`close` (Celery's beat loop turns the
         ``SystemExit`` raised here into a clean stop, then closes the scheduler).
+        A server that answers and can be used ends the Redis back-off at once: the
+        back-off doubled through the outage (16 s after 15 s), and a beat that waited
+        out its rest sent nothing for that long while Redis answered, as did every
+        beat that started in the same outage (their back-offs run in step).
         """
         try:
-            self._server_check.poll()
+            server = self._server_check.poll()
         except LockRedisUnusable:
             self._fatal = EX_CONFIG
             raise SystemExit(EX_CONFIG) from None
+        if server is not None and self.breaker.is_open():
+            self.breaker.ok()
+            # Entries held back for the back-off sit in the heap at its end: build the
+            # heap again from their own next instants (the due ones come first).
+            self._heap = None
 
     def _check_entries(self) -> None:
         """Reject entries whose singleton option or schedule cannot work (at beat start)."""
