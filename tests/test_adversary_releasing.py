@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -72,6 +73,16 @@ from .support.locking import take_leases
 from .support.paths import ROOT
 
 KEY = "singleton:{adv-releasing:k}"
+
+
+def _frames_of(ident: int) -> list[Any]:
+    """The frames of thread ``ident``'s stack, innermost first."""
+    frame = sys._current_frames().get(ident)
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
 
 
 def url_of(client: redis.Redis) -> str:
@@ -426,3 +437,65 @@ def test_gevent_runs_ending_together_lose_nothing(redis_db: redis.Redis) -> None
     finally:
         child.close()
     assert "runs=40 lost=0 left=0 active=0" in line, line
+
+
+# -------------------------------------------------------------------- 11. a signal as the run forgets
+
+
+@pytest.mark.parametrize("error", [SoftTimeLimitExceeded, KeyboardInterrupt])
+def test_a_signal_while_the_run_forgets_its_released_lease_still_forgets_it(
+        redis_db: redis.Redis, error: type[BaseException], keeper_count: Callable[[], int]) -> None:
+    """A late soft time limit (billiard's ``SIGUSR1`` handler raises inside the tracer, so in a
+    run's end too) or a ``KeyboardInterrupt`` reaches the run after its release ran, while
+    its ``forget`` waits for the keeper's lock (held by the keeper's own work: a round, a
+    put-back's round trip): ``forget`` never runs. The lease, released and marked releasing,
+    must still be forgotten (the keeper's count back, no renewals for ever)."""
+    app = eager_app(url_of(redis_db), "adv-releasing-signal")
+    keeper = get_keeper()
+    main = threading.get_ident()
+    seen: dict[str, Any] = {}
+    released, holding, raised = threading.Event(), threading.Event(), threading.Event()
+
+    def raise_it(signum: int, frame: Any) -> None:
+        raise error()
+
+    def hold_the_keepers_lock() -> None:
+        assert released.wait(30)
+        with keeper._mutex:  # the keeper's own work holds it; the run's forget waits
+            holding.set()
+            wait_for(lambda: "forget" in {f.f_code.co_name for f in _frames_of(main)}, timeout=30,
+                     interval=0.001, message="the run waits in forget")
+            signal.pthread_kill(main, signal.SIGUSR2)
+            wait_for(raised.is_set, timeout=30, interval=0.001, message="the signal was handled")
+
+    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6)
+    def body(self: Any) -> None:
+        kept = seen["kept"] = self.singleton_run._kept
+        release = kept.lease.release
+
+        def release_then_let_go(*args: Any, **kwargs: Any) -> bool | None:
+            try:
+                return release(*args, **kwargs)
+            finally:
+                released.set()
+                assert holding.wait(30), "the keeper's lock is held"
+
+        kept.lease.release = release_then_let_go
+
+    previous = signal.signal(signal.SIGUSR2, raise_it)
+    holder = threading.Thread(target=hold_the_keepers_lock, daemon=True)
+    holder.start()
+    try:
+        try:
+            body.apply()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            raised.set()
+        holder.join(30)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    kept = seen["kept"]
+    assert not redis_db.exists(kept.lease.key), "the release ran"
+    wait_for(lambda: keeper_count() == 0, timeout=30, message="the released lease forgotten")
+    assert not kept.active
