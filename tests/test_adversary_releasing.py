@@ -16,7 +16,11 @@ attack, and what it found:
    reports nothing. ``test_a_late_put_back_waiting_when_the_run_releases_writes_nothing``.
 3. A lock deleted, or taken over by another holder, while the body ran, the keeper not due
    yet: HELD, the release reports the run lost (``lost`` counter), the other holder's lock
-   untouched. ``test_a_loss_during_the_body_is_reported_by_the_release``.
+   untouched; found by the keeper in the body: ``ensure_held()`` raises.
+   ``test_a_loss_during_the_body_is_reported_by_the_release``. The keeper reading the reply
+   of such a loss just before the run begins its release (it then says nothing): HELD, the
+   release reports it.
+   ``test_a_loss_the_keeper_read_just_before_releasing_is_reported_by_the_release``.
 4. Renewals racing releases across threads: 60 leases of 0.3 s TTL renewed by the
    process's keeper while the test thread ends them one by one (``releasing``, release,
    ``forget``): HELD, none lost, every key free once all ended, the keeper's count back.
@@ -38,7 +42,16 @@ attack, and what it found:
    ``test_a_nested_run_ending_leaves_the_outer_lease_renewed``.
 10. gevent (monkeypatched process, keeper an OS thread): 40 runs in greenlets sharing a pool
     of two connections, ending together: HELD, none lost, every key free, the keeper's count
-    at zero. ``test_gevent_runs_ending_together_lose_nothing``.
+    at zero. ``test_gevent_runs_ending_together_lose_nothing``. (At ``lock_ttl=1`` it failed
+    once in four runs on a machine at load 11 on 2 cores: 25 of 40 leases found expired by
+    the keeper itself while the bodies ran, a keeper thread starved for a second, not a
+    release's doing; at ``lock_ttl=3`` it holds.)
+11. A late soft time limit (or ``KeyboardInterrupt``) raised by its signal handler just
+    after the release ran, while the run's ``forget`` waited for the keeper's lock:
+    **BROKE**. ``forget`` never ran: the released lease stayed kept (and counted) for the
+    life of the process. Fixed: a releasing lease whose renewal finds its lock gone (or its
+    end passed while Redis did not answer) is forgotten by the keeper itself.
+    ``test_a_signal_while_the_run_forgets_its_released_lease_still_forgets_it``.
 """
 
 from __future__ import annotations
@@ -58,6 +71,8 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_singleton_beat import SingletonTask
+from celery_singleton_beat.exceptions import LockLost
+from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.holder import done_key
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
@@ -184,15 +199,16 @@ def test_a_late_put_back_waiting_when_the_run_releases_writes_nothing(
 # -------------------------------------------------------------------- 3. a loss during the body
 
 
-@pytest.mark.parametrize("how", ["deleted", "taken over"])
+@pytest.mark.parametrize("how", ["deleted", "taken over", "found by the keeper"])
 def test_a_loss_during_the_body_is_reported_by_the_release(redis_db: redis.Redis, how: str,
                                                            keeper_count: Callable[[], int]) -> None:
     """The body's lock is deleted (or taken by another holder) while the keeper is not yet
-    due: the run's end (``releasing``, then its release) must still report it lost."""
+    due: the run's end (``releasing``, then its release) must still report it lost. Found
+    by the keeper while the body runs: ``ensure_held()`` raises, and the end keeps it lost."""
     app = eager_app(url_of(redis_db), "adv-releasing-loss")
     seen: dict[str, Any] = {}
 
-    @app.task(base=SingletonTask, bind=True, lock_ttl=60)
+    @app.task(base=SingletonTask, bind=True, lock_ttl=60 if how != "found by the keeper" else 0.6)
     def body(self: Any) -> None:
         run = self.singleton_run
         seen["run"] = run
@@ -201,13 +217,54 @@ def test_a_loss_during_the_body_is_reported_by_the_release(redis_db: redis.Redis
             other = acquire(redis_db, run.key, LockSpec(task="other", ttl=60.0), "other").lease
             assert other is not None
             seen["other"] = other
+        if how == "found by the keeper":
+            wait_for(lambda: run.lost, timeout=30, message="the keeper found the loss")
+            with pytest.raises(LockLost):
+                run.ensure_held()
+
+    body.apply().get()
+    run = seen["run"]
+    assert run.lost and run._kept.lost_reason == (
+        "the lock was deleted, expired or taken by another holder" if how == "found by the keeper"
+        else "the lock was gone when the run ended")
+    assert keeper_count() == 0
+    counters.flush()
+    assert redis_db.hget(body.singleton_stats_key(), "lost") == b"1"
+    if how == "taken over":
+        assert read_holder(redis_db, run.key).raw == seen["other"].value, "the other holder's lock stays"
+
+
+def test_a_loss_the_keeper_read_just_before_releasing_is_reported_by_the_release(
+        redis_db: redis.Redis, keeper_count: Callable[[], int]) -> None:
+    """The keeper's renewal reads the reply of a lock deleted in the body (a real loss), and
+    the run begins its release before the keeper judges that reply: the keeper says nothing
+    (the lease is releasing), so the release must report the loss."""
+    app = eager_app(url_of(redis_db), "adv-releasing-read")
+    seen: dict[str, Any] = {}
+    read = threading.Event()
+
+    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6)
+    def body(self: Any) -> None:
+        run = seen["run"] = self.singleton_run
+        kept = run._kept
+        renew_once = kept.lease.renew_once
+
+        def read_then_wait(client: Any = None) -> Any:
+            outcome = renew_once(client)
+            read.set()
+            wait_for(lambda: kept.releasing, timeout=30, interval=0.001, message="the run is releasing")
+            return outcome
+
+        kept.lease.renew_once = read_then_wait
+        redis_db.delete(run.key)
+        assert read.wait(30), "the keeper read the reply"
 
     body.apply().get()
     run = seen["run"]
     assert run.lost and run._kept.lost_reason == "the lock was gone when the run ended"
-    assert keeper_count() == 0
-    if how == "taken over":
-        assert read_holder(redis_db, run.key).raw == seen["other"].value, "the other holder's lock stays"
+    wait_for(lambda: keeper_count() == 0, timeout=30, message="the lease forgotten")
+    counters.flush()
+    assert redis_db.hget(body.singleton_stats_key(), "lost") == b"1"
 
 
 # -------------------------------------------------------------------- 4. renewals racing releases
