@@ -21,6 +21,11 @@ attack, and what it found:
    of such a loss just before the run begins its release (it then says nothing): HELD, the
    release reports it.
    ``test_a_loss_the_keeper_read_just_before_releasing_is_reported_by_the_release``.
+   60 leases ending one by one while the keeper, woken by a restart without persistence,
+   puts the others back (in three runs 9 to 32 of the 60 releases came before their
+   put-back): HELD, no released lock is left (without the ``releasing`` guard on the
+   put-back, every run left locks behind).
+   ``test_runs_ending_while_the_keeper_puts_locks_back_after_a_restart_leave_no_lock``.
 4. Renewals racing releases across threads: 60 leases of 0.3 s TTL renewed by the
    process's keeper while the test thread ends them one by one (``releasing``, release,
    ``forget``): HELD, none lost, every key free once all ended, the keeper's count back.
@@ -291,6 +296,29 @@ def test_renewals_racing_releases_lose_nothing_and_write_nothing_back(
     assert lost == [] and all(results), (lost, results)
     assert keeper_count() == 0
     assert not any(redis_db.exists(lease.key) for lease in leases)
+
+
+def test_runs_ending_while_the_keeper_puts_locks_back_after_a_restart_leave_no_lock(
+        make_redis: Callable[..., RedisServer], keeper_count: Callable[[], int]) -> None:
+    """60 leases of 30 s kept by the process's keeper; the server restarts empty; the test
+    thread then ends them one by one as runs do while the keeper, woken by the restart
+    (found by the first release), puts the others back. A lock put back after its run's
+    release would stay 30 s: once every run ended, no key may be left."""
+    server = make_redis()
+    client = server.client()
+    mark_in_use(client)
+    keeper = get_keeper()
+    leases = take_leases(client, "adv-restart", [30.0] * 60)
+    lost: list[str] = []
+    kept = [keeper.keep(lease, lambda k, why: lost.append(f"{k.lease.key}: {why}")) for lease in leases]
+    server.restart()
+    for k in kept:
+        keeper.releasing(k)
+        k.lease.release()  # True where the keeper put it back first, False where the restart took it
+        keeper.forget(k)
+    direct = server.client()
+    assert [lease.key for lease in leases if direct.exists(lease.key)] == [], "a released lock was put back"
+    assert lost == [] and keeper_count() == 0
 
 
 # -------------------------------------------------------------------- 5. a release that cannot be sent
