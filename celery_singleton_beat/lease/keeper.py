@@ -197,7 +197,10 @@ class LeaseKeeper:
     def releasing(self, kept: KeptLease) -> None:
         """The run ends and its release is about to be sent: keep renewing until :meth:`forget`
         (called once the release was written or answered), but put nothing back and report
-        no loss from now on: a renewal that finds the lock gone or changed found the release.
+        no loss from now on: a renewal that finds the lock gone or changed found the release,
+        and forgets the lease itself (as does one that finds the lease ended while Redis did
+        not answer): an exception raised by a signal handler as the run ends (a late soft
+        time limit, ``KeyboardInterrupt``) can keep the run's own :meth:`forget` from running.
 
         The release may wait: for a connection of the pool (a gevent worker's ending runs
         share ``max_connections``), for an interpreter busy elsewhere. A lease forgotten
@@ -394,13 +397,17 @@ class LeaseKeeper:
                     logger.warning("renewed lock %s again: Redis answers", lease.key)
                 # From its confirmation, not from now: judging a large batch takes time.
                 return max(time.monotonic(), lease.confirmed_at + lease.renew_every)
-            if kept.active and not kept.releasing:  # else the run's release was on its way
+            if kept.releasing:  # its release ran (or the lock went another way): nothing left to renew
+                self.forget(kept)
+            elif kept.active:  # else the run ended and released it while this renewal was on its way
                 kept.mark_lost("the lock was deleted, expired or taken by another holder")
             return None
         except redis.RedisError as exc:
             now = time.monotonic()
             if now >= lease.valid_until:
-                if kept.active and not kept.releasing:  # else its release reports it
+                if kept.releasing:  # its release reports it (sent again while Redis does not answer)
+                    self.forget(kept)
+                elif kept.active:
                     kept.mark_lost(f"the lease expired while Redis was unreachable ({exc})")
                 return None
             if now >= kept.next_complaint:  # the first failure, then every LOG_EVERY seconds
