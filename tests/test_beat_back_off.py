@@ -75,3 +75,33 @@ def test_a_beat_that_started_in_an_outage_sends_once_it_sees_redis_answer(
     assert sent, ("nothing sent in the 4 s after the claims Redis answered: the beat waits out "
                   f"its back-off ({beat.breaker.remaining():.1f}s left)")
     assert sent[0] <= "2024-05-01T12:00:22Z", sent
+
+
+def test_a_beat_whose_claims_redis_went_down_while_it_ran_sends_once_it_answers(
+        make_redis: Callable[..., RedisServer], redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up at start, then down for 20 s: the beat looks once per second during its back-off,
+    and the slot after the server answers again is sent, not up to 30 s later."""
+    monotonic = BeatMonotonic()
+    monotonic.install(monkeypatch)
+    monkeypatch.setattr(sys.modules["celery_singleton_beat.beat.breaker"], "time", monotonic)
+    # Restarted from its append-only file: the same data, so no recovery window follows.
+    claims = make_redis("--appendonly", "yes", "--appendfsync", "always")
+    mark_in_use(claims.client(0))  # a server in use already: no recovery window
+    clock = ManualClock(START)
+    beat = DefaultBackOff(app=beat_app(clock, EVERY_SECOND, claims.url(0),
+                                       singleton_redis_options={"socket_timeout": 1}))
+    advance(clock, monotonic, beat, 2)
+    assert sent_slots(beat), "sending while Redis answers"
+    claims.stop()
+    before = len(sent_slots(beat))
+    advance(clock, monotonic, beat, OUTAGE)
+    assert len(sent_slots(beat)) == before, "fail closed: nothing sent while Redis is down"
+    assert beat.breaker.remaining() > 5, "the back-off grew past a few seconds"
+
+    claims.start()
+    back = clock.value
+    advance(clock, monotonic, beat, 4)
+    later = sorted(slot for slot in sent_slots(beat) if slot >= back.strftime("%Y-%m-%dT%H:%M:%SZ"))
+    assert later, ("nothing sent in the 4 s after the claims Redis answered again: the beat waits out "
+                   f"its back-off ({beat.breaker.remaining():.1f}s left)")

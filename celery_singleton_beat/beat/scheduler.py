@@ -192,6 +192,16 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             # heap again from their own next instants (the due ones come first).
             self._heap = None
 
+    def _probe_claims_redis(self) -> None:
+        """While the Redis back-off runs (fail closed): a server that answers ends it at once,
+        and the entries held back to its end come due again (see :meth:`_check_server_again`)."""
+        try:
+            self.claims.client.ping()
+        except redis.RedisError:
+            return  # still down: the back-off goes on, not doubled by a look
+        self.breaker.ok()
+        self._heap = None
+
     def _check_entries(self) -> None:
         """Reject entries whose singleton option or schedule cannot work (at beat start)."""
         now = self._now()
@@ -305,6 +315,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         self._next_look = None  # set by a reserve within this tick only
         if self._server_check.pending:
             self._check_server_again()
+        elif self.breaker.probe_due():
+            self._probe_claims_redis()
         if not self.breaker.is_open():
             self.settle()
             self._renew_records(time.monotonic())
@@ -329,6 +341,9 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             wake = follow if wake is None else min(wake, follow)
         if self._server_check.pending:
             wake = min(wake, self._server_check.wait()) if wake is not None else self._server_check.wait()
+        probe = self.breaker.next_probe_in()
+        if probe is not None:
+            wake = probe if wake is None else min(wake, probe)
         return float(delay) if wake is None else min(float(delay), wake)
 
     def _follow_server(self) -> float | None:
