@@ -1,0 +1,74 @@
+"""Attacks on two changes: a lock granted by a reply later than its lease is given back
+(never run on), and a worker frees a discarded message's claims on a thread of its own.
+
+Real redis-server from the test session; the slow link is the tests' delaying proxy,
+whose delay is changed while it runs (a fast publish, then a slow acquire).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+from celery import Celery, Task, states
+from celery.app.trace import TraceInfo, build_tracer
+
+from celery_singleton_beat import SingletonTask
+from celery_singleton_beat.lease.keeper import get_keeper
+from celery_singleton_beat.recovery.lock_redis import reset_clients
+
+from .support import LOCK_DB, RedisServer, wait_for
+from .support.proxy import DelayProxy
+from .support.tasks import lock_keys
+
+#: The lease of the runs here, and the delay of each chunk through the proxy while the
+#: link is slow: a round trip takes at least twice the delay, longer than the lease.
+LEASE, DELAY = 1.0, 0.6
+
+
+@pytest.fixture
+def proxy(redis_server: RedisServer) -> Iterator[DelayProxy]:
+    link = DelayProxy(redis_server.port, 0.0).start()
+    yield link
+    reset_clients()
+    link.close()
+
+
+def _app(proxy: DelayProxy, **conf: object) -> Celery:
+    app = Celery("late-adversary", broker="memory://", set_as_current=False)
+    app.conf.update(singleton_lock_ttl=LEASE, singleton_redis_url=f"redis://127.0.0.1:{proxy.port}/{LOCK_DB}",
+                    singleton_redis_options={"socket_timeout": 10.0, "socket_connect_timeout": 10.0}, **conf)
+    return app
+
+
+def test_a_late_reply_adopting_a_publish_claim_does_not_free_the_claim(proxy: DelayProxy, locks: redis.Redis) -> None:
+    """``until_executed``: the message's run adopts its publish claim, but the reply comes
+    after the lease, so the run does not start (it waits for Redis, its retry queued). The
+    key must still stand for the queued message: a second publish of the same arguments
+    is deduplicated, not queued beside it."""
+    app = _app(proxy)
+    ran: list[int] = []
+
+    @app.task(base=SingletonTask, shared=False, lock_mode="until_executed")
+    def job(x: int) -> int:
+        ran.append(x)
+        return x
+
+    first = job.apply_async(args=(1,))  # the claim, over a fast link
+    assert lock_keys(locks), "the publish claim is written"
+    proxy.delay = DELAY
+    info = _run_as_worker(job, first.id, (1,))  # its run, over a slow link
+    proxy.delay = 0.0
+    assert ran == [] and info.state == states.RETRY, "the run waits for Redis: its retry is published"
+    wait_for(lambda: not get_keeper().pending_releases, timeout=30, message="the late lock given back")
+    second = job.apply_async(args=(1,))
+    assert second.id == first.id, "a duplicate of a message still waiting to run was published beside it"
+
+
+def _run_as_worker(task: Task, task_id: str, args: tuple[object, ...]) -> TraceInfo:
+    """Run ``task`` as a worker's pool does (not eager: a wait for Redis publishes its retry)."""
+    tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=False)
+    traced = tracer(task_id, args, {}, {"id": task_id, "retries": 0, "is_eager": False,
+                                        "delivery_info": {"routing_key": "celery"}})
+    return traced[1]  # type: ignore[no-any-return]
