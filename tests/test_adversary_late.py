@@ -14,8 +14,10 @@ import redis
 from celery import Celery, Task, states
 from celery.app.trace import TraceInfo, build_tracer
 
-from celery_singleton_beat import SingletonTask
+from celery_singleton_beat import LockUnavailable, SingletonTask
 from celery_singleton_beat.lease.keeper import get_keeper
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import LOCK_DB, RedisServer, wait_for
@@ -72,3 +74,34 @@ def _run_as_worker(task: Task, task_id: str, args: tuple[object, ...]) -> TraceI
     traced = tracer(task_id, args, {}, {"id": task_id, "retries": 0, "is_eager": False,
                                         "delivery_info": {"routing_key": "celery"}})
     return traced[1]  # type: ignore[no-any-return]
+
+
+def test_the_pending_give_back_of_a_late_lock_spares_the_same_task_ids_next_lock(
+    proxy: DelayProxy, locks: redis.Redis, redis_server: RedisServer,
+) -> None:
+    """The late lock's give-back is sent by the keeper after the run failed its acquire; by
+    then the key may hold a newer lock of the same task id (the run's retry took it after
+    the late one expired). The give-back compares the lock's value (a fresh token per
+    acquire), not the task id: the newer lock stays."""
+    app = _app(proxy, task_always_eager=True)
+
+    @app.task(base=SingletonTask, shared=False)
+    def job(x: int) -> int:
+        return x
+
+    task_id = "late-then-retried"
+    proxy.delay = DELAY
+    with pytest.raises(LockUnavailable, match="past its"):
+        job.apply(args=(1,), task_id=task_id, throw=True)
+    proxy.hold()  # the give-back waits in the proxy
+    try:
+        (key,) = lock_keys(locks) or [job.singleton_key((1,), {})]
+        locks.delete(key)  # the late lock expired ...
+        direct = redis.Redis(port=redis_server.port, db=LOCK_DB)
+        newer = acquire(direct, key, LockSpec(task=job.name, ttl=60.0), task_id).lease  # ... and the retry took it
+        assert newer is not None
+    finally:
+        proxy.delay = 0.0
+        proxy.resume()
+    wait_for(lambda: not get_keeper().pending_releases, timeout=30, message="the late lock's give-back sent")
+    assert locks.get(key) == newer.value.encode(), "the give-back of the late lock deleted the retry's lock"
