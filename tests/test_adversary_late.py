@@ -7,7 +7,8 @@ whose delay is changed while it runs (a fast publish, then a slow acquire).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -19,6 +20,7 @@ from celery_singleton_beat.lease.keeper import get_keeper
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import reset_clients
+from celery_singleton_beat.task.request import _in_background
 
 from .support import LOCK_DB, RedisServer, wait_for
 from .support.proxy import DelayProxy
@@ -105,3 +107,29 @@ def test_the_pending_give_back_of_a_late_lock_spares_the_same_task_ids_next_lock
         proxy.resume()
     wait_for(lambda: not get_keeper().pending_releases, timeout=30, message="the late lock's give-back sent")
     assert locks.get(key) == newer.value.encode(), "the give-back of the late lock deleted the retry's lock"
+
+
+def test_many_discards_at_once_are_freed_in_order_on_one_thread() -> None:
+    """A burst of discarded messages (a mass revoke) queues one piece of work each: they
+    run in the order of their discards, on one thread (no thread per message), and one
+    that fails does not stop the ones behind it."""
+    done: list[int] = []
+    release = threading.Event()
+
+    def work(n: int) -> Callable[[], None]:
+        def run() -> None:
+            if n == 0:
+                release.wait(30)  # the lock Redis is slow: the rest pile up behind it
+            if n == 7:
+                raise redis.ConnectionError("this one could not be freed")
+            done.append(n)
+        return run
+
+    for n in range(300):
+        _in_background(work(n))
+    discards = [t for t in threading.enumerate() if t.name == "singleton-discards"]
+    assert len(discards) == 1, "one thread frees every discard"
+    release.set()
+    wait_for(lambda: len(done) == 299, timeout=60, message="every discard freed")
+    assert done == [n for n in range(300) if n != 7]
+    assert [t for t in threading.enumerate() if t.name == "singleton-discards"] == discards
