@@ -7,8 +7,11 @@ whose delay is changed while it runs (a fast publish, then a slow acquire).
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 from collections.abc import Callable, Iterator
+from types import ModuleType
 
 import pytest
 import redis
@@ -22,13 +25,15 @@ from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.task.request import _in_background
 
-from .support import LOCK_DB, RedisServer, wait_for
+from .support import LOCK_DB, RedisServer, start_worker, wait_for
+from .support.holding_proxy import HoldingProxy
 from .support.proxy import DelayProxy
 from .support.tasks import lock_keys
 
 #: The lease of the runs here, and the delay of each chunk through the proxy while the
 #: link is slow: a round trip takes at least twice the delay, longer than the lease.
 LEASE, DELAY = 1.0, 0.6
+ORDER_APP = "tests.apps.order_app"
 
 
 @pytest.fixture
@@ -133,3 +138,43 @@ def test_many_discards_at_once_are_freed_in_order_on_one_thread() -> None:
     wait_for(lambda: len(done) == 299, timeout=60, message="every discard freed")
     assert done == [n for n in range(300) if n != 7]
     assert [t for t in threading.enumerate() if t.name == "singleton-discards"] == discards
+
+
+def test_a_worker_paused_while_its_acquire_is_in_flight_does_not_run_beside_the_next_holder(
+    order: ModuleType, redis_server: RedisServer, locks: redis.Redis, records: redis.Redis,
+) -> None:
+    """Worker A (solo pool, its lock connection through a proxy) sends the acquire of
+    ``k``; the proxy holds it, A is stopped (SIGSTOP), then the acquire reaches Redis and
+    its reply waits in A's socket. The lock expires; worker B takes ``k`` and runs, held
+    there. A continues (SIGCONT) and reads a reply granting the lock: it must not run
+    while B's run holds the key."""
+    env = {"CSB_LOCK_TTL": "2"}
+    with HoldingProxy(redis_server.port, "paused-a") as link:
+        a = start_worker(redis_server, ORDER_APP, "paused-a", pool="solo", concurrency=1, extra=["-Q", "qa"],
+                         env={**env, "CSB_LOCK_REDIS": f"redis://127.0.0.1:{link.port}/{LOCK_DB}"})
+        b = start_worker(redis_server, ORDER_APP, "holder-b", pool="solo", concurrency=1, extra=["-Q", "qb"],
+                         env={**env, "CSB_LOCK_REDIS": f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}"})
+        link.hold(b"order_app.step")
+        first = order.step.apply_async(("k",), {"note": "A"}, queue="qa")
+        wait_for(lambda: link.held_with(b"order_app.step"), timeout=60, message="A's acquire held in the proxy")
+        a.signal(signal.SIGSTOP)
+        try:
+            link.let_go([])
+            wait_for(lambda: locks.get(lock_keys(locks)[0]) if lock_keys(locks) else None, timeout=30,
+                     message="A's lock written")
+            wait_for(lambda: not lock_keys(locks), timeout=30, message="A's lock expired")
+            records.set("hold:k", "1")
+            second = order.step.apply_async(("k",), {"note": "B"}, queue="qb")
+            wait_for(lambda: records.get("running:k") == second.id.encode(), timeout=60, message="B runs")
+        finally:
+            a.signal(signal.SIGCONT)
+        wait_for(lambda: "past its" in a.output() or records.get("running:k") != second.id.encode(), timeout=60,
+                 message="A read its late reply")
+        assert records.get("running:k") == second.id.encode(), "A ran on a lock granted by a late reply"
+        a.wait_for_line(first.id, "past its", timeout=60)
+        records.delete("hold:k")
+        assert second.get(timeout=60) == "k"
+        runs = [json.loads(r)["note"] for r in records.lrange("runs:k", 0, -1)]
+        assert runs[:1] == ["B"], runs
+        a.close()
+        b.close()
