@@ -37,7 +37,8 @@ ORDER_APP = "tests.apps.order_app"
 
 
 @pytest.fixture
-def proxy(redis_server: RedisServer) -> Iterator[DelayProxy]:
+def proxy(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[DelayProxy]:
+    """A proxy (no delay yet) in front of the session's emptied redis-server."""
     link = DelayProxy(redis_server.port, 0.0).start()
     yield link
     reset_clients()
