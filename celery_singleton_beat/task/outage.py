@@ -173,7 +173,7 @@ def claim_back(lease: Lease, claim_ttl: float, reclaim: Callable[[], object]) ->
     Unanswered, the lock is left to expire by itself, as in an outage.
     """
     try:
-        if not lease.release(claim_ttl=claim_ttl):
+        if not lease.release(claim_ttl=claim_ttl, counted=False):  # never run on: no loss
             reclaim()
     except redis.RedisError as exc:
         logger.warning("could not keep %s claimed for the message's retry: %s", lease.key, exc)
