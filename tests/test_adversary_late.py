@@ -160,12 +160,10 @@ def test_a_worker_paused_while_its_acquire_is_in_flight_does_not_run_beside_the_
                          env={**env, "CSB_LOCK_REDIS": f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}"})
         link.hold(b"order_app.step")
         first = order.step.apply_async(("k",), {"note": "A"}, queue="qa")
-        wait_for(lambda: link.held_with(b"order_app.step"), timeout=60, message="A's acquire held in the proxy")
+        held = wait_for(lambda: link.held_with(b"order_app.step"), timeout=60, message="A's acquire held")
         a.signal(signal.SIGSTOP)
         try:
-            link.let_go([])
-            wait_for(lambda: locks.get(lock_keys(locks)[0]) if lock_keys(locks) else None, timeout=30,
-                     message="A's lock written")
+            link.let_go([held[0][1]], timeout=30)  # returns once Redis answered it: A's lock is written
             wait_for(lambda: not lock_keys(locks), timeout=30, message="A's lock expired")
             records.set("hold:k", "1")
             second = order.step.apply_async(("k",), {"note": "B"}, queue="qb")
