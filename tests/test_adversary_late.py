@@ -8,6 +8,7 @@ whose delay is changed while it runs (a fast publish, then a slow acquire).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -199,3 +200,25 @@ def test_a_late_lock_is_not_counted_as_a_run_that_took_its_lock(proxy: DelayProx
     wait_for(lambda: not get_keeper().pending_releases, timeout=30, message="the late lock given back")
     counters.flush()
     assert locks.hget(job.singleton_stats_key() or "", "acquired") is None
+
+
+def test_a_forked_child_frees_its_own_discards() -> None:
+    """A process forked after the discards' thread started (a pool process replaced, a
+    daemonising worker) has no such thread: its first discard starts one of its own, and
+    its work runs."""
+    started = threading.Event()
+    _in_background(started.set)
+    assert started.wait(30), "the parent's thread runs"
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether its discard ran, and leave at once
+        ran = threading.Event()
+        _in_background(ran.set)
+        os.write(writer, b"1" if ran.wait(30) else b"0")
+        os._exit(0)
+    os.close(writer)
+    try:
+        assert os.read(reader, 1) == b"1", "the child's discard ran"
+    finally:
+        os.close(reader)
+        os.waitpid(pid, 0)
