@@ -237,7 +237,7 @@ class Lease:
         return True
 
     def release(self, *, done_ttl: float | None = None, claim_ttl: float | None = None,
-                client: RedisClient | None = None, again: bool = False) -> bool | None:
+                client: RedisClient | None = None, again: bool = False, counted: bool = True) -> bool | None:
         """Give the lock up if it is still ours: True if it was (else counted as lost), None if
         unknown (sent again after its reply was lost, and found nothing: the first attempt
         may have released it; never reported as a loss).
@@ -248,7 +248,8 @@ class Lease:
         ``until_executed`` task stays covered while it waits in the queue).
         ``client``: another client of the same server to send it through (the
         keeper's). ``again``: an earlier sending got no answer (it may have run), so
-        a lock found gone is None, not a loss.
+        a lock found gone is None, not a loss. ``counted``: False for a lock no run used
+        (neither ``released`` nor ``lost`` is counted).
         """
         released: bool | None
         if claim_ttl is not None:
@@ -268,7 +269,8 @@ class Lease:
             released = execute(via, self.key, lambda info: self._release_request(info, done_ttl))
             if again and released is False:
                 released = None
-        self.count_release(released)
+        if counted:
+            self.count_release(released)
         return released
 
     def count_release(self, released: bool | None) -> None:

@@ -44,11 +44,12 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from ..connection.url import DEFAULT_REDIS_OPTIONS
 from ..exceptions import LockUnavailable
+from ..lease.lease import Lease
 from ..lease.lock import AcquireResult
 from ..log import logger
 from .conflicts import ConflictOutcomes
 
-__all__ = ["SHUTDOWN_LOOK", "LateLockReply", "OutageWait", "accepted_at", "in_time", "retry_uncapped",
+__all__ = ["SHUTDOWN_LOOK", "LateLockReply", "OutageWait", "accepted_at", "claim_back", "in_time", "retry_uncapped",
            "shutting_down", "time_limit_of", "wait_for_redis", "worker_starts", "worker_stops"]
 
 #: Seconds between two looks at whether the worker is shutting down while a wait pauses.
@@ -157,6 +158,25 @@ def in_time(result: AcquireResult, give_back: Callable[[Any], object]) -> Acquir
             raise LateLockReply(f"the reply granting the lock came {late + lease.spec.ttl:.1f}s after its "
                                 f"request, past its {lease.spec.ttl:g}s lease")
     return result
+
+
+def claim_back(lease: Lease, claim_ttl: float, reclaim: Callable[[], object]) -> None:
+    """The give-back of :func:`in_time` for a worker's ``until_executed`` run: the key stays
+    claimed for the run's message (its retry, queued while the run waits for Redis).
+
+    The acquire may have adopted the message's own publish claim: deleting the lock
+    would leave the key free while the retry waits in the queue, and a publish of the
+    same arguments would be queued beside it. The late lock is turned back into a claim
+    of its task id for ``claim_ttl`` seconds if it is still the run's; if it expired
+    already (the usual case: the reply came after the lease), ``reclaim()`` claims the
+    key anew, unless another holder took it meanwhile (the retry meets it when it runs).
+    Unanswered, the lock is left to expire by itself, as in an outage.
+    """
+    try:
+        if not lease.release(claim_ttl=claim_ttl, counted=False):  # never run on: no loss
+            reclaim()
+    except redis.RedisError as exc:
+        logger.warning("could not keep %s claimed for the message's retry: %s", lease.key, exc)
 
 
 def wait_for_redis(task: ConflictOutcomes, key: str, exc: redis.RedisError, take: Callable[[], AcquireResult], *,

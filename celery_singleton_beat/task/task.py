@@ -62,6 +62,7 @@ from .. import config
 from ..config import SingletonSettings, get_settings
 from ..lease.holder import describe_holder
 from ..lease.keeper import KeptLease, get_keeper
+from ..lease.lease import Lease
 from ..lease.liveness import boot_id, publishes_liveness
 from ..lease.lock import AcquireResult, acquire
 from ..lease.spec import LockSpec
@@ -74,7 +75,7 @@ from .conflicts import ConflictOutcomes, is_copy
 from .endings import Release, Report, ending_of
 from .events import TASK_LOCK_LOST, send_task_event_soon
 from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
-from .outage import in_time, wait_for_redis
+from .outage import claim_back, in_time, wait_for_redis
 from .publish import PublishClaims, delay_of
 from .request import compose_request
 from .run import SingletonRun
@@ -371,9 +372,16 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         copy = spec.check_done and is_copy(request)  # its done marker is read before the key is written
         started = time.monotonic()
 
+        def give_back(lease: Lease) -> None:
+            if adopt is None or request.is_eager:
+                get_keeper().retry_release(lease)
+            else:  # a queued until_executed message: the key stays its claim
+                ttl = settings.queue_lock_ttl + self._backoff(request.retries or 0)
+                claim_back(lease, ttl, lambda: self._take(key, ttl, ("claimed", ""), task_id=request.id, claim=True))
+
         def take() -> AcquireResult:
             return in_time(acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt,
-                                   copy=copy), get_keeper().retry_release)
+                                   copy=copy), give_back)
 
         try:
             result = take()

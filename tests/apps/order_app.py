@@ -3,8 +3,8 @@
 Configured from the environment: ``CSB_TEST_REDIS`` (broker db 0, results db 1,
 records db 3: always direct), ``CSB_LOCK_REDIS`` (the locks: the tests give one
 worker a delaying proxy in front of the lock database and another the same
-database directly) and ``CSB_LOCK_SOCKET_TIMEOUT`` (the lock connections' socket
-timeout, the library's default if unset).
+database directly), ``CSB_LOCK_SOCKET_TIMEOUT`` (the lock connections' socket
+timeout, the library's default if unset) and ``CSB_LOCK_TTL`` (the lease, 30 s if unset).
 
 ``step`` (``quiet``, which ignores its result, and ``late``, acknowledged after
 its run) records every run it makes in
@@ -38,6 +38,10 @@ app.conf.update(
     worker_hijack_root_logger=True,
 )
 
+
+if os.environ.get("CSB_LOCK_TTL"):
+    # A short lease: a test waits for a lock to expire.
+    app.conf.singleton_lock_ttl = float(os.environ["CSB_LOCK_TTL"])
 
 if os.environ.get("CSB_LOCK_SOCKET_TIMEOUT"):
     # A lock Redis that does not answer keeps a request waiting this long.
