@@ -473,9 +473,9 @@ def test_benchmark_ratios_are_stated_with_their_range_and_conditions() -> None:
     """The beat's ratio to Celery's own scheduler runs from slower with one due entry to
     hundreds of times faster with 100,000: a statement of it gives the range (one due entry
     and 100,000), not the large figure alone (the retired 28x was one round at 10,000, 0.89x
-    with one due). The worker's 1.064x came from a loaded machine, whose worker
-    counts are not comparable with a quiet run's: a statement of it says so (celery-once's
-    own 1.064x, measured on 2026-12-02, is another figure)."""
+    with one due). The worker's 1.064x came from loaded machines, whose worker counts
+    are not comparable with a quiet run's: a statement of it says so (celery-once's own
+    1.064x, measured on 2026-12-02, is another figure)."""
     documents = {"README.md": (ROOT / "README.md").read_text(),
                  **{f"docs/{path.name}": path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}}
     found = {"beat": 0, "1.064x": 0}
@@ -489,5 +489,7 @@ def test_benchmark_ratios_are_stated_with_their_range_and_conditions() -> None:
                     f"{where}: a beat ratio without its range: {block[:300]}"
             if re.search(r"(?<!celery-once\s)\b1\.064x?\b", block) and "worker" in block:  # ours, not the peer's
                 found["1.064x"] += 1
-                assert "loaded" in block and "1.068x" in block, f"{where}: 1.064x without its conditions: {block[:300]}"
+                assert "load" in block, f"{where}: 1.064x without the machine's load: {block[:300]}"
+                if "3,990k" in block:  # the figure of 2026-11-26, beside the quiet run's 1.068x
+                    assert "loaded" in block and "1.068x" in block, f"{where}: 1.064x without its conditions"
     assert found["beat"] >= 2, found
