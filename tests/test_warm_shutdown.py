@@ -16,12 +16,20 @@ once the job is there, and the process resumed once the pool's end-of-work senti
 follows it (so the consumer is closed and the job forgotten). billiard's wait is
 made endless in the app (``CSB_ENDLESS_CONSUMED_WAIT``): a worker that relies on it
 never exits, which the test's deadline tells from a slow machine.
+
+The pool process is stopped only once the worker itself counts it idle (its remote
+control reports no active request): a caller's ``get()`` returns as soon as the result
+is stored, before the pool process reports it to its main process, and a pool process
+stopped in between stays busy for Celery's fair scheduling, which then never writes it
+a job. The test holds that report back (``CSB_HOLD_REPORT``) so the window is always
+open, and waits past it on what the worker says.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from types import ModuleType
 
@@ -37,12 +45,27 @@ APP = "tests.apps.tasks_app"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads pipes through /proc")
 
 
+def _active(tasks: ModuleType, node: str) -> list[list[object]] | None:
+    """The arguments of each request worker ``node`` counts as running (None: no reply)."""
+    replies = tasks.app.control.inspect(destination=[node], timeout=5).active()
+    if not replies or node not in replies:
+        return None
+    return [list(request["args"]) for request in replies[node]]
+
+
 def test_warm_shutdown_exits_though_a_job_written_to_the_pool_was_forgotten(
     tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
 ) -> None:
-    worker = start_worker(redis_server, APP, "w1", concurrency=1, env={"CSB_ENDLESS_CONSUMED_WAIT": "1"})
+    worker = start_worker(redis_server, APP, "w1", concurrency=1,
+                          env={"CSB_ENDLESS_CONSUMED_WAIT": "1", "CSB_HOLD_REPORT": "1"})
+    node = f"w1@{socket.gethostname()}"
+    records.set("hold-report:first", 1, ex=60)
     assert tasks.work.delay("first").get(timeout=30) == "first"
     child = runs(records, "first")[0]["pid"]
+    assert _active(tasks, node) == [["first"]], "the result is stored, not yet reported: the pool process is busy"
+    records.delete("hold-report:first")
+    wait_for(lambda: _active(tasks, node) == [], timeout=30,
+             message="the worker to count the run as over (its pool process idle)")
     os.kill(child, signal.SIGSTOP)
     try:
         idle = bytes_waiting(child)

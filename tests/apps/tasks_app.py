@@ -49,6 +49,25 @@ if os.environ.get("CSB_ENDLESS_CONSUMED_WAIT") == "1":
 
     billiard.pool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT = 10**9
 
+if os.environ.get("CSB_HOLD_REPORT") == "1":
+    from celery.signals import task_postrun
+
+    @task_postrun.connect(weak=False)
+    def _hold_report(args: tuple[Any, ...] | None = None, **_: Any) -> None:
+        """Keep a pool process from reporting its result to the main process while
+        ``hold-report:<first argument>`` is set (at most 60 s).
+
+        ``task_postrun`` fires after the result is stored in the backend and before the
+        pool process reports it: a caller's ``get()`` has returned while the worker
+        still counts the run as its own (and its pool process as busy).
+        """
+        if not args:
+            return
+        r = records()
+        deadline = time.monotonic() + 60
+        while r.exists(f"hold-report:{args[0]}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
 
 def records() -> redis.Redis:
     """Client of the record database (one per process)."""
