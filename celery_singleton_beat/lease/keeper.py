@@ -151,14 +151,15 @@ class LeaseKeeper:
         with contextlib.suppress(Exception):  # else it lapses at its TTL
             lease.release()
 
-    def retry_release(self, lease: Lease, done_ttl: float | None = None) -> PendingRelease:
+    def retry_release(self, lease: Lease, done_ttl: float | None = None, counted: bool = True) -> PendingRelease:
         """Send ``lease``'s release (and its ``done_ttl`` done marker) again soon, and until it
-        runs (see :mod:`.releases`): its first sending got no answer. Once per lease."""
+        runs (see :mod:`.releases`): its first sending got no answer. Once per lease.
+        ``counted``: False for a lock no run used (not counted released or lost)."""
         with self._mutex:
             pending = self._pending.get(id(lease))
             if pending is not None and pending.active:
                 return pending
-            pending = self._pending[id(lease)] = PendingRelease(lease, done_ttl)
+            pending = self._pending[id(lease)] = PendingRelease(lease, done_ttl, counted)
         self._add(pending, time.monotonic() + RETRY_EVERY)
         return pending
 

@@ -41,11 +41,13 @@ EXIT_PATIENCE = 3.0
 class PendingRelease:
     """A run's release that got no answer: sent again until it runs or :attr:`until`."""
 
-    __slots__ = ("active", "attempts", "done_ttl", "lease", "until")
+    __slots__ = ("active", "attempts", "counted", "done_ttl", "lease", "until")
 
-    def __init__(self, lease: Lease, done_ttl: float | None) -> None:
+    def __init__(self, lease: Lease, done_ttl: float | None, counted: bool = True) -> None:
         self.lease = lease
         self.done_ttl = done_ttl
+        #: False for a lock no run used: its release is counted neither released nor lost.
+        self.counted = counted
         self.attempts = 0
         self.active = True
         #: Monotonic time after which it is given up: the lease's end, and for a done
@@ -57,7 +59,8 @@ class PendingRelease:
         lease = self.lease
         self.attempts += 1
         try:
-            released = lease.release(done_ttl=self.done_ttl, client=thread_client(lease.client), again=True)
+            released = lease.release(done_ttl=self.done_ttl, client=thread_client(lease.client), again=True,
+                                     counted=self.counted)
         except redis.RedisError as exc:
             return exc
         except Exception:  # never let the keeper thread die

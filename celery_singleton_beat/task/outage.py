@@ -44,6 +44,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from ..connection.url import DEFAULT_REDIS_OPTIONS
 from ..exceptions import LockUnavailable
+from ..lease import counters
 from ..lease.lease import Lease
 from ..lease.lock import AcquireResult
 from ..log import logger
@@ -148,12 +149,15 @@ def in_time(result: AcquireResult, give_back: Callable[[Any], object]) -> Acquir
     that may have expired and been taken since. The run must not start on it: the
     lock is handed to ``give_back`` (released if it is still ours, whenever Redis
     answers) and :class:`LateLockReply` raised, which fails the acquire as a timeout
-    does: the run waits for its lock Redis (:func:`wait_for_redis`).
+    does: the run waits for its lock Redis (:func:`wait_for_redis`). The acquire
+    counted the lock under ``acquired``; no run took it, so that count is taken back.
     """
     lease = result.lease
     if lease is not None:
         late = time.monotonic() - lease.valid_until
         if late >= 0:
+            spec = lease.spec
+            counters.count(lease.client, spec.stats_key, spec.counters[0], -1)
             give_back(lease)
             raise LateLockReply(f"the reply granting the lock came {late + lease.spec.ttl:.1f}s after its "
                                 f"request, past its {lease.spec.ttl:g}s lease")

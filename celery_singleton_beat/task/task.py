@@ -374,7 +374,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
 
         def give_back(lease: Lease) -> None:
             if adopt is None or request.is_eager:
-                get_keeper().retry_release(lease)
+                get_keeper().retry_release(lease, counted=False)  # no run used it
             else:  # a queued until_executed message: the key stays its claim
                 ttl = settings.queue_lock_ttl + self._backoff(request.retries or 0)
                 claim_back(lease, ttl, lambda: self._take(key, ttl, ("claimed", ""), task_id=request.id, claim=True))
