@@ -217,7 +217,7 @@ def test_a_loss_during_the_body_is_reported_by_the_release(redis_db: redis.Redis
     app = eager_app(url_of(redis_db), "adv-releasing-loss")
     seen: dict[str, Any] = {}
 
-    @app.task(base=SingletonTask, bind=True, lock_ttl=60 if how != "found by the keeper" else 0.6)
+    @app.task(base=SingletonTask, bind=True, lock_ttl=60 if how != "found by the keeper" else 0.6, shared=False)
     def body(self: Any) -> None:
         run = self.singleton_run
         seen["run"] = run
@@ -252,7 +252,7 @@ def test_a_loss_the_keeper_read_just_before_releasing_is_reported_by_the_release
     seen: dict[str, Any] = {}
     read = threading.Event()
 
-    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6)
+    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, shared=False)
     def body(self: Any) -> None:
         run = seen["run"] = self.singleton_run
         kept = run._kept
@@ -338,7 +338,7 @@ def test_a_release_that_cannot_be_sent_is_forgotten(make_redis: Callable[..., Re
     app.conf.singleton_redis_options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
     seen: dict[str, Any] = {}
 
-    @app.task(base=SingletonTask, bind=True, lock_ttl=1.5)
+    @app.task(base=SingletonTask, bind=True, lock_ttl=1.5, shared=False)
     def body(self: Any) -> None:
         seen["kept"] = self.singleton_run._kept
         server.kill()
@@ -368,7 +368,7 @@ def test_an_exception_inside_the_release_still_forgets(redis_db: redis.Redis, er
     def raising(*args: Any, **kwargs: Any) -> bool:
         raise error()
 
-    @app.task(base=SingletonTask, bind=True, lock_ttl=30)
+    @app.task(base=SingletonTask, bind=True, lock_ttl=30, shared=False)
     def body(self: Any) -> None:
         kept = seen["kept"] = self.singleton_run._kept
         kept.lease.release = raising
@@ -392,7 +392,7 @@ def test_an_acks_late_run_still_writes_its_done_marker(redis_db: redis.Redis,
     app.conf.update(singleton_redis_url=url_of(redis_db))
     seen: dict[str, Any] = {}
 
-    @app.task(base=SingletonTask, bind=True, acks_late=True, lock_ttl=30)
+    @app.task(base=SingletonTask, bind=True, acks_late=True, lock_ttl=30, shared=False)
     def body(self: Any) -> None:
         seen["key"] = self.singleton_run.key
 
@@ -452,11 +452,11 @@ def test_a_nested_run_ending_leaves_the_outer_lease_renewed(redis_db: redis.Redi
     app = eager_app(url_of(redis_db), "adv-releasing-nested")
     seen: dict[str, Any] = {}
 
-    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6)
+    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, shared=False)
     def inner(self: Any) -> None:
         seen["inner"] = self.singleton_run
 
-    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6)
+    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, shared=False)
     def outer(self: Any) -> None:
         run = seen["outer"] = self.singleton_run
         inner.apply().get()
@@ -499,7 +499,7 @@ runs = []
 
 # lock_ttl 3: a keeper slowed by a busy machine (load 11 on 2 cores) let 25 of 40 leases of
 # lock_ttl 1 expire before their renewal, once in four runs (found by the keeper, not at the release).
-@app.task(base=SingletonTask, bind=True, lock_ttl=3)
+@app.task(base=SingletonTask, bind=True, lock_ttl=3, shared=False)
 def held(self, n):
     run = self.singleton_run
     runs.append(run)
@@ -576,7 +576,7 @@ def test_a_signal_while_the_runs_end_waits_for_the_keeper_never_keeps_the_lease_
         reached.set()
         assert holding.wait(30), "the keeper's lock is held"
 
-    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6)
+    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, shared=False)
     def body(self: Any) -> None:
         kept = seen["kept"] = self.singleton_run._kept
         if at == "start of the end":

@@ -127,11 +127,11 @@ def test_arguments_that_do_not_fit_the_signature_are_a_clear_error() -> None:
 def test_task_signature_excludes_self_of_bound_tasks() -> None:
     app = Celery("sig", set_as_current=False)
 
-    @app.task(bind=True)
+    @app.task(bind=True, shared=False)
     def bound(self, a, b=2):
         return a
 
-    @app.task
+    @app.task(shared=False)
     def plain(a, b=2):
         return a
 
