@@ -7,10 +7,10 @@ same task id, derived from the slot. This consumer step looks at every task
 message before the worker accepts it: a message with a slot claim header is
 accepted only if it comes from the beat instance that holds the claim (or the
 claim was handed back unsent, ``released``), and the first acceptance pins
-that instance (``received``). A copy sent by any other instance is
-acknowledged and dropped, with a WARNING, a ``task-skipped`` event and the
-``duplicates_dropped`` counter of the entry. It stores no state, so the
-executed copy's result (same task id) stands.
+that instance (``received``; :func:`~.slot_receive.receive_slot`). A copy sent by
+any other instance is acknowledged and dropped, with a WARNING, a ``task-skipped``
+event and the ``duplicates_dropped`` counter of the entry. It stores no state, so
+the executed copy's result (same task id) stands.
 
 Redeliveries of the accepted message (``acks_late``, visibility timeout) come
 from the same instance and pass the claim check; on the connection that already
@@ -19,23 +19,42 @@ only :class:`~celery_singleton_beat.SingletonTask`: the worker needs this step,
 which :func:`celery_singleton_beat.install` adds (apps with a singleton task
 get it without asking).
 
+**Where the check runs.** The check is a Redis script. With Celery's event loop
+(the kombu hub of the prefork, threads and solo pools) it runs on a thread of the
+connection's own (:class:`~.slot_checker.SlotChecker`), never in the loop: a lock
+Redis that does not answer (writes paused, a stalled connection) would otherwise
+hold the whole loop for the lock connection's socket timeout, and with it the
+messages handed to the pool, the results read and the ``acks_late``
+acknowledgements sent. The outcome comes back to the loop through a pipe the hub
+watches, and the message is run (handed to Celery's handler) or dropped on the loop,
+the only thread that may touch Celery's and kombu's objects. Slot messages are
+checked one at a time, in the order they arrived: a message that arrives while
+earlier ones wait (being checked, or held) waits behind them, without a Redis call
+of its own until its turn. Each waiting message is counted outside the prefetch
+limit (as Celery does for ETA tasks), so plain tasks keep coming meanwhile. Without
+the event loop (the gevent and eventlet pools, whose consumer is Celery's
+synchronous loop, and transports without asynchronous support) the check runs
+inline as before: in a green pool a check that waits on its (green) socket lets
+the other greenlets run, and a real thread there would need a wake-up the green hub
+does not offer; with a synchronous transport the loop waits for the check.
+
 **Redis unreachable** (the check raises): with ``singleton_beat_fail_open``
 (``None``: ``singleton_fail_open``) the message runs unchecked, as beats then
 send unclaimed slots. By default (fail closed) the worker *holds* it: neither
-run nor acknowledged, counted outside the prefetch limit (as Celery does for
-ETA tasks), and checked again after a back-off (:data:`RETRY_MIN` doubling to
-:data:`RETRY_MAX`). While messages are held, later slot messages are held
-behind them without asking Redis, and one check per back-off is the only
-Redis call: a dead Redis costs the event loop one refused connection (a
-stalled one: the client's socket timeout) per back-off, never a busy loop.
-When Redis answers, the held messages are handled in order. A held message is
-never requeued by the worker (on RabbitMQ a requeued message comes straight
-back: a hot loop); if the worker loses its broker connection or stops, the
-broker delivers it again as any unacknowledged message: RabbitMQ at once,
-Redis when kombu restores it (at once if the worker can still reach the broker
-as it closes the channel, else after ``visibility_timeout``). A message held
-past the Redis broker's ``visibility_timeout`` is delivered again by kombu while
-the worker still holds it; the worker keeps one of the two deliveries.
+run nor acknowledged, counted outside the prefetch limit, and checked again
+after a back-off (:data:`RETRY_MIN` doubling to :data:`RETRY_MAX`). While
+messages are held, later slot messages are held behind them without asking
+Redis, and one check per back-off is the only Redis call. When Redis answers,
+the held messages are handled in order. A held message is never requeued by
+the worker (on RabbitMQ a requeued message comes straight back: a hot loop);
+if the worker loses its broker connection or stops, the broker delivers it
+again as any unacknowledged message: RabbitMQ at once, Redis when kombu
+restores it (at once if the worker can still reach the broker as it closes the
+channel, else after ``visibility_timeout``). A check still under way then is
+left to end on its own: its outcome is not used (the message is the broker's
+again). A message held past the Redis broker's ``visibility_timeout`` is
+delivered again by kombu while the worker still holds it; the worker keeps one
+of the two deliveries.
 
 **A delivery of a slot message this connection already ran or dropped**
 (kombu's restore read a held message just before the worker settled it, and
@@ -50,11 +69,11 @@ message.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import redis
@@ -63,91 +82,23 @@ from celery.exceptions import InvalidTaskError
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from ..config import SingletonSettings, get_settings
-from ..connection.pooled import run_script
-from ..connection.wire import LuaScript
-from ..lease.scripts import STATS_TTL_MS
 from ..log import logger
 from ..recovery.lock_redis import get_redis
 from .events import TASK_SKIPPED
 from .keys import beat_stats_key
+from .slot_checker import Outcome, checker_for
+from .slot_receive import (
+    CLAIM_HEADER,
+    ENTRY_HEADER,
+    INSTANCE_HEADER,
+    RECEIVE_SCRIPT,
+    SLOT_HEADER,
+    parse_claim,
+    receive_slot,
+)
 
 __all__ = ["CLAIM_HEADER", "ENTRY_HEADER", "INSTANCE_HEADER", "RECEIVE_SCRIPT", "RETRY_MAX", "RETRY_MIN", "SLOT_HEADER",
            "SlotDeliveryStep", "SlotGate", "parse_claim", "receive_slot"]
-
-#: Message headers of a sent slot: the task can read ``self.request.singleton_beat_slot``.
-SLOT_HEADER = "singleton_beat_slot"
-#: The beat instance that sent the message.
-INSTANCE_HEADER = "singleton_beat_instance"
-#: The slot's claim key, which the worker checks before it runs the message.
-CLAIM_HEADER = "singleton_beat_claim"
-#: The entry (claim) name, for the worker's counters.
-ENTRY_HEADER = "singleton_beat_entry"
-
-
-def parse_claim(raw: bytes | str | None) -> dict[str, Any] | None:
-    """A claim value as a dict; None for no value or one this library did not write."""
-    if raw is None:
-        return None
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-#: A worker received a slot message. KEYS: claim, [counter hash]. ARGV: the
-#: message's instance, the worker, TTL in ms for a claim the worker creates,
-#: stats TTL ms. Returns {'run'} or {'drop', holder value}. A missing claim
-#: (expired, Redis restarted, beat failed open) is created in the message's
-#: name: the first delivery of a slot wins, later ones from others are dropped.
-#: A ``released`` claim says its beat did not publish: a copy from another beat
-#: (one that published and died before the take-over) is the one to run, and
-#: the claim is pinned to it.
-RECEIVE_SCRIPT = LuaScript("""
-local current = redis.call('GET', KEYS[1])
-if not current then
-  redis.call('SET', KEYS[1], cjson.encode({instance = ARGV[1], state = 'received',
-             worker = ARGV[2]}), 'PX', tonumber(ARGV[3]))
-  return {'run'}
-end
-local ok, claim = pcall(cjson.decode, current)
-if not ok or type(claim) ~= 'table' then return {'run'} end
-if claim['instance'] ~= ARGV[1] then
-  if claim['state'] ~= 'released' then
-    if KEYS[2] then
-      redis.call('HINCRBY', KEYS[2], 'duplicates_dropped', 1)
-      redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
-    end
-    return {'drop', current}
-  end
-  claim['instance'] = ARGV[1]  -- pinned below, as the claim's own copy would be
-end
-if claim['state'] ~= 'received' then
-  claim['state'] = 'received'
-  claim['worker'] = ARGV[2]
-  local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 then redis.call('SET', KEYS[1], cjson.encode(claim), 'PX', ttl)
-  else redis.call('SET', KEYS[1], cjson.encode(claim)) end
-end
-return {'run'}
-""")
-
-
-def receive_slot(client: Any, key: str, instance: str, worker: str, create_ttl_ms: int,
-                 stats_key: str | None) -> tuple[bool, dict[str, Any] | None]:
-    """Record that ``worker`` accepts the slot message sent by ``instance``.
-
-    ``(True, None)``: run it. ``(False, holder)``: another instance's message of
-    this slot was (or will be) the one executed; drop this one.
-    """
-    keys = [key] + ([stats_key] if stats_key else [])
-    reply = run_script(client, RECEIVE_SCRIPT, keys, [instance, worker, create_ttl_ms, STATS_TTL_MS])
-    verdict = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-    if verdict == "drop":
-        return False, parse_claim(reply[1]) or {}
-    return True, None
-
 
 _GUARDED = "_singleton_slot_guard"
 #: Seconds between checks of held slot messages while Redis does not answer (doubling).
@@ -215,127 +166,156 @@ class _Delivery:
         return self.handler(self.message, self.body, self.ack, self.reject, self.callbacks, **self.kwargs)
 
 
+@dataclass
+class _Waiting:
+    """A slot message waiting for its check (or held), in arrival order. A delivery of the
+    same message that comes meanwhile takes the place of ``delivery``."""
+
+    delivery: _Delivery
+    held: bool = False  # logged as held: its check (or one ahead of it) failed
+
+
 class SlotGate:
-    """The slot check of one consumer connection, and the messages it holds while
-    Redis cannot answer (see the module docstring)."""
+    """The slot check of one consumer connection, and the messages waiting for it
+    (see the module docstring).
+
+    ``_queue`` holds the messages not yet run or dropped, in arrival order, each counted
+    outside the prefetch limit; only the first is checked (``_busy`` while its check is
+    under way), and none while a back-off timer runs (``_timer``). With an event loop
+    every method runs on the loop's thread; without one, timers may run on another
+    thread (or greenlet), hence the lock, never held across a Redis call.
+    """
 
     def __init__(self, c: Any, settings: SingletonSettings) -> None:
         self.c = c
         self.settings = settings
-        self._held: deque[_Delivery] = deque()
-        # Pools without Celery's event loop run timers in a thread of their own.
+        self._app = c.app
+        self._hostname = str(c.hostname)
+        self._queue: deque[_Waiting] = deque()
         self._lock = threading.RLock()
+        self._busy = False
         self._timer: Any = None
+        self._holding = False  # the last check failed (fail closed): back off
         self._delay = 0.0
         self._closed = False
         # Slot messages this connection ran or dropped, by identity.
         self._seen: OrderedDict[tuple[Any, Any], _Seen] = OrderedDict()
+        self._checker = checker_for(getattr(c, "hub", None))
 
-    def on_message(self, delivery: _Delivery) -> Any:
+    def on_message(self, delivery: _Delivery) -> None:
         with self._lock:
-            if self._seen_here(delivery):
-                return None
-            if self._held:  # Redis did not answer: wait behind them, ask nothing now
-                self._hold(delivery, None)
-                return None
-            try:
-                run = self._check(delivery.headers)
-            except redis.RedisError as exc:
-                if self.settings.beat_fails_open:
-                    logger.warning("%s[%s]: could not check beat slot %s (%s); running it "
-                                   "(fail open)", *_names(delivery.headers), exc)
-                    run = True
-                else:
-                    self._hold(delivery, exc)
-                    return None
-            self._remember(delivery, ran=run)
-        return delivery.run() if run else self._drop(delivery)
+            if self._seen_here(delivery) or self._replace(delivery):
+                return
+            waiting = _Waiting(delivery)
+            self._queue.append(waiting)
+            self._count(1)
+            if self._holding:  # Redis did not answer: wait behind them, ask nothing now
+                waiting.held = True
+                logger.warning("%s[%s]: beat slot %s waits for Redis behind %d held message(s)",
+                               *_names(delivery.headers), len(self._queue) - 1)
+        self._pump()
 
     def close(self) -> None:
-        """The connection is gone (or the worker stops): what is held is the broker's again."""
+        """The connection is gone (or the worker stops): what waits is the broker's again,
+        and a check still under way is not used."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             if self._timer is not None:
                 self._cancel_timer()
-            if self._held:
+            if self._checker is not None:
+                self._checker.close()
+            if self._queue:
                 logger.warning("%d beat slot message(s) held for the slot check are left to the "
-                               "broker, which delivers them again", len(self._held))
-                self._held.clear()
+                               "broker, which delivers them again", len(self._queue))
+                self._count(-len(self._queue))
+                self._queue.clear()
 
-    # ----------------------------------------------------------------- holding
+    # ----------------------------------------------------------------- checking, in order
 
-    def _hold(self, delivery: _Delivery, exc: BaseException | None) -> None:
-        same = _identity(delivery.headers)
-        for index, held in enumerate(self._held):
-            if _identity(held.headers) == same:
-                # Delivered again while held: the newer delivery waits in its place. Redis
-                # broker, held past visibility_timeout: kombu restored the message, which
-                # keeps its delivery tag (acknowledging the old delivery would acknowledge
-                # the new one). Another message of the same id and beat (a publish sent
-                # twice) is acknowledged: one copy of it is enough.
-                self._held[index] = delivery
-                if getattr(held.message, "delivery_tag", None) != getattr(
-                        delivery.message, "delivery_tag", None):
-                    held.ack(logger, self.c.connection_errors)
-                logger.info("%s[%s]: beat slot %s delivered again while held; one copy kept",
-                            *_names(delivery.headers))
-                return
-        self._held.append(delivery)
-        qos = getattr(self.c, "qos", None)
-        if qos is not None:  # a held message does not take the place of another task
-            qos.increment_eventually()
-        if exc is not None:
-            logger.warning("%s[%s]: could not check beat slot %s (%s); holding the message "
-                           "until Redis answers (fail closed)", *_names(delivery.headers), exc)
-        else:
-            logger.warning("%s[%s]: beat slot %s waits for Redis behind %d held message(s)",
-                           *_names(delivery.headers), len(self._held) - 1)
-        if self._timer is None:
-            self._schedule()
-
-    def _schedule(self) -> None:
-        self._delay = min(max(self._delay * 2, RETRY_MIN), RETRY_MAX)
-        self._timer = self.c.timer.call_after(self._delay, self._retry)
-
-    def _cancel_timer(self) -> None:
-        try:
-            self.c.timer.cancel(self._timer)
-        except Exception as exc:  # the timer may be stopping with the worker
-            logger.debug("could not cancel the beat slot check: %r", exc)
-        self._timer = None
-
-    def _retry(self) -> None:
-        """Check the held messages in order; on the first Redis error, back off again."""
-        handled = 0
-        with self._lock:
-            self._timer = None  # this call
+    def _pump(self) -> None:
+        """Check the first waiting message unless a check or a back-off is under way: on the
+        checker's thread (the outcome comes back to :meth:`_on_outcome`), or here and now
+        without an event loop, message after message."""
         while True:
             with self._lock:
-                if self._closed or not self._held:
-                    break
-                delivery = self._held[0]
-                try:
-                    run = self._check(delivery.headers)
-                except redis.RedisError as exc:
-                    if self._timer is None:  # (a message that came meanwhile may have set one)
-                        self._schedule()
-                    logger.info("beat slot checks: Redis still unavailable (%s); %d message(s) "
-                                "held, next check in %.0fs", exc, len(self._held), self._delay)
+                if self._closed or self._busy or self._timer is not None or not self._queue:
                     return
-                self._held.popleft()
-                qos = getattr(self.c, "qos", None)
-                if qos is not None:
-                    qos.decrement_eventually()
-            handled += 1
-            self._dispatch(delivery, run)
-        if handled:
-            self._delay = 0.0
-            logger.info("beat slot checks: Redis answers again; %d held message(s) handled", handled)
+                self._busy = True
+                waiting = self._queue[0]
+                headers = dict(waiting.delivery.headers)
+                checker = self._checker
+            if checker is not None:
+                checker.submit(partial(self._ask, headers), partial(self._on_outcome, waiting))
+                return
+            outcome: Outcome
+            try:
+                outcome = self._ask(headers)
+            except Exception as exc:
+                outcome = exc
+            except BaseException:  # a greenlet killed in its check: the next message may check
+                with self._lock:
+                    self._busy = False
+                raise
+            settled = self._settle(waiting, outcome)
+            if settled is not None:
+                self._dispatch(*settled)
+
+    def _on_outcome(self, waiting: _Waiting, outcome: Outcome) -> None:
+        """On the loop: the checker's thread answered for ``waiting``."""
+        try:
+            settled = self._settle(waiting, outcome)
+            if settled is not None:
+                self._dispatch(*settled)
+        finally:
+            self._pump()
+
+    def _settle(self, waiting: _Waiting, outcome: Outcome) -> tuple[_Delivery, bool] | None:
+        """What to do with ``waiting`` after its check: ``(delivery, run)``, or None when it
+        stays (held) or is no longer the gate's (closed)."""
+        with self._lock:
+            self._busy = False
+            if self._closed or not self._queue or self._queue[0] is not waiting:
+                return None
+            delivery = waiting.delivery
+            holder: dict[str, Any] | None = None
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, redis.RedisError):
+                    logger.error("%s[%s]: the check of beat slot %s failed", *_names(delivery.headers),
+                                 exc_info=outcome)
+                if not self.settings.beat_fails_open:
+                    self._hold(outcome)
+                    return None
+                logger.warning("%s[%s]: could not check beat slot %s (%s); running it "
+                               "(fail open)", *_names(delivery.headers), outcome)
+                run = True
+            else:
+                run, holder = outcome
+                if self._holding:
+                    self._holding, self._delay = False, 0.0
+                    logger.info("beat slot checks: Redis answers again; %d held message(s) handled in order",
+                                sum(1 for other in self._queue if other.held))
+            self._queue.popleft()
+            self._count(-1)
+            self._remember(delivery, ran=run)
+        if not run:
+            self._report_drop(delivery.headers, holder)
+        return delivery, run
+
+    def _ask(self, headers: dict[str, Any]) -> tuple[bool, dict[str, Any] | None]:
+        """The check itself (on the checker's thread with an event loop): ``(True, None)`` to
+        run the message, ``(False, holder)`` for a second delivery of its slot. Raises
+        ``redis.RedisError`` when Redis cannot answer."""
+        settings = self.settings
+        key, instance = str(headers[CLAIM_HEADER]), str(headers[INSTANCE_HEADER])
+        entry = headers.get(ENTRY_HEADER)
+        stats = beat_stats_key(settings.key_prefix, str(entry)) if settings.stats and entry else None
+        return receive_slot(get_redis(self._app), key, instance, self._hostname,
+                            round(settings.done_ttl * 1000), stats)
 
     def _dispatch(self, delivery: _Delivery, run: bool) -> None:
-        """Run or drop a message that was held; Celery's errors for a bad message apply."""
-        with self._lock:
-            self._remember(delivery, ran=run)
+        """Run or drop a checked message; Celery's errors for a bad message apply."""
         if not run:
             self._drop(delivery)
             return
@@ -345,6 +325,71 @@ class SlotGate:
             self.c.on_invalid_task(None, delivery.message, exc)
         except DecodeError as exc:
             self.c.on_decode_error(delivery.message, exc)
+
+    def _count(self, n: int) -> None:
+        """Waiting messages do not take the place of other tasks (the prefetch limit)."""
+        qos = getattr(self.c, "qos", None)
+        if qos is None or n == 0:
+            return
+        if n > 0:
+            qos.increment_eventually(n)
+        else:
+            qos.decrement_eventually(-n)
+
+    # ----------------------------------------------------------------- holding
+
+    def _hold(self, exc: BaseException) -> None:
+        """The first waiting message's check failed (fail closed): every waiting message is
+        held, and the first is checked again after a back-off."""
+        again = self._queue[0].held
+        for index, waiting in enumerate(self._queue):
+            if waiting.held:
+                continue
+            waiting.held = True
+            if index == 0:
+                logger.warning("%s[%s]: could not check beat slot %s (%s); holding the message "
+                               "until Redis answers (fail closed)", *_names(waiting.delivery.headers), exc)
+            else:
+                logger.warning("%s[%s]: beat slot %s waits for Redis behind %d held message(s)",
+                               *_names(waiting.delivery.headers), index)
+        self._holding = True
+        self._delay = min(max(self._delay * 2, RETRY_MIN), RETRY_MAX)
+        self._timer = self.c.timer.call_after(self._delay, self._retry)
+        if again:
+            logger.info("beat slot checks: Redis still unavailable (%s); %d message(s) held, next "
+                        "check in %.0fs", exc, len(self._queue), self._delay)
+
+    def _retry(self) -> None:
+        with self._lock:
+            self._timer = None  # this call
+        self._pump()
+
+    def _cancel_timer(self) -> None:
+        try:
+            self.c.timer.cancel(self._timer)
+        except Exception as exc:  # the timer may be stopping with the worker
+            logger.debug("could not cancel the beat slot check: %r", exc)
+        self._timer = None
+
+    def _replace(self, delivery: _Delivery) -> bool:
+        """True if a delivery of the same message waits: the newer delivery takes its place.
+
+        Redis broker, held past visibility_timeout: kombu restored the message, which keeps
+        its delivery tag (acknowledging the old delivery would acknowledge the new one).
+        Another message of the same id and beat (a publish sent twice) is acknowledged: one
+        copy of it is enough. A check under way for the old delivery answers for the new.
+        """
+        same = _identity(delivery.headers)
+        for waiting in self._queue:
+            if _identity(waiting.delivery.headers) != same:
+                continue
+            old, waiting.delivery = waiting.delivery, delivery
+            if getattr(old.message, "delivery_tag", None) != getattr(delivery.message, "delivery_tag", None):
+                old.ack(logger, self.c.connection_errors)
+            logger.info("%s[%s]: beat slot %s delivered again while held; one copy kept",
+                        *_names(delivery.headers))
+            return True
+        return False
 
     # ----------------------------------------------------------------- deliveries of a message seen before
 
@@ -403,20 +448,7 @@ class SlotGate:
         self._drop(delivery)
         return True
 
-    # ----------------------------------------------------------------- the check
-
-    def _check(self, headers: dict[str, Any]) -> bool:
-        """True to run the message; False for a second delivery of its slot. Raises
-        ``redis.RedisError`` when Redis cannot answer."""
-        settings = self.settings
-        key, instance = str(headers[CLAIM_HEADER]), str(headers[INSTANCE_HEADER])
-        entry = headers.get(ENTRY_HEADER)
-        stats = beat_stats_key(settings.key_prefix, str(entry)) if settings.stats and entry else None
-        run, holder = receive_slot(get_redis(self.c.app), key, instance, str(self.c.hostname),
-                                   round(settings.done_ttl * 1000), stats)
-        if not run:
-            self._report_drop(headers, holder)
-        return run
+    # ----------------------------------------------------------------- reporting
 
     def _report_drop(self, headers: dict[str, Any], holder: dict[str, Any] | None) -> None:
         winner = (holder or {}).get("instance", "another beat")

@@ -47,6 +47,9 @@ if os.environ.get("CSB_LOCK_SOCKET_TIMEOUT"):
     # A lock Redis that does not answer keeps a request waiting this long.
     app.conf.singleton_redis_options = {"socket_timeout": float(os.environ["CSB_LOCK_SOCKET_TIMEOUT"])}
 
+if os.environ.get("CSB_ORDER_SETTINGS"):
+    app.conf.update(json.loads(os.environ["CSB_ORDER_SETTINGS"]))
+
 
 @app.task(bind=True, base=SingletonTask, unique_on=["key"])
 def step(self: SingletonTask, key: str, note: str = "", fail: bool = False) -> str:
@@ -87,4 +90,11 @@ def _run(self: SingletonTask, key: str, note: str, fail: bool) -> str:
 @app.task
 def plain(note: str = "") -> str:
     """A plain Celery task (no lock): a follower that adds no lock traffic of its own."""
+    return note
+
+
+@app.task
+def noted(key: str, note: str) -> str:
+    """A plain task that records its run: ``note`` is appended to ``noted:<key>``, in run order."""
+    record_client(BASE).rpush(f"noted:{key}", note)
     return note
