@@ -55,7 +55,7 @@ import celery
 import redis
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
-from celery.exceptions import Ignore, ImproperlyConfigured, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.functional import maybe_list
 
 from .. import config
@@ -74,7 +74,8 @@ from . import worker as worker_support
 from .conflicts import ConflictOutcomes, is_copy
 from .endings import Release, Report, ending_of
 from .events import TASK_LOCK_LOST, send_task_event_soon
-from .keys import UniqueOn, check_unique_on, lock_key, task_signature, task_stats_key
+from .keys import UniqueOn, lock_key, task_signature, task_stats_key
+from .options import LOCK_MODES, ON_CONFLICT, OPTIONS, check_options, misspelt_option
 from .outage import claim_back, in_time, wait_for_redis
 from .publish import PublishClaims, delay_of
 from .request import compose_request
@@ -93,37 +94,8 @@ def _stores_results(task: celery.Task) -> bool:
     """The task's app has a result backend (results of runs that do not ignore them are stored)."""
     return not isinstance(task.backend, DisabledBackend)
 
-LOCK_MODES = ("while_executing", "until_executed", "until_executing")
-ON_CONFLICT = ("skip", "raise", "retry", "return_existing")
-#: The task options of SingletonTask (checked at registration, typos included).
-OPTIONS = ("unique_on", "lock_ttl", "lock_mode", "on_conflict")
-#: Options of the libraries teams switch from (docs/migrating.md): library, what to use here.
-_PEER_OPTIONS = {
-    "lock_expiry": ("celery-singleton", "lock_ttl"),
-    "raise_on_duplicate": ("celery-singleton", "on_conflict='raise'"),
-    "once": ("celery-once", "lock_mode='until_executed' (with on_conflict='raise' for AlreadyQueued)"),
-}
 #: Counter bumped when a run finds its lock held, by ``on_conflict``.
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
-
-
-def _defined_on(cls: type, attribute: str) -> bool:
-    """``hasattr`` without running descriptors (``Task.app`` would bind the class to an app)."""
-    return any(attribute in vars(klass) for klass in cls.__mro__)
-
-
-def _one_typo_apart(a: str, b: str) -> bool:
-    """True if ``a`` becomes ``b`` by one edit: a character added, dropped or replaced,
-    or two neighbouring characters swapped."""
-    if abs(len(a) - len(b)) > 1 or a == b:
-        return False
-    if len(a) == len(b):
-        differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-        return len(differ) == 1 or (len(differ) == 2 and differ[1] == differ[0] + 1
-                                    and a[differ[0]] == b[differ[1]] and a[differ[1]] == b[differ[0]])
-    short, long = (a, b) if len(a) < len(b) else (b, a)
-    i = next((i for i, (x, y) in enumerate(zip(short, long, strict=False)) if x != y), len(short))
-    return short[i:] == long[i + 1:]
 
 
 class SingletonTask(ConflictOutcomes, PublishClaims):
@@ -169,51 +141,13 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
 
     @classmethod
     def _check_options(cls) -> None:
-        name = getattr(cls, "name", None) or cls.__name__
-
-        def bad(option: str, message: str) -> ImproperlyConfigured:
-            return ImproperlyConfigured(f"task {name}: {option} {message}")
-
-        if cls.lock_mode not in LOCK_MODES:
-            raise bad("lock_mode", f"must be one of {', '.join(LOCK_MODES)}; got {cls.lock_mode!r}")
-        if cls.on_conflict not in ON_CONFLICT:
-            raise bad("on_conflict", f"must be one of {', '.join(ON_CONFLICT)}; got {cls.on_conflict!r}")
-        ttl = cls.lock_ttl
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
-            raise bad("lock_ttl", f"must be a number of seconds > 0; got {ttl!r}")
-        try:
-            check_unique_on(name, task_signature(cls), cls.unique_on)
-        except ValueError as exc:
-            raise bad("unique_on", str(exc)) from None
-        for klass in cls.__mro__:  # the task's own class and those between it and SingletonTask
-            if klass is SingletonTask:
-                break
-            for attribute in vars(klass):
-                hint = cls._singleton_looking(attribute)
-                if hint is not None:
-                    raise ImproperlyConfigured(f"task {name}: {hint}")
+        check_options(cls, SingletonTask)
 
     @staticmethod
     def _singleton_looking(attribute: str) -> str | None:
-        """What to say about a task attribute that looks like a misspelt option, else None.
-
-        A misspelling is one typo away from an option name (a character added,
-        dropped or replaced, two neighbours swapped; case and ``-`` ignored), or
-        a peer library's option name. Celery's own task attributes, private names
-        and anything further away (a user's own attributes) are left alone: a
-        real typo is usually one keystroke, and a wrong guess would refuse a
-        valid task.
-        """
-        if attribute.startswith("_") or attribute in OPTIONS or _defined_on(SingletonTask, attribute):
-            return None
-        if attribute in _PEER_OPTIONS:
-            library, instead = _PEER_OPTIONS[attribute]
-            return f"{attribute} is {library}'s option; did you mean {instead}? (docs/migrating.md)"
-        spelt = attribute.lower().replace("-", "_")
-        for option in OPTIONS:
-            if spelt == option or _one_typo_apart(spelt, option):
-                return f"unknown option {attribute}; did you mean {option}?"
-        return None
+        """What to say about a task attribute that looks like a misspelt option, else None
+        (:func:`.options.misspelt_option`)."""
+        return misspelt_option(attribute, SingletonTask)
 
     # -- keys and settings ------------------------------------------------
 
