@@ -30,12 +30,9 @@ lock re-taken; 2 usage error;
 from __future__ import annotations
 
 import functools
-import json
 import sys
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import click
@@ -55,169 +52,15 @@ from .admin import (
     HeldLock,
     InvalidSettings,
     NotALockKey,
-    ScanProgress,
     SlotClaim,
 )
 from .config import SingletonSettings
 from .connection.url import sanitize_redis_url
+from .terminal import JsonList, Pending, Progress, StreamedTable, as_json_text, duration, table, utc
 
 __all__ = ["singleton"]
 
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------- output
-
-
-def _utc(timestamp: float | None) -> str:
-    if timestamp is None:
-        return "-"
-    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "never expires"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
-
-
-def _cells(row: Sequence[Any]) -> list[str]:
-    return ["-" if c is None else str(c) for c in row]
-
-
-def _line(cells: Sequence[str], widths: Sequence[int], numeric: Iterable[int]) -> str:
-    right = set(numeric)
-    return "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
-                     for i, (cell, w) in enumerate(zip(cells, widths, strict=False))).rstrip()
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Iterable[int] = ()) -> str:
-    """A plain text table; columns in ``numeric`` are right-aligned."""
-    cells = [[str(h) for h in headers]] + [_cells(row) for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join(_line(row, widths, numeric) for row in cells)
-
-
-class _StreamedTable:
-    """A :func:`_table` written while its rows come (``write`` gets text with its newlines):
-    the first :data:`SIZED` rows (all of them when there are fewer) set the column widths and
-    are written together; each later row as it comes, with those widths (a longer cell shifts
-    the rest of its own row)."""
-
-    SIZED = 100
-
-    def __init__(self, write: Callable[[str], None], headers: Sequence[str], numeric: Iterable[int] = ()) -> None:
-        self.write, self.headers, self.numeric = write, [str(h) for h in headers], tuple(numeric)
-        self.rows: list[list[str]] = []
-        self.widths: list[int] | None = None
-        self.count = 0
-
-    def add(self, row: Sequence[Any]) -> None:
-        self.count += 1
-        if self.widths is not None:
-            self.write(_line(_cells(row), self.widths, self.numeric) + "\n")
-            return
-        self.rows.append(_cells(row))
-        if len(self.rows) >= self.SIZED:
-            self.close()
-
-    def close(self) -> None:
-        """Write the rows held back (with the header), if any."""
-        if self.widths is None and self.rows:
-            cells = [self.headers, *self.rows]
-            self.widths = [max(len(row[i]) for row in cells) for i in range(len(self.headers))]
-            self.write("".join(_line(row, self.widths, self.numeric) + "\n" for row in cells))
-            self.rows = []
-
-
-class _JsonList:
-    """A JSON list written item by item, as ``json.dumps(items, indent=2)`` prints it whole."""
-
-    def __init__(self, write: Callable[[str], None]) -> None:
-        self.write = write
-        self.count = 0
-
-    def add(self, item: Any) -> None:
-        self.write(("[\n  " if not self.count else ",\n  ") + _json(item).replace("\n", "\n  "))
-        self.count += 1
-
-    def close(self) -> None:
-        self.write("\n]\n" if self.count else "[]\n")
-
-
-class _Pending:
-    """Text for stdout held until the next SCAN call ends (:meth:`flush`), then written at once
-    (one write per call rather than per row), with the progress line erased first."""
-
-    def __init__(self, session: _Session, progress: _Progress) -> None:
-        self.session, self.progress = session, progress
-        self.parts: list[str] = []
-
-    def write(self, text: str) -> None:
-        self.parts.append(text)
-
-    def flush(self) -> None:
-        if self.parts:
-            self.progress.clear()
-            self.session.echo("".join(self.parts), nl=False)
-            self.parts = []
-
-    def after_each_call(self, status: ScanProgress) -> None:
-        """The ``progress`` callback: what the call found, then the progress line."""
-        self.flush()
-        self.progress(status)
-
-
-def _plural(count: int, noun: str, nouns: str) -> str:
-    return f"{count:,} {noun if count == 1 else nouns}"
-
-
-class _Progress:
-    """``scanned ~420,000 of 1,000,000 keys: 12 locks`` on stderr while a command walks the keys,
-    redrawn in place at most every :data:`REDRAW` seconds; only when stderr is a terminal, so
-    that a pipe, a log or ``--json`` output gets none of it. It is a ``progress`` callback of
-    the admin functions; :meth:`clear` before printing anything else to the terminal."""
-
-    REDRAW = 0.1
-
-    def __init__(self, noun: str, nouns: str, *, count_matched: bool = False) -> None:
-        self.noun, self.nouns, self.count_matched = noun, nouns, count_matched
-        try:
-            self.enabled = sys.stderr.isatty()
-        except (AttributeError, ValueError):  # replaced or closed
-            self.enabled = False
-        self.found = 0
-        self.shown = False
-        self.drawn_at: float | None = None
-
-    def __call__(self, status: ScanProgress) -> None:
-        if self.count_matched:
-            self.found = status.matched
-        now = time.monotonic()
-        if self.enabled and not status.done and (self.drawn_at is None or now - self.drawn_at >= self.REDRAW):
-            self.drawn_at = now
-            of = "" if status.total is None else f" of {status.total:,}"
-            self._write(f"scanned ~{status.scanned:,}{of} keys: {_plural(self.found, self.noun, self.nouns)}")
-            self.shown = True
-
-    def clear(self) -> None:
-        if self.shown:
-            self._write("")
-            self.shown = False
-
-    def _write(self, line: str) -> None:
-        sys.stderr.write(f"\r\x1b[K{line}")
-        sys.stderr.flush()
-
-
-def _json(data: Any) -> str:
-    return json.dumps(data, indent=2)
 
 
 class _Session:
@@ -252,11 +95,11 @@ class _Session:
              headers: Sequence[str], row: Callable[[Any], Sequence[Any]], numeric: Sequence[int] = ()) -> None:
         """Print ``records`` as a JSON list, or as a table (``empty`` when there are none)."""
         if as_json:
-            self.echo(_json([record.as_json() for record in records]))
+            self.echo(as_json_text([record.as_json() for record in records]))
         elif not records:
             self.echo(f"{empty} (prefix '{self.prefix}', {self.url}).")
         else:
-            self.echo(_table(headers, [row(record) for record in records], numeric))
+            self.echo(table(headers, [row(record) for record in records], numeric))
 
 
 @contextmanager
@@ -306,10 +149,10 @@ def locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
     (seconds, null for a claim) and stale (true or false).
     """
     session = _Session(ctx)
-    progress = _Progress("lock", "locks")
-    pending = _Pending(session, progress)
+    progress = Progress("lock", "locks")
+    pending = Pending(session.echo, progress)
     found = session.run(lambda: admin.iter_locks(session.app, task=task_name, progress=pending.after_each_call))
-    out: _JsonList | _StreamedTable = _JsonList(pending.write) if as_json else _StreamedTable(
+    out: JsonList | StreamedTable = JsonList(pending.write) if as_json else StreamedTable(
         pending.write, ("TASK", "KIND", "HOLDER TASK ID", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWED", "STALE",
                         "KEY"), numeric=(4, 6, 7))
     stale = 0
@@ -318,12 +161,12 @@ def locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
             for lock in found:
                 progress.found += 1
                 stale += lock.stale
-                if isinstance(out, _JsonList):
+                if isinstance(out, JsonList):
                     out.add(lock.as_json())
                 else:
-                    renewed = "-" if lock.renewed_ago is None else f"{_duration(lock.renewed_ago)} ago"
+                    renewed = "-" if lock.renewed_ago is None else f"{duration(lock.renewed_ago)} ago"
                     out.add((lock.task, lock.kind, lock.holder.task_id, lock.holder.node, lock.holder.pid,
-                             _utc(lock.holder.acquired_at), _duration(lock.ttl), renewed,
+                             utc(lock.holder.acquired_at), duration(lock.ttl), renewed,
                              "stale" if lock.stale else "-", lock.key))
         out.close()
     finally:  # what was found, also before an error
@@ -410,9 +253,9 @@ def release(ctx: click.Context, key: str | None, task_name: str | None, release_
 def _describe(lock: HeldLock) -> str:
     holder = lock.holder
     if lock.kind == "unknown":
-        return f"{lock.key}  (not a lock record), TTL {_duration(lock.ttl)}"
+        return f"{lock.key}  (not a lock record), TTL {duration(lock.ttl)}"
     return (f"{lock.key}  {lock.kind} of task {holder.task_id} on {holder.node} (pid {holder.pid}), "
-            f"acquired {_utc(holder.acquired_at)}, TTL {_duration(lock.ttl)}")
+            f"acquired {utc(holder.acquired_at)}, TTL {duration(lock.ttl)}")
 
 
 def _lock_list(targets: Sequence[HeldLock]) -> str:
@@ -497,7 +340,7 @@ def slots(ctx: click.Context, entry: str | None, last: int, as_json: bool) -> No
     with entry, slot, winner, claimed_at (epoch seconds), key and task.
     """
     session = _Session(ctx)
-    progress = _Progress("beat key", "beat keys", count_matched=True)
+    progress = Progress("beat key", "beat keys", count_matched=True)
     try:
         history = session.run(lambda: admin.recent_slots(session.app, entry=entry, last=last,
                                                          progress=progress))
@@ -510,7 +353,7 @@ def slots(ctx: click.Context, entry: str | None, last: int, as_json: bool) -> No
     session.show(
         claims, as_json, f"No beat slot claim {f'of entry {entry} ' if entry else ''}is recorded",
         ("SLOT (UTC)", "ENTRY", "WON BY", "CLAIMED AT (UTC)", "TASK"),
-        lambda claim: (claim.slot, claim.entry, claim.winner, _utc(claim.claimed_at), claim.task),
+        lambda claim: (claim.slot, claim.entry, claim.winner, utc(claim.claimed_at), claim.task),
     )
 
 
@@ -530,13 +373,13 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     {"tasks": {task: {counter: n}}, "beat": {"entries": {...}, "total": {...}}}.
     """
     session = _Session(ctx)
-    progress = _Progress("counter hash", "counter hashes", count_matched=True)
+    progress = Progress("counter hash", "counter hashes", count_matched=True)
     try:
         counters = session.run(lambda: admin.read_counters(session.app, progress=progress))
     finally:
         progress.clear()
     if as_json:
-        session.echo(_json(counters.as_json()))
+        session.echo(as_json_text(counters.as_json()))
         return
     if counters.empty:
         session.echo(f"No counters recorded (prefix '{session.prefix}', {session.url}).")
@@ -546,7 +389,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
             other = " ".join(f"{k}={v}" for k, v in sorted(counts.items()) if k not in TASK_COUNTERS and v)
             rows.append((name, *(counts[c] for c in TASK_COUNTERS), other or "-"))
         headers = ("TASK", *(c.upper() for c in TASK_COUNTERS), "OTHER")
-        session.echo(_table(headers, rows, numeric=range(1, len(TASK_COUNTERS) + 1)))
+        session.echo(table(headers, rows, numeric=range(1, len(TASK_COUNTERS) + 1)))
     if counters.beat_entries or counters.beat_total:
         rows = [(name, *(counts[c] for c in BEAT_COUNTERS)) for name, counts in counters.beat_entries.items()]
         if counters.beat_total:
@@ -554,7 +397,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         if counters.tasks:
             session.echo()
         headers = ("BEAT ENTRY", "SLOTS WON", "SLOTS LOST", "TAKEN OVER", "COPIES DROPPED")
-        session.echo(_table(headers, rows, numeric=range(1, len(BEAT_COUNTERS) + 1)))
+        session.echo(table(headers, rows, numeric=range(1, len(BEAT_COUNTERS) + 1)))
     if not counters.stats_enabled:
         session.note("note: singleton_stats is False: tasks keep no counters")
 
@@ -581,7 +424,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     """
     report = admin.doctor(ctx.obj.app)
     if as_json:
-        ctx.obj.echo(_json(report.as_json()))
+        ctx.obj.echo(as_json_text(report.as_json()))
     else:
         if report.settings is not None:
             ctx.obj.echo(f"celery-singleton-beat doctor: {sanitize_redis_url(report.settings.redis_url)}, "
