@@ -1,0 +1,364 @@
+"""Attacks on the renewal under a grown epoch (``Lease.settle_renewal``), against real
+redis-servers, by a reviewer who did not write it.
+
+The rule: a renewal that finds the lease's own value on a server where the process's epoch
+grew since the lease was last confirmed passes the put-back's timing rule
+(``Lease.may_put_back``), else the lease deletes its lock (compare-and-delete) and the
+renewal counts as finding it gone (the keeper then puts back, puts back late as the window
+closes, or reports the loss). A "process" is a client with a ``LockServer`` memory of its
+own (``test_adversary_putback.process``); leases are renewed as the keeper does.
+
+Open breaks (``xfail(strict=True, raises=AssertionError)``: the assertion is the promise; a
+scenario not reached fails through ``pytest.fail``):
+
+* ``test_the_taker_renews_first_after_a_snapshot``: the commit's own scenario with the
+  realistic order: the taker ``b`` is live and renews at once when its process notices the
+  restart, before the paused ``a`` resumes. ``b`` finds ``a``'s value (held by another) and
+  is told lost; ``a`` then gives the copy up and, no one having put a lock back, puts its
+  own back as the window closes: the lower fence holds the key after the higher one
+  vouched for it.
+* ``test_a_taker_that_ended_before_a_snapshot_restart``: ``b`` took ``a``'s lock over and
+  its run ended before the crash; the server comes back from a snapshot holding ``a``'s
+  lock. ``a`` gives the copy up, then puts its lock back as the window closes: the lower
+  fence passes ``ensure_held()`` after the higher one's run (an empty restart does the same:
+  the late put-back cannot tell a slow restart from a take-over).
+
+Held (each asserts it reached the path it names):
+
+* ``test_a_live_holder_keeps_its_lock_across_a_snapshot_restart``: the renewal that notices
+  the restart (its own new connection) is judged, passes, and is confirmed under the new epoch.
+* ``test_a_live_holder_across_a_slow_snapshot_restart_puts_its_lock_back_late``: a 3 s
+  restart (liveness 1.5 s) dates the loss past ``put_back_until``: the live holder gives the
+  snapshot's copy up, then puts it back as the window closes, never told lost; another
+  process's acquisition during the window waits and finds the key held.
+* ``test_a_batch_judges_each_lease_on_its_own``: one lease refused in a batch under a grown
+  epoch, the other renewed; the refused one's delete touches only its own key.
+* ``test_a_release_on_refusal_that_fails_is_retried``: the server dies between the renewal and
+  its delete: the keeper retries; the next renewal, after another snapshot restart, gives the
+  copy up.
+* ``test_the_release_on_refusal_deletes_only_its_own_value``: the key changed between the
+  renewal and its delete: the delete compares, the other value stays.
+* ``test_a_promoted_replica_with_the_holders_lock``: the replica replicated ``a``'s lock and
+  was promoted before ``b``'s take-over on the old primary: ``a`` gives it up, ``b`` puts back.
+* ``test_the_keepers_own_client_judges_a_snapshot_renewal``: greenlet pools: the restart seen
+  on the main thread's connection decides the keeper's own client's renewal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from celery_singleton_beat import native
+from celery_singleton_beat.lease.batches import renew_many
+from celery_singleton_beat.lease.commands import Renewal, look_request
+from celery_singleton_beat.lease.executor import execute
+from celery_singleton_beat.lease.keeper import KeptLease, Later, LeaseKeeper
+from celery_singleton_beat.lease.lease import Lease
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.recovery import lock_redis
+from celery_singleton_beat.recovery.server import server_of
+from celery_singleton_beat.recovery.window import mark_in_use
+
+from .support import RedisServer, soak, wait_for
+from .support.locking import renew
+from .test_adversary_putback import (
+    KEY,
+    OTHER,
+    Switch,
+    breaks,
+    process,
+    reached,
+    spec,
+    take_over,
+    vouched,
+)
+
+
+class Judged:
+    """Records each time ``lease``'s renewal was judged under a grown epoch, and the verdict."""
+
+    def __init__(self, lease: Lease, before: Callable[[], None] | None = None) -> None:
+        self.verdicts: list[bool] = []
+        judge = lease._renewed_through_loss
+
+        def recorded(via: Any) -> bool:
+            if before is not None:
+                before()
+            verdict = judge(via)
+            self.verdicts.append(verdict)
+            return verdict
+
+        lease._renewed_through_loss = recorded  # type: ignore[method-assign]
+
+
+def held_now(kept: KeptLease) -> bool:
+    """What ``ensure_held()`` checks on a kept lease."""
+    return not kept.lost and vouched(kept.lease)
+
+
+def late_put_back(keeper: LeaseKeeper, kept: KeptLease) -> bool:
+    """Renew ``kept`` as the keeper's thread does, waiting for a put-back deferred to the end of
+    the recovery window (:class:`.keeper.Later`); True if the lease holds in the end."""
+    outcome = keeper._settle(kept, kept.lease.renew_once(), None)
+    if isinstance(outcome, Later):
+        wait_for(lambda: time.monotonic() >= outcome.at, timeout=30, interval=0.01, message="the late put-back's time")
+        outcome = keeper._settle(kept, kept.lease.renew_once(), None)
+    return outcome is True
+
+
+# ---------------------------------------------------------------------------- broke
+
+
+@breaks("the live taker renews first and is told lost by the snapshot's copy; the stopped holder then puts back late")
+def test_the_taker_renews_first_after_a_snapshot(make_redis: Callable[..., RedisServer]) -> None:
+    """An RDB snapshot is taken while ``a`` holds ``k``; ``a`` stops, ``b`` takes ``k`` over
+    (higher fence); the server crashes and comes back from the snapshot: ``a``'s lock. ``b``
+    is live: its keeper renews every lease as soon as its process notices the loss, while
+    ``a`` is still stopped. ``b`` finds ``a``'s value, held by another: its run is told lost.
+    ``a`` resumes: the copy is given up (the commit's rule), the keeper then finds nothing
+    and, no holder having put a lock back, ``a`` puts its own back as the window closes and
+    vouches for ``k`` with the lower fence. Fix: a renewal under a grown epoch that finds
+    another's value, where the lease itself passes the timing rule, must not be a loss
+    when that value is the one it took over (its fence is lower: it needs the fence in the
+    value, or the taken-over value remembered by the lease) -- replace it instead."""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, b, direct = process(server.port), process(server.port), server.client()
+    keeper = LeaseKeeper()
+    held = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(held, "a took k")
+    direct.save()
+    taker = take_over(b, spec("b-boot"))
+    server.restart()
+    reached(direct.get(KEY) == held.value.encode(), "the snapshot brought a's lock back")
+    kept_a, kept_b = KeptLease(held, None), KeptLease(taker, None)
+    b_kept = keeper.renew(kept_b)
+    reached(server_of(b).epoch == 1, "b's process noticed the restart first")
+    judged = Judged(held)
+    a_holds = late_put_back(keeper, kept_a)
+    reached(judged.verdicts == [False], "a's renewal found its copy and gave it up")
+    assert b_kept or not a_holds, (f"a (fence {held.fence}) holds k again after b (fence {taker.fence}) "
+                                   "vouched for it: b was told lost by the snapshot's copy of a's lock")
+
+
+@breaks("the stopped holder puts its lock back late after the taker's run ended: the lower fence after the higher")
+def test_a_taker_that_ended_before_a_snapshot_restart(make_redis: Callable[..., RedisServer]) -> None:
+    """``a`` takes ``k``; a snapshot is taken; ``a`` stops; ``b`` takes ``k`` over and its run
+    ends (released). The server crashes and comes back from the snapshot: ``a``'s lock.
+    ``a`` resumes: its renewal is judged (refused: confirmed too long before the loss), the
+    copy deleted; no one puts a lock back, so ``a`` does as the window closes and vouches
+    for ``k`` with fence 1 after ``b``'s run with fence 2. (Restarting empty instead gives
+    the same: the late put-back is what lets a live holder survive a slow restart, and it
+    cannot tell one from a take-over.) Fix: needs a way to know a take-over happened (a
+    fence counter, or the take-over's mark, that survives the loss in another store)."""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, b, direct = process(server.port), process(server.port), server.client()
+    held = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(held, "a took k")
+    direct.save()
+    taker = take_over(b, spec("b-boot"))
+    reached(taker.fence > held.fence and taker.release(), "b's run (the higher fence) ended")
+    server.restart()
+    reached(direct.get(KEY) == held.value.encode(), "the snapshot brought a's lock back")
+    judged = Judged(held)
+    kept = KeptLease(held, None)
+    holds = late_put_back(LeaseKeeper(), kept)
+    reached(judged.verdicts == [False], "a's renewal found its copy and gave it up")
+    assert not (holds and held_now(kept)), (f"a (fence {held.fence}) vouches for k after b's run (fence "
+                                            f"{taker.fence}) ended")
+
+
+# ---------------------------------------------------------------------------- held
+
+
+def test_a_live_holder_keeps_its_lock_across_a_snapshot_restart(make_redis: Callable[..., RedisServer]) -> None:
+    """A live holder's lock is in the snapshot; the server restarts quickly from it. The keeper
+    thread's renewal is the first request on the new server: its own new connection notices
+    the restart (the epoch read before the request is 0, after it 1), the rule is asked and
+    passes; the lease is confirmed under the new epoch, never told lost."""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, direct = process(server.port), server.client()
+    held = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(held, "a took k")
+    direct.save()
+    judged = Judged(held)
+    keeper = LeaseKeeper()
+    kept = keeper.keep(held)
+    try:
+        wait_for(lambda: kept.renewals >= 1, timeout=10, message="a renewal")
+        server.restart()
+        reached(server_of(a).epoch == 0, "no request of a's process reached the new server yet")
+        wait_for(lambda: judged.verdicts or kept.lost, timeout=10, message="a renewal judged under the new epoch")
+        reached(server_of(a).epoch == 1, "the keeper's renewal noticed the restart")
+        assert judged.verdicts == [True], "a live holder's renewal from the snapshot was refused"
+        assert not kept.lost and held.epoch == 1, "the renewal is confirmed under the new epoch"
+        renewals = kept.renewals
+        wait_for(lambda: kept.renewals > renewals + 1 or kept.lost, timeout=10, message="later renewals")
+        assert not kept.lost and judged.verdicts == [True], "later renewals are plain ones"
+        assert direct.get(KEY) == held.value.encode()
+    finally:
+        keeper.forget(kept)
+
+
+def test_a_live_holder_across_a_slow_snapshot_restart_puts_its_lock_back_late(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """Liveness 1.5 s: renewals every 0.5 s, a take-over possible 2 s after one. The snapshot
+    holds the live holder's lock; the server crashes just before a renewal and is back from
+    the snapshot 3 s later: the loss is dated by the new server's start, past
+    ``put_back_until``. Before the commit the renewal found its value and kept it; now it
+    gives the copy up and puts it back as the window closes. The run is never told lost, and
+    another process acquiring meanwhile waits for the window and finds the key held; at no
+    moment do both vouch."""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, b, direct = process(server.port), process(server.port), server.client()
+    held = acquire(a, KEY, spec("a-boot", ttl=60.0), "a").lease
+    reached(held, "a took k")
+    judged = Judged(held)
+    keeper = LeaseKeeper()
+    kept = keeper.keep(held)
+    other: list[Lease | None] = []
+    try:
+        wait_for(lambda: kept.renewals >= 1, timeout=10, message="a renewal")
+        direct.save()
+        last = held.confirmed_at
+        wait_for(lambda: time.monotonic() > last + held.renew_every - 0.1, timeout=10, message="the next renewal near")
+        server.kill()
+        soak(3.0, check=lambda: not kept.lost, what="the downtime")
+        server.start()
+        thread = threading.Thread(target=lambda: other.append(acquire(b, KEY, spec("b-boot"), "b").lease))
+        thread.start()
+        wait_for(lambda: kept.lost or held.confirmed_at > last + 3, timeout=20, message="the keeper's outcome")
+        thread.join(30)
+        reached(server_of(a).epoch == 1 and server_of(a).lost_by >= last + held.spec.takeover_after,
+                "the loss was dated past a's put_back_until")
+        reached(judged.verdicts[:1] == [False], "the renewal found the snapshot's copy and gave it up")
+        assert not kept.lost, f"a live run lost its lock in a slow restart from a snapshot: {kept.lost_reason}"
+        assert other == [None], "another process acquired k while the live holder put it back"
+        assert direct.get(KEY) == held.value.encode()
+    finally:
+        keeper.forget(kept)
+
+
+def test_a_batch_judges_each_lease_on_its_own(make_redis: Callable[..., RedisServer]) -> None:
+    """Two leases of one process, renewed in one request after a snapshot restart: ``k``
+    was last confirmed past a take-over's reach of the restart (its holder stopped), the
+    other just now. ``k``'s copy is given up (deleted); the other is renewed under the new
+    epoch, its key untouched."""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, direct = process(server.port), server.client()
+    old = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(old, "a took k")
+    wait_for(lambda: time.monotonic() > old.put_back_until, timeout=10, interval=0.01,
+             message="k past a take-over's reach")
+    fresh = acquire(a, OTHER, spec("a-boot"), "a2").lease
+    reached(fresh, "a took the other key")
+    direct.save()
+    server.restart()
+    outcomes = renew_many(a, [old, fresh])
+    reached(server_of(a).epoch == 1, "the batch noticed the restart")
+    assert outcomes == [Renewal.GONE, Renewal.RENEWED]
+    assert direct.get(KEY) is None, "k's copy was given up"
+    assert direct.get(OTHER) == fresh.value.encode() and fresh.epoch == 1 and vouched(fresh)
+
+
+def test_a_release_on_refusal_that_fails_is_retried(make_redis: Callable[..., RedisServer]) -> None:
+    """The snapshot holds ``a``'s lock, taken over by ``b``; after the restart ``a``'s renewal
+    finds it and is refused, and the server dies before the delete: ``settle_renewal`` raises,
+    the keeper schedules a retry (not a loss). The server comes back from the same snapshot;
+    the retried renewal is refused again and deletes the copy; ``b`` (default liveness: a
+    take-over's reach of 7.7 s, longer than the two restarts) puts its lock back."""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, b, direct = process(server.port), process(server.port, 10.0), server.client()
+    held = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(held, "a took k")
+    direct.save()
+    taker = take_over(b, spec("b-boot", 10.0))
+    server.restart()
+    crashes = [server.kill]
+    judged = Judged(held, before=lambda: crashes and crashes.pop()())
+    keeper = LeaseKeeper()
+    kept = KeptLease(held, None)
+    again = keeper._renew(kept, via=a)
+    reached(not server.running and not judged.verdicts, "the server died between the renewal and its delete")
+    assert again is not None and not kept.lost, "a failed delete is retried, not a loss"
+    server.start()
+    keeper._renew(kept, via=a)
+    reached(judged.verdicts == [False] and server_of(a).epoch == 2, "the retry found the copy again and gave it up")
+    assert direct.get(KEY) is None and not vouched(held)
+    assert renew(taker) and direct.get(KEY) == taker.value.encode(), "b puts its own lock back"
+
+
+def test_the_release_on_refusal_deletes_only_its_own_value(make_redis: Callable[..., RedisServer]) -> None:
+    """Between ``a``'s refused renewal and its delete the key changes (written by hand here):
+    the delete compares the whole value and leaves the other one."""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, b, direct = process(server.port), process(server.port), server.client()
+    held = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(held, "a took k")
+    direct.save()
+    taker = take_over(b, spec("b-boot"))
+    server.restart()
+    judged = Judged(held, before=lambda: direct.set(KEY, taker.value, px=30000))
+    assert not renew(held)
+    reached(judged.verdicts == [False], "a's renewal was refused")
+    assert direct.get(KEY) == taker.value.encode(), "a's delete removed a value not its own"
+
+
+def test_a_promoted_replica_with_the_holders_lock(make_redis: Callable[..., RedisServer]) -> None:
+    """``a`` takes ``k`` on the primary and the replica copies it; the replica is promoted
+    while the old primary goes on; ``a`` stops, ``b`` takes ``k`` over on the old primary.
+    ``a``'s process then reaches the promoted replica: its lock is there, the loss dated by
+    the moment noticed, past its ``put_back_until``: the copy is given up; ``b`` puts back."""
+    old = make_redis()
+    mark_in_use(old.client())
+    address = Switch(old.port)
+    a, b = process(address.port), process(address.port)
+    held = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(held, "a took k")
+    replica = make_redis("--replicaof", "127.0.0.1", str(old.port))
+    wait_for(lambda: replica.client().get(KEY) == held.value.encode(), timeout=20, message="the replica has a's lock")
+    replica.client().replicaof("NO", "ONE")
+    taker = take_over(b, spec("b-boot"))
+    address.switch(replica.port)
+    judged = Judged(held)
+    assert not renew(held), "a renewed a promoted replica's copy of its lock after b's take-over"
+    reached(judged.verdicts == [False] and server_of(a).epoch == 1, "a's renewal was judged under the promotion")
+    assert renew(taker), "b puts its lock back on the promoted replica"
+    assert replica.client().get(KEY) == taker.value.encode()
+
+
+def test_the_keepers_own_client_judges_a_snapshot_renewal(
+        make_redis: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greenlet pools: the keeper renews through a client of its own. The main thread's
+    connection notices the snapshot restart first; the keeper's client, connecting after,
+    finds nothing new, yet its renewal is judged (the memory is shared) and refused."""
+    monkeypatch.setattr(native, "green", lambda: True)
+    server = make_redis()
+    mark_in_use(server.client())
+    a, b, direct = process(server.port), process(server.port), server.client()
+    held = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(held, "a took k")
+    direct.save()
+    taker = take_over(b, spec("b-boot"))
+    server.restart()
+    with contextlib.closing(lock_redis.thread_client(a)) as own:
+        reached(own is not a, "the keeper has a client of its own")
+        execute(a, OTHER, lambda info: look_request(OTHER))
+        reached(server_of(a).epoch == 1, "the main thread's connection found the data lost")
+        judged = Judged(held)
+        assert not LeaseKeeper().renew(KeptLease(held, None), own)
+        reached(judged.verdicts == [False], "the keeper's client's renewal was judged")
+    assert direct.get(KEY) is None
+    assert renew(taker) and direct.get(KEY) == taker.value.encode()
