@@ -72,7 +72,9 @@ from .test_adversary_putback import (
     OTHER,
     Switch,
     breaks,
+    in_another_thread,
     process,
+    promoted_replica,
     reached,
     spec,
     take_over,
@@ -173,6 +175,90 @@ def test_a_taker_that_ended_before_a_snapshot_restart(make_redis: Callable[..., 
     reached(judged.verdicts == [False], "a's renewal found its copy and gave it up")
     assert not (holds and held_now(kept)), (f"a (fence {held.fence}) vouches for k after b's run (fence "
                                             f"{taker.fence}) ended")
+
+
+@breaks("a renewal answered by the old primary is recorded under the epoch another connection's promotion raised")
+@pytest.mark.parametrize("noticed", ["during the renewal", "before the renewal"])
+def test_a_renewal_on_the_old_primary_after_a_promotion_was_noticed(
+        make_redis: Callable[..., RedisServer], noticed: str) -> None:
+    """A replica is promoted while the old primary goes on taking writes (its sentinels have
+    not demoted it yet). ``a`` is live and holds ``k`` on the old primary, taken after the
+    promotion (the replica never had it). Another thread of ``a``'s process reaches the
+    promoted replica: the epoch grows. ``a``'s keeper renews on its connection to the old
+    primary, which finds ``k`` there: the rule passes and the lease is confirmed under the
+    new epoch (since the commit also when the promotion was noticed during the request;
+    before it only when noticed before). Once ``a``'s process follows the address to the
+    promoted replica, ``k`` is gone and the lease, confirmed "after" the loss, may neither
+    put it back nor put it back late: a live holder is told lost in a plain failover.
+    Fix: the epoch a renewal is confirmed under must be that of the connection that
+    answered it (per connection, or per server run id), not the process's latest."""
+    old, replica = promoted_replica(make_redis)
+    address = Switch(old.port)
+    a = process(address.port)
+    held = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(held, "a took k on the old primary")
+    execute(a, KEY, lambda info: look_request(KEY), pooled=True)  # a pooled connection to the old primary
+
+    def other_thread_follows() -> None:
+        address.upstream_port = replica.port
+        in_another_thread(a)
+
+    if noticed == "before the renewal":
+        other_thread_follows()
+    else:
+        build = held.renewal_request
+
+        def noticing(info: Any) -> Any:
+            if server_of(a).epoch == 0:
+                other_thread_follows()
+            return build(info)
+
+        held.renewal_request = noticing  # type: ignore[method-assign]
+    kept = KeptLease(held, None)
+    keeper = LeaseKeeper()
+    reached(keeper._settle(kept, held.renew_once(), None) is True and server_of(a).epoch == 1
+            and old.client().get(KEY) == held.value.encode(),
+            "the old primary renewed k after a's process noticed the promotion")
+    address.switch(replica.port)
+    assert late_put_back(keeper, kept), "a live holder lost its lock in a failover"
+    assert replica.client().get(KEY) == held.value.encode()
+
+
+def test_a_batch_whose_refusal_notices_a_second_restart(make_redis: Callable[..., RedisServer]) -> None:
+    """Two leases of one process renewed in one request after a snapshot restart: ``k``, last
+    confirmed past a take-over's reach, is refused; the other, just taken, is renewed. The
+    server restarts again, empty, as ``k``'s copy is being given up: the delete's new
+    connection notices it (epoch 2). The other lease's reply came from the server before
+    that restart, yet it is then judged and confirmed under epoch 2, "after" the second
+    loss: its renewal finds its lock gone and it may not put it back, nor late: a live
+    holder told lost. (Its parent commit confirmed it under the batch's epoch, and put it
+    back.)"""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, direct = process(server.port), server.client()
+    old = acquire(a, KEY, spec("a-boot"), "a").lease
+    reached(old, "a took k")
+    wait_for(lambda: time.monotonic() > old.put_back_until, timeout=10, interval=0.01,
+             message="k past a take-over's reach")
+    fresh = acquire(a, OTHER, spec("a-boot"), "a2").lease
+    reached(fresh, "a took the other key")
+    direct.save()
+    server.restart()
+
+    def restart_empty() -> None:
+        if server_of(a).epoch == 1:
+            with contextlib.closing(server.client()) as admin:
+                admin.flushall()
+                admin.save()
+            server.restart()
+
+    Judged(old, before=restart_empty)
+    outcomes = renew_many(a, [old, fresh])
+    reached(outcomes == [Renewal.GONE, Renewal.RENEWED] and server_of(a).epoch == 2,
+            "the batch renewed the other lease; k's delete noticed a second restart")
+    reached(direct.get(OTHER) is None, "the second restart lost the other lease's lock")
+    assert late_put_back(LeaseKeeper(), KeptLease(fresh, None)), "a live holder lost its lock in a restart"
+    assert direct.get(OTHER) == fresh.value.encode()
 
 
 # ---------------------------------------------------------------------------- held
