@@ -158,11 +158,11 @@ class Lease:
             look = execute(via, self.key, lambda info: look_request(self.key), pooled=True)
             outcome = Renewal.HELD_BY_ANOTHER if look.current is not None else Renewal.GONE
         if outcome is Renewal.RENEWED:
-            current = server_of(via).epoch
-            if current > self.epoch:  # found on a server that may hold an older copy of the data
-                if not self._renewed_through_loss(via):
-                    return Renewal.GONE
-                epoch = current
+            # Found on a server that may hold an older copy of the data. Confirmed under
+            # ``epoch``, read before the request, not the epoch now: a loss noticed since by
+            # another connection (another thread's, a batch's delete) may postdate the reply.
+            if server_of(via).epoch > self.epoch and not self._renewed_through_loss(via):
+                return Renewal.GONE
             self._confirmed(started, epoch)
             counters.count(self.client, self.spec.stats_key, "renewed")
         return outcome
