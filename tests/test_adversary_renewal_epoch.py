@@ -27,6 +27,11 @@ scenario not reached fails through ``pytest.fail``):
   process reached the promoted replica, is recorded under the grown epoch: once the process
   follows to the replica, which never had the lock, it may not put it back (older than the
   commit: the epoch is the process's, not that of the connection that answered).
+* ``test_a_failover_of_another_cluster_shard``: another shard's failover (losing nothing)
+  grows the process's epoch; a holder paused past a take-over's reach, which no one took
+  over, finds its own value on a shard that lost nothing and gives it up; once the window
+  has closed its run is told lost (before the commit it renewed). Same root as
+  ``test_adversary_putback``'s H: the epoch and the loss are the process's, not the shard's.
 
 Broke and fixed (each failed before its fix):
 
@@ -55,6 +60,8 @@ Held (each asserts it reached the path it names):
   renewal and its delete: the delete compares, the other value stays.
 * ``test_a_promoted_replica_with_the_holders_lock``: the replica replicated ``a``'s lock and
   was promoted before ``b``'s take-over on the old primary: ``a`` gives it up, ``b`` puts back.
+* ``test_a_live_holder_across_a_failover_of_its_cluster_shard``: the renewal, moved to the
+  promoted replica, is judged under the promotion and holds.
 * ``test_the_keepers_own_client_judges_a_snapshot_renewal``: greenlet pools: the restart seen
   on the main thread's connection decides the keeper's own client's renewal.
 """
@@ -68,8 +75,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from redis.crc import key_slot
 
 from celery_singleton_beat import native
+from celery_singleton_beat.connection.client import redis_from_url
 from celery_singleton_beat.lease.batches import renew_many
 from celery_singleton_beat.lease.commands import Renewal, look_request
 from celery_singleton_beat.lease.executor import execute
@@ -78,11 +87,12 @@ from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery import lock_redis
-from celery_singleton_beat.recovery.server import server_of
+from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, soak, wait_for
 from .support.locking import renew
+from .support.topologies import cluster_shard, fail_over_shard, start_cluster
 from .test_adversary_putback import (
     KEY,
     OTHER,
@@ -284,6 +294,43 @@ def test_a_batch_whose_refusal_notices_a_second_restart(make_redis: Callable[...
     assert direct.get(OTHER) == fresh.value.encode()
 
 
+@breaks("another Cluster shard's failover makes a holder give up a lock its own shard never lost")
+@pytest.mark.timeout(180)
+def test_a_failover_of_another_cluster_shard(make_redis: Callable[..., RedisServer]) -> None:
+    """Redis Cluster, 3 primaries with a replica each. ``a`` takes ``k`` on shard 1 and stops
+    past a take-over's reach; no one takes it over. Shard 2 fails over (``CLUSTER FAILOVER``:
+    nothing lost); another thread of ``a``'s process reaches it: the epoch grows, the loss
+    dated now. The window closes; ``a`` resumes: its renewal finds its own value on shard 1,
+    which lost nothing and still has the very lock ``a`` wrote, and is refused (the epoch
+    and the loss are the process's, not the shard's): the lock is deleted and, the window
+    closed, ``a``'s run is told lost. Before the commit it renewed. Fix: epoch and
+    ``lost_by`` per server record (shard), as for ``test_adversary_putback``'s H."""
+    cluster = start_cluster(primaries=3, replicas=1)
+    try:
+        for node in cluster.primaries():
+            mark_in_use(node)
+        a = redis_from_url(cluster.url)
+        a.csb_server = LockServer("singleton", 1.5)  # type: ignore[union-attr]
+        home, _ = cluster_shard(cluster, key_slot(KEY.encode()))
+        other = next(key for key in (f"singleton:{{o{i}}}" for i in range(100))
+                     if cluster_shard(cluster, key_slot(key.encode()))[0] is not home)
+        execute(a, other, lambda info: look_request(other))
+        held = take(a, KEY, spec("a-boot"), "a", "a took k on its shard")
+        wait_for(lambda: time.monotonic() > held.put_back_until, timeout=10, interval=0.01,
+                 message="k past a take-over's reach")
+        fail_over_shard(cluster, key_slot(other.encode()))
+        in_another_thread(a, other)
+        reached(server_of(a).epoch == 1, "a's process found shard 2 failed over")
+        wait_for(lambda: not server_of(a).recovery().open, timeout=30, message="the window closed")
+        reached(cluster_shard(cluster, key_slot(KEY.encode()))[0] is home, "k's shard did not fail over")
+        judged = Judged(held)
+        renewed = renew(held)
+        reached(judged.verdicts == [False], "a's renewal on its shard was judged under the grown epoch")
+        assert renewed, "a gave up a lock its shard never lost, which no one had taken over"
+    finally:
+        cluster.stop()
+
+
 # ---------------------------------------------------------------------------- held
 
 
@@ -465,3 +512,25 @@ def test_the_keepers_own_client_judges_a_snapshot_renewal(
         reached(judged.verdicts == [False], "the keeper's client's renewal was judged")
     assert direct.get(KEY) is None
     assert renew(taker) and direct.get(KEY) == taker.value.encode()
+
+
+@pytest.mark.timeout(180)
+def test_a_live_holder_across_a_failover_of_its_cluster_shard(make_redis: Callable[..., RedisServer]) -> None:
+    """Redis Cluster, 3 primaries with a replica each. ``a`` holds ``k``; its shard fails over
+    (the replica has the lock). ``a``'s renewal goes to the old primary, is moved to the
+    promoted replica, whose check grows the epoch: the renewal is judged, passes, and holds."""
+    cluster = start_cluster(primaries=3, replicas=1)
+    try:
+        for node in cluster.primaries():
+            mark_in_use(node)
+        a = redis_from_url(cluster.url)
+        a.csb_server = LockServer("singleton", 1.5)  # type: ignore[union-attr]
+        held = take(a, KEY, spec("a-boot"), "a", "a took k")
+        _, new = fail_over_shard(cluster, key_slot(KEY.encode()))
+        reached(new.client().get(KEY) == held.value.encode(), "the promoted replica has a's lock")
+        judged = Judged(held)
+        assert renew(held), "a live holder lost its lock in a Cluster shard's failover"
+        reached(judged.verdicts == [True] and server_of(a).epoch == 1, "the renewal was judged under the promotion")
+        assert new.client().get(KEY) == held.value.encode()
+    finally:
+        cluster.stop()
