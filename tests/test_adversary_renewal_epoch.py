@@ -62,6 +62,8 @@ Held (each asserts it reached the path it names):
   was promoted before ``b``'s take-over on the old primary: ``a`` gives it up, ``b`` puts back.
 * ``test_a_live_holder_across_a_failover_of_its_cluster_shard``: the renewal, moved to the
   promoted replica, is judged under the promotion and holds.
+* ``test_a_live_holder_across_a_sentinel_failover_that_replicated_its_lock``: the keeper's
+  renewal reaches the promoted replica, is judged, and the run keeps its lock.
 * ``test_the_keepers_own_client_judges_a_snapshot_renewal``: greenlet pools: the restart seen
   on the main thread's connection decides the keeper's own client's renewal.
 """
@@ -75,6 +77,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 from redis.crc import key_slot
 
 from celery_singleton_beat import native
@@ -92,7 +95,7 @@ from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, soak, wait_for
 from .support.locking import renew
-from .support.topologies import cluster_shard, fail_over_shard, start_cluster
+from .support.topologies import cluster_shard, fail_over_shard, start_cluster, start_sentinels, wait_for_new_primary
 from .test_adversary_putback import (
     KEY,
     OTHER,
@@ -534,3 +537,40 @@ def test_a_live_holder_across_a_failover_of_its_cluster_shard(make_redis: Callab
         assert new.client().get(KEY) == held.value.encode()
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_live_holder_across_a_sentinel_failover_that_replicated_its_lock() -> None:
+    """Sentinel: a primary, a replica, three sentinels. ``a`` (liveness 1.5 s) holds ``k``, kept
+    by the keeper thread; the replica copies it. The primary is killed; the sentinels promote
+    the replica within seconds, the keeper retrying meanwhile. The renewal that reaches the
+    promoted replica grows the epoch and is judged (passed, or refused, the loss noticed past
+    its ``put_back_until``: then the copy is deleted and put back as the window closes):
+    either way the run is never told lost and ends with its lock on the new primary."""
+    group = start_sentinels(down_after_ms=1000)
+    try:
+        host, port = group.master_address()
+        with redis.Redis(host=host, port=port, socket_timeout=5) as primary:
+            mark_in_use(primary)
+        a = redis_from_url(group.url)
+        a.csb_server = LockServer("singleton", 1.5)  # type: ignore[union-attr]
+        held = take(a, KEY, spec("a-boot"), "a", "a took k")
+        judged = Judged(held)
+        keeper = LeaseKeeper()
+        kept = keeper.keep(held)
+        try:
+            replica = next(s for s in group.servers[:2] if s.port != port)
+            wait_for(lambda: replica.client().get(KEY) == held.value.encode(), timeout=20,
+                     message="the replica has a's lock")
+            wait_for(lambda: kept.renewals >= 1, timeout=10, message="a renewal")
+            group.server_on(port).kill()
+            wait_for_new_primary(group, (host, port))
+            wait_for(lambda: kept.lost or (judged.verdicts and held.epoch >= 1), timeout=30,
+                     message="the keeper's outcome on the new primary")
+            reached(judged.verdicts and server_of(a).epoch >= 1, "a renewal was judged under the promotion")
+            assert not kept.lost, f"a live run lost its lock in a Sentinel failover: {kept.lost_reason}"
+            assert replica.client().get(KEY) == held.value.encode()
+        finally:
+            keeper.forget(kept)
+    finally:
+        group.stop()
