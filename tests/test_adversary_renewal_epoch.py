@@ -37,6 +37,10 @@ scenario not reached fails through ``pytest.fail``):
   as slow, the promoted replica holding every lock), a live holder whose keeper reaches
   the lock in the window's last half second finds it intact, gives it up and is told lost
   (before the commit it kept it). A process holding thousands of leases loses many of them.
+* ``test_a_late_put_back_while_the_taker_still_vouches``: the late put-back comes
+  ``LATE_PUT_BACK`` before the window closes, while the grace of a taker that renewed right
+  before the crash (and is late renewing again) still runs: both pass ``ensure_held()``. The
+  commit routes snapshot restarts to this path; an empty restart reaches it without it.
 
 Broke and fixed (each failed before its fix):
 
@@ -91,7 +95,7 @@ from celery_singleton_beat.lease.batches import renew_many
 from celery_singleton_beat.lease.commands import Renewal, look_request
 from celery_singleton_beat.lease.executor import execute
 from celery_singleton_beat.lease.keeper import KeptLease, Later, LeaseKeeper
-from celery_singleton_beat.lease.lease import Lease
+from celery_singleton_beat.lease.lease import LATE_PUT_BACK, Lease
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery import lock_redis
@@ -375,6 +379,42 @@ def test_a_renewal_late_in_the_window_after_a_slow_snapshot_restart(make_redis: 
     reached(judged.verdicts == [False] and server_of(a).recovery().open,
             "a's renewal, inside the window, found its lock intact and was refused")
     assert renewed is True, "a live holder renewing within the window lost the lock it found intact"
+
+
+@breaks("a late put-back comes half a second before the window closes, inside the taker's grace")
+@pytest.mark.parametrize("data", ["from a snapshot with a's lock", "empty"])
+def test_a_late_put_back_while_the_taker_still_vouches(make_redis: Callable[..., RedisServer], data: str) -> None:
+    """``a`` takes ``k`` and stops; ``b`` takes it over and renews; the server crashes right
+    after and comes back (from a snapshot holding ``a``'s lock, given up by ``a``'s renewal
+    since the commit; or empty, as before it). ``a``'s process notices at once; ``b``'s
+    keeper is late (a pause shorter than its grace). ``a`` puts its lock back as the window
+    closes, ``LATE_PUT_BACK`` (0.5 s) before its end, while ``b``'s grace, which counts on no
+    other holder before the window of a restart right after its renewal has closed, still
+    runs: ``ensure_held()`` passes for both. Fix: ``LockSpec.grace`` at most the window less
+    ``LATE_PUT_BACK`` (or the late put-back at the window's very end, with new acquisitions
+    held back a little longer)."""
+    server = make_redis()
+    mark_in_use(server.client())
+    a, b, direct = process(server.port), process(server.port), server.client()
+    held = take(a, KEY, spec("a-boot"), "a", "a took k")
+    if data != "empty":
+        direct.save()
+    taker = take_over(b, spec("b-boot"))
+    reached(renew(taker), "b renewed")
+    server.restart()
+    kept = KeptLease(held, None)
+    keeper = LeaseKeeper()
+    outcome = keeper._settle(kept, held.renew_once(), None)
+    reached(isinstance(outcome, Later), "a's put-back waits for the end of the window")
+    reached(server_of(a).lost_by < taker.confirmed_at + LATE_PUT_BACK,
+            "the restart came within LATE_PUT_BACK of b's renewal")
+    assert isinstance(outcome, Later)
+    at = outcome.at
+    wait_for(lambda: time.monotonic() >= at, timeout=30, interval=0.01, message="the late put-back's time")
+    put_back = keeper._settle(kept, held.renew_once(), None) is True
+    reached(put_back, "a put its lock back as the window closes")
+    assert not (vouched(held) and vouched(taker)), (f"a (fence {held.fence}) and b (fence {taker.fence}) both "
+                                                    "pass ensure_held()")
 
 
 # ---------------------------------------------------------------------------- held
