@@ -45,15 +45,12 @@ from .commands import (
 )
 from .executor import execute, refused
 from .holder import Holder, claim_value, done_key, parse_holder
-from .spec import LockSpec, ms
+from .spec import LATE_PUT_BACK, LockSpec, ms
 
-__all__ = ["RETRY_EVERY", "Lease", "acknowledged", "replaced_lease", "retry_pause"]
+__all__ = ["LATE_PUT_BACK", "RETRY_EVERY", "Lease", "acknowledged", "replaced_lease", "retry_pause"]
 
 #: Seconds between renewal attempts while Redis does not answer (at most).
 RETRY_EVERY = 0.25
-#: Seconds before a recovery window closes at which a lease that cannot vouch for its lock
-#: up to the loss puts it back, if no other holder did (:meth:`Lease.late_put_back_at`).
-LATE_PUT_BACK = 0.5
 
 
 def retry_pause(ttl: float) -> float:
