@@ -45,15 +45,12 @@ from .commands import (
 )
 from .executor import execute, refused
 from .holder import Holder, claim_value, done_key, parse_holder
-from .spec import LockSpec, ms
+from .spec import LATE_PUT_BACK, LockSpec, ms
 
-__all__ = ["RETRY_EVERY", "Lease", "acknowledged", "replaced_lease", "retry_pause"]
+__all__ = ["LATE_PUT_BACK", "RETRY_EVERY", "Lease", "acknowledged", "replaced_lease", "retry_pause"]
 
 #: Seconds between renewal attempts while Redis does not answer (at most).
 RETRY_EVERY = 0.25
-#: Seconds before a recovery window closes at which a lease that cannot vouch for its lock
-#: up to the loss puts it back, if no other holder did (:meth:`Lease.late_put_back_at`).
-LATE_PUT_BACK = 0.5
 
 
 def retry_pause(ttl: float) -> float:
@@ -158,11 +155,11 @@ class Lease:
             look = execute(via, self.key, lambda info: look_request(self.key), pooled=True)
             outcome = Renewal.HELD_BY_ANOTHER if look.current is not None else Renewal.GONE
         if outcome is Renewal.RENEWED:
-            current = server_of(via).epoch
-            if current > self.epoch:  # found on a server that may hold an older copy of the data
-                if not self._renewed_through_loss(via):
-                    return Renewal.GONE
-                epoch = current
+            # Found on a server that may hold an older copy of the data. Confirmed under
+            # ``epoch``, read before the request, not the epoch now: a loss noticed since by
+            # another connection (another thread's, a batch's delete) may postdate the reply.
+            if server_of(via).epoch > self.epoch and not self._renewed_through_loss(via):
+                return Renewal.GONE
             self._confirmed(started, epoch)
             counters.count(self.client, self.spec.stats_key, "renewed")
         return outcome

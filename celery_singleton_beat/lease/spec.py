@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..recovery.window import WINDOW_SLACK
 
-__all__ = ["TAKEOVER_WAIT", "LockSpec", "ms"]
+__all__ = ["LATE_PUT_BACK", "TAKEOVER_WAIT", "LockSpec", "ms"]
 
 #: Seconds a worker watches a lock whose holder looks dead (liveness key gone,
 #: renewals missed) before taking it over: a holder that is alive renews within
@@ -14,6 +14,10 @@ __all__ = ["TAKEOVER_WAIT", "LockSpec", "ms"]
 #: tries), so a lock that merely could not be renewed during an outage is never
 #: taken. It is what a dead pod's lock costs on top of the liveness TTL.
 TAKEOVER_WAIT = 1.0
+#: Seconds before a recovery window closes at which a lease that cannot vouch for its lock
+#: up to the loss puts it back, if no other holder did (:meth:`.lease.Lease.late_put_back_at`):
+#: from then another holder may have the key, so no lease vouches for itself past it.
+LATE_PUT_BACK = 0.5
 
 
 def ms(seconds: float) -> int:
@@ -69,11 +73,12 @@ class LockSpec:
         # failover that lost its lock, it puts the lock back before the window closes.
         every = min(self.ttl, self.liveness_ttl) / 3
         object.__setattr__(self, "renew_every", every)
-        # Another may hold the key from the earliest of: the lease's end; a recovery window
-        # closing (the server lost the lock right after it was confirmed, and a client
-        # noticed at once); for a worker's run, a take-over (two missed renewals and the watch).
+        # Another may hold the key from the earliest of: the lease's end; a late put-back
+        # just before a recovery window closes (the server lost the lock right after it was
+        # confirmed, a client noticed at once, and a holder stopped before a take-over puts
+        # its own back then); for a worker's run, a take-over (two missed renewals and the watch).
         window = self.liveness_ttl / 3 + WINDOW_SLACK
         take_over = min(self.ttl, 2 * every + TAKEOVER_WAIT) if self.live else self.ttl
         object.__setattr__(self, "takeover_after", take_over)
-        object.__setattr__(self, "grace", min(self.ttl, window, take_over))
+        object.__setattr__(self, "grace", min(self.ttl, window - LATE_PUT_BACK, take_over))
         object.__setattr__(self, "tails", {})
