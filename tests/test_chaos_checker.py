@@ -392,6 +392,25 @@ def test_a_slot_due_while_every_beat_or_the_lock_redis_was_down_is_excused(tmp_p
     assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["slot-excused"]
 
 
+@pytest.mark.parametrize("waited", ["this slot", "another slot", "last slot"])
+def test_a_slot_held_back_for_a_recovery_window_and_superseded_is_excused(tmp_path: Path, waited: str) -> None:
+    """A beat held the slot back for the lock Redis's recovery window (a resharding that
+    moved a shard's record opens one, not only a restart) and the entry sent a later slot
+    after it: the guarantees' "an entry due more often than the window sends the latest".
+    A wait logged for another slot excuses nothing, nor a wait with no later slot sent."""
+    story = baseline()
+    dropped = 30.0 if waited == "last slot" else 20.0
+    story.drop_slot(dropped)
+    label = slot_label(EPOCH + (dropped if waited != "another slot" else 15.0))
+    story.add("slot-window", dropped + 0.2, "beat-b1", 3, entry="every-5s", slot=label)
+    verdict = story.judge(tmp_path)
+    if waited == "this slot":
+        assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["slot-excused"]
+        assert "recovery window" in verdict.reports[0].what
+    else:
+        assert kinds(verdict) == ["slot"]
+
+
 def test_a_process_that_outlives_its_sigterm_bound_hangs(tmp_path: Path) -> None:
     story = baseline().add("term", 31.5, name="w1", pid=7, sent=31.5, exited=None, code=None, bound=30.0)
     assert kinds(story.judge(tmp_path)) == ["hang"]

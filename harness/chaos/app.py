@@ -22,6 +22,7 @@ user uses it; every seam is a signal or the body.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -227,8 +228,21 @@ def _child_up(**_: Any) -> None:
     record("child-up", boot=boot_id())
 
 
+class _WindowWaits(logging.Handler):
+    """A beat's slot that waits for the lock Redis's recovery window (its INFO line) as a
+    ``slot-window`` event: after the window an entry due more often than it sends only
+    its latest slot (the guarantees), which the checker needs to tell from a lost slot."""
+
+    def emit(self, record_: logging.LogRecord) -> None:
+        args = record_.args
+        if (record_.msg == "beat: %s: slot %s waits: %s" and isinstance(args, tuple) and len(args) == 3
+                and "recovery window" in str(args[2])):
+            record("slot-window", entry=str(args[0]), slot=str(args[1]))
+
+
 @signals.beat_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _beat_up(**_: Any) -> None:
+    logging.getLogger("celery_singleton_beat").addHandler(_WindowWaits(logging.INFO))
     record("beat-up")
 
 

@@ -41,7 +41,9 @@ first check after resuming; a submission the broker lost with its own data).
   the run's outcome: kombu acknowledges on the channel of the broker connection
   that died).
 * ``slot``: a beat slot due during the chaos phase that was never sent, outside
-  the windows when every beat was down or the lock Redis gone (see :mod:`.model`).
+  the windows when every beat was down or the lock Redis gone (see :mod:`.model`),
+  and not held back by a beat for a recovery window after which its entry sent a later
+  slot (an entry due more often than the window sends only the latest).
 * ``hang``: a SIGTERMed process that did not exit within its bound.
 * ``keys``: in the idle phase, a run lock still in Redis (every run ended more
   than ``lock_ttl`` before), or a key without a TTL that the library does not
@@ -430,6 +432,22 @@ def slot_label(at: float) -> str:
     return format_slot(datetime.fromtimestamp(at, timezone.utc))
 
 
+def _superseded_after_window(history: History, seen: dict[tuple[str, str], list[Event]], name: str,
+                             label: str) -> Window | None:
+    """A slot a beat held back for the lock Redis's recovery window (a ``slot-window``
+    event) while a later slot of its entry was sent: after a window an entry due more often
+    than the window sends only its latest slot, as after an outage (the guarantees)."""
+    waits = [e for e in history.of("slot-window") if e.get("entry") == name and e.get("slot") == label]
+    if not waits:
+        return None
+    later = [events[0] for (entry, slot), events in seen.items() if entry == name and slot > label
+             and any(e.ev == "sent" for e in events)]
+    if not later:
+        return None
+    return Window(waits[0].m, waits[0].m, f"held back for the lock Redis's recovery window at m={waits[0].m:.3f}; "
+                                          f"the entry sent a later slot after it")
+
+
 def _slots(history: History, all_runs: list[Run], verdict: Verdict) -> None:
     phases = {e.get("name"): e.m for e in history.of("phase")}
     if "chaos" not in phases or "quiesce" not in phases:
@@ -449,7 +467,8 @@ def _slots(history: History, all_runs: list[Run], verdict: Verdict) -> None:
                 counts["sent"] += 1
                 continue
             due = history.mono(at)
-            excuse = next((w for w in windows if w.covers(due)), None)
+            excuse = next((w for w in windows if w.covers(due)), None) or _superseded_after_window(
+                history, seen, name, label)
             if excuse is not None:
                 counts["excused"] += 1
                 verdict.reports.append(Finding("slot-excused", f"{name} slot {label} not sent: {excuse.why}", due))
