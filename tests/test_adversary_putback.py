@@ -20,15 +20,14 @@ a scenario that is not reached fails the test through ``pytest.fail`` instead):
   the loss by the second server only, and puts back.
 * F. ``test_a_promotion_noticed_early``: "the moment noticed" bounds nothing while the
   old primary goes on taking writes (a take-over) after this process left it.
+* G. ``test_a_snapshot_with_the_holders_lock``: not the put-back path: a renewal that finds
+  its own value in an older data set (an RDB snapshot, a promoted replica) is trusted
+  whatever the epoch (more in ``test_adversary_renewal_epoch``).
 * H. ``test_a_restart_of_another_cluster_shard``: epoch and ``lost_by`` are per process,
   not per shard: another shard's restart (even before the lease was taken) lets a holder
   whose shard lost nothing put its lock back after a take-over and a release.
 
 Breaks found and fixed since (each failed before its fix):
-
-* G. ``test_a_snapshot_with_the_holders_lock``: not the put-back path: a renewal that found
-  its own value in an older data set (an RDB snapshot) was trusted whatever the epoch (it
-  now passes the put-back's timing rule, else gives the lock up).
 
 * B. ``test_uptime_in_whole_seconds_dates_a_restart_too_early``: ``uptime_in_seconds`` is a
   difference of whole wall-clock seconds: a restart after a take-over was dated before it
@@ -351,13 +350,16 @@ def test_a_promotion_noticed_early(make_redis: Callable[..., RedisServer]) -> No
     assert not put_back, "a put its lock back on the promoted replica beside b's take-over"
 
 
+@breaks("a renewal under a grown epoch is trusted: an older data set can hold the older lock")
 def test_a_snapshot_with_the_holders_lock(make_redis: Callable[..., RedisServer]) -> None:
     """An RDB snapshot is taken while ``a`` holds ``k``; ``a`` stops, ``b`` takes ``k`` over;
     the server crashes and comes back from the snapshot: ``a``'s lock, not ``b``'s. ``a``'s
     renewal finds its own value and renews it (``may_put_back`` is never asked), while
     ``b`` vouches for ``k``. The same holds for a promoted replica that replicated ``a``'s
-    lock and not ``b``'s take-over. A renewal that succeeds under a grown epoch passes the
-    put-back's timing rule too, else it gives the lock up (deleted): ``b`` puts its own back."""
+    lock and not ``b``'s take-over. Fix: not the put-back's timing rule alone (a renewal
+    that failed it gave the lock up: the taker, renewing first, was told lost all the same,
+    and live holders lost their locks in slow restarts); it needs to know a take-over
+    happened (a fence that survives the loss)."""
     server = make_redis()
     mark_in_use(server.client())
     a, b, direct = process(server.port), process(server.port), server.client()
@@ -371,10 +373,6 @@ def test_a_snapshot_with_the_holders_lock(make_redis: Callable[..., RedisServer]
     reached(server_of(a).epoch == 1, "a found the data lost")
     reached(vouched(taker), "b still vouches for k")
     assert not renewed, "a renewed its lock from the snapshot after b had taken it over"
-    assert not vouched(held), "a no longer vouches for k"
-    assert direct.get(KEY) != held.value.encode(), "a gave the snapshot's copy of its lock up"
-    assert renew(taker), "b, which took k over, puts its lock back"
-    assert direct.get(KEY) == taker.value.encode()
 
 
 @breaks("another shard's loss lets a holder whose shard lost nothing put back")

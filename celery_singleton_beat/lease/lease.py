@@ -155,31 +155,9 @@ class Lease:
             look = execute(via, self.key, lambda info: look_request(self.key), pooled=True)
             outcome = Renewal.HELD_BY_ANOTHER if look.current is not None else Renewal.GONE
         if outcome is Renewal.RENEWED:
-            # Found on a server that may hold an older copy of the data. Confirmed under
-            # ``epoch``, read before the request, not the epoch now: a loss noticed since by
-            # another connection (another thread's, a batch's delete) may postdate the reply.
-            if server_of(via).epoch > self.epoch and not self._renewed_through_loss(via):
-                return Renewal.GONE
             self._confirmed(started, epoch)
             counters.count(self.client, self.spec.stats_key, "renewed")
         return outcome
-
-    def _renewed_through_loss(self, via: RedisClient) -> bool:
-        """A renewal found this lease's own value on a server that may have lost data since the
-        lease was last confirmed (an RDB snapshot, a replica promoted before later writes
-        reached it): True when the lease vouches for it as a put-back would
-        (:meth:`may_put_back`); else the lock came back from before a possible take-over
-        (the taker's lock is what the server lost), and it is given up (deleted if still
-        this value): the renewal counts as finding the key gone."""
-        if self.may_put_back(via):
-            return True
-        server = server_of(via)
-        logger.warning("lock %s was found on a lock Redis that may hold an older copy of its data (%s), "
-                       "%.1fs after it was last confirmed: another worker may have taken it over before; "
-                       "it is given up", self.key, server.recovery_reason or "restarted or failed over",
-                       server.lost_by - self.confirmed_at)
-        execute(via, self.key, lambda info: release_request(info, self.key, self.value), pooled=True)
-        return False
 
     def may_put_back(self, client: RedisClient | None = None) -> bool:
         """The lock is gone, and that may be the server's doing, not a holder's: since this
