@@ -246,9 +246,18 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
 # -------------------------------------------------------------------- topology helpers
 
 
+#: Client classes already judged by :func:`is_cluster`: ``RedisCluster``'s ``isinstance``
+#: goes through ``typing``'s protocol check, several microseconds on every lock request.
+_cluster_classes: dict[type, bool] = {}
+
+
 def is_cluster(client: Any) -> bool:
-    """True for a Redis Cluster client."""
-    return isinstance(client, RedisCluster)
+    """True for a Redis Cluster client (judged once per class)."""
+    kind = type(client)
+    known = _cluster_classes.get(kind)
+    if known is None:
+        known = _cluster_classes[kind] = isinstance(client, RedisCluster)
+    return known
 
 
 def primaries(client: RedisClient) -> list[tuple[str, redis.Redis]]:
