@@ -20,6 +20,9 @@ For each N and variant, per round:
   ``unavailable`` are counted and shown too). Every body must have recorded its start
   and its end, and no lock key may be left;
 * **start spread**: first start to last start (``time.time()`` stamped by each body);
+  and the worker's CPU from the first start to the last (``time.process_time()``, every
+  thread's, stamped with it): what taking in the N runs cost, whatever share of a
+  busy machine's cores the worker had in that round;
 * **worker CPU per lease-second**: ``utime + stime`` of the worker process
   (``/proc/<pid>/stat``) from the moment it is ready (``worker_ready``, no message
   handled yet) until every body ended and a second and a half more (the counters'
@@ -204,8 +207,11 @@ def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Serve
         if sampler is not None:
             sampler.stop.set()
         worker.stop(timeout=60)
-    starts, ends = ([float(score) for _, score in cast(list[tuple[bytes, float]], records.zrange(
-        name, 0, -1, withscores=True))] for name in ("starts", "ends"))
+    started_members = cast(list[tuple[bytes, float]], records.zrange("starts", 0, -1, withscores=True))
+    starts = [float(score) for _, score in started_members]
+    start_cpus = [float(member.rpartition(b":")[2]) for member, _ in started_members]
+    ends = [float(score) for _, score in cast(list[tuple[bytes, float]], records.zrange("ends", 0, -1,
+                                                                                         withscores=True))]
     with locks.client(0) as client:  # the worker wrote its last counts as it stopped
         counters = {k.decode(): int(v) for k, v in client.hgetall(task_stats_key(PREFIX, task.name)).items()}
         left = [key for key in client.scan_iter(match=f"{PREFIX}:{{{task.name}:*", count=1000)
@@ -215,6 +221,7 @@ def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Serve
     result: dict[str, Any] = {
         "started": len(starts), "ended": len(ends),
         "start_spread_s": max(starts) - min(starts),
+        "start_cpu_s": max(start_cpus) - min(start_cpus),
         # every run still sleeping when the last one started: the N leases were held at once
         "all_at_once": min(ends) >= max(starts),
         "time_patched": state.get(b"time_patched") == b"1",
@@ -279,12 +286,13 @@ def run(sizes: tuple[int, ...] = (100, 1000, 5000), seconds: float = 20.0, round
         }
         for variant, rs in (("plain", plain), ("ours", ours)):
             entry[variant] = {name: _median(rs, name) for name in (
-                "start_spread_s", "worker_cpu_us_per_lease_s", "lock_cpu_us_per_lease_s",
+                "start_spread_s", "start_cpu_s", "worker_cpu_us_per_lease_s", "lock_cpu_us_per_lease_s",
                 "lock_commands_per_lease_s", "lock_requests_per_lease_s", "lock_reads_per_lease_s")}
         # the lock server's CPU with leases, less its CPU in the plain round (idle but for the worker's upkeep)
         entry["lock_cpu_us_per_lease_s_net"] = entry["ours"]["lock_cpu_us_per_lease_s"] - entry["plain"][
             "lock_cpu_us_per_lease_s"]
         entry["start_spread_ratio"] = entry["ours"]["start_spread_s"] / max(entry["plain"]["start_spread_s"], 1e-9)
+        entry["start_cpu_ratio"] = entry["ours"]["start_cpu_s"] / max(entry["plain"]["start_cpu_s"], 1e-9)
         lowest = [r["pttl"]["lowest_ms"] for r in sampled if r["pttl"]["lowest_ms"] is not None]
         entry["lowest_pttl_ms"] = min(lowest) if lowest else None
         entry["pttl"] = [r["pttl"] for r in sampled]
@@ -330,6 +338,8 @@ def table(report: dict[str, Any]) -> str:
             + ("" if not entry["incomplete_runs"] else f" ({entry['incomplete_runs']} runs incomplete)"),
             f"{ours['start_spread_s']:.2f} / {plain['start_spread_s']:.2f} ({entry['start_spread_ratio']:.2f}x, "
             f"{_judged(entry['start_spread_ratio'], 1.2)})",
+            "-" if "start_cpu_s" not in ours else
+            f"{ours['start_cpu_s']:.2f} / {plain['start_cpu_s']:.2f} ({entry['start_cpu_ratio']:.2f}x)",
             "-" if lowest is None else f"{lowest:,} ({_judged(lowest, 1500, at_most=False)})"
             + ("" if held is None else f"; {held:,} held at most"),
             f"{entry['counters'].get('renewed', 0) / n:.1f}",
@@ -345,6 +355,7 @@ def table(report: dict[str, Any]) -> str:
             f"{ours['lock_reads_per_lease_s']:.3f}",
         ])
     headers = ["N", "refused / lost", "start spread s, ours / plain (ratio, <= 1.2x)",
+               "worker CPU s, first to last start, ours / plain (ratio)",
                "lowest PTTL ms (>= 1,500); most leases at once", "renewals per run",
                "worker CPU us/lease-s, ours / plain",
                f"ours vs N={smallest:,} (<= 1.5x)", "lock Redis CPU us/lease-s, ours / plain (net)",

@@ -2,7 +2,8 @@
 
 One gevent worker (``-P gevent -c N``) runs N of them at once. Each body stamps
 ``time.time()`` at its start and at its end in the record Redis (the broker's
-server, db 3: sorted sets ``starts`` and ``ends``, one member per run), and
+server, db 3: sorted sets ``starts`` and ``ends``, one member per run; a start's
+member is ``<i>:<the process's CPU seconds so far>``), and
 sleeps in between with ``time.sleep``: under Celery's gevent pool the time
 module is monkey-patched, so that is a gevent sleep. The singleton task holds a
 3 s lease (``lock_ttl = 3``: the keeper renews it every second) on the lock
@@ -54,7 +55,10 @@ def records() -> redis.Redis:
 
 def body(i: int, seconds: float) -> None:
     started = time.time()
-    records().zadd("starts", {str(i): started})
+    # the member also carries the worker process's CPU so far (every thread's: the keeper's
+    # too), so that the CPU spent from the first start to the last is known, whatever share
+    # of the machine the worker had: no extra command, the same write as plain's
+    records().zadd("starts", {f"{i}:{time.process_time():.6f}": started})
     time.sleep(seconds)  # gevent's sleep: Celery patched the time module for -P gevent
     records().zadd("ends", {str(i): time.time()})
 

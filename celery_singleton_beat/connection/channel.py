@@ -541,8 +541,13 @@ def channel_for(client: redis.Redis) -> Channel:
 def channel_or_none(client: Any) -> Channel | None:
     """This thread's channel for ``client``, or None when it has none (:func:`supports_channel`).
 
-    One dictionary look-up per lock request: the verdict is cached with the channel.
+    One dictionary look-up per lock request: the verdict is cached with the channel. In a
+    process patched by gevent or eventlet no client has one (:func:`supports_channel`), and
+    the thread-local there is a greenlet's own, new for each run: once the process is known
+    to be patched (:func:`.native.green` said so), the answer is None at once.
     """
+    if native._patched:
+        return None
     channels: dict[int, tuple[weakref.ref[Any], Channel | None]] | None = getattr(_local, "channels", None)
     if channels is not None and _local.generation == _generation:
         known = channels.get(id(client))

@@ -26,6 +26,7 @@ on the very connection (and node) that made the write.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar, Union
@@ -201,6 +202,26 @@ class SingletonRedisCluster(RedisCluster):
 # -------------------------------------------------------------------- building
 
 
+#: Options that say what a connection tells the server of its client library (CLIENT SETINFO).
+_DRIVER_OPTIONS = ("driver_info", "lib_name", "lib_version")
+
+
+@functools.cache
+def _driver_info() -> Any:
+    """redis-py's default client-library details, built once (None before redis-py had them).
+
+    redis-py 7+ builds them for every connection it makes, reading the installed package's
+    metadata each time: milliseconds of CPU per connection, paid as a gevent worker's first
+    runs open the pool's connections (64 by default) while it takes in its messages. The
+    same details, built once, are given to every connection the library's clients make.
+    """
+    try:
+        from redis.driver_info import DriverInfo
+    except ImportError:
+        return None
+    return DriverInfo()
+
+
 def redis_from_url(url: str, **options: Any) -> RedisClient:
     """A client for any ``singleton_redis_url`` form, with the library's default timeouts.
 
@@ -214,6 +235,8 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
     options = dict(options)
     extra = {name: options.pop(name) for name in SENTINEL_OPTIONS if name in options}
     connection = {**DEFAULT_REDIS_OPTIONS, **options, **target.connection}
+    if not any(name in connection for name in _DRIVER_OPTIONS) and _driver_info() is not None:
+        connection["driver_info"] = _driver_info()
 
     if target.topology == SENTINEL:
         master_name = target.master_name or extra.get("master_name")
@@ -246,9 +269,18 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
 # -------------------------------------------------------------------- topology helpers
 
 
+#: Client classes already judged by :func:`is_cluster`: ``RedisCluster``'s ``isinstance``
+#: goes through ``typing``'s protocol check, several microseconds on every lock request.
+_cluster_classes: dict[type, bool] = {}
+
+
 def is_cluster(client: Any) -> bool:
-    """True for a Redis Cluster client."""
-    return isinstance(client, RedisCluster)
+    """True for a Redis Cluster client (judged once per class)."""
+    kind = type(client)
+    known = _cluster_classes.get(kind)
+    if known is None:
+        known = _cluster_classes[kind] = isinstance(client, RedisCluster)
+    return known
 
 
 def primaries(client: RedisClient) -> list[tuple[str, redis.Redis]]:

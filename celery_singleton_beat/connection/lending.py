@@ -41,6 +41,27 @@ _returned: weakref.WeakKeyDictionary[Any, threading.Condition] = weakref.WeakKey
 _returned_guard = threading.Lock()
 
 
+#: The ``get_connection`` of each pool class, less redis-py's argument check (:func:`_undecorated`).
+_getters: dict[type, Any] = {}
+
+
+def _deprecation_wrapper() -> Any:
+    """The code of redis-py's deprecated-arguments wrapper (None where it has none)."""
+    try:
+        from redis.utils import deprecated_args
+    except ImportError:
+        return None
+
+    @deprecated_args(args_to_warn=["*"])
+    def probe(self: Any) -> None:
+        """Never called: only its wrapper's code is kept."""
+
+    return getattr(probe, "__code__", None) if hasattr(probe, "__wrapped__") else None
+
+
+_DEPRECATION_WRAPPER = _deprecation_wrapper()
+
+
 def pool_is_full(error: BaseException) -> bool:
     """True for redis-py's "every connection lent" error (``MaxConnectionsError`` since 6.x)."""
     return type(error).__name__ == "MaxConnectionsError" or (
@@ -48,7 +69,24 @@ def pool_is_full(error: BaseException) -> bool:
 
 
 def _take(pool: Any) -> Any:
-    return pool.get_connection("_") if _POOL_WANTS_COMMAND else pool.get_connection()
+    if _POOL_WANTS_COMMAND:
+        return pool.get_connection("_")
+    get = _getters.get(type(pool))
+    if get is None:
+        get = _getters[type(pool)] = _undecorated(type(pool).get_connection)
+    return get(pool)
+
+
+def _undecorated(method: Any) -> Any:
+    """``method`` less redis-py's deprecated-arguments wrapper, when that is what it is.
+
+    redis-py 5.3+ wraps ``get_connection`` to warn of the command name it no longer wants;
+    the wrapper inspects the arguments of every call, and :func:`_take` passes none. Any
+    other wrapper (a subclass's own) is kept.
+    """
+    if _DEPRECATION_WRAPPER is not None and getattr(method, "__code__", None) is _DEPRECATION_WRAPPER:
+        return method.__wrapped__
+    return method
 
 
 def _condition(pool: Any) -> threading.Condition:

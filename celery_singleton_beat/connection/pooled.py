@@ -24,8 +24,8 @@ from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, ensure_checked,
 __all__ = ["run_by_node", "run_pooled", "run_script"]
 
 
-def _node_client(client: Any, key: str) -> Any:
-    if is_cluster(client):
+def _node_client(client: Any, key: str, cluster: bool) -> Any:
+    if cluster:
         return client.get_redis_connection(client.get_node_from_key(key))
     return client
 
@@ -49,7 +49,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     cluster = is_cluster(client)
     repeated = False
     for attempt in (1, 2):
-        server = _node_client(client, key)
+        server = _node_client(client, key, cluster)
         pool = server.connection_pool
         try:
             connection = borrow(pool)
