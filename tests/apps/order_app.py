@@ -98,3 +98,24 @@ def noted(key: str, note: str) -> str:
     """A plain task that records its run: ``note`` is appended to ``noted:<key>``, in run order."""
     record_client(BASE).rpush(f"noted:{key}", note)
     return note
+
+
+@app.task
+def waits(key: str) -> str:
+    """A plain task (acknowledged as it starts) that runs while ``hold:<key>`` is set (at most 60 s)."""
+    return _wait(key)
+
+
+@app.task(acks_late=True)
+def waits_late(key: str) -> str:
+    """``waits``, acknowledged after its run."""
+    return _wait(key)
+
+
+def _wait(key: str) -> str:
+    records = record_client(BASE)
+    records.rpush(f"waiting:{key}", "1")
+    deadline = time.monotonic() + 60
+    while records.exists(f"hold:{key}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return key
