@@ -189,3 +189,45 @@ def test_a_slot_message_celery_rejects_after_its_check_leaves_nothing_behind(
     assert bad not in noted(redis_server, key)
     plain_runs(order, "after")
     assert redis_server.client(RECORD_DB).llen(f"noted:{key}") == 1
+
+
+# ----------------------------------------------------------------- broke: order after the connection goes
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "kombu's Redis transport hands unacknowledged messages back (QoS.restore_unacked, as the "
+    "channel closes) with RPUSH in delivery order; the worker pops from the right end, so the "
+    "held slot messages come back last first and the new gate runs them in reverse order"))
+@pytest.mark.parametrize("ending", ["cut", "warm-shutdown"])
+def test_slot_messages_held_when_the_connection_goes_run_in_the_order_they_came(
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer], ending: str,
+) -> None:
+    """Three slot messages wait for their checks (writes paused) when the worker's broker
+    connection goes: cut (the worker reconnects) or closed by a warm shutdown (SIGTERM; a
+    second worker takes over). The gate leaves them to the broker; they come back and, once
+    writes are back, must run in the order they were sent."""
+    lock_server = make_redis()
+    worker, client_name = unique_worker(redis_server, lock_server, f"back-{ending}", concurrency=1)
+    plain_runs(order, "before")
+    broker = redis_server.client(0)
+    key = uuid4().hex
+    notes = ["first", "second", "third"]
+    with writes_paused(lock_server):
+        for note in notes:
+            send_slot(order, key, note)
+        plain_runs(order, "after the slot messages")
+        assert broker.llen(QUEUE) == 0, "the three wait in the gate"
+        if ending == "cut":
+            assert drop_broker_connection(broker, client_name) == 1
+            worker.wait_for_line(f"3 {LEFT_TO_BROKER}", timeout=30)
+            wait_for(lambda: broker.llen(QUEUE) == 0, timeout=30, message="the slot messages back with the worker")
+        else:
+            worker.terminate()
+            wait_for(lambda: not worker.running, timeout=60, message="the worker to stop")
+            assert f"3 {LEFT_TO_BROKER}" in worker.output()
+            wait_for(lambda: broker.llen(QUEUE) == 3, timeout=30, message="the slot messages back in the queue")
+        assert noted(redis_server, key) == []
+    if ending == "warm-shutdown":
+        unique_worker(redis_server, lock_server, "back-next", concurrency=1)
+    wait_for(lambda: len(noted(redis_server, key)) == 3, timeout=60, message="the slot messages to run")
+    assert noted(redis_server, key) == notes
