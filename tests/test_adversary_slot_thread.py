@@ -35,16 +35,19 @@ Breaks, each a strict ``xfail`` (see each test's reason):
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from uuid import uuid4
 
 import pytest
+import redis
 
 from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 
-from .support import RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, wait_for
-from .test_slot_check_loop import APP, QUEUE, drop_broker_connection, lock_worker, noted, plain_runs, writes_paused
+from .support import RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
+from .test_slot_check_loop import APP, QUEUE, SOCKET_TIMEOUT, lock_worker, noted, plain_runs, writes_paused
 
 LEFT_TO_BROKER = "beat slot message(s) held for the slot check are left to the broker"
 DROPPED = "dropped: beat slot"
@@ -65,6 +68,19 @@ def send_slot(order: ModuleType, key: str, note: str, **extra: str) -> str:
     task_id = str(uuid4())
     send_copy(order, f"e-{uuid4().hex[:8]}", "beat-a:1:adv", key, note, task_id, **extra)
     return task_id
+
+
+def cut_consuming_connection(broker: redis.Redis, name: str) -> None:
+    """Kill the worker's consuming broker connection (named ``name``) while it is blocked in its
+    ``BRPOP``: a connection killed between two ``BRPOP`` would be replaced by redis-py without the
+    worker noticing."""
+    def blocked() -> list[dict[str, str]]:
+        return [client for client in broker.client_list()
+                if client.get("name") == name and client.get("cmd") == "brpop" and "b" in client.get("flags", "")]
+
+    consuming = wait_for(blocked, timeout=30, message="the worker blocked in its BRPOP")
+    assert len(consuming) == 1, consuming
+    broker.client_kill_filter(_id=consuming[0]["id"])
 
 
 def prefetch_count(order: ModuleType, worker: CeleryProcess) -> int | None:
@@ -120,7 +136,7 @@ def test_checks_waiting_when_the_connection_goes_leave_the_prefetch_count_as_it_
         for note in notes:
             send_slot(order, key, note)
         prefetch_becomes(order, worker, 5, "three slot messages wait outside the limit")
-        assert drop_broker_connection(broker, client_name) == 1
+        cut_consuming_connection(broker, client_name)
         worker.wait_for_line(f"3 {LEFT_TO_BROKER}", timeout=30)
         plain_runs(order, "after the reconnection")
         wait_for(lambda: broker.llen(QUEUE) == 0, timeout=30, message="the slot messages back with the worker")
@@ -218,7 +234,7 @@ def test_slot_messages_held_when_the_connection_goes_run_in_the_order_they_came(
         plain_runs(order, "after the slot messages")
         assert broker.llen(QUEUE) == 0, "the three wait in the gate"
         if ending == "cut":
-            assert drop_broker_connection(broker, client_name) == 1
+            cut_consuming_connection(broker, client_name)
             worker.wait_for_line(f"3 {LEFT_TO_BROKER}", timeout=30)
             wait_for(lambda: broker.llen(QUEUE) == 0, timeout=30, message="the slot messages back with the worker")
         else:
@@ -231,3 +247,107 @@ def test_slot_messages_held_when_the_connection_goes_run_in_the_order_they_came(
         unique_worker(redis_server, lock_server, "back-next", concurrency=1)
     wait_for(lambda: len(noted(redis_server, key)) == 3, timeout=60, message="the slot messages to run")
     assert noted(redis_server, key) == notes
+
+
+# ----------------------------------------------------------------- held: reconnections in a row
+
+
+def threads_and_fds(pid: int) -> tuple[int, int]:
+    """Threads and open file descriptors of process ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+    return threads, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def resources(pid: int, broker: RedisServer, lock: RedisServer) -> dict[str, int]:
+    """Threads, pipe ends and TCP connections to the broker and to the lock Redis of ``pid``."""
+    targets = list(fd_targets(pid).values())
+    return {"threads": threads_and_fds(pid)[0], "pipes": sum(1 for t in targets if t.startswith("pipe:")),
+            "broker": targets.count(f"tcp to port {broker.port}"), "lock": targets.count(f"tcp to port {lock.port}")}
+
+
+def fd_targets(pid: int) -> dict[int, str]:
+    """What each file descriptor of process ``pid`` is (a pipe, a file, or the port a TCP socket
+    talks to)."""
+    peers = {}
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            peers[fields[9]] = f"tcp to port {int(fields[2].rsplit(':', 1)[1], 16)}"
+    targets = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        inode = target[len("socket:["):-1] if target.startswith("socket:[") else None
+        targets[int(fd)] = peers.get(inode, target) if inode else target
+    return targets
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+def test_reconnections_in_a_row_leave_no_checker_thread_or_pipe_behind(
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer], pool: str,
+) -> None:
+    """Each broker connection gets a gate with a checker thread and a pipe. The worker's
+    consuming connection is cut again and again, a slot message checked and run on each new
+    connection; every third connection is cut while its check stalls on a paused lock Redis (the
+    old thread stays in its check until writes are back, the message comes back to the next
+    connection). After a first round (pools filled), five more rounds leave the worker's main
+    process with the threads and pipes it had, and at most three lock Redis connections (what
+    was in use at once): no checker thread, pipe or lock connection is left per connection.
+    Each message runs once, in order. (The broker connections are not counted: the prefork
+    worker's grew by two over these fifteen reconnections; the gate opens none itself.)"""
+    lock_server = make_redis()
+    client_name = f"adv-cycle-{uuid4().hex[:6]}"
+    worker = start_worker(redis_server, APP, client_name, pool=pool, concurrency=1, env={
+        "CSB_LOCK_REDIS": lock_server.url(2), "CSB_LOCK_SOCKET_TIMEOUT": str(SOCKET_TIMEOUT),
+        "CSB_ORDER_SETTINGS": json.dumps({"broker_transport_options": {"client_name": client_name}})})
+    broker = redis_server.client(0)
+    key = uuid4().hex
+    sent: list[str] = []
+
+    def cut() -> None:
+        connected = worker.output().count("Connected to redis")
+        cut_consuming_connection(broker, client_name)
+        wait_for(lambda: worker.output().count("Connected to redis") > connected,
+                 timeout=30, message="the worker to reconnect")
+
+    def round_() -> None:
+        for _ in range(2):
+            sent.append(str(len(sent)))
+            send_slot(order, key, sent[-1])
+            wait_for(lambda: len(noted(redis_server, key)) == len(sent), timeout=30,
+                     message=f"slot message {sent[-1]} to run")
+            cut()
+        left = worker.output().count(f"1 {LEFT_TO_BROKER}")
+        with writes_paused(lock_server):
+            sent.append(f"{len(sent)} stalled")
+            send_slot(order, key, sent[-1])
+            plain_runs(order, "while the check stalls")
+            cut()
+            wait_for(lambda: worker.output().count(f"1 {LEFT_TO_BROKER}") > left, timeout=30,
+                     message="the stalled message left to the broker")
+            wait_for(lambda: broker.llen(QUEUE) == 0, timeout=30, message="the stalled message back with the worker")
+        wait_for(lambda: len(noted(redis_server, key)) == len(sent), timeout=30,
+                 message="the stalled message to run")
+        plain_runs(order, "settled")
+
+    round_()
+    baseline = resources(worker.pid, redis_server, lock_server)
+    for _ in range(5):
+        round_()
+    seen: list[dict[str, int]] = []
+
+    def back_to_baseline() -> bool:
+        seen.append(resources(worker.pid, redis_server, lock_server))
+        return all(seen[-1][what] <= baseline[what] for what in ("threads", "pipes"))
+
+    try:
+        wait_for(back_to_baseline, timeout=30, interval=0.5, message="threads and pipes as they were")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {baseline}, seen {seen[-3:]}") from None
+    # The lock Redis pool keeps what was in use at once: two stalled checks and the next one.
+    assert seen[-1]["lock"] <= 3, seen[-1]
+    assert noted(redis_server, key) == sent, "each once, in order"
+    wait_for(lambda: queue_drained(broker, QUEUE), timeout=30, message="the queue drained")
