@@ -110,8 +110,9 @@ def unique_worker(redis_server: RedisServer, lock_server: RedisServer, what: str
                   **settings: object) -> tuple[CeleryProcess, str]:
     """A worker of its own name whose consuming broker connection is named (to be cut)."""
     client_name = f"adv-{what}-{uuid4().hex[:6]}"
+    transport = {**dict(settings.pop("broker_transport_options", None) or {}), "client_name": client_name}  # type: ignore[call-overload]
     worker = lock_worker(redis_server, lock_server, client_name, concurrency=concurrency,
-                         broker_transport_options={"client_name": client_name}, **settings)
+                         broker_transport_options=transport, **settings)
     return worker, client_name
 
 
@@ -197,8 +198,8 @@ def test_a_slot_message_celery_rejects_after_its_check_leaves_nothing_behind(
         plain_runs(order, "after the slot messages")
     worker.wait_for_line(INVALID, timeout=30)
     wait_for(lambda: noted(redis_server, key) == ["good"], timeout=30, message="the next slot message to run")
-    claims = [json.loads(raw) for raw in (lock_server.client(2).get(name) for name in lock_server.client(2).keys("csb:{beat:e-*"))
-              if raw]
+    locks = lock_server.client(2)
+    claims = [json.loads(raw) for raw in (locks.get(name) for name in locks.keys("csb:{beat:e-*")) if raw]
     assert sum(1 for claim in claims if claim.get("state") == "received") == 2, "both were checked"
     prefetch_becomes(order, worker, 1, "nothing waits any more")
     wait_for(lambda: queue_drained(broker, QUEUE), timeout=30, message="the queue drained")
@@ -351,3 +352,64 @@ def test_reconnections_in_a_row_leave_no_checker_thread_or_pipe_behind(
     assert seen[-1]["lock"] <= 3, seen[-1]
     assert noted(redis_server, key) == sent, "each once, in order"
     wait_for(lambda: queue_drained(broker, QUEUE), timeout=30, message="the queue drained")
+
+
+# ----------------------------------------------------------------- held: a copy restored while the check waits
+
+
+def test_a_copy_kombu_restores_while_the_check_waits_is_kept_once(
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer],
+) -> None:
+    """Redis broker with a visibility timeout of 2 s: the slot message's check waits (writes
+    paused) past it, so kombu's restore puts a copy back (same delivery tag), which reaches the
+    worker while the check is under way: the copy takes the waiting delivery's place, counted
+    once. Writes back: the check under way answers for it, it runs once, the queue is left
+    drained and the prefetch count is the worker's own again."""
+    lock_server = make_redis()
+    transport = {"visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+    worker, _ = unique_worker(redis_server, lock_server, "restored", concurrency=1,
+                              broker_transport_options=transport)
+    plain_runs(order, "before")
+    broker = redis_server.client(0)
+    key = uuid4().hex
+    with writes_paused(lock_server):
+        task_id = send_slot(order, key, "slot")
+        worker.wait_for_line("delivered again while held", task_id, timeout=30)
+        prefetch_becomes(order, worker, 2, "one slot message waits, counted once")
+        assert noted(redis_server, key) == []
+    wait_for(lambda: noted(redis_server, key) == ["slot"], timeout=30, message="the slot message to run")
+    wait_for(lambda: queue_drained(broker, QUEUE), timeout=30, message="the queue drained")
+    soak(2 * (transport["visibility_timeout"] + 1), check=lambda: noted(redis_server, key) == ["slot"],
+         what="one run")
+    prefetch_becomes(order, worker, 1, "nothing waits any more")
+
+
+# ----------------------------------------------------------------- held: pool children forked during a check
+
+
+def test_pool_children_forked_while_a_check_waits_take_locks_afterwards(
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer],
+) -> None:
+    """Prefork with ``--max-tasks-per-child 1``: every task ends its child and a new one is
+    forked from the main process, here while the checker thread waits in a slot message's check
+    (writes paused): the children inherit its pipe and the lock Redis connection under way.
+    Writes back: the slot message runs once, and singleton tasks run in those children take and
+    release their locks (no lock or connection inherited mid-request gets in their way)."""
+    lock_server = make_redis()
+    client_name = f"adv-fork-{uuid4().hex[:6]}"
+    worker = start_worker(redis_server, APP, client_name, concurrency=2, extra=["--max-tasks-per-child", "1"], env={
+        "CSB_LOCK_REDIS": lock_server.url(2), "CSB_LOCK_SOCKET_TIMEOUT": str(SOCKET_TIMEOUT)})
+    plain_runs(order, "before")
+    key = uuid4().hex
+    with writes_paused(lock_server):
+        send_slot(order, key, "slot")
+        for number in range(4):
+            plain_runs(order, f"plain {number}")
+        assert noted(redis_server, key) == []
+    wait_for(lambda: noted(redis_server, key) == ["slot"], timeout=30, message="the slot message to run")
+    keys = [uuid4().hex for _ in range(4)]
+    results = [order.step.delay(name, "run") for name in keys]
+    assert [result.get(timeout=60) for result in results] == keys
+    records = redis_server.client(RECORD_DB)
+    assert [records.llen(f"runs:{name}") for name in keys] == [1] * len(keys)
+    assert worker.running
