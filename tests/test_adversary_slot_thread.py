@@ -43,6 +43,7 @@ from uuid import uuid4
 
 import pytest
 import redis
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 
@@ -413,3 +414,70 @@ def test_pool_children_forked_while_a_check_waits_take_locks_afterwards(
     records = redis_server.client(RECORD_DB)
     assert [records.llen(f"runs:{name}") for name in keys] == [1] * len(keys)
     assert worker.running
+
+
+# ----------------------------------------------------------------- held: the outcome and the cut at once
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_check_answered_as_the_connection_goes_runs_the_message_once(
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer], pool: str,
+) -> None:
+    """Ten times: a slot message's check waits (writes paused); the test lets writes through
+    and at once cuts the worker's consuming connection, so the answer comes back about when
+    the gate closes (before, on the old loop, or after, ignored). Whichever way each race
+    went, every message runs exactly once (the old gate's answer ran it and acknowledged it,
+    or the broker gave it back to the new gate), the queue is left drained, and the prefetch
+    count is the worker's own again."""
+    lock_server = make_redis()
+    client_name = f"adv-race-{uuid4().hex[:6]}"
+    worker = start_worker(redis_server, APP, client_name, pool=pool, concurrency=1, env={
+        "CSB_LOCK_REDIS": lock_server.url(2), "CSB_LOCK_SOCKET_TIMEOUT": str(SOCKET_TIMEOUT),
+        "CSB_ORDER_SETTINGS": json.dumps({"broker_transport_options": {"client_name": client_name}})})
+    plain_runs(order, "before")
+    broker, admin = redis_server.client(0), lock_server.client()
+    keys = [uuid4().hex for _ in range(10)]
+    for key in keys:
+        admin.execute_command("CLIENT", "PAUSE", int(SOCKET_TIMEOUT * 2000), "WRITE")
+        try:
+            send_slot(order, key, "slot")
+            plain_runs(order, "with the check waiting")
+            blocked = [client for client in broker.client_list() if client.get("name") == client_name
+                       and client.get("cmd") == "brpop" and "b" in client.get("flags", "")]
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+        for client in blocked:
+            broker.client_kill_filter(_id=client["id"])
+        wait_for(lambda: noted(redis_server, key) == ["slot"], timeout=60,  # noqa: B023
+                 message="the slot message to run")
+    wait_for(lambda: queue_drained(broker, QUEUE), timeout=30, message="the queue drained")
+    soak(3, check=lambda: all(noted(redis_server, key) == ["slot"] for key in keys), what="one run each")
+    assert worker.output().count("Connection to broker lost") >= 1, "the race was run"
+    prefetch_becomes(order, worker, 1, "nothing waits any more")
+
+
+# ----------------------------------------------------------------- the gevent pool: the check stays inline
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "documented limit: without Celery's event loop (gevent, eventlet) the check runs inline in "
+    "the consumer, whose greenlet waits for the lock Redis: no message is taken meanwhile"))
+def test_the_gevent_consumer_takes_tasks_while_a_check_waits(
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer],
+) -> None:
+    """A gevent worker receives a slot message while its lock Redis takes no writes; a plain
+    task sent after it should still run while the check waits."""
+    lock_server = make_redis()
+    start_worker(redis_server, APP, f"adv-green-{uuid4().hex[:6]}", pool="gevent", concurrency=10, env={
+        "CSB_LOCK_REDIS": lock_server.url(2), "CSB_LOCK_SOCKET_TIMEOUT": str(SOCKET_TIMEOUT)})
+    plain_runs(order, "before")
+    key = uuid4().hex
+    with writes_paused(lock_server):
+        send_slot(order, key, "slot")
+        wait_for(lambda: redis_server.client(0).llen(QUEUE) == 0, timeout=30, message="the slot message taken")
+        result = order.plain.delay("after")
+        try:
+            assert result.get(timeout=15) == "after"
+        except CeleryTimeoutError:
+            raise AssertionError("the plain task did not run while the check waited") from None
+    wait_for(lambda: noted(redis_server, key) == ["slot"], timeout=30, message="the slot message to run")
