@@ -34,20 +34,25 @@ Breaks, each a strict ``xfail`` (see each test's reason):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from uuid import uuid4
 
 import pytest
 import redis
+from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 
 from .support import RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
+from .support.loopback import QuietRelay, close_socket
 from .test_slot_check_loop import APP, QUEUE, SOCKET_TIMEOUT, lock_worker, noted, plain_runs, writes_paused
 
 LEFT_TO_BROKER = "beat slot message(s) held for the slot check are left to the broker"
@@ -481,3 +486,100 @@ def test_the_gevent_consumer_takes_tasks_while_a_check_waits(
         except CeleryTimeoutError:
             raise AssertionError("the plain task did not run while the check waited") from None
     wait_for(lambda: noted(redis_server, key) == ["slot"], timeout=30, message="the slot message to run")
+
+
+# ----------------------------------------------------------------- broke: Celery's prefetch restoration (RabbitMQ)
+
+
+class CutRelay(QuietRelay):
+    """A TCP relay to the broker whose connections the test cuts all at once (:meth:`cut`)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__(upstream_port, "adv-cut-relay")
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._pairs_lock = threading.Lock()
+        self._start_accepting()
+
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        with self._pairs_lock:
+            self._pairs.append((client, upstream))
+        for source, sink in ((client, upstream), (upstream, client)):
+            self.spawn(self.relay, source, functools.partial(self._pass, sink), name=f"{self.name}-relay")
+
+    def _pass(self, sink: socket.socket, data: bytes) -> bool:
+        self.forward(sink, data)
+        return True
+
+    def cut(self) -> int:
+        """Close every connection relayed so far; the number closed."""
+        with self._pairs_lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            for sock in pair:
+                close_socket(sock)
+        return len(pairs)
+
+    def close(self) -> None:
+        super().close()
+        self.cut()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "after a reconnection with tasks running Celery lowers the prefetch count and raises it "
+    "again as acknowledgements come (_restore_prefetch_count_after_connection_restart), "
+    "setting qos.value to min(max_prefetch_count, value + multiplier): the count of slot "
+    "messages held meanwhile is overwritten, and their decrements then leave the worker "
+    "below its prefetch count for good (RabbitMQ: global QoS; Celery's ETA tasks share this)"))
+def test_slot_messages_held_while_celery_restores_its_prefetch_count_leave_it_whole(
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], rabbitmq: str,
+) -> None:
+    """RabbitMQ broker, two processes, multiplier 2: a prefetch count of 4. A task runs when
+    the broker connection is cut: Celery reconnects with a lowered count (2), to be restored as
+    tasks are acknowledged. An ``acks_late`` task starts, then three slot messages wait for
+    their checks (writes paused; 2 + 3). The task ends and its acknowledgement restores
+    Celery's count; then the slot messages run. Nothing is held or running any more: the count
+    must be 4 again."""
+    lock_server = make_redis()
+    relay = CutRelay(int(rabbitmq.rsplit(":", 1)[1].split("/")[0]))
+    client = Celery("adv-rabbit-client", broker=rabbitmq, backend=redis_server.url(1))
+    client.conf.broker_connection_retry_on_startup = True
+    sender = SimpleNamespace(app=client)
+    name = f"adv-rabbit-{uuid4().hex[:6]}"
+    try:
+        worker = start_worker(redis_server, APP, name, concurrency=2, env={
+            "CSB_BROKER": rabbitmq.replace(f":{relay.upstream_port}", f":{relay.port}"),
+            "CSB_LOCK_REDIS": lock_server.url(2), "CSB_LOCK_SOCKET_TIMEOUT": str(SOCKET_TIMEOUT),
+            "CSB_ORDER_SETTINGS": json.dumps({"worker_prefetch_multiplier": 2})})
+        assert client.send_task(f"{APP}.plain", ("before",)).get(timeout=30) == "before"
+        prefetch_becomes(sender, worker, 4, "two processes, multiplier 2")  # type: ignore[arg-type]
+        records = redis_server.client(RECORD_DB)
+        first, second, key = uuid4().hex, uuid4().hex, uuid4().hex
+        records.set(f"hold:{first}", 1)
+        records.set(f"hold:{second}", 1)
+        try:
+            client.send_task(f"{APP}.waits", (first,))
+            wait_for(lambda: running(redis_server, first), timeout=30, message="the first task to run")
+            assert relay.cut() >= 1
+            worker.wait_for_line("Temporarily reducing the prefetch count to 2", timeout=30)
+            prefetch_becomes(sender, worker, 2, "lowered after the reconnection")  # type: ignore[arg-type]
+            client.send_task(f"{APP}.waits_late", (second,))
+            wait_for(lambda: running(redis_server, second), timeout=30, message="the acks_late task to run")
+            with writes_paused(lock_server):
+                for note in ("one", "two", "three"):
+                    send_slot(sender, key, note)  # type: ignore[arg-type]
+                prefetch_becomes(sender, worker, 5, "three slot messages wait outside the limit")  # type: ignore[arg-type]
+                records.delete(f"hold:{second}")
+                worker.wait_for_line("Prefetch count has been restored to the maximum of 4", timeout=30)
+                records.delete(f"hold:{first}")
+            wait_for(lambda: len(noted(redis_server, key)) == 3, timeout=60, message="the slot messages to run")
+        finally:
+            records.delete(f"hold:{first}", f"hold:{second}")
+        prefetch_becomes(sender, worker, 4, "nothing held or running")  # type: ignore[arg-type]
+    finally:
+        client.close()
+        relay.close()
+
+
+def running(redis_server: RedisServer, key: str) -> bool:
+    """``waits``/``waits_late`` of ``key`` started."""
+    return bool(redis_server.client(RECORD_DB).llen(f"waiting:{key}"))

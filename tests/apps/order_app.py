@@ -1,6 +1,7 @@
 """The Celery app of ``tests/test_release_order.py``: runs whose end causes more work on the same key.
 
-Configured from the environment: ``CSB_TEST_REDIS`` (broker db 0, results db 1,
+Configured from the environment: ``CSB_TEST_REDIS`` (broker db 0 unless ``CSB_BROKER``
+names another broker, results db 1,
 records db 3: always direct), ``CSB_LOCK_REDIS`` (the locks: the tests give one
 worker a delaying proxy in front of the lock database and another the same
 database directly), ``CSB_LOCK_SOCKET_TIMEOUT`` (the lock connections' socket
@@ -28,7 +29,7 @@ from .records import record_client
 
 BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 
-app = Celery("order_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
+app = Celery("order_app", broker=os.environ.get("CSB_BROKER", f"{BASE}/0"), backend=f"{BASE}/1")
 app.conf.update(
     singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BASE}/2"),
     singleton_lock_ttl=30.0,
