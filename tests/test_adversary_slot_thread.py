@@ -7,29 +7,41 @@ the outcome comes back to Celery's event loop, which runs or drops the message. 
 change promises: one run per slot, nothing lost, the order of slot messages kept, the
 prefetch count exact, and a main loop that never waits for the lock Redis.
 
-Real prefork workers of ``tests.apps.order_app`` (broker and results on the session's
-redis-server, locks on a redis-server of the test's own whose writes the test pauses so
-that checks stay under way); the test sends the slot messages itself, with the headers a
-beat sends (see ``tests/test_slot_check_loop.py``). The prefetch count is read with
-Celery's remote control (``inspect stats``: ``prefetch_count`` is the consumer's
-``qos.value``).
+Real workers of ``tests.apps.order_app`` (broker and results on the session's
+redis-server, or the session's RabbitMQ node through a relay the test cuts; locks on a
+redis-server of the test's own whose writes the test pauses, so that checks stay under
+way); the test sends the slot messages itself, with the headers a beat sends (see
+``tests/test_slot_check_loop.py``). The prefetch count is read with Celery's remote control
+(``inspect stats``: ``prefetch_count`` is the consumer's ``qos.value``). A Redis broker
+connection is cut with ``CLIENT KILL`` while it is blocked in its ``BRPOP``: one killed
+between two ``BRPOP`` is replaced by redis-py without the worker noticing (no reconnection).
 
 Attacks that held, kept as tests (each reaches the path it names):
 
-* the broker connection cut while three checks wait (one under way, two queued): after the
-  reconnection the three come back to the new gate, counted once each; when they have run
-  the prefetch count is the worker's own again (no count leaked by the closed gate);
+* the broker connection cut while three checks wait (one under way, two queued): the three
+  come back to the new gate, counted once each; afterwards the prefetch count is the
+  worker's own (no count leaked by the closed gate);
 * two beat instances' copies of one slot, the second arriving while the first one's check
   is under way: one runs, the other is dropped as a duplicate;
 * a slot message Celery's handler rejects after its check (an ``expires`` header that is
-  no date): logged as an invalid task and rejected, nothing leaked, the worker goes on.
+  no date): logged as an invalid task and rejected, nothing leaked, the worker goes on;
+* fifteen reconnections in a row (prefork, threads, solo), one in three while a check
+  stalls: no checker thread, pipe or lock connection left per connection, each message
+  run once, in order;
+* a copy kombu restores (visibility timeout) while the check is under way: kept once;
+* pool children forked (``--max-tasks-per-child 1``) while the checker thread waits in a
+  check: afterwards they take and release locks;
+* writes let through and the connection cut at once, ten times (prefork, threads): the
+  answer lands before or after the gate closes, each message runs once;
+* RabbitMQ: held messages come back in order when the connection goes, counts exact.
 
 Breaks, each a strict ``xfail`` (see each test's reason):
 
-* slot messages held when the connection goes (cut, or a warm shutdown) come back from
-  kombu's Redis transport in reverse order, and run so;
-* Celery's prefetch restoration after a reconnection overwrites the count of held slot
-  messages: once they have run the worker is left below its prefetch count for good.
+* Redis broker: slot messages held when the connection goes (cut, or a warm shutdown) come
+  back from kombu's Redis transport last first, and run in that reverse order;
+* RabbitMQ: Celery's prefetch restoration after a reconnection overwrites the count of held
+  slot messages: once they have run the worker is left at a prefetch count of 1 (of 4);
+* gevent: the check is inline (documented), the consumer takes nothing while it waits.
 """
 
 from __future__ import annotations
@@ -583,3 +595,39 @@ def test_slot_messages_held_while_celery_restores_its_prefetch_count_leave_it_wh
 def running(redis_server: RedisServer, key: str) -> bool:
     """``waits``/``waits_late`` of ``key`` started."""
     return bool(redis_server.client(RECORD_DB).llen(f"waiting:{key}"))
+
+
+def test_on_rabbitmq_slot_messages_held_when_the_connection_goes_run_in_the_order_they_came(
+    redis_server: RedisServer, make_redis: Callable[..., RedisServer], rabbitmq: str,
+) -> None:
+    """The order attack above on RabbitMQ, which requeues a closed channel's unacknowledged
+    messages in their places: three slot messages wait for their checks (writes paused) when
+    every broker connection of the worker is cut; they come back to the new gate and, once
+    writes are back, run in the order they were sent, once each."""
+    lock_server = make_redis()
+    relay = CutRelay(int(rabbitmq.rsplit(":", 1)[1].split("/")[0]))
+    client = Celery("adv-rabbit-client", broker=rabbitmq, backend=redis_server.url(1))
+    client.conf.broker_connection_retry_on_startup = True
+    sender = SimpleNamespace(app=client)
+    name = f"adv-rabbit-order-{uuid4().hex[:6]}"
+    try:
+        worker = start_worker(redis_server, APP, name, concurrency=1, env={
+            "CSB_BROKER": rabbitmq.replace(f":{relay.upstream_port}", f":{relay.port}"),
+            "CSB_LOCK_REDIS": lock_server.url(2), "CSB_LOCK_SOCKET_TIMEOUT": str(SOCKET_TIMEOUT)})
+        assert client.send_task(f"{APP}.plain", ("before",)).get(timeout=30) == "before"
+        key = uuid4().hex
+        notes = ["first", "second", "third"]
+        with writes_paused(lock_server):
+            for note in notes:
+                send_slot(sender, key, note)  # type: ignore[arg-type]
+            prefetch_becomes(sender, worker, 4, "three slot messages wait outside the limit")  # type: ignore[arg-type]
+            assert relay.cut() >= 1
+            worker.wait_for_line(f"3 {LEFT_TO_BROKER}", timeout=30)
+            prefetch_becomes(sender, worker, 4, "the three back with the new gate")  # type: ignore[arg-type]
+            assert noted(redis_server, key) == []
+        wait_for(lambda: len(noted(redis_server, key)) == 3, timeout=60, message="the slot messages to run")
+        assert noted(redis_server, key) == notes
+        prefetch_becomes(sender, worker, 1, "nothing waits any more")  # type: ignore[arg-type]
+    finally:
+        client.close()
+        relay.close()
