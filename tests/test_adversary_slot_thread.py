@@ -31,8 +31,8 @@ Attacks that held, kept as tests (each reaches the path it names):
 * a copy kombu restores (visibility timeout) while the check is under way: kept once;
 * pool children forked (``--max-tasks-per-child 1``) while the checker thread waits in a
   check: afterwards they take and release locks;
-* writes let through and the connection cut at once, ten times (prefork, threads): the
-  answer lands before or after the gate closes, each message runs once;
+* writes let through and the connection cut at once, ten rounds (prefork): the answer
+  lands before or after the gate closes, each message runs once;
 * RabbitMQ: held messages come back in order when the connection goes, counts exact.
 
 Breaks, each a strict ``xfail`` (see each test's reason):
@@ -41,6 +41,10 @@ Breaks, each a strict ``xfail`` (see each test's reason):
   back from kombu's Redis transport last first, and run in that reverse order;
 * RabbitMQ: Celery's prefetch restoration after a reconnection overwrites the count of held
   slot messages: once they have run the worker is left at a prefetch count of 1 (of 4);
+* threads pool, the same race (eighty rounds): a message the answer handed to a pool thread
+  just before the cut is acknowledged too late (the pool thread's ``call_soon`` lands after
+  the loop ended), kombu restores it, and the new connection's gate runs it again: the slot
+  runs twice;
 * gevent: the check is inline (documented), the consumer takes nothing while it waits.
 """
 
@@ -436,16 +440,24 @@ def test_pool_children_forked_while_a_check_waits_take_locks_afterwards(
 # ----------------------------------------------------------------- held: the outcome and the cut at once
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize(("pool", "rounds"), [
+    ("prefork", 10),
+    pytest.param("threads", 80, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+        "threads pool: the answer runs the message (handed to a pool thread) just before the "
+        "cut; the pool thread schedules its acknowledgement on the loop (call_soon) after the "
+        "loop ended, kombu restores the unacknowledged message as the old channel closes, the "
+        "new connection's gate has no memory of the run and the claim names the same beat: "
+        "the slot runs a second time (seen in about one round in fifteen; eighty rounds)"))),
+])
 def test_a_check_answered_as_the_connection_goes_runs_the_message_once(
-    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer], pool: str,
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer], pool: str, rounds: int,
 ) -> None:
-    """Ten times: a slot message's check waits (writes paused); the test lets writes through
-    and at once cuts the worker's consuming connection, so the answer comes back about when
-    the gate closes (before, on the old loop, or after, ignored). Whichever way each race
-    went, every message runs exactly once (the old gate's answer ran it and acknowledged it,
-    or the broker gave it back to the new gate), the queue is left drained, and the prefetch
-    count is the worker's own again."""
+    """Round after round: a slot message's check waits (writes paused) while the worker is
+    blocked in its ``BRPOP``; the test lets writes through and at once cuts that connection, so
+    the answer comes back about when the gate closes (before, on the old loop, or after,
+    ignored). Whichever way each race went, every message runs exactly once (the old gate's
+    answer ran it and acknowledged it, or the broker gave it back to the new gate), the queue is
+    left drained, and the prefetch count is the worker's own again."""
     lock_server = make_redis()
     client_name = f"adv-race-{uuid4().hex[:6]}"
     worker = start_worker(redis_server, APP, client_name, pool=pool, concurrency=1, env={
@@ -453,22 +465,34 @@ def test_a_check_answered_as_the_connection_goes_runs_the_message_once(
         "CSB_ORDER_SETTINGS": json.dumps({"broker_transport_options": {"client_name": client_name}})})
     plain_runs(order, "before")
     broker, admin = redis_server.client(0), lock_server.client()
-    keys = [uuid4().hex for _ in range(10)]
-    for key in keys:
+    keys: list[str] = []
+
+    def one_run_each() -> bool:
+        runs = {key: noted(redis_server, key) for key in keys}
+        assert all(len(notes) <= 1 for notes in runs.values()), {key: notes for key, notes in runs.items()
+                                                                 if len(notes) > 1}
+        return True
+
+    def blocked() -> list[dict[str, str]]:
+        return [client for client in broker.client_list() if client.get("name") == client_name
+                and client.get("cmd") == "brpop" and "b" in client.get("flags", "")]
+
+    for _ in range(rounds):
+        keys.append(uuid4().hex)
         admin.execute_command("CLIENT", "PAUSE", int(SOCKET_TIMEOUT * 2000), "WRITE")
         try:
-            send_slot(order, key, "slot")
+            send_slot(order, keys[-1], "slot")
             plain_runs(order, "with the check waiting")
-            blocked = [client for client in broker.client_list() if client.get("name") == client_name
-                       and client.get("cmd") == "brpop" and "b" in client.get("flags", "")]
+            consuming = wait_for(blocked, timeout=30, message="the worker blocked in its BRPOP")
         finally:
             admin.execute_command("CLIENT", "UNPAUSE")
-        for client in blocked:
+        for client in consuming:
             broker.client_kill_filter(_id=client["id"])
-        wait_for(lambda: noted(redis_server, key) == ["slot"], timeout=60,  # noqa: B023
+        wait_for(lambda: one_run_each() and noted(redis_server, keys[-1]), timeout=60,
                  message="the slot message to run")
     wait_for(lambda: queue_drained(broker, QUEUE), timeout=30, message="the queue drained")
-    soak(3, check=lambda: all(noted(redis_server, key) == ["slot"] for key in keys), what="one run each")
+    soak(3, check=one_run_each, what="one run each")
+    assert all(noted(redis_server, key) == ["slot"] for key in keys)
     assert worker.output().count("Connection to broker lost") >= 1, "the race was run"
     prefetch_becomes(order, worker, 1, "nothing waits any more")
 
