@@ -31,7 +31,7 @@ Attacks that held, kept as tests (each reaches the path it names):
 * a copy kombu restores (visibility timeout) while the check is under way: kept once;
 * pool children forked (``--max-tasks-per-child 1``) while the checker thread waits in a
   check: afterwards they take and release locks;
-* writes let through and the connection cut at once, ten rounds (prefork): the answer
+* writes let through and the connection cut at once, eighty rounds (prefork): the answer
   lands before or after the gate closes, each message runs once;
 * RabbitMQ: held messages come back in order when the connection goes, counts exact.
 
@@ -441,7 +441,7 @@ def test_pool_children_forked_while_a_check_waits_take_locks_afterwards(
 
 
 @pytest.mark.parametrize(("pool", "rounds"), [
-    ("prefork", 10),
+    ("prefork", 80),
     pytest.param("threads", 80, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
         "threads pool: the answer runs the message (handed to a pool thread) just before the "
         "cut; the pool thread schedules its acknowledgement on the loop (call_soon) after the "
