@@ -33,7 +33,9 @@ Attacks that held, kept as tests (each reaches the path it names):
   check: afterwards they take and release locks;
 * writes let through and the connection cut at once, eighty rounds (prefork): the answer
   lands before or after the gate closes, each message runs once;
-* RabbitMQ: held messages come back in order when the connection goes, counts exact.
+* RabbitMQ: held messages come back in order when the connection goes, counts exact;
+* the lock Redis SIGKILLed while a check is under way and another message waits: fail
+  closed both are held and run in order once it is back, fail open both run unchecked, once.
 
 Breaks, each a strict ``xfail`` (see each test's reason):
 
@@ -74,6 +76,7 @@ from .test_slot_check_loop import APP, QUEUE, SOCKET_TIMEOUT, lock_worker, noted
 LEFT_TO_BROKER = "beat slot message(s) held for the slot check are left to the broker"
 DROPPED = "dropped: beat slot"
 INVALID = "Received invalid task message"
+HOLDING = "holding the message until Redis answers (fail closed)"
 
 
 def send_copy(order: ModuleType, entry: str, instance: str, key: str, note: str, task_id: str,
@@ -655,3 +658,40 @@ def test_on_rabbitmq_slot_messages_held_when_the_connection_goes_run_in_the_orde
     finally:
         client.close()
         relay.close()
+
+
+# ----------------------------------------------------------------- held: the lock Redis killed during a check
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_a_lock_redis_killed_during_a_check_leaves_the_slot_messages_in_order(
+    order: ModuleType, redis_server: RedisServer, make_redis: Callable[..., RedisServer], fail_open: bool,
+) -> None:
+    """Two slot messages wait (the first one's check under way, writes paused) when the lock
+    Redis is SIGKILLed: the check under way fails. Fail closed, both are held and checked again
+    once the lock Redis is back (restarted empty); fail open, both run unchecked. Either way
+    each runs once, in the order sent, and the prefetch count is the worker's own again."""
+    lock_server = make_redis()
+    worker, _ = unique_worker(redis_server, lock_server, f"killed-{fail_open}", concurrency=1,
+                              singleton_beat_fail_open=fail_open)
+    plain_runs(order, "before")
+    key = uuid4().hex
+    admin = lock_server.client()
+    admin.execute_command("CLIENT", "PAUSE", int(SOCKET_TIMEOUT * 2000), "WRITE")
+    send_slot(order, key, "first")
+    send_slot(order, key, "second")
+    prefetch_becomes(order, worker, 3, "two slot messages wait outside the limit")
+    lock_server.kill()
+    try:
+        if fail_open:
+            worker.wait_for_line("running it (fail open)", timeout=60)
+        else:
+            worker.wait_for_line(HOLDING, timeout=60)
+            plain_runs(order, "while held")
+            assert noted(redis_server, key) == []
+    finally:
+        lock_server.start()
+    wait_for(lambda: len(noted(redis_server, key)) == 2, timeout=90, message="both slot messages to run")
+    assert noted(redis_server, key) == ["first", "second"]
+    prefetch_becomes(order, worker, 1, "nothing waits any more")
+    wait_for(lambda: queue_drained(redis_server.client(0), QUEUE), timeout=30, message="the queue drained")
