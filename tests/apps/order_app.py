@@ -1,6 +1,7 @@
 """The Celery app of ``tests/test_release_order.py``: runs whose end causes more work on the same key.
 
-Configured from the environment: ``CSB_TEST_REDIS`` (broker db 0, results db 1,
+Configured from the environment: ``CSB_TEST_REDIS`` (broker db 0 unless ``CSB_BROKER``
+names another broker, results db 1,
 records db 3: always direct), ``CSB_LOCK_REDIS`` (the locks: the tests give one
 worker a delaying proxy in front of the lock database and another the same
 database directly), ``CSB_LOCK_SOCKET_TIMEOUT`` (the lock connections' socket
@@ -28,7 +29,7 @@ from .records import record_client
 
 BASE = os.environ.get("CSB_TEST_REDIS", "redis://127.0.0.1:6379")
 
-app = Celery("order_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
+app = Celery("order_app", broker=os.environ.get("CSB_BROKER", f"{BASE}/0"), backend=f"{BASE}/1")
 app.conf.update(
     singleton_redis_url=os.environ.get("CSB_LOCK_REDIS", f"{BASE}/2"),
     singleton_lock_ttl=30.0,
@@ -98,3 +99,24 @@ def noted(key: str, note: str) -> str:
     """A plain task that records its run: ``note`` is appended to ``noted:<key>``, in run order."""
     record_client(BASE).rpush(f"noted:{key}", note)
     return note
+
+
+@app.task
+def waits(key: str) -> str:
+    """A plain task (acknowledged as it starts) that runs while ``hold:<key>`` is set (at most 60 s)."""
+    return _wait(key)
+
+
+@app.task(acks_late=True)
+def waits_late(key: str) -> str:
+    """``waits``, acknowledged after its run."""
+    return _wait(key)
+
+
+def _wait(key: str) -> str:
+    records = record_client(BASE)
+    records.rpush(f"waiting:{key}", "1")
+    deadline = time.monotonic() + 60
+    while records.exists(f"hold:{key}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return key
