@@ -199,9 +199,15 @@ def test_a_slot_message_whose_check_is_under_way_when_the_connection_goes_runs_o
 
 
 def drop_broker_connection(broker: redis.Redis, name: str) -> int:
-    """Kill the worker's consuming broker connection (its blocked ``BRPOP``, named ``name``)."""
-    consuming = [client for client in broker.client_list()
-                 if client.get("cmd") == "brpop" and client.get("name") == name]
+    """Kill the worker's consuming broker connection (named ``name``) while it is blocked in its
+    ``BRPOP`` (``b`` among the client's flags). One killed between two ``BRPOP`` (its last
+    command still reads ``brpop``) is replaced by redis-py at the next one without the worker
+    noticing: no reconnection, and the test would wait for one in vain."""
+    def blocked() -> list[dict[str, str]]:
+        return [client for client in broker.client_list()
+                if client.get("name") == name and client.get("cmd") == "brpop" and "b" in client.get("flags", "")]
+
+    consuming = wait_for(blocked, timeout=30, message="the worker blocked in its BRPOP")
     for client in consuming:
         broker.client_kill_filter(_id=client["id"])
     return len(consuming)
