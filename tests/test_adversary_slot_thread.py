@@ -527,6 +527,15 @@ def test_the_gevent_consumer_takes_tasks_while_a_check_waits(
     wait_for(lambda: noted(redis_server, key) == ["slot"], timeout=30, message="the slot message to run")
 
 
+def rabbit_through_relay(rabbitmq: str, redis_server: RedisServer) -> tuple[CutRelay, Celery, SimpleNamespace]:
+    """A relay the test cuts in front of the session's RabbitMQ node (the worker's broker goes
+    through it), and a client app on the node itself, as ``sender.app`` for the helpers."""
+    relay = CutRelay(int(rabbitmq.rsplit(":", 1)[1].split("/")[0]))
+    client = Celery("adv-rabbit-client", broker=rabbitmq, backend=redis_server.url(1))
+    client.conf.broker_connection_retry_on_startup = True
+    return relay, client, SimpleNamespace(app=client)
+
+
 # ----------------------------------------------------------------- broke: Celery's prefetch restoration (RabbitMQ)
 
 
@@ -579,10 +588,7 @@ def test_slot_messages_held_while_celery_restores_its_prefetch_count_leave_it_wh
     Celery's count; then the slot messages run. Nothing is held or running any more: the count
     must be 4 again."""
     lock_server = make_redis()
-    relay = CutRelay(int(rabbitmq.rsplit(":", 1)[1].split("/")[0]))
-    client = Celery("adv-rabbit-client", broker=rabbitmq, backend=redis_server.url(1))
-    client.conf.broker_connection_retry_on_startup = True
-    sender = SimpleNamespace(app=client)
+    relay, client, sender = rabbit_through_relay(rabbitmq, redis_server)
     name = f"adv-rabbit-{uuid4().hex[:6]}"
     try:
         worker = start_worker(redis_server, APP, name, concurrency=2, env={
@@ -632,10 +638,7 @@ def test_on_rabbitmq_slot_messages_held_when_the_connection_goes_run_in_the_orde
     every broker connection of the worker is cut; they come back to the new gate and, once
     writes are back, run in the order they were sent, once each."""
     lock_server = make_redis()
-    relay = CutRelay(int(rabbitmq.rsplit(":", 1)[1].split("/")[0]))
-    client = Celery("adv-rabbit-client", broker=rabbitmq, backend=redis_server.url(1))
-    client.conf.broker_connection_retry_on_startup = True
-    sender = SimpleNamespace(app=client)
+    relay, client, sender = rabbit_through_relay(rabbitmq, redis_server)
     name = f"adv-rabbit-order-{uuid4().hex[:6]}"
     try:
         worker = start_worker(redis_server, APP, name, concurrency=1, env={
