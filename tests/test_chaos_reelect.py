@@ -5,11 +5,17 @@ its replica P2, three sentinels), without workers: a process of the library hold
 lock taken on P2 while P2 serves; after the fault, the sentinels name P1 again, P1
 never replicated from P2 (its replication id is the one it had) and lacks both the
 fault's marker and that lock, and the library's client follows the sentinels to P1:
-the holder's next renewal reaches P1 and puts its lock back there.
+the holder's next renewal reaches P1 and puts its lock back there. A process that
+never used P2 and reaches P1 first opens a recovery window there (the Sentinel failover
+epoch of P1's record is below the sentinels'), so that the holder has time to put its
+lock back before a fresh process can take the key.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,13 +28,14 @@ from redis.sentinel import MasterNotFoundError
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.lease.holder import parse_holder
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
-from celery_singleton_beat.recovery.window import mark_in_use
+from celery_singleton_beat.recovery.window import FAILED_OVER, mark_in_use, recovery_key
 from harness.chaos.cluster import Cluster, Settings
 from harness.chaos.history import Recorder, load
 from harness.chaos.nemesis import Nemesis
 
 from .support.locking import renew, take_lock
 
+ROOT = Path(__file__).resolve().parent.parent
 #: The lock database of the chaos cluster.
 DB = 2
 #: Bound on the whole fault (it has bounds of its own on each gate; see the module).
@@ -58,6 +65,39 @@ def app(cluster: Cluster) -> Iterator[Celery]:
     yield app
     reset_clients()
     clear_settings_cache()
+
+
+#: A fresh process of the library: ``look`` checks its first connection and prints the
+#: window it found; ``take`` tries to acquire the key and prints who holds it.
+FRESH_PROCESS = """
+import json, sys
+from celery import Celery
+from celery_singleton_beat.recovery.lock_redis import get_redis
+from celery_singleton_beat.recovery.server import server_of
+from tests.support.locking import take_lock
+
+action, key, conf = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+app = Celery("fresh", broker="memory://", set_as_current=False)
+app.conf.update(conf)
+client = get_redis(app)
+if action == "look":
+    client.ping()
+    window = server_of(client).recovery()
+    print(json.dumps({"open": window.open, "reason": window.reason}))
+else:
+    result = take_lock(client, key, 30.0, task="chaos.run", task_id="fresh")
+    print(json.dumps({"holder": "fresh" if result.lease else getattr(result.holder, "task_id", None)}))
+"""
+
+
+def fresh_process(app: Celery, action: str, key: str) -> dict[str, Any]:
+    """Run :data:`FRESH_PROCESS` with ``app``'s lock settings; what it printed."""
+    conf = {name: app.conf[name] for name in ("singleton_redis_url", "singleton_key_prefix",
+                                              "singleton_liveness_ttl", "singleton_redis_options")}
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, action, key, json.dumps(conf)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert done.returncode == 0, f"the fresh process failed: {done.stderr[-2000:]}"
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def notes(cluster: Cluster, stage: str) -> list[dict[str, Any]]:
@@ -113,6 +153,15 @@ def test_the_reelected_former_primary_lacks_what_was_written_on_the_interim_one(
     with p1.client(DB) as direct:
         assert not direct.exists(key), "P1 lacks the lock the library took on P2"
 
+        # A process that never used P2 (a worker started during the episode) reaches P1
+        # first: P1's record names P1 itself, but at a failover epoch below the sentinels'.
+        looked = fresh_process(app, "look", key)
+        assert looked["open"] and looked["reason"] == FAILED_OVER, \
+            f"a fresh process on the re-elected primary opens a window: {looked}"
+        assert direct.pttl(recovery_key(cluster.settings.prefix)) > 0, "every client finds it"
+
         assert renew(held.lease), "the holder's renewal follows the sentinels to P1 and puts its lock back"
         holder = parse_holder(direct.get(key))
         assert holder is not None and holder.task_id == "held-on-p2", "the lock is back on P1, its holder's"
+        taken = fresh_process(app, "take", key)
+        assert taken["holder"] == "held-on-p2", f"another fresh process finds the key held: {taken}"

@@ -29,6 +29,9 @@ back. What each test protects:
   elected again without ever replicating from the interim primary looks like nothing
   changed; a process that used the interim primary finds its data older (the record's
   generation): a window opens and its holders put their locks back.
+* ``test_a_record_written_before_a_sentinel_failover_opens_a_window``: the same former
+  primary, reached by a process that never used the interim one: the Sentinel failover
+  epoch the record was written at is below the sentinels' now, and a window opens.
 * ``test_two_histories_of_one_generation_open_a_window``: a primary restarted with its
   append-only file while its replica was promoted reaches the same generation as the
   replica; a process that used the replica finds another history there.
@@ -58,10 +61,14 @@ from celery_singleton_beat.log import logger
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import (
+    FAILED_OVER,
     WINDOW_SLACK,
+    Finding,
+    Notice,
     ServerMemory,
     ServerRecord,
     mark_in_use,
+    notice,
     recovery_key,
     server_key,
     shard_records,
@@ -310,6 +317,56 @@ def test_a_former_primary_serving_again_opens_a_window(make_redis: Callable[...,
         "P1's record is one generation above any A saw"
     fresh_connection(only_p1)
     assert only_p1_server.recovery().open, "a process that never saw P2 waits in the same window"
+
+
+def test_a_record_written_before_a_sentinel_failover_opens_a_window(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """The sentinels name a primary at a failover epoch (``config-epoch``) that grows with
+    every failover; the record carries the highest one its writers were told. A primary
+    elected again without ever replicating from the interim one (its record naming
+    itself, its own run id, no promotion) lacks every write made on the interim primary:
+    a process that never used the interim primary tells it only by the epoch. Its check
+    must open a window (keeping the generation, so a process that saw the interim
+    primary still finds the data older); a sentinel that lags behind (a lower epoch) or
+    a client that is not Sentinel's (0) must not, nor a second check at the same epoch."""
+    primary = make_redis()
+    direct = primary.client()
+    mark_in_use(direct, PREFIX, failover_epoch=3)
+    written = record_of(direct)
+    assert written.epoch == 3
+    server = run_id(direct)
+    records = (server_key(PREFIX), recovery_key(PREFIX))
+
+    def check(told: int, memory: ServerMemory) -> Notice:
+        connection = direct.connection_pool.get_connection()
+        try:
+            seen = notice(connection, records, server, promoted=False, aof=False, need=WINDOW,
+                          known=memory.known(records[0]), failover_epoch=told)
+        finally:
+            direct.connection_pool.release(connection)
+        memory.learn(PREFIX, records[0], server, seen, promoted=False, aof=False)
+        return seen
+
+    used_it = ServerMemory()  # a process that used this primary before the failovers
+    for told in (0, 2, 3):
+        seen = check(told, used_it)
+        assert (seen.finding, seen.left) == (Finding.SAME, 0.0), f"failover epoch {told}: nothing new ({seen})"
+    assert record_of(direct).epoch == 3, "a lagging sentinel's epoch never lowers the record's"
+    assert used_it.epoch == 0
+
+    seen = check(5, ServerMemory())  # a fresh process, told of two failovers since
+    assert seen.finding is Finding.FAILED_OVER and seen.reason == FAILED_OVER, seen
+    assert seen.left > 0 and direct.pttl(recovery_key(PREFIX)) > 0, "a window every client finds"
+    after = record_of(direct)
+    assert (after.epoch, after.generation) == (5, written.generation), \
+        f"the record is at the new epoch, its generation kept: {after}"
+    assert after.since_ms > 0, "locks not confirmed since the failover are unconfirmed once the window closed"
+
+    seen = check(5, ServerMemory())  # another fresh process at the same epoch
+    assert seen.finding is Finding.SAME and seen.left > 0, "it waits in the same window, opens none"
+    seen = check(5, used_it)
+    assert seen.finding is Finding.SAME and used_it.epoch == 0, \
+        "a process that never left this primary finds its own writes here: its holders have nothing to put back"
 
 
 def test_two_histories_of_one_generation_open_a_window(make_redis: Callable[..., RedisServer]) -> None:

@@ -36,9 +36,8 @@ from redis.backoff import NoBackoff
 from redis.cluster import PRIMARY, ClusterNode, ClusterPipeline, RedisCluster, get_node_name
 from redis.exceptions import MovedError, RedisClusterException, SlotNotCoveredError
 from redis.retry import Retry
-from redis.sentinel import Sentinel
 
-from .sentinel import FollowingSentinelPool
+from .sentinel import EpochSentinel, FollowingSentinelPool
 from .url import CLUSTER, DEFAULT_REDIS_OPTIONS, SENTINEL, SENTINEL_OPTIONS, parse_redis_url
 
 __all__ = [
@@ -246,7 +245,7 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
         # would retry a dead sentinel for seconds before asking the next one.
         sentinel_defaults = {k: v for k, v in connection.items() if k.startswith("socket_")}
         sentinel_defaults["retry"] = Retry(NoBackoff(), 0)
-        sentinel = Sentinel(
+        sentinel = EpochSentinel(
             list(target.nodes),
             min_other_sentinels=extra.get("min_other_sentinels", 0),
             sentinel_kwargs={**sentinel_defaults, **(extra.get("sentinel_kwargs") or {})},

@@ -9,6 +9,14 @@ connections already use the promoted one. Here a pool asks the sentinels at most
 every :data:`FOLLOW_EVERY` seconds, before it lends a connection, and a
 connection to a server that is no longer the primary is dropped before use: a
 process with lock traffic reaches the promoted primary within that bound.
+
+The sentinels' answer also carries the primary's **failover epoch** (``config-epoch``
+of ``SENTINEL MASTERS``), which grows with every failover. :class:`EpochSentinel`
+keeps the highest one it was told, and a new connection's check
+(:mod:`..recovery.server`) holds it against the epoch the data's record was written
+at: a primary elected again after a failover (one that never replicated from the
+interim primary) is then noticed by a process that never saw the interim one, at no
+extra request.
 """
 
 from __future__ import annotations
@@ -18,12 +26,43 @@ import time
 from typing import Any
 
 import redis
-from redis.sentinel import SentinelConnectionPool
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
-__all__ = ["FOLLOW_EVERY", "FollowingSentinelPool"]
+__all__ = ["FOLLOW_EVERY", "EpochSentinel", "FollowingSentinelPool", "failover_epoch"]
 
 #: Seconds between two questions to the sentinels, per pool (process), at most.
 FOLLOW_EVERY = 0.5
+
+
+class EpochSentinel(Sentinel):
+    """A :class:`redis.sentinel.Sentinel` that remembers, per primary name, the highest
+    failover epoch (``config-epoch``) of an answer it took."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py
+        #: Primary name -> the highest ``config-epoch`` a sentinel named it with.
+        self.failover_epochs: dict[str, int] = {}
+
+    def check_master_state(self, state: dict[str, Any], service_name: str) -> bool:
+        # redis-py calls this with the state of the primary each sentinel names, and uses
+        # the first one that passes: the epoch recorded is that answer's.
+        usable = bool(super().check_master_state(state, service_name))  # type: ignore[no-untyped-call]
+        if usable:
+            try:
+                epoch = int(state.get("config-epoch") or 0)
+            except (TypeError, ValueError):
+                epoch = 0
+            if epoch > self.failover_epochs.get(service_name, 0):
+                self.failover_epochs[service_name] = epoch
+        return usable
+
+
+def failover_epoch(connection: Any) -> int:
+    """The highest failover epoch the sentinels told the pool of ``connection`` (0: not a
+    Sentinel connection, or never told)."""
+    pool = getattr(connection, "connection_pool", None)
+    epochs = getattr(getattr(pool, "sentinel_manager", None), "failover_epochs", None)
+    return int(epochs.get(pool.service_name, 0)) if isinstance(epochs, dict) else 0
 
 
 class FollowingSentinelPool(SentinelConnectionPool):

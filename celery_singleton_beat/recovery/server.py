@@ -11,7 +11,8 @@ reconnected), :meth:`LockServer.check` runs one ``INFO`` on it, which tells
 * which **server** this is (its run id, new at every start), whether it keeps
   every acknowledged write across a restart (an append-only file), and whether
   it is a replica promoted by a failover (``master_replid2`` set: it may lack the
-  old primary's last writes); held against the record of the data (the server
+  old primary's last writes); with the Sentinel failover epoch the primary was named
+  at (:mod:`..connection.sentinel`), held against the record of the data (the server
   last seen serving it, its generation, the longest window its users need) and
   what this process remembers of it, that opens or joins a **recovery window** (see
   :mod:`.window`): :meth:`LockServer.recovery` says whether one is open, until
@@ -34,6 +35,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from ..connection.sentinel import failover_epoch
 from ..log import logger
 from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice, records_of, server_key
 
@@ -258,7 +260,7 @@ class LockServer:
         lost = False
         if records is not None:
             seen = notice(connection, records, info.run_id, promoted=info.promoted, aof=info.aof, need=self.window,
-                          known=self._memory.known(records[0]))
+                          known=self._memory.known(records[0]), failover_epoch=failover_epoch(connection))
             lost, opened = self._memory.learn(self.prefix, records[0], info.run_id, seen,
                                               promoted=info.promoted, aof=info.aof,
                                               started_by=time.monotonic() - info.uptime + 1)

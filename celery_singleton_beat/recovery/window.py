@@ -25,14 +25,23 @@ is older than this process has seen           opens a window (a former primary s
 names another server, this one promoted        opens a window (a failover)
 names another server, no append-only file      opens a window (a restart that lost data)
 names another server, append-only file         opens none (every write was kept)
+was written before a failover (Sentinel)       opens a window (a primary elected again may
+                                               lack the interim primary's writes)
 =============================================  ==========================================
 
 Older: a lower generation than the one this process saw, or the same generation naming
 another server than the one it saw at it (two histories that reached it apart).
+Written before a failover: the record carries the Sentinel failover epoch
+(``config-epoch``) its writer was told, and the sentinels now name the primary at a
+higher one (:mod:`..connection.sentinel`; the last row applies only where no other
+opened a window, and never to clients that are not Sentinel's): after a failover the
+data may be a former primary's, elected again without replicating from the interim one,
+which the record alone does not tell a process that never saw the interim primary.
 A check that finds anything but "names this server" writes the record anew: this server,
 the generation one above the highest its process or the record knew (a missing record
 counts as 0), and the larger of the record's need and the need this process brings; one
-that finds it naming this server writes it only to raise its need.
+that finds it naming this server writes it only to raise its need or its failover epoch,
+and keeps its generation (a process that saw the interim primary's finds it older).
 
 A window is the TTL of ``<prefix>:recovery`` (its value says why), written by the same
 script as the record: so it is anchored at the **first client that notices** the new
@@ -72,9 +81,9 @@ window is open, until when and why.
 
 A missing record costs one window, once, on a new Redis as on a lost one: the library
 cannot tell them apart, and a window of a few seconds that only the new acquisitions of
-those seconds wait for is cheaper than a duplicate run. A former primary serving again
-is told only by a process that saw the newer data: one that saw only the former primary
-finds the window once such a process has reached it.
+those seconds wait for is cheaper than a duplicate run. The same holds for the first
+check after a failover (Sentinel): the first client that reaches the primary the
+sentinels name opens a window, whether or not that primary lacks writes.
 """
 
 from __future__ import annotations
@@ -92,8 +101,8 @@ from redis.exceptions import ResponseError
 
 from ..log import logger
 
-__all__ = ["NEW_OR_EMPTIED", "OLDER", "PROMOTED", "RESTARTED", "WINDOW_SLACK", "Finding", "Notice", "Recovery",
-           "ServerMemory", "ServerRecord", "data_lost", "mark_in_use", "memory_for", "notice", "opening",
+__all__ = ["FAILED_OVER", "NEW_OR_EMPTIED", "OLDER", "PROMOTED", "RESTARTED", "WINDOW_SLACK", "Finding", "Notice",
+           "Recovery", "ServerMemory", "ServerRecord", "data_lost", "mark_in_use", "memory_for", "notice", "opening",
            "records_of", "recovery_key", "server_key", "shard_records", "shard_tag"]
 
 #: Seconds added to a third of ``singleton_liveness_ttl`` for the recovery window:
@@ -103,6 +112,7 @@ WINDOW_SLACK = 1.5
 #: Why a window opens (the value of ``<prefix>:recovery``, read by every client).
 NEW_OR_EMPTIED = "no record of the server serving the lock data: a new or emptied Redis"
 OLDER = "the data is older than this client has seen: a former primary serving again"
+FAILED_OVER = "a failover since the record was written: the primary may lack the interim primary's writes"
 PROMOTED = "a replica promoted by a failover"
 RESTARTED = "restarted without an append-only file"
 
@@ -119,6 +129,9 @@ class Finding(enum.Enum):
     OLDER = "older"
     #: The record names another server: a restart or a failover since.
     OTHER = "other"
+    #: The record was written at a lower Sentinel failover epoch than the current one, and
+    #: nothing above opened a window: a failover since, maybe back to a former primary.
+    FAILED_OVER = "failed-over"
 
 
 def opening(finding: Finding, *, promoted: bool, aof: bool) -> str | None:
@@ -129,6 +142,8 @@ def opening(finding: Finding, *, promoted: bool, aof: bool) -> str | None:
         return NEW_OR_EMPTIED
     if finding is Finding.OLDER:
         return OLDER
+    if finding is Finding.FAILED_OVER:
+        return FAILED_OVER
     if finding is Finding.OTHER:
         if promoted:
             return PROMOTED
@@ -147,10 +162,11 @@ def data_lost(seen: str | None, finding: Finding, run_id: str, *, promoted: bool
     itself is gone (a pod back on a fresh volume): then the first client found no record
     and opened a window, and ``window_open`` tells every later client of the same new
     server that the data may be lost, although the record they find names it. Data older
-    than the process has seen lacks what it wrote since, whatever the server."""
+    than the process has seen lacks what it wrote since, whatever the server, and after a
+    failover the primary may be one that missed it."""
     if seen is None:
         return False
-    if finding in (Finding.MISSING, Finding.OLDER):
+    if finding in (Finding.MISSING, Finding.OLDER, Finding.FAILED_OVER):
         return True
     return (seen != run_id or finding is Finding.OTHER) and (promoted or not aof or window_open)
 
@@ -158,8 +174,9 @@ def data_lost(seen: str | None, finding: Finding, run_id: str, *, promoted: bool
 @dataclass(frozen=True)
 class ServerRecord:
     """What ``<prefix>:server`` holds: the ``server`` (run id) last seen serving the data,
-    the data's ``generation`` (only grows: see the module docstring), and the longest
-    recovery window, in seconds, that a process using it needs (``need``)."""
+    the data's ``generation`` (only grows: see the module docstring), the longest
+    recovery window, in seconds, that a process using it needs (``need``), and the
+    Sentinel failover ``epoch`` its writer was told (0: not Sentinel)."""
 
     server: str
     generation: int = 0
@@ -167,11 +184,15 @@ class ServerRecord:
     #: The server's clock (Unix ms) when the latest window opened: the data may have lost
     #: writes made before it (0: never). A lock not renewed since is unconfirmed.
     since_ms: int = 0
+    #: The highest Sentinel failover epoch (``config-epoch``) a writer of the record was
+    #: told; a failover since makes it lower than the sentinels' (0: none known).
+    epoch: int = 0
 
     def encode(self) -> str:
         """The record's value, as the check's script writes it."""
         return json.dumps({"server": self.server, "generation": self.generation,
-                           "need_ms": round(self.need * 1000), "since_ms": self.since_ms})
+                           "need_ms": round(self.need * 1000), "since_ms": self.since_ms,
+                           "epoch": self.epoch})
 
     @classmethod
     def decode(cls, raw: bytes | str | None) -> ServerRecord | None:
@@ -187,7 +208,8 @@ class ServerRecord:
         if not isinstance(fields, dict):
             return cls(text)
         return cls(str(fields.get("server")), int(fields.get("generation") or 0),
-                   int(fields.get("need_ms") or 0) / 1000, int(fields.get("since_ms") or 0))
+                   int(fields.get("need_ms") or 0) / 1000, int(fields.get("since_ms") or 0),
+                   int(fields.get("epoch") or 0))
 
 
 @dataclass(frozen=True)
@@ -227,7 +249,7 @@ class Notice:
 # that is not a JSON object (a bare run id) names that server at generation 0.
 _READ = """
 local raw = redis.call('GET', KEYS[1])
-local server, generation, need, since = raw, 0, 0, 0
+local server, generation, need, since, epoch = raw, 0, 0, 0, 0
 if raw then
   local ok, record = pcall(cjson.decode, raw)
   if ok and type(record) == 'table' then
@@ -235,6 +257,7 @@ if raw then
     generation = tonumber(record.generation) or 0
     need = tonumber(record.need_ms) or 0
     since = tonumber(record.since_ms) or 0
+    epoch = tonumber(record.epoch) or 0
   end
 end
 """
@@ -242,11 +265,14 @@ end
 # KEYS: the server record, the recovery record. ARGV: this server's run id; the record
 # this process last saw (server, '' if none, and generation, 0 if none); the window this
 # process needs (ms); the reasons of the window opened when the record is missing, names
-# another server ('': none, as opening() says) and is older than the process has seen.
-# Writes the record (this server, the generation, the larger need) unless it named this
-# server already with a need as large; opens the window (the larger need) where the
-# reason says so. Returns the finding, the record's generation and need (ms), and the
-# window's ms left (< 0: none) and reason.
+# another server ('': none, as opening() says) and is older than the process has seen;
+# the Sentinel failover epoch this process was told (0: none) and the reason of the
+# window opened when it is above the record's and no other reason opened one.
+# Writes the record (this server, the generation, the larger need, the larger epoch)
+# unless it named this server already with a need and an epoch as large; opens the
+# window (the larger need) where the reason says so. Returns the finding, the record's
+# generation and need (ms), the window's ms left (< 0: none) and reason, when the latest
+# window opened (ms) and the record's epoch.
 _NOTICE = _READ + """
 local seen, brought = tonumber(ARGV[3]), tonumber(ARGV[4])
 local finding, why = 'same', ''
@@ -257,20 +283,27 @@ elseif generation < seen or (seen > 0 and generation == seen and server ~= ARGV[
 elseif server ~= ARGV[1] then
   finding, why = 'other', ARGV[6]
 end
-local ms = math.max(need, brought)
 if finding ~= 'same' then generation = math.max(generation, seen) + 1 end
+-- A failover since the record was written keeps the generation when the record names
+-- this server: a process that saw the interim primary's (higher) one finds it older.
+local told = tonumber(ARGV[8])
+if why == '' and raw and told > epoch then
+  finding, why = 'failed-over', ARGV[9]
+end
+local ms = math.max(need, brought)
+local written = math.max(epoch, told)
 if why ~= '' then
   local now = redis.call('TIME')
   since = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
-if finding ~= 'same' or ms > need then
+if finding ~= 'same' or ms > need or written > epoch then
   redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = generation, need_ms = ms,
-                                           since_ms = since}))
+                                           since_ms = since, epoch = written}))
 end
 if why ~= '' and redis.call('PTTL', KEYS[2]) < ms then
   redis.call('SET', KEYS[2], why, 'PX', ms)
 end
-return {finding, generation, ms, redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[2]), since}
+return {finding, generation, ms, redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[2]), since, written}
 """
 
 
@@ -279,19 +312,22 @@ def _text(value: Any) -> str | None:
 
 
 def notice(connection: Any, records: tuple[str, str], run_id: str, *, promoted: bool, aof: bool,
-           need: float, known: ServerRecord | None = None) -> Notice:
+           need: float, known: ServerRecord | None = None, failover_epoch: int = 0) -> Notice:
     """Hold the server ``run_id`` against its record on ``connection`` (the script above),
-    given ``known``, the record this process last saw (None: none): write it in, open a
-    window where :func:`opening` says so, lasting the largest of ``need`` (this process's
-    own, in seconds), the need ``known`` remembers and the record's."""
+    given ``known``, the record this process last saw (None: none), and ``failover_epoch``,
+    the Sentinel failover epoch the connection's primary was named at (0: not Sentinel):
+    write it in, open a window where :func:`opening` says so, lasting the largest of
+    ``need`` (this process's own, in seconds), the need ``known`` remembers and the record's."""
     missing = opening(Finding.MISSING, promoted=promoted, aof=aof) or ""
     other = opening(Finding.OTHER, promoted=promoted, aof=aof) or ""
     older = opening(Finding.OLDER, promoted=promoted, aof=aof) or ""
+    failed_over = opening(Finding.FAILED_OVER, promoted=promoted, aof=aof) or ""
     brought = max(need, known.need if known else 0.0)
     connection.send_command("EVAL", _NOTICE, 2, *records, run_id, known.server if known else "",
-                            known.generation if known else 0, round(brought * 1000), missing, other, older)
-    finding, generation, need_ms, left_ms, why, since_ms = connection.read_response()
-    record = ServerRecord(run_id, int(generation), int(need_ms) / 1000, int(since_ms))
+                            known.generation if known else 0, round(brought * 1000), missing, other, older,
+                            failover_epoch, failed_over)
+    finding, generation, need_ms, left_ms, why, since_ms, epoch = connection.read_response()
+    record = ServerRecord(run_id, int(generation), int(need_ms) / 1000, int(since_ms), int(epoch))
     # The window's key lives through the millisecond its PTTL ends in (Redis drops a key
     # once its clock is past the expiry, read in whole ms): this process's window ends a
     # millisecond later, so that a look once it has closed never finds the key still there.
@@ -346,7 +382,8 @@ class ServerMemory:
             self.records[record] = ServerRecord(
                 run_id, max(seen.record.generation, known.generation if known else 0),
                 max(seen.record.need, known.need if known else 0.0),
-                max(seen.record.since_ms, known.since_ms if known else 0))
+                max(seen.record.since_ms, known.since_ms if known else 0),
+                max(seen.record.epoch, known.epoch if known else 0))
             if lost:
                 self.epoch += 1
                 now = time.monotonic()
@@ -426,24 +463,27 @@ def records_of(connection: Any, prefix: str, *, cluster: bool) -> tuple[str, str
         return None
 
 
-# KEYS: the server record. ARGV: the server's run id, the lowest generation to write.
-# Leaves a record naming this server as it is; else names it, one generation up (at least
-# ARGV[2]), keeping the record's need.
+# KEYS: the server record. ARGV: the server's run id, the lowest generation to write, the
+# failover epoch to record. Leaves a record naming this server at that epoch as it is; else
+# names it, one generation up (at least ARGV[2]), keeping the record's need.
 _MARK = _READ + """
-if raw and server == ARGV[1] then return 0 end
+local told = tonumber(ARGV[3])
+if raw and server == ARGV[1] and epoch >= told then return 0 end
 redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = math.max(generation + 1,
-  tonumber(ARGV[2])), need_ms = need}))
+  tonumber(ARGV[2])), need_ms = need, epoch = math.max(epoch, told)}))
 return 1
 """
 
 
-def mark_in_use(client: Any, prefix: str = "singleton") -> None:
+def mark_in_use(client: Any, prefix: str = "singleton", failover_epoch: int = 0) -> None:
     """Write the record naming the server behind ``client`` (one server or one Cluster node,
     a :class:`redis.Redis`) as the one serving ``prefix``'s lock data, as its first client
     would: the next clients find it in use and open no window. A record that names it
     already is left as it is; otherwise the generation written is above both the record's
     and any this process saw under that key (a process that used an earlier server on
-    the same address does not find this data older).
+    the same address does not find this data older). ``failover_epoch``: the Sentinel
+    failover epoch the sentinels name this server at, recorded so that Sentinel clients
+    find no failover since (see :func:`notice`).
 
     Only for a Redis known to hold no lock of a live run (a test's or a benchmark's own
     server, just started or emptied): on a Redis that may have lost locks, the window is
@@ -458,4 +498,4 @@ def mark_in_use(client: Any, prefix: str = "singleton") -> None:
     else:
         key = server_key(prefix)
     highest = max((m.records[key].generation for m in list(_memories.values()) if key in m.records), default=0)
-    client.eval(_MARK, 1, key, str(info["run_id"]), highest + 1)
+    client.eval(_MARK, 1, key, str(info["run_id"]), highest + 1, failover_epoch)
