@@ -251,8 +251,8 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
             sentinel_kwargs={**sentinel_defaults, **(extra.get("sentinel_kwargs") or {})},
             **connection,
         )
-        master: redis.Redis = sentinel.master_for(master_name, redis_class=redis.Redis,
-                                                  connection_pool_class=FollowingSentinelPool)
+        master: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]  # redis-py
+            master_name, redis_class=redis.Redis, connection_pool_class=FollowingSentinelPool)
         return master
 
     if target.topology == CLUSTER:

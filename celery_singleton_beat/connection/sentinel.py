@@ -60,7 +60,7 @@ class EpochSentinel(Sentinel):
 def failover_epoch(connection: Any) -> int:
     """The highest failover epoch the sentinels told the pool of ``connection`` (0: not a
     Sentinel connection, or never told)."""
-    pool = getattr(connection, "connection_pool", None)
+    pool: Any = getattr(connection, "connection_pool", None)
     epochs = getattr(getattr(pool, "sentinel_manager", None), "failover_epochs", None)
     return int(epochs.get(pool.service_name, 0)) if isinstance(epochs, dict) else 0
 
