@@ -22,7 +22,7 @@ import redis
 
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
-from celery_singleton_beat.recovery.window import server_key
+from celery_singleton_beat.recovery.records import server_key
 from celery_singleton_beat.task.keys import task_stats_key
 
 from .common import Server, bench_cli, markdown_table, progress, wait_until

@@ -34,8 +34,9 @@ from celery_singleton_beat.lease.liveness import Heartbeat
 from celery_singleton_beat.lease.lock import AcquireResult, acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import get_redis
+from celery_singleton_beat.recovery.records import recovery_key
 from celery_singleton_beat.recovery.server import LockServer, server_of
-from celery_singleton_beat.recovery.window import mark_in_use, recovery_key
+from celery_singleton_beat.recovery.window import mark_in_use
 from celery_singleton_beat.task.slot_delivery import ENTRY_HEADER
 
 from .support import (

@@ -92,8 +92,9 @@ from celery_singleton_beat.lease.executor import execute
 from celery_singleton_beat.lease.holder import lock_value
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.recovery.records import recovery_key
 from celery_singleton_beat.recovery.server import LockServer, server_of
-from celery_singleton_beat.recovery.window import mark_in_use, recovery_key
+from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, redis_server_binary, register, wait_for
 from .support.topologies import ACL_PASSWORD, ACL_USER, set_acl_user, start_cluster

@@ -28,7 +28,8 @@ from redis.sentinel import MasterNotFoundError
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.lease.holder import parse_holder
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
-from celery_singleton_beat.recovery.window import FAILED_OVER, mark_in_use, recovery_key
+from celery_singleton_beat.recovery.records import recovery_key
+from celery_singleton_beat.recovery.window import FAILED_OVER, mark_in_use
 from harness.chaos.cluster import Cluster, Settings
 from harness.chaos.history import Recorder, load
 from harness.chaos.nemesis import Nemesis

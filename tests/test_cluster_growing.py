@@ -28,8 +28,9 @@ from redis.exceptions import TryAgainError
 from celery_singleton_beat.connection.client import ClusterUnavailable, acl_rules, redis_from_url
 from celery_singleton_beat.lease.lock import AcquireResult
 from celery_singleton_beat.recovery.lock_redis import reset_clients
+from celery_singleton_beat.recovery.records import shard_records
 from celery_singleton_beat.recovery.server import LockServer
-from celery_singleton_beat.recovery.window import mark_in_use, shard_records
+from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support.beat import ManualClock, RecordingScheduler, beat_app, run_ticks, sent_slots
 from .support.fixtures import prepared_cluster

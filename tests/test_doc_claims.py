@@ -392,7 +392,7 @@ def test_keys_table_lists_every_kind_of_key_the_library_writes() -> None:
     from celery_singleton_beat.lease.commands import legacy_fence_key as fence_key
     from celery_singleton_beat.lease.holder import done_key
     from celery_singleton_beat.lease.liveness import live_key
-    from celery_singleton_beat.recovery.window import recovery_key, server_key
+    from celery_singleton_beat.recovery.records import recovery_key, server_key
 
     lock = "singleton:{t.x:" + "0" * 64 + "}"
     samples = {

@@ -59,6 +59,7 @@ from celery_singleton_beat import SingletonTask
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.log import logger
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
+from celery_singleton_beat.recovery.records import ServerRecord, recovery_key, server_key, shard_records
 from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import (
     FAILED_OVER,
@@ -66,12 +67,8 @@ from celery_singleton_beat.recovery.window import (
     Finding,
     Notice,
     ServerMemory,
-    ServerRecord,
     mark_in_use,
     notice,
-    recovery_key,
-    server_key,
-    shard_records,
 )
 
 from .support import RedisServer, wait_for

@@ -30,7 +30,7 @@ from ..lease.commands import legacy_fence_key as fence_key
 from ..lease.holder import done_key
 from ..lease.liveness import live_key
 from ..recovery.lock_redis import get_redis
-from ..recovery.window import recovery_key, server_key
+from ..recovery.records import recovery_key, server_key
 from ..task.keys import QUEUED_SUFFIX, beat_stats_key, task_stats_key
 
 __all__ = [
@@ -224,7 +224,7 @@ class KeySpace:
             server_key(prefix): "server-record",
             recovery_key(prefix): "recovery-window",
         }
-        #: One per Redis Cluster shard (see :func:`~celery_singleton_beat.recovery.window.records_of`).
+        #: One per Redis Cluster shard (see :func:`~celery_singleton_beat.recovery.records.records_of`).
         self._shard_record = re.compile(rf"{p}:(?P<kind>server|recovery):\{{[0-9]+\}}\Z", re.S)
         self._task_stats = task_stats_key(prefix, "")
         self._beat_stats = beat_stats_key(prefix, "")

@@ -17,7 +17,7 @@ from ..connection.client import is_cluster
 from ..lease.behalf import release_value
 from ..lease.holder import Holder, parse_holder
 from ..lease.stale import unconfirmed
-from ..recovery.window import ServerRecord, recovery_key, server_key
+from ..recovery.records import ServerRecord, recovery_key, server_key
 from ..task.keys import QUEUED_SUFFIX, task_stats_key
 from ._common import AdminError, KeySpace, NotALockKey, Progress, Target, connect, read, walk
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from ..connection.client import RedisClient, is_cluster
 from ..log import logger
+from ..recovery.records import ServerRecord, recovery_key, server_key
 from ..recovery.server import server_of
-from ..recovery.window import ServerRecord, recovery_key, server_key
 from . import counters
 from .commands import look_request, release_request, take_over_request
 from .executor import execute

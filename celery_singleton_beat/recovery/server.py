@@ -37,7 +37,8 @@ from redis.exceptions import ResponseError
 
 from ..connection.sentinel import failover_epoch
 from ..log import logger
-from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice, records_of, server_key
+from .records import records_of, server_key
+from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice
 
 __all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "memory_for",
            "on_data_lost", "parse_info", "server_of", "version_text"]

@@ -6,7 +6,7 @@ Each connection the library makes is looked at once (:meth:`.server.LockServer.c
 every acknowledged write across a restart (an append-only file) and whether it is a
 replica promoted by a failover. Then :func:`notice` runs one small script on the same
 connection that holds this server against ``<prefix>:server``, the record of the data
-(on Redis Cluster one per shard, kept on that shard: see :func:`records_of`): a small
+(on Redis Cluster one per shard, kept on that shard: see :func:`.records.records_of`): a small
 JSON object (:class:`ServerRecord`) naming the server last seen serving the data, the
 data's **generation** (an integer that only grows: each time the record is written for
 another server, or found missing or older, it becomes one more than any its writer has
@@ -89,21 +89,15 @@ sentinels name opens a window, whether or not that primary lacks writes.
 from __future__ import annotations
 
 import enum
-import functools
-import json
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from redis.crc import key_slot
-from redis.exceptions import ResponseError
-
-from ..log import logger
+from .records import READ_RECORD, ServerRecord, server_key, shard_records, text_of
 
 __all__ = ["FAILED_OVER", "NEW_OR_EMPTIED", "OLDER", "PROMOTED", "RESTARTED", "WINDOW_SLACK", "Finding", "Notice",
-           "Recovery", "ServerMemory", "ServerRecord", "data_lost", "mark_in_use", "memory_for", "notice", "opening",
-           "records_of", "recovery_key", "server_key", "shard_records", "shard_tag"]
+           "Recovery", "ServerMemory", "data_lost", "mark_in_use", "memory_for", "notice", "opening"]
 
 #: Seconds added to a third of ``singleton_liveness_ttl`` for the recovery window:
 #: a keeper's reconnection and its retry after the failed first attempt.
@@ -172,47 +166,6 @@ def data_lost(seen: str | None, finding: Finding, run_id: str, *, promoted: bool
 
 
 @dataclass(frozen=True)
-class ServerRecord:
-    """What ``<prefix>:server`` holds: the ``server`` (run id) last seen serving the data,
-    the data's ``generation`` (only grows: see the module docstring), the longest
-    recovery window, in seconds, that a process using it needs (``need``), and the
-    Sentinel failover ``epoch`` its writer was told (0: not Sentinel)."""
-
-    server: str
-    generation: int = 0
-    need: float = 0.0
-    #: The server's clock (Unix ms) when the latest window opened: the data may have lost
-    #: writes made before it (0: never). A lock not renewed since is unconfirmed.
-    since_ms: int = 0
-    #: The highest Sentinel failover epoch (``config-epoch``) a writer of the record was
-    #: told; a failover since makes it lower than the sentinels' (0: none known).
-    epoch: int = 0
-
-    def encode(self) -> str:
-        """The record's value, as the check's script writes it."""
-        return json.dumps({"server": self.server, "generation": self.generation,
-                           "need_ms": round(self.need * 1000), "since_ms": self.since_ms,
-                           "epoch": self.epoch})
-
-    @classmethod
-    def decode(cls, raw: bytes | str | None) -> ServerRecord | None:
-        """The record read from ``raw`` (None: no record). A value that is not this format
-        (a bare run id) names that server at generation 0, as the script reads it."""
-        text = _text(raw)
-        if text is None:
-            return None
-        try:
-            fields = json.loads(text)
-        except ValueError:
-            fields = None
-        if not isinstance(fields, dict):
-            return cls(text)
-        return cls(str(fields.get("server")), int(fields.get("generation") or 0),
-                   int(fields.get("need_ms") or 0) / 1000, int(fields.get("since_ms") or 0),
-                   int(fields.get("epoch") or 0))
-
-
-@dataclass(frozen=True)
 class Recovery:
     """A recovery window as this process knows it: open until ``until`` (monotonic
     seconds), because ``reason`` (the last reason stays once it closed)."""
@@ -245,23 +198,6 @@ class Notice:
     record: ServerRecord
 
 
-# Reads the record in KEYS[1] into server (nil: none), generation and need (ms); a value
-# that is not a JSON object (a bare run id) names that server at generation 0.
-_READ = """
-local raw = redis.call('GET', KEYS[1])
-local server, generation, need, since, epoch = raw, 0, 0, 0, 0
-if raw then
-  local ok, record = pcall(cjson.decode, raw)
-  if ok and type(record) == 'table' then
-    server = record.server
-    generation = tonumber(record.generation) or 0
-    need = tonumber(record.need_ms) or 0
-    since = tonumber(record.since_ms) or 0
-    epoch = tonumber(record.epoch) or 0
-  end
-end
-"""
-
 # KEYS: the server record, the recovery record. ARGV: this server's run id; the record
 # this process last saw (server, '' if none, and generation, 0 if none); the window this
 # process needs (ms); the reasons of the window opened when the record is missing, names
@@ -273,7 +209,7 @@ end
 # window (the larger need) where the reason says so. Returns the finding, the record's
 # generation and need (ms), the window's ms left (< 0: none) and reason, when the latest
 # window opened (ms) and the record's epoch.
-_NOTICE = _READ + """
+_NOTICE = READ_RECORD + """
 local seen, brought = tonumber(ARGV[3]), tonumber(ARGV[4])
 local finding, why = 'same', ''
 if not raw then
@@ -307,10 +243,6 @@ return {finding, generation, ms, redis.call('PTTL', KEYS[2]), redis.call('GET', 
 """
 
 
-def _text(value: Any) -> str | None:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
 def notice(connection: Any, records: tuple[str, str], run_id: str, *, promoted: bool, aof: bool,
            need: float, known: ServerRecord | None = None, failover_epoch: int = 0) -> Notice:
     """Hold the server ``run_id`` against its record on ``connection`` (the script above),
@@ -332,7 +264,7 @@ def notice(connection: Any, records: tuple[str, str], run_id: str, *, promoted: 
     # once its clock is past the expiry, read in whole ms): this process's window ends a
     # millisecond later, so that a look once it has closed never finds the key still there.
     left = (int(left_ms) + 1) / 1000 if int(left_ms) >= 0 else 0.0
-    return Notice(Finding(_text(finding)), left, _text(why) or "", record)
+    return Notice(Finding(text_of(finding)), left, text_of(why) or "", record)
 
 
 class ServerMemory:
@@ -406,67 +338,10 @@ def memory_for(url: str) -> ServerMemory:
     return _memories.setdefault(url, ServerMemory())
 
 
-# ----------------------------------------------------------------- where the records live
-
-
-def server_key(prefix: str, tag: str | None = None) -> str:
-    """The key naming the server last seen serving the lock data (never expires);
-    ``tag``: of one Redis Cluster shard (see :func:`records_of`)."""
-    return f"{prefix}:server" if tag is None else f"{prefix}:server:{{{tag}}}"
-
-
-def recovery_key(prefix: str, tag: str | None = None) -> str:
-    """The key whose TTL is an open recovery window (see the module docstring)."""
-    return f"{prefix}:recovery" if tag is None else f"{prefix}:recovery:{{{tag}}}"
-
-
-@functools.lru_cache(maxsize=64)
-def shard_tag(slot: int) -> str:
-    """The first decimal number whose keys (as a hash tag) live in Redis Cluster ``slot``."""
-    number = 0
-    while key_slot(str(number).encode()) != slot:
-        number += 1
-    return str(number)
-
-
-def shard_records(prefix: str, nodes: Any) -> tuple[str, str] | None:
-    """The server and recovery records of the Cluster node whose ``CLUSTER NODES`` reply is
-    ``nodes``: tagged with the lowest slot it serves (None: it serves none)."""
-    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 8 and "myself" in fields[2].split(","):
-            slots = [int(f.split("-")[0]) for f in fields[8:] if not f.startswith("[")]
-            if not slots:
-                return None
-            tag = shard_tag(min(slots))
-            return server_key(prefix, tag), recovery_key(prefix, tag)
-    return None
-
-
-def records_of(connection: Any, prefix: str, *, cluster: bool) -> tuple[str, str] | None:
-    """The server and recovery records of the data behind ``connection``; None when it has none.
-
-    One server: ``<prefix>:server`` and ``<prefix>:recovery``. Redis Cluster: one pair
-    per shard, ``<prefix>:server:{<tag>}`` and ``<prefix>:recovery:{<tag>}``, the tag
-    hashing to the lowest slot the node serves (``CLUSTER NODES``), so the records live
-    with the data they speak for and move to the replica promoted for it. A node that
-    serves no slot, or an ACL without ``CLUSTER NODES``, has none.
-    """
-    if not cluster:
-        return server_key(prefix), recovery_key(prefix)
-    try:
-        connection.send_command("CLUSTER", "NODES")
-        return shard_records(prefix, connection.read_response())
-    except ResponseError as exc:  # NOPERM
-        logger.debug("CLUSTER NODES refused on the lock Redis (%s): no recovery windows on this node", exc)
-        return None
-
-
 # KEYS: the server record. ARGV: the server's run id, the lowest generation to write, the
 # failover epoch to record. Leaves a record naming this server at that epoch as it is; else
 # names it, one generation up (at least ARGV[2]), keeping the record's need.
-_MARK = _READ + """
+_MARK = READ_RECORD + """
 local told = tonumber(ARGV[3])
 if raw and server == ARGV[1] and epoch >= told then return 0 end
 redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = math.max(generation + 1,
