@@ -359,8 +359,9 @@ def _release_and_ack_lost(history: History, done: Event, original: Run | None, r
     and before its release reached Redis leaves no done marker, and a copy of the message
     whose acknowledgement was lost too runs again. All three must show in the history:
 
-    * its process SIGKILLed after the run's end (the worker's group, the first thing that
-      befell that worker since; or ``kill-child`` of that very process), before the re-run;
+    * its process SIGKILLed after the run's end (the worker's main process or its group, the
+      first thing that befell that worker since: Celery gives prefork children SIGKILL as
+      their parent-death signal; or ``kill-child`` of that very process), before the re-run;
     * the lock Redis out of that process's reach the whole time from the run's end to the
       kill (faults that pause, busy or stop it; the proxy cut, for a proxied worker): the
       release and every sending of it again went unanswered;
@@ -377,7 +378,7 @@ def _release_and_ack_lost(history: History, done: Event, original: Run | None, r
         if event.m <= original.end or event.m >= rerun_at:
             continue
         if event.ev == "proc" and event.get("name") == worker:
-            if event.get("action") == "SIGKILL" and event.get("group"):
+            if event.get("action") == "SIGKILL":
                 kill = event
             break  # any other change to that worker first (a stop, an exit): not this case
         if (event.ev == "fault" and event.get("kind") == "kill-child" and event.get("action") == "inject"
