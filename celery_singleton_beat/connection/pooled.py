@@ -39,7 +39,9 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     goes back (``WAIT`` counts the replicas of that connection's writes; on a
     slot that migrates, the connection to the target when the request's first
     command went there). ``before_write`` runs once the connection is up (a
-    recovery window's wait). A connection that fails with a connection error
+    recovery window's wait); when it waited (returned a true value) and the sentinels
+    name another primary meanwhile, the connection is made again to that one (and
+    checked, maybe waiting again) before the request is written. A connection that fails with a connection error
     is dropped and the request is sent once more on a new one (on Cluster, once
     the layout was read again: to the node serving the slot now); one whose
     replies were not all read (whatever the exception) is dropped, never put
@@ -63,7 +65,12 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
         try:
             ensure_checked(connection, looker_of(client))
             if before_write is not None:
-                before_write()
+                while before_write() and _moved_from(pool, connection):
+                    # Sentinel failed over while the request waited (a recovery window): write
+                    # it to the primary named now, on a connection checked there.
+                    connection.disconnect()
+                    ensure_checked(connection, looker_of(client))
+                    link = PoolLink(connection)  # scripts loaded on that connection only
             result = run_on(link, request, follow)
             if after is not None:
                 result = after(follow.link if follow is not None and follow.link is not None else link, result)
@@ -88,6 +95,13 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             if follow is not None:
                 follow.close()
     raise AssertionError("unreachable")
+
+
+def _moved_from(pool: Any, connection: Any) -> bool:
+    """Whether the sentinels name another primary than ``connection``'s now (False for a
+    pool that does not follow Sentinel: one server, a Cluster node)."""
+    moved_from = getattr(pool, "moved_from", None)
+    return bool(moved_from(connection)) if moved_from is not None else False
 
 
 def run_by_node(client: Any, commands: Sequence[tuple[Any, ...]], scripts: Sequence[LuaScript] = ()) -> list[Any]:

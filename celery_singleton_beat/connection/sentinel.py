@@ -8,7 +8,9 @@ there -- writes the promoted primary never sees -- while processes with new
 connections already use the promoted one. Here a pool asks the sentinels at most
 every :data:`FOLLOW_EVERY` seconds, before it lends a connection, and a
 connection to a server that is no longer the primary is dropped before use: a
-process with lock traffic reaches the promoted primary within that bound.
+process with lock traffic reaches the promoted primary within that bound. A request
+that waited after its connection was lent (a recovery window: seconds) asks again
+before it writes (:meth:`FollowingSentinelPool.moved_from`).
 
 The sentinels' answer also carries the primary's **failover epoch** (``config-epoch``
 of ``SENTINEL MASTERS``), which grows with every failover. :class:`EpochSentinel`
@@ -80,6 +82,14 @@ class FollowingSentinelPool(SentinelConnectionPool):
         # when no sentinel answers, the connection's own use tells.
         with contextlib.suppress(redis.RedisError):
             self._primary = tuple(self.get_master_address())  # type: ignore[no-untyped-call]
+
+    def moved_from(self, connection: Any) -> bool:
+        """Ask the sentinels now: True if they name another primary than the one
+        ``connection`` points at (a request that waited since it was lent, for a recovery
+        window, must not be written to a primary failed over from meanwhile)."""
+        self.follow()
+        primary = self._primary
+        return primary is not None and connection.host is not None and (connection.host, connection.port) != primary
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         if time.monotonic() >= self._next_ask:
