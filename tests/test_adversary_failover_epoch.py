@@ -66,11 +66,11 @@ WARM = "singleton:{epoch:warm}"
 GATE = 30.0
 
 
-def process(url: str) -> Any:
+def process(url: str, liveness: float = 1.5) -> Any:
     """A process of the library of its own: one client (its own sentinel manager, so its
-    own failover epoch), one memory of the servers it saw; liveness 1.5 s."""
+    own failover epoch), one memory of the servers it saw, its ``singleton_liveness_ttl``."""
     client = redis_from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    client.csb_server = LockServer(PREFIX, 1.5)
+    client.csb_server = LockServer(PREFIX, liveness)  # type: ignore[union-attr]
     return client
 
 
@@ -274,7 +274,7 @@ def test_a_sentinel_that_heard_of_no_failover_is_asked_first(group: SentinelGrou
     lag = isolated_sentinel(group, port)
     h = process(group.url)
     episode = reelect(group, h)
-    with redis.Redis(host="127.0.0.1", port=lag.port, socket_timeout=5) as sentinel:
+    with redis.Redis(host="127.0.0.1", port=lag.port or 0, socket_timeout=5) as sentinel:
         reached(named(sentinel) == (episode.a.port, "master", 0), "the isolated sentinel names A at epoch 0")
     p = process(f"sentinel://127.0.0.1:{lag.port};{group.url}")
     touch(p)
@@ -283,3 +283,33 @@ def test_a_sentinel_that_heard_of_no_failover_is_asked_first(group: SentinelGrou
     taken = take_lock(p, KEY, 30.0, task="putback", task_id="p")
     assert window, f"a fresh process on the re-elected former primary waits for a window (p took k: " \
                    f"{taken.lease is not None})"
+
+
+@breaks("a failover's window lasts what the processes that used A need, not what B's holders need")
+@pytest.mark.timeout(120)
+def test_the_window_of_a_failover_is_as_long_as_the_interim_holders_need(group: SentinelGroup) -> None:
+    """The processes that used ``A`` run with a liveness TTL of 1.5 s (need: 2 s, in ``A``'s
+    record). ``h``, a worker started during the episode with a liveness TTL of 6 s (it
+    renews every 2 s, needs 3.5 s), took ``k`` on ``B`` and published its need in ``B``'s
+    record only. A fresh process ``p`` opens the failover's window on ``A`` with what it
+    can know: its own need and ``A``'s record, 2 s. ``h`` may renew 2 s after the episode
+    ended, and put its lock back 1.5 s later at worst: ``p`` (and any process) acquires
+    ``k`` once those 2 s have passed. (A window of the generation rule is opened by a
+    process that used ``B``, which remembers ``B``'s record and its need.)
+
+    Fix (a cost): a window opened on a history the noticing process cannot know (a
+    missing record, a failover since the record was written) lasts at least an upper
+    bound of every process's need, e.g. a setting for the longest liveness TTL in use, or
+    the longest need any record of that Sentinel service was seen with, kept where every
+    process reads it (on the sentinels: ``SENTINEL CONFIG`` cannot; so a setting)."""
+    with group.servers[0].client() as direct:
+        mark_in_use(direct, PREFIX)
+    touch(process(group.url))  # a process that used A: A's record needs 2 s
+    h = process(group.url, liveness=6.0)
+    episode = reelect(group, h)
+    p = process(group.url)
+    touch(p)
+    reached(server_of(p).recovery().reason == FAILED_OVER, "the fresh process opened the failover's window")
+    need = server_of(h).window
+    opened = record_on(episode.a).need
+    assert opened >= need, f"the window p opened on A lasts {opened}s; h, the holder on B, needs {need}s"
