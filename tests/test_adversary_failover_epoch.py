@@ -183,22 +183,25 @@ def epoch_of(client: Any) -> int:
 def test_an_idle_pooled_connection_from_before_the_episode(group: SentinelGroup) -> None:
     """``m`` used ``A`` before the episode (its connection checked, at epoch 0) and was idle
     throughout: its pool never saw ``B``, so ``A``'s address never changed for it and
-    nothing in the pool re-checks the connection it keeps. After ``A``'s re-election a
-    fresh process ``p`` opens the window; ``m``'s next request must still find it (its old
-    connection was closed by the promotion), and its acquisition of ``k`` waits for it
-    while ``h``'s renewal puts its lock back on ``A``."""
+    nothing in the pool re-checks the connection it keeps. After ``A``'s re-election,
+    ``m``'s next request must still open the failover's window (its old connection was
+    closed by the promotion, and its new one is checked at epoch 2), and its acquisition
+    of ``k`` waits for it while ``h``'s renewal puts its lock back on ``A``."""
     with group.servers[0].client() as direct:
         mark_in_use(direct, PREFIX)
     m, h = process(group.url), process(group.url)
     touch(m)
+    idle = {"{}:{}".format(*c._sock.getsockname()) for c in m.connection_pool._available_connections if c._sock}
+    with group.servers[0].client() as direct:
+        reached(idle and idle <= {str(c["addr"]) for c in direct.client_list()}, "m keeps an idle connection to A")
     episode = reelect(group, h)
-    p = process(group.url)
-    touch(p)
-    reached(epoch_of(p) >= 2 and record_on(episode.a).epoch >= 2, "p was told both failovers")
-    assert server_of(p).recovery().reason == FAILED_OVER, "a fresh process opens the failover's window"
+    with episode.a.client() as direct:
+        clients = {str(c["addr"]) for c in direct.client_list()}
+    reached(not idle & clients, "the promotion of A (SLAVEOF NO ONE, CLIENT KILL TYPE normal) closed m's connection")
     touch(m)
     assert epoch_of(m) >= 2, "m's pool asked the sentinels again before lending"
-    assert server_of(m).recovery().open, "m, idle through the episode, finds the window on A"
+    assert server_of(m).recovery().reason == FAILED_OVER, "m, idle through the episode, opens the window on A"
+    assert record_on(episode.a).epoch == epoch_of(m), "the record on A is at the sentinels' epoch now"
     assert renew(episode.held), "h's renewal reaches A and puts its lock back"
     taken = take_lock(m, KEY, 30.0, task="putback", task_id="m")
     assert taken.lease is None and server_of(m).resumed() > 0, \
