@@ -35,6 +35,9 @@ condition made false, each fails):
   re-checked by the pool since ``A``'s address never changed for it) opens the window on
   its next request; it holds because the sentinels' promotion of ``A`` (``SLAVEOF NO
   ONE`` with ``CLIENT KILL TYPE normal``) closes every client connection of ``A``.
+* ``test_a_beat_started_during_the_episode_claims_after_the_window``: a beat's claim
+  round reaches the primary through its own path (``ClaimStore.reach``: the pool follows
+  the sentinels, lends a connection, which is checked) and finds the window.
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
+from celery_singleton_beat.beat.claims import ClaimStore
 from celery_singleton_beat.connection.client import redis_from_url
 from celery_singleton_beat.lease.commands import look_request
 from celery_singleton_beat.lease.executor import execute
@@ -73,8 +78,11 @@ GATE = 30.0
 def process(url: str, liveness: float = 1.5) -> Any:
     """A process of the library of its own: one client (its own sentinel manager, so its
     own failover epoch), one memory of the servers it saw, its ``singleton_liveness_ttl``."""
-    client = redis_from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    client.csb_server = LockServer(PREFIX, liveness)  # type: ignore[union-attr]
+    server = LockServer(PREFIX, liveness)
+    # As the library builds its client (recovery/lock_redis.py): every connection is
+    # checked as it connects, whatever path lends it.
+    client = redis_from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0, redis_connect_func=server.on_connect)
+    client.csb_server = server  # type: ignore[union-attr]
     return client
 
 
@@ -208,6 +216,23 @@ def test_an_idle_pooled_connection_from_before_the_episode(group: SentinelGroup)
     taken = take_lock(m, KEY, 30.0, task="putback", task_id="m")
     assert taken.lease is None and server_of(m).resumed() > 0, \
         f"m's acquisition waited for the window and found h's lock: {taken}"
+
+
+@pytest.mark.timeout(120)
+def test_a_beat_started_during_the_episode_claims_after_the_window(group: SentinelGroup) -> None:
+    """A beat started once ``A`` is elected again (it never used ``B``) reaches the primary
+    before its first claim round (the pool asks the sentinels now, a connection is lent
+    and checked): it must open the failover's window there and hold its claims for it,
+    while a beat that claimed slots on ``B`` gets there and writes them back."""
+    with group.servers[0].client() as direct:
+        mark_in_use(direct, PREFIX)
+    episode = reelect(group, process(group.url))
+    beat = process(group.url)
+    store = ClaimStore(lambda: beat, PREFIX, "beat-started-late", margin=timedelta(seconds=3))
+    left = store.reach()
+    assert server_of(beat).recovery().reason == FAILED_OVER, "the beat opened the failover's window"
+    assert left > 0 or server_of(beat).recovery().left() <= 0, "its claims wait for what is left of it"
+    assert record_on(episode.a).epoch == epoch_of(beat) >= 2
 
 
 @breaks("the record's epoch outlives the sentinels that wrote it: a new fleet counts from 0 again")
