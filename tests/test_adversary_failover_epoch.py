@@ -116,8 +116,10 @@ def all_name(group: SentinelGroup, port: int, sentinels: int = 3) -> bool:
 
 
 def role(server: ServerProcess) -> str:
+    """``server``'s replication role ('' when it does not answer)."""
     try:
-        return str(server.client().info("replication").get("role"))
+        with server.client() as direct:
+            return str(direct.info("replication").get("role"))
     except redis.RedisError:
         return ""
 
@@ -154,7 +156,8 @@ def reelect(group: SentinelGroup, h: Any, sentinels: int = 3) -> Episode:
     try:
         gate(lambda: all_name(group, b.port or 0, sentinels) and role(b) == "master", "the sentinels promote B")
         held = take(h, KEY, spec("h-boot"), "h", "h takes k on B")
-        reached(b.client().get(KEY) == held.value.encode(), "h's lock is on B")
+        with b.client() as on_b:
+            reached(on_b.get(KEY) == held.value.encode(), "h's lock is on B")
     finally:
         a.send(signal.SIGCONT)
 
@@ -178,9 +181,11 @@ def reelect(group: SentinelGroup, h: Any, sentinels: int = 3) -> Episode:
 
 
 def record_on(server: ServerProcess) -> ServerRecord:
+    """The server record on ``server`` (a plain failure if there is none)."""
     with server.client() as direct:
         record = ServerRecord.decode(direct.get(server_key(PREFIX)))
-    assert record is not None
+    if record is None:
+        pytest.fail(f"scenario not reached: no record on {server.name}")
     return record
 
 
