@@ -14,11 +14,12 @@ before it writes (:meth:`FollowingSentinelPool.moved_from`).
 
 The sentinels' answer also carries the primary's **failover epoch** (``config-epoch``
 of ``SENTINEL MASTERS``), which grows with every failover. :class:`EpochSentinel`
-keeps the highest one it was told, and a new connection's check
-(:mod:`..recovery.server`) holds it against the epoch the data's record was written
-at: a primary elected again after a failover (one that never replicated from the
-interim primary) is then noticed by a process that never saw the interim one, at no
-extra request.
+keeps the latest answer, the primary's address with its epoch, and a new connection's
+check (:mod:`..recovery.server`) holds the epoch the sentinels named that address at
+against the one the data's record was written at: a primary elected again after a
+failover (one that never replicated from the interim primary) is then noticed by a
+process that never saw the interim one, at no extra request. The epochs are compared
+for equality, not order: sentinels deployed anew count from 0 again.
 """
 
 from __future__ import annotations
@@ -37,34 +38,37 @@ FOLLOW_EVERY = 0.5
 
 
 class EpochSentinel(Sentinel):
-    """A :class:`redis.sentinel.Sentinel` that remembers, per primary name, the highest
-    failover epoch (``config-epoch``) of an answer it took."""
+    """A :class:`redis.sentinel.Sentinel` that remembers, per primary name, the latest
+    answer it took: the primary's address and its failover epoch (``config-epoch``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py
-        #: Primary name -> the highest ``config-epoch`` a sentinel named it with.
-        self.failover_epochs: dict[str, int] = {}
+        #: Primary name -> ((host, port), ``config-epoch``) of the latest answer taken.
+        self.answers: dict[str, tuple[tuple[Any, Any], int]] = {}
 
     def check_master_state(self, state: dict[str, Any], service_name: str) -> bool:
         # redis-py calls this with the state of the primary each sentinel names, and uses
-        # the first one that passes: the epoch recorded is that answer's.
+        # the first one that passes: the answer recorded is that one.
         usable = bool(super().check_master_state(state, service_name))  # type: ignore[no-untyped-call]
         if usable:
             try:
                 epoch = int(state.get("config-epoch") or 0)
             except (TypeError, ValueError):
                 epoch = 0
-            if epoch > self.failover_epochs.get(service_name, 0):
-                self.failover_epochs[service_name] = epoch
+            self.answers[service_name] = ((state.get("ip"), state.get("port")), epoch)
         return usable
 
 
 def failover_epoch(connection: Any) -> int:
-    """The highest failover epoch the sentinels told the pool of ``connection`` (0: not a
-    Sentinel connection, or never told)."""
+    """The failover epoch the sentinels named the primary behind ``connection`` at, in
+    their latest answer to its pool (0: not a Sentinel connection, or unknown: the latest
+    answer named another address, or none was taken)."""
     pool: Any = getattr(connection, "connection_pool", None)
-    epochs = getattr(getattr(pool, "sentinel_manager", None), "failover_epochs", None)
-    return int(epochs.get(pool.service_name, 0)) if isinstance(epochs, dict) else 0
+    answers = getattr(getattr(pool, "sentinel_manager", None), "answers", None)
+    if not isinstance(answers, dict):
+        return 0
+    address, epoch = answers.get(pool.service_name, ((None, None), 0))
+    return int(epoch) if address == (connection.host, connection.port) else 0
 
 
 class FollowingSentinelPool(SentinelConnectionPool):

@@ -3,8 +3,8 @@ lives (one per server, or one per Redis Cluster shard, kept on that shard).
 
 ``<prefix>:server`` is a small JSON object (:class:`ServerRecord`) naming the server
 last seen serving the data, the data's generation, the longest recovery window its
-users need, when the latest window opened and the highest Sentinel failover epoch its
-writers were told; ``<prefix>:recovery``'s TTL is an open window. The rule that reads
+users need, when the latest window opened and the Sentinel failover epoch its last
+writer was told; ``<prefix>:recovery``'s TTL is an open window. The rule that reads
 and writes them is in :mod:`.window`.
 """
 
@@ -37,8 +37,8 @@ class ServerRecord:
     #: The server's clock (Unix ms) when the latest window opened: the data may have lost
     #: writes made before it (0: never). A lock not renewed since is unconfirmed.
     since_ms: int = 0
-    #: The highest Sentinel failover epoch (``config-epoch``) a writer of the record was
-    #: told; a failover since makes it lower than the sentinels' (0: none known).
+    #: The Sentinel failover epoch (``config-epoch``) the record's last writer was told; a
+    #: failover since makes it differ from the sentinels' (0: none known).
     epoch: int = 0
 
     def encode(self) -> str:

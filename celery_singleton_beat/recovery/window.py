@@ -25,18 +25,20 @@ is older than this process has seen           opens a window (a former primary s
 names another server, this one promoted        opens a window (a failover)
 names another server, no append-only file      opens a window (a restart that lost data)
 names another server, append-only file         opens none (every write was kept)
-was written before a failover (Sentinel)       opens a window (a primary elected again may
-                                               lack the interim primary's writes)
+was written at another failover epoch          opens a window (a primary elected again may
+(Sentinel)                                     lack the interim primary's writes)
 =============================================  ==========================================
 
 Older: a lower generation than the one this process saw, or the same generation naming
 another server than the one it saw at it (two histories that reached it apart).
-Written before a failover: the record carries the Sentinel failover epoch
-(``config-epoch``) its writer was told, and the sentinels now name the primary at a
-higher one (:mod:`..connection.sentinel`; the last row applies only where no other
-opened a window, and never to clients that are not Sentinel's): after a failover the
-data may be a former primary's, elected again without replicating from the interim one,
-which the record alone does not tell a process that never saw the interim primary.
+Another failover epoch: the record carries the Sentinel failover epoch
+(``config-epoch``) its writer was told, and the sentinels now name the primary at another
+one (:mod:`..connection.sentinel`; the last row applies only where no other opened a
+window, and never to clients that are not Sentinel's): after a failover the data may be a
+former primary's, elected again without replicating from the interim one, which the
+record alone does not tell a process that never saw the interim primary. Another, not
+only a higher one: sentinels deployed anew count from 0 again, and a sentinel that lags
+behind costs a window rather than a miss.
 A check that finds anything but "names this server" writes the record anew: this server,
 the generation one above the highest its process or the record knew (a missing record
 counts as 0), and the larger of the record's need and the need this process brings; one
@@ -123,8 +125,9 @@ class Finding(enum.Enum):
     OLDER = "older"
     #: The record names another server: a restart or a failover since.
     OTHER = "other"
-    #: The record was written at a lower Sentinel failover epoch than the current one, and
-    #: nothing above opened a window: a failover since, maybe back to a former primary.
+    #: The record was written at another Sentinel failover epoch than the one the sentinels
+    #: name the primary at now, and nothing above opened a window: a failover since, maybe
+    #: back to a former primary.
     FAILED_OVER = "failed-over"
 
 
@@ -203,9 +206,9 @@ class Notice:
 # process needs (ms); the reasons of the window opened when the record is missing, names
 # another server ('': none, as opening() says) and is older than the process has seen;
 # the Sentinel failover epoch this process was told (0: none) and the reason of the
-# window opened when it is above the record's and no other reason opened one.
-# Writes the record (this server, the generation, the larger need, the larger epoch)
-# unless it named this server already with a need and an epoch as large; opens the
+# window opened when it differs from the record's and no other reason opened one.
+# Writes the record (this server, the generation, the larger need, the epoch told)
+# unless it named this server already with a need as large and that epoch; opens the
 # window (the larger need) where the reason says so. Returns the finding, the record's
 # generation and need (ms), the window's ms left (< 0: none) and reason, when the latest
 # window opened (ms) and the record's epoch.
@@ -223,16 +226,17 @@ if finding ~= 'same' then generation = math.max(generation, seen) + 1 end
 -- A failover since the record was written keeps the generation when the record names
 -- this server: a process that saw the interim primary's (higher) one finds it older.
 local told = tonumber(ARGV[8])
-if why == '' and raw and told > epoch then
+if why == '' and raw and told > 0 and told ~= epoch then
   finding, why = 'failed-over', ARGV[9]
 end
 local ms = math.max(need, brought)
-local written = math.max(epoch, told)
+local written = epoch
+if told > 0 then written = told end
 if why ~= '' then
   local now = redis.call('TIME')
   since = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
-if finding ~= 'same' or ms > need or written > epoch then
+if finding ~= 'same' or ms > need or written ~= epoch then
   redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = generation, need_ms = ms,
                                            since_ms = since, epoch = written}))
 end
@@ -315,7 +319,7 @@ class ServerMemory:
                 run_id, max(seen.record.generation, known.generation if known else 0),
                 max(seen.record.need, known.need if known else 0.0),
                 max(seen.record.since_ms, known.since_ms if known else 0),
-                max(seen.record.epoch, known.epoch if known else 0))
+                seen.record.epoch)
             if lost:
                 self.epoch += 1
                 now = time.monotonic()
@@ -339,13 +343,14 @@ def memory_for(url: str) -> ServerMemory:
 
 
 # KEYS: the server record. ARGV: the server's run id, the lowest generation to write, the
-# failover epoch to record. Leaves a record naming this server at that epoch as it is; else
-# names it, one generation up (at least ARGV[2]), keeping the record's need.
+# failover epoch to record (0: the record's). Leaves a record naming this server at that
+# epoch as it is; else names it, one generation up (at least ARGV[2]), keeping its need.
 _MARK = READ_RECORD + """
 local told = tonumber(ARGV[3])
-if raw and server == ARGV[1] and epoch >= told then return 0 end
+if told == 0 then told = epoch end
+if raw and server == ARGV[1] and epoch == told then return 0 end
 redis.call('SET', KEYS[1], cjson.encode({server = ARGV[1], generation = math.max(generation + 1,
-  tonumber(ARGV[2])), need_ms = need, epoch = math.max(epoch, told)}))
+  tonumber(ARGV[2])), need_ms = need, epoch = told}))
 return 1
 """
 
