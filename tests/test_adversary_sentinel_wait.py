@@ -215,5 +215,62 @@ def test_a_release_that_waited_and_moved_once_still_says_not_ours(group: Sentine
     released = execute(client, KEY, lambda info: release_request(info, KEY, "not-this-value"),
                        before_write=fail_over_while_waiting)
     assert seen, "the failover happened inside the release's wait"
-    assert _holders(old, seen[0])[1] is not None, "the release was written to the promoted primary: nothing deleted"
+    assert _holders(old, seen[0])[1] is not None, "the other run's lock is untouched"
     assert released is False, f"written once, not ours: False, not 'unknown' ({released!r})"
+
+
+@pytest.mark.timeout(120)
+def test_a_reconnect_refused_after_the_wait_is_an_outage_with_nothing_written_and_nothing_lent(
+        group: SentinelGroup) -> None:
+    """The sentinels name the promoted primary, which refuses the connection made again
+    (it died right after its promotion): the acquire fails as an outage (a connection
+    error, which the caller handles), writes nothing to the former primary, and leaves no
+    connection lent."""
+    old = group.master_address()
+    seen: list[Address] = []
+
+    def fail_over_then_lose_the_promoted() -> float:
+        if seen:
+            return 0.0
+        new = _fail_over(group, old, via=0, informed=[0, 1, 2])
+        group.server_on(new[1]).stop(timeout=10)  # named for down-after (30 s) more: refused meanwhile
+        seen.append(new)
+        return 2.0
+
+    client = _waiting_client(group, fail_over_then_lose_the_promoted)
+    with pytest.raises(redis.ConnectionError):
+        take_lock(client, KEY, 30.0, task="adv-sentinel-wait", task_id="after-the-wait")
+    assert seen, "the failover happened inside the acquire's wait"
+    assert _named_by(group, 0) == seen[0], "the sentinels still name the promoted primary"
+    with _server(old) as former:
+        assert former.get(KEY) is None, "nothing was written to the former primary"
+    assert not client.connection_pool._in_use_connections, "every connection went back to the pool"
+
+
+@pytest.mark.timeout(120)
+def test_the_request_moved_to_the_promoted_primary_waits_for_the_window_it_opens(group: SentinelGroup) -> None:
+    """After the move, the connection's check on the promoted primary opens a window (the
+    data's record predates the failover): the request waits for it (the library's own wait
+    this time) before it writes there, not in the first window's stead."""
+    old = group.master_address()
+    calls: list[float] = []
+    server: LockServer | None = None
+
+    def fail_over_then_wait_for_real() -> float:
+        assert server is not None
+        if calls:
+            waited = LockServer.pause(server)
+            calls.append(waited)
+            return waited
+        _fail_over(group, old, via=0, informed=[0, 1, 2])
+        calls.append(2.0)
+        return 2.0
+
+    client = _waiting_client(group, fail_over_then_wait_for_real)
+    server = client.csb_server
+    taken = take_lock(client, KEY, 30.0, task="adv-sentinel-wait", task_id="after-the-wait")
+    assert taken.lease is not None
+    assert len(calls) >= 2 and calls[1] > 0, f"the moved request waited for the promoted primary's window ({calls})"
+    assert not server.recovery().open, "written once the window had closed"
+    new = group.master_address()
+    assert _holders(old, new) == (None, taken.lease.value.encode()), "written to the promoted primary only"
