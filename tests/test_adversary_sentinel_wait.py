@@ -9,6 +9,11 @@ Each fails the group over inside the wait (the test's own hook in place of the s
 as in ``test_sentinel_wait.py``), makes the former primary take writes again (one back
 from a pause does, until the sentinels make it a replica) and lets another run take the
 key on the promoted primary: an acquire written to the former primary is a second holder.
+
+How long a sentinel names the former primary: on loopback with every link up, ~0.1 s after
+the sentinel that led the failover (the leader sends its new configuration at once; three
+user-requested failovers, 2026-12-03); a sentinel cut off from the others (a partition that
+leaves it, the client and the former primary on one side) names it until it is reached.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ def _fail_over(group: SentinelGroup, old: Address, via: int, informed: list[int]
         except redis.RedisError:
             return None
 
-    new = wait_for(promoted, timeout=30, interval=0.05, message="the informed sentinels name a promoted primary")
+    new: Address = wait_for(promoted, timeout=30, interval=0.05,
+                            message="the informed sentinels name a promoted primary")
     with _server(old) as former:
         former.execute_command("REPLICAOF", "NO", "ONE")
     return new
@@ -86,7 +92,7 @@ def _waiting_client(group: SentinelGroup, wait: Callable[[], float]) -> Any:
         mark_in_use(primary)
     client = redis_from_url(group.url)
     server = LockServer("singleton", 1.5)
-    client.csb_server = server
+    client.csb_server = server  # type: ignore[union-attr]
     client.ping()  # the pool's connection to the current primary, checked; the pool knows it
     server.pause = wait  # type: ignore[method-assign]
     return client
