@@ -1,10 +1,12 @@
 """Adversary of the re-ask after a recovery window's wait (:func:`.pooled.run_pooled`,
-:meth:`.sentinel.FollowingSentinelPool.moved_from`).
+:meth:`.sentinel.FollowingSentinelPool.primary_after_wait`).
 
 An acquire that waited for a window asks the sentinels again before it writes, and moves
 to the primary they name. These tests attack what that question trusts: the first
-sentinel's answer (one that has not learnt the failover yet names the former primary),
-and no answer at all (every sentinel out of reach: the pool keeps the primary it knew).
+sentinel's answer (one that has not learnt the failover yet names the former primary:
+every sentinel is asked now, the newest epoch wins), and no answer at all (every
+sentinel out of reach: an outage now, where the pool kept the primary it knew), and a
+release that waited and moved (written once: "not ours" stays False).
 Each fails the group over inside the wait (the test's own hook in place of the sleep,
 as in ``test_sentinel_wait.py``), makes the former primary take writes again (one back
 from a pause does, until the sentinels make it a replica) and lets another run take the
@@ -144,9 +146,7 @@ def _keep_from_hellos(group: SentinelGroup, index: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="moved_from takes the first sentinel's answer: one that has not learnt the "
-                                       "failover yet names the former primary, and the acquire is written there")
-def test_a_first_sentinel_not_told_of_the_failover_sends_the_acquire_to_the_former_primary(
+def test_an_acquire_after_a_wait_goes_to_the_newest_primary_though_the_first_sentinel_lags(
         group: SentinelGroup) -> None:
     old = group.master_address()
     _keep_from_hellos(group, 0)  # the client's first sentinel
@@ -171,8 +171,6 @@ def test_a_first_sentinel_not_told_of_the_failover_sends_the_acquire_to_the_form
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="moved_from says 'not moved' when no sentinel answers (the pool keeps the "
-                                       "primary it knew): the acquire is written to the former primary")
 def test_no_sentinel_answering_after_the_wait_is_not_a_go_ahead(group: SentinelGroup) -> None:
     old = group.master_address()
     seen: list[tuple[Address, str]] = []
@@ -202,9 +200,6 @@ def test_no_sentinel_answering_after_the_wait_is_not_a_go_ahead(group: SentinelG
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="executor._counting counts each call of before_write as a write: a request "
-                                       "marked unsure_when_repeated that waited and moved is written once, yet a "
-                                       "False result comes back as None (latent: no such caller today)")
 def test_a_release_that_waited_and_moved_once_still_says_not_ours(group: SentinelGroup) -> None:
     old = group.master_address()
     seen: list[Address] = []

@@ -39,13 +39,13 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     goes back (``WAIT`` counts the replicas of that connection's writes; on a
     slot that migrates, the connection to the target when the request's first
     command went there). ``before_write`` runs once the connection is up (a
-    recovery window's wait); when it waited (returned a true value) and the sentinels
-    name another primary meanwhile, the connection is made again to that one (and
-    checked, maybe waiting again) before the request is written. A connection that fails with a connection error
-    is dropped and the request is sent once more on a new one (on Cluster, once
-    the layout was read again: to the node serving the slot now); one whose
-    replies were not all read (whatever the exception) is dropped, never put
-    back. On Cluster, ``-MOVED`` and ``-ASK`` are followed (see the module
+    recovery window's wait, called again only after one); when it waited (returned a
+    true value) and the sentinels name another primary meanwhile, the connection is made
+    again to that one (and checked, maybe waiting again) before the request is written.
+    A connection that fails with a connection error is dropped and the request is
+    sent once more on a new one (on Cluster, once the layout was read again: to the
+    node serving the slot now); one whose replies were not all read (whatever the
+    exception) is dropped, never put back. On Cluster, ``-MOVED`` and ``-ASK`` are followed (see the module
     docstring).
     """
     cluster = is_cluster(client)
@@ -65,12 +65,16 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
         try:
             ensure_checked(connection, looker_of(client))
             if before_write is not None:
-                while before_write() and _moved_from(pool, connection):
+                waited = before_write()
+                while waited and (primary := _primary_after_wait(pool, connection)) is not None:
                     # Sentinel failed over while the request waited (a recovery window): write
-                    # it to the primary named now, on a connection checked there.
+                    # it to the primary named now, on a connection checked there (which may
+                    # find a window of its own to wait for).
                     connection.disconnect()
+                    connection.connect_to(primary)
                     ensure_checked(connection, looker_of(client))
                     link = PoolLink(connection)  # scripts loaded on that connection only
+                    waited = before_write()
             result = run_on(link, request, follow)
             if after is not None:
                 result = after(follow.link if follow is not None and follow.link is not None else link, result)
@@ -97,11 +101,11 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     raise AssertionError("unreachable")
 
 
-def _moved_from(pool: Any, connection: Any) -> bool:
-    """Whether the sentinels name another primary than ``connection``'s now (False for a
-    pool that does not follow Sentinel: one server, a Cluster node)."""
-    moved_from = getattr(pool, "moved_from", None)
-    return bool(moved_from(connection)) if moved_from is not None else False
+def _primary_after_wait(pool: Any, connection: Any) -> Any:
+    """The primary the sentinels name now, if not ``connection``'s (None: its own, or a pool
+    that does not follow Sentinel: one server, a Cluster node)."""
+    after_wait = getattr(pool, "primary_after_wait", None)
+    return after_wait(connection) if after_wait is not None else None
 
 
 def run_by_node(client: Any, commands: Sequence[tuple[Any, ...]], scripts: Sequence[LuaScript] = ()) -> list[Any]:

@@ -9,8 +9,9 @@ connections already use the promoted one. Here a pool asks the sentinels at most
 every :data:`FOLLOW_EVERY` seconds, before it lends a connection, and a
 connection to a server that is no longer the primary is dropped before use: a
 process with lock traffic reaches the promoted primary within that bound. A request
-that waited after its connection was lent (a recovery window: seconds) asks again
-before it writes (:meth:`FollowingSentinelPool.moved_from`).
+that waited after its connection was lent (a recovery window: seconds) asks every
+sentinel again before it writes, and goes to the primary named at the newest epoch
+(:meth:`FollowingSentinelPool.primary_after_wait`).
 
 The sentinels' answer also carries the primary's **failover epoch** (``config-epoch``
 of ``SENTINEL MASTERS``), which grows with every failover. :class:`EpochSentinel`
@@ -29,7 +30,7 @@ import time
 from typing import Any
 
 import redis
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
 __all__ = ["FOLLOW_EVERY", "EpochSentinel", "FollowingSentinelPool", "failover_epoch"]
 
@@ -57,6 +58,27 @@ class EpochSentinel(Sentinel):
                 epoch = 0
             self.answers[service_name] = ((state.get("ip"), state.get("port")), epoch)
         return usable
+
+    def newest_master(self, service_name: str) -> tuple[Any, Any]:
+        """Ask every sentinel, and take the primary named at the highest failover epoch
+        (where :meth:`discover_master` takes the first answer that looks usable: one from a
+        sentinel that has not heard of a failover yet names the former primary). Raises
+        :class:`redis.sentinel.MasterNotFoundError` when none answers usably: an outage."""
+        best: tuple[tuple[Any, Any], int] | None = None
+        for sentinel in self.sentinels:
+            try:
+                masters: Any = sentinel.sentinel_masters()
+                state = masters.get(service_name)
+            except (redis.ConnectionError, redis.TimeoutError):
+                continue
+            if state and self.check_master_state(state, service_name):
+                answer = self.answers[service_name]
+                if best is None or answer[1] > best[1]:
+                    best = answer
+        if best is None:
+            raise MasterNotFoundError(f"no sentinel names a usable primary for {service_name!r}")
+        self.answers[service_name] = best
+        return best[0]
 
 
 def failover_epoch(connection: Any) -> int:
@@ -87,13 +109,16 @@ class FollowingSentinelPool(SentinelConnectionPool):
         with contextlib.suppress(redis.RedisError):
             self._primary = tuple(self.get_master_address())  # type: ignore[no-untyped-call]
 
-    def moved_from(self, connection: Any) -> bool:
-        """Ask the sentinels now: True if they name another primary than the one
-        ``connection`` points at (a request that waited since it was lent, for a recovery
-        window, must not be written to a primary failed over from meanwhile)."""
-        self.follow()
-        primary = self._primary
-        return primary is not None and connection.host is not None and (connection.host, connection.port) != primary
+    def primary_after_wait(self, connection: Any) -> tuple[Any, Any] | None:
+        """The primary to write to, if not ``connection``'s (None: its own), for a request
+        that waited since ``connection`` was lent (a recovery window: a failover may have
+        happened meanwhile). Every sentinel is asked and the newest answer wins
+        (:meth:`EpochSentinel.newest_master`); none answering raises
+        :class:`redis.sentinel.MasterNotFoundError` (an outage), never a go-ahead."""
+        manager: EpochSentinel = self.sentinel_manager
+        primary = manager.newest_master(self.service_name)
+        self._primary, self._next_ask = tuple(primary), time.monotonic() + FOLLOW_EVERY
+        return None if (connection.host, connection.port) == self._primary else self._primary
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         if time.monotonic() >= self._next_ask:

@@ -36,17 +36,18 @@ def execute(client: RedisClient, key: str, build: Callable[[ServerInfo], Request
     info = server.info or PORTABLE
     for attempt in (1, 2):
         request = build(info)
-        # The executors call before_write before each write of the request: count them
-        # (a C-level counter where nothing else is to be called: a release's path).
-        writes = itertools.count() if request.unsure_when_repeated else None
-        hook = (before_write if writes is None else writes.__next__ if before_write is None
-                else _counting(writes, before_write))
+        writes = None
         try:
             channel = None if pooled or after is not None else channel_or_none(client)
             if channel is not None:
+                # The channel calls before_write before each write of the request: count them
+                # (a C-level counter where nothing else is to be called: a release's path).
+                writes = itertools.count() if request.unsure_when_repeated else None
+                hook = (before_write if writes is None else writes.__next__ if before_write is None
+                        else _counting(writes, before_write))
                 result = channel.call(request, hook)
-            else:
-                result = run_pooled(client, key, request, after=after, before_write=hook)
+            else:  # tells a repeated write itself (and may call before_write again after a move)
+                result = run_pooled(client, key, request, after=after, before_write=before_write)
         except NativeRefused as exc:
             if attempt == 2:
                 raise
