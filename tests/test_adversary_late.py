@@ -103,7 +103,7 @@ def test_the_pending_give_back_of_a_late_lock_spares_the_same_task_ids_next_lock
 
     task_id = "late-then-retried"
     proxy.delay = DELAY
-    with pytest.raises(LockUnavailable, match="past its"):
+    with pytest.raises(LockUnavailable, match="could vouch for it"):
         job.apply(args=(1,), task_id=task_id, throw=True)
     proxy.hold()  # the give-back waits in the proxy
     try:
@@ -171,10 +171,10 @@ def test_a_worker_paused_while_its_acquire_is_in_flight_does_not_run_beside_the_
             wait_for(lambda: records.get("running:k") == second.id.encode(), timeout=60, message="B runs")
         finally:
             a.signal(signal.SIGCONT)
-        wait_for(lambda: "past its" in a.output() or records.get("running:k") != second.id.encode(), timeout=60,
-                 message="A read its late reply")
+        wait_for(lambda: "could vouch for it" in a.output() or records.get("running:k") != second.id.encode(),
+                 timeout=60, message="A read its late reply")
         assert records.get("running:k") == second.id.encode(), "A ran on a lock granted by a late reply"
-        a.wait_for_line(first.id, "past its", timeout=60)
+        a.wait_for_line(first.id, "could vouch for it", timeout=60)
         records.delete("hold:k")
         assert second.get(timeout=60) == "k"
         runs = [json.loads(r)["note"] for r in records.lrange("runs:k", 0, -1)]
@@ -194,7 +194,7 @@ def test_a_late_lock_is_not_counted_as_a_run_that_took_its_lock(proxy: DelayProx
         return x
 
     proxy.delay = DELAY
-    with pytest.raises(LockUnavailable, match="past its"):
+    with pytest.raises(LockUnavailable, match="could vouch for it"):
         job.apply(args=(1,), throw=True)
     proxy.delay = 0.0
     wait_for(lambda: not get_keeper().pending_releases, timeout=30, message="the late lock given back")

@@ -138,29 +138,33 @@ def accepted_at(request: Any) -> float | None:
 
 
 class LateLockReply(redis.TimeoutError):
-    """An acquire's reply was read after the lease it granted had run out."""
+    """An acquire's reply was read after its holder could vouch for the lease it granted."""
 
 
 def in_time(result: AcquireResult, give_back: Callable[[Any], object]) -> AcquireResult:
-    """``result``, unless it granted a lease that had already run out when its reply was read.
+    """``result``, unless it granted a lease its holder could no longer vouch for when the
+    reply was read.
 
-    A lease counts from when its acquire was sent: a reply that took longer than the
-    lease (a slow or stalled link, a process paused while it waited) grants a lock
-    that may have expired and been taken since. The run must not start on it: the
-    lock is handed to ``give_back`` (released if it is still ours, whenever Redis
-    answers) and :class:`LateLockReply` raised, which fails the acquire as a timeout
-    does: the run waits for its lock Redis (:func:`wait_for_redis`). The acquire
-    counted the lock under ``acquired``; no run took it, so that count is taken back.
+    A lease counts from when its acquire was sent, and is vouched for until the earliest
+    moment another could hold the key (``ensure_held``'s grace: the lease's end, a
+    take-over, or a recovery window after a restart or a failover that lost the lock): a
+    reply that took longer than that (a slow or stalled link, a process paused while it
+    waited) grants a lock that may have been lost and taken since. The run must not start
+    on it: the lock is handed to ``give_back`` (released if it is still ours, whenever
+    Redis answers) and :class:`LateLockReply` raised, which fails the acquire as a timeout
+    does: the run waits for its lock Redis (:func:`wait_for_redis`) and acquires again.
+    The acquire counted the lock under ``acquired``; no run took it, so that count is
+    taken back.
     """
     lease = result.lease
     if lease is not None:
-        late = time.monotonic() - lease.valid_until
+        late = time.monotonic() - lease.vouched_until
         if late >= 0:
             spec = lease.spec
             counters.count(lease.client, spec.stats_key, spec.counters[0], -1)
             give_back(lease)
-            raise LateLockReply(f"the reply granting the lock came {late + lease.spec.ttl:.1f}s after its "
-                                f"request, past its {lease.spec.ttl:g}s lease")
+            raise LateLockReply(f"the reply granting the lock came {late + spec.grace:.1f}s after its "
+                                f"request, past the {spec.grace:g}s its holder could vouch for it")
     return result
 
 
