@@ -395,6 +395,28 @@ def test_a_slot_due_while_every_beat_or_the_lock_redis_was_down_is_excused(tmp_p
     assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["slot-excused"]
 
 
+@pytest.mark.parametrize("case", ["outage", "broker up", "due after the beats sent again"])
+def test_a_slot_due_while_a_publish_waited_out_a_broker_outage_and_superseded_is_excused(
+        tmp_path: Path, case: str) -> None:
+    """Every beat's publish waited for the broker (down from 17 s to 22 s): the slot due at
+    20 s came due meanwhile, and the entry sent its latest slot once the publish returned
+    (the standalone chaos run of 2026-12-03, seed 3: a 6 s broker restart, an entry every
+    2 s). Excused as a superseded slot; not when the broker was up, nor for a slot due once
+    the beats were sending again."""
+    story = baseline().drop_slot(20.0)
+    if case != "broker up":
+        story.add("proc", 17.0, name="broker-redis", action="exit", pid=5, code=-9)
+        story.add("proc", 19.0 if case == "due after the beats sent again" else 22.0, name="broker-redis",
+                  action="start", pid=6)
+    if case == "due after the beats sent again":
+        story.add("sent", 19.5, "beat-b1", 3, id="other", entry="other", slot=slot_label(EPOCH + 19.5))
+    verdict = story.judge(tmp_path)
+    if case == "outage":
+        assert kinds(verdict) == [] and [r.kind for r in verdict.reports] == ["slot-excused"], verdict.violations
+    else:
+        assert kinds(verdict) == ["slot"]
+
+
 @pytest.mark.parametrize("waited", ["this slot", "another slot", "last slot"])
 def test_a_slot_held_back_for_a_recovery_window_and_superseded_is_excused(tmp_path: Path, waited: str) -> None:
     """A beat held the slot back for the lock Redis's recovery window (a resharding that

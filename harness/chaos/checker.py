@@ -449,6 +449,30 @@ def _superseded_after_window(history: History, seen: dict[tuple[str, str], list[
                                           f"the entry sent a later slot after it")
 
 
+def _superseded_in_broker_outage(history: History, seen: dict[tuple[str, str], list[Event]], name: str,
+                                 label: str, due: float) -> Window | None:
+    """A slot due while the broker was down (from its exit until a beat sent again: the
+    beats' publishes wait out the outage) of an entry that sent a later slot after it:
+    an entry due more than once while a publish waits sends the latest (the guarantees,
+    as after any outage)."""
+    broker = "lock-redis" if history.meta.get("settings", {}).get("variant") == "same" else "broker-redis"
+    procs = [e for e in history.of("proc") if e.get("name") == broker and e.get("action") in ("exit", "start")]
+    sends = sorted(e.m for e in history.of("sent"))
+    for exit_event in (e for e in procs if e.get("action") == "exit" and e.m <= due):
+        started = next((e.m for e in procs if e.get("action") == "start" and e.m > exit_event.m), None)
+        if started is None:
+            continue
+        resumed = next((m for m in sends if m > started), None)
+        if resumed is None or due > resumed:
+            continue
+        later = [s for (entry, s), events in seen.items() if entry == name and s > label
+                 and any(e.ev == "sent" and e.m >= started for e in events)]
+        if later:
+            return Window(exit_event.m, resumed, f"due while the broker was down (m={exit_event.m:.3f} until a beat "
+                                                 f"sent again at m={resumed:.3f}); the entry sent a later slot after it")
+    return None
+
+
 def _slots(history: History, all_runs: list[Run], verdict: Verdict) -> None:
     phases = {e.get("name"): e.m for e in history.of("phase")}
     if "chaos" not in phases or "quiesce" not in phases:
@@ -469,7 +493,7 @@ def _slots(history: History, all_runs: list[Run], verdict: Verdict) -> None:
                 continue
             due = history.mono(at)
             excuse = next((w for w in windows if w.covers(due)), None) or _superseded_after_window(
-                history, seen, name, label)
+                history, seen, name, label) or _superseded_in_broker_outage(history, seen, name, label, due)
             if excuse is not None:
                 counts["excused"] += 1
                 verdict.reports.append(Finding("slot-excused", f"{name} slot {label} not sent: {excuse.why}", due))
