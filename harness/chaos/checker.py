@@ -468,8 +468,9 @@ def _superseded_in_broker_outage(history: History, seen: dict[tuple[str, str], l
         later = [s for (entry, s), events in seen.items() if entry == name and s > label
                  and any(e.ev == "sent" and e.m >= started for e in events)]
         if later:
-            return Window(exit_event.m, resumed, f"due while the broker was down (m={exit_event.m:.3f} until a beat "
-                                                 f"sent again at m={resumed:.3f}); the entry sent a later slot after it")
+            why = (f"due while the broker was down (m={exit_event.m:.3f} until a beat sent again at "
+                   f"m={resumed:.3f}); the entry sent a later slot after it")
+            return Window(exit_event.m, resumed, why)
     return None
 
 
