@@ -128,6 +128,18 @@ def _candidates(version: str) -> list[str]:
     return [path for path in found if path and os.access(path, os.X_OK)]
 
 
+def relink(link: Path, target: str) -> None:
+    """Point ``link`` at ``target`` atomically: ``make test-matrix-smoke`` runs
+    two nox processes at once, and an unlink-then-symlink of one can meet the
+    other's link in between (FileExistsError). A link made under a name of this
+    process's own and renamed over ``link`` never leaves it missing or doubled."""
+    staged = link.with_name(f".{link.name}.{os.getpid()}")
+    if staged.is_symlink():
+        staged.unlink()
+    staged.symlink_to(target)
+    os.replace(staged, link)
+
+
 def discover_pythons() -> dict[str, str]:
     """Runnable interpreters by ``X.Y``; each is linked as ``pythonX.Y`` into
     ``.nox/_pythons``, which goes first on PATH so that nox finds it."""
@@ -140,10 +152,7 @@ def discover_pythons() -> dict[str, str]:
                 break
     PYTHON_LINKS.mkdir(parents=True, exist_ok=True)
     for version, path in pythons.items():
-        link = PYTHON_LINKS / f"python{version}"
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(path)
+        relink(PYTHON_LINKS / f"python{version}", path)
     os.environ["PATH"] = f"{PYTHON_LINKS}{os.pathsep}{os.environ.get('PATH', '')}"
     return pythons
 
