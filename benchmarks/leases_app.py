@@ -10,6 +10,12 @@ module is monkey-patched, so that is a gevent sleep. The singleton task holds a
 server, a redis-server of its own; the pool size and every other connection
 option are the library's defaults.
 
+For :mod:`benchmarks.bench_start_instructions`: ``BENCH_LOCK_TTL`` and
+``BENCH_LIVENESS_TTL`` change the lease and the worker's liveness TTL, and with
+``BENCH_CALLGRIND_LIB`` (a library of two callgrind client requests) and
+``BENCH_MARK_LAST`` the first body zeroes callgrind's counts as it starts and the
+``BENCH_MARK_LAST``-th dumps them: the instructions from the first start to the last.
+
 When the worker is ready (``worker_ready``: its consumer is registered, no
 message handled yet) it writes its pid, the CPU it used so far (``utime + stime``
 of the process) and whether ``time`` is patched into the record hash ``ready``.
@@ -17,6 +23,8 @@ of the process) and whether ``time`` is patched into the record hash ``ready``.
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 import time
 from typing import Any
@@ -32,7 +40,7 @@ from .common import process_cpu_seconds
 BROKER = os.environ["BENCH_BROKER"]
 LOCKS = os.environ["BENCH_LOCKS"]
 #: The lease of the singleton task, in seconds (renewed every third of it).
-LOCK_TTL = 3
+LOCK_TTL = int(os.environ.get("BENCH_LOCK_TTL", "3"))
 
 app = Celery("leases", broker=f"{BROKER}/0")
 app.conf.update(
@@ -40,6 +48,13 @@ app.conf.update(
     task_ignore_result=True,
     broker_connection_retry_on_startup=True,
 )
+if os.environ.get("BENCH_LIVENESS_TTL"):
+    app.conf.singleton_liveness_ttl = float(os.environ["BENCH_LIVENESS_TTL"])
+
+#: The callgrind marks: (zero, dump) of the library, and the body that dumps (0: none).
+_MARKS = ctypes.CDLL(os.environ["BENCH_CALLGRIND_LIB"]) if os.environ.get("BENCH_CALLGRIND_LIB") else None
+_MARK_LAST = int(os.environ.get("BENCH_MARK_LAST", "0"))
+_started = itertools.count(1)
 
 _records: redis.Redis | None = None
 
@@ -53,7 +68,19 @@ def records() -> redis.Redis:
     return _records
 
 
+def _mark() -> None:
+    """Zero callgrind's counts at the first start, dump them at the ``BENCH_MARK_LAST``-th."""
+    assert _MARKS is not None
+    nth = next(_started)
+    if nth == 1:
+        _MARKS.csb_zero()
+    elif nth == _MARK_LAST:
+        _MARKS.csb_dump()
+
+
 def body(i: int, seconds: float) -> None:
+    if _MARKS is not None:
+        _mark()
     started = time.time()
     # the member also carries the worker process's CPU so far (every thread's: the keeper's
     # too), so that the CPU spent from the first start to the last is known, whatever share
