@@ -349,6 +349,20 @@ _INCOMPLETE: Any = False
 _NOT_YET: Any = object()
 
 
+def _hiredis() -> Any:
+    """The hiredis module, or None when it is not installed."""
+    try:
+        import hiredis
+    except ImportError:
+        return None
+    return hiredis
+
+
+#: Looked for once: a borrowed connection makes a reader for each request (and a failed
+#: import searches the whole path each time).
+_HIREDIS = _hiredis()
+
+
 def reply_reader(resp3: bool = False) -> Any:
     """A reply parser with ``feed(bytes)`` and ``gets()``: hiredis's C one when installed.
 
@@ -357,9 +371,8 @@ def reply_reader(resp3: bool = False) -> Any:
     Its ``gets()`` returns :data:`_NOT_YET` while a reply is not complete (else
     :data:`_INCOMPLETE`): on RESP3 ``False`` is a reply.
     """
-    try:
-        import hiredis
-    except ImportError:
+    hiredis = _HIREDIS
+    if hiredis is None:
         return _PyReader(_NOT_YET if resp3 else _INCOMPLETE)
     if resp3:
         if len(PUSH_TYPES) == 1:
@@ -529,7 +542,14 @@ def run_on(link: Link, request: Request,
     commands' replies in their place.
     """
     try:
-        replies = read_own(link, write_request(link, request))
+        written = write_request(link, request)
+        short = request.short
+        if short is not None and not written.loads and isinstance(link, SocketLink):
+            # The usual reply, read in one step off the socket (see SocketLink.read_short).
+            result = link.read_short(short, request.count)
+            if result is not NOT_SHORT:
+                return result
+        replies = read_own(link, written)
     except _NoScript:
         replies = read_own(link, write_request(link, request))
     if redirected is not None and any(isinstance(reply, AskError) for reply in replies):

@@ -46,7 +46,7 @@ def execute(client: RedisClient, key: str, build: Callable[[ServerInfo], Request
             if channel is not None:
                 result = channel.call(request, hook)
             else:
-                result = run_pooled(client, key, request, after=after, before_write=hook)
+                result = run_pooled(client, key, request, after=after, before_write=hook, raw=True)
         except NativeRefused as exc:
             if attempt == 2:
                 raise
