@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import redis
 
+from celery_singleton_beat.connection.pooled import run_pooled
+from celery_singleton_beat.connection.wire import Request
 from celery_singleton_beat.lease.batches import combined
 from celery_singleton_beat.lease.commands import AcquireReply, acquire_request, release_request
 from celery_singleton_beat.lease.executor import execute
@@ -119,9 +121,9 @@ class SplitProxy(LoopbackProxy):
             at = min(at, end - 1)
             self.forward(client, bytes(buffer[:at]))
             wait_for(drained, timeout=10, interval=0.001, message="the client to read the first segment")
+            self.splits += 1
             self.forward(client, bytes(buffer[at:]))
             del buffer[:]
-            self.splits += 1
             return True
 
         self.relay(upstream, down, lambda: close_socket(client))
@@ -204,25 +206,28 @@ def test_an_error_reply_inside_a_batch_is_that_requests_alone(held: RedisServer,
 
 
 def test_push_frames_between_a_requests_own_replies_are_skipped(held: RedisServer) -> None:
-    """Client-side caching in broadcast mode on the pooled connection: every ``SET`` of a
-    tracked key, the acquire's own included, pushes an invalidation to it, between or
-    around the acquire's replies. Each acquire and release still reads its own replies."""
+    """Client-side caching on the pooled connection (RESP3): a key read there is tracked, and
+    the acquire's own ``SET`` of it pushes an invalidation to that connection right behind
+    the ``SET``'s reply, before the ``TIME`` reply; another client's delete of it pushes one
+    while the connection waits in the pool. Each request reads its own replies, and the
+    connection (its tracking with it) is kept."""
     client = redis.Redis(port=held.port, socket_timeout=10, protocol=3, max_connections=1)
+    assert type(acquire(client, "t:warm", "w")) is int  # the server looked at, the connection up
     connection = client.connection_pool.get_connection()
     try:
-        connection.send_command("CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "t:")
+        connection.send_command("CLIENT", "TRACKING", "ON")
         assert connection.read_response() in (b"OK", "OK")
     finally:
         client.connection_pool.release(connection)
-    pushed = held.client()
+    sock, other = only_socket(client), held.client()
     for n in range(20):
         key = f"t:{{demo.task:push}}:{n}"
+        assert run_pooled(client, key, Request([(b"GET", key)], list)) == [None]  # tracked from now
         assert type(acquire(client, key, f"v{n}")) is int
-        pushed.set(f"t:other:{n}", "x")  # one more invalidation, waiting between two borrowings
+        assert other.delete(key) == 1  # its invalidation waits on the idle connection
         reply = acquire(client, HELD, f"v{n}")
         assert isinstance(reply, AcquireReply) and reply.previous in (THEIRS, THEIRS.encode()), reply
-        assert release(client, key, f"v{n}") is True
-        assert release(client, key, f"v{n}") is False
+        assert only_socket(client) is sock
     assert_told_held(client)
 
 
