@@ -62,7 +62,9 @@ def only_socket(client: redis.Redis) -> socket.socket:
 
 
 def unread_bytes(sock: socket.socket) -> int:
-    """Bytes received on ``sock`` that nothing read yet (``FIONREAD``)."""
+    """Bytes received on ``sock`` that nothing read yet (``FIONREAD``; 0 once it is closed)."""
+    if sock.fileno() < 0:
+        return 0
     return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
 
 
@@ -229,6 +231,31 @@ def test_push_frames_between_a_requests_own_replies_are_skipped(held: RedisServe
         assert isinstance(reply, AcquireReply) and reply.previous in (THEIRS, THEIRS.encode()), reply
         assert only_socket(client) is sock
     assert_told_held(client)
+
+
+def test_a_push_frame_cut_behind_the_last_reply_is_never_lent_on(held: RedisServer) -> None:
+    """The release's delete of a key its connection tracks pushes an invalidation right
+    behind the release's reply; here the release receives its reply and the first bytes
+    of that frame, the rest arriving once it returned. Those bytes no request asked for
+    end the connection: the next borrower never reads the frame's tail as its reply."""
+    with SplitProxy(held.port) as proxy:
+        client = redis.Redis(port=proxy.port, socket_timeout=10, protocol=3, max_connections=1)
+        for n in range(3):
+            assert type(acquire(client, "t:warm", "w")) is int and release(client, "t:warm", "w") is True
+            connection = client.connection_pool.get_connection()
+            try:
+                connection.send_command("CLIENT", "TRACKING", "ON")
+                assert connection.read_response() in (b"OK", "OK")
+            finally:
+                client.connection_pool.release(connection)
+            key = f"t:{{demo.task:cut-push}}:{n}"
+            assert type(acquire(client, key, "mine")) is int  # its SET ... GET read the key: tracked
+            sock = only_socket(client)
+            proxy.armed = (4 + 10, 2, lambda sock=sock: unread_bytes(sock) == 0)  # ":1\r\n" and 10 bytes of the push
+            assert release(client, key, "mine") is True
+            wait_for(lambda: proxy.splits == n + 1, timeout=10, message="the push frame's tail sent")  # noqa: B023
+            assert_told_held(client)
+            assert type(acquire(client, key, "next")) is int
 
 
 # ----------------------------------------------------------------- a greenlet killed mid-reply
