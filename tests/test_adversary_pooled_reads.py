@@ -1,13 +1,9 @@
-"""Attacks on the lock requests that read a borrowed connection's replies off its socket.
-
-Real redis-servers only. Each attack hits the path a gevent worker's acquires and
-releases and the keeper's batched renewals take on a plain pool: replies split at
-every byte, error replies inside a batch, RESP3 push frames between a request's own
-replies, a greenlet killed while its reply is on its way, a 100 KB lock value, and a
-connection closed under the request. After each one the next request on the same
-pool must read its own replies: a key held by another is reported held by that
-other, never taken.
-"""
+"""Attacks on the lock requests that read a borrowed connection's replies off its socket
+(a gevent worker's acquires and releases, the keeper's batches, on a plain pool): replies
+split at every byte, error replies inside a batch, RESP3 push frames, a greenlet killed
+mid-reply, a 100 KB value, a connection closed under a request. Real redis-servers only.
+After each, the next request on the pool must read its own replies: a key another holds
+is reported held by that other, never taken."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ import socket
 import struct
 import sys
 import termios
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,7 +53,7 @@ def assert_told_held(client: redis.Redis, holder: str = THEIRS) -> None:
 def only_socket(client: redis.Redis) -> socket.socket:
     """The socket of the pool's one idle connection."""
     pool = client.connection_pool
-    (connection,) = pool._available_connections  # type: ignore[attr-defined]
+    (connection,) = pool._available_connections
     return connection._sock  # type: ignore[no-any-return]
 
 
@@ -66,6 +62,22 @@ def unread_bytes(sock: socket.socket) -> int:
     if sock.fileno() < 0:
         return 0
     return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
+
+
+def drained(sock: socket.socket) -> Callable[[], bool]:
+    """Whether ``sock``'s reader has taken everything received (what a split waits for)."""
+    return lambda: unread_bytes(sock) == 0
+
+
+def tracking_on(client: redis.Redis) -> None:
+    """Client-side caching (``CLIENT TRACKING ON``) on the pool's one connection: a key read
+    there is tracked, and its next change pushes an invalidation to it (RESP3)."""
+    connection = client.connection_pool.get_connection()
+    try:
+        connection.send_command("CLIENT", "TRACKING", "ON")
+        assert connection.read_response() in (b"OK", "OK")
+    finally:
+        client.connection_pool.release(connection)
 
 
 @pytest.fixture(params=[2, 3], ids=["resp2", "resp3"])
@@ -97,11 +109,8 @@ class SplitProxy(LoopbackProxy):
         self._start_accepting()
 
     def connected(self, client: socket.socket, upstream: socket.socket) -> None:
-        def up(data: bytes) -> bool:
-            self.forward(upstream, data)
-            return True
-
-        self.spawn(self.relay, client, up, lambda: close_socket(upstream), name="split-up")
+        self.spawn(self.relay, client, lambda data: self.forward(upstream, data) or True,
+                   lambda: close_socket(upstream), name="split-up")
         self.spawn(self._down, client, upstream, name="split-down")
 
     def _down(self, client: socket.socket, upstream: socket.socket) -> None:
@@ -132,16 +141,15 @@ class SplitProxy(LoopbackProxy):
 
 
 def test_replies_split_at_every_byte_are_read_whole_and_in_step(held: RedisServer, protocol: int) -> None:
-    """An acquire that takes a key, one that finds ``HELD`` another's, and a release: each
-    with its replies split in two at every byte boundary. Each reads its own replies whole,
-    on the same connection throughout (nothing left unread, nothing dropped)."""
+    """An acquire taking a key, one finding ``HELD`` another's, a release: their replies split
+    in two at every byte. Each reads its own whole, on the same connection throughout."""
     with SplitProxy(held.port) as proxy:
         client = redis.Redis(port=proxy.port, socket_timeout=10, protocol=protocol, max_connections=1)
         assert type(acquire(client, "t:warm", "w")) is int and release(client, "t:warm", "w") is True
         sock = only_socket(client)
 
         def split(at: int, count: int) -> None:
-            proxy.armed = (at, count, lambda: unread_bytes(sock) == 0)
+            proxy.armed = (at, count, drained(sock))
 
         for at in range(1, 48):
             key, value = f"t:{{demo.task:split}}:{at}", f"run-{at}"
@@ -165,6 +173,9 @@ class RefusingProxy(FaultProxy):
 
     reply = b"-ERR\r\n"
 
+    def __enter__(self) -> RefusingProxy:
+        return self
+
     def refusal(self) -> bytes:
         return self.reply
 
@@ -177,11 +188,9 @@ class RefusingProxy(FaultProxy):
 ])
 def test_an_error_reply_inside_a_batch_is_that_requests_alone(held: RedisServer, protocol: int,
                                                             error: bytes) -> None:
-    """A batch of acquire, release (a script), acquire whose middle command is refused.
-    The refusal is the release's result alone, its code kept (``BUSY``, ``NOPERM``: what
-    the outage and refusal rules read), the acquires around it answered; after
-    ``NOSCRIPT`` the batch is sent again and every result is the first run's. The
-    connection stays in step: the next acquire is told ``HELD`` is another's."""
+    """A batch (acquire, release script, acquire) whose middle command is refused: that is the
+    release's result alone, its code kept (``BUSY``, ``NOPERM``: what the outage and refusal
+    rules read); after ``NOSCRIPT`` the batch is sent again. The connection stays in step."""
     with RefusingProxy(held.port, Rates(0, 0, 0, 0, 0, 0), seed=1) as proxy:
         client = redis.Redis(port=proxy.port, socket_timeout=10, protocol=protocol, max_connections=1)
         assert type(acquire(client, "t:mine", "mine")) is int
@@ -207,55 +216,48 @@ def test_an_error_reply_inside_a_batch_is_that_requests_alone(held: RedisServer,
 # ----------------------------------------------------------------- RESP3 push frames
 
 
-def test_push_frames_between_a_requests_own_replies_are_skipped(held: RedisServer) -> None:
-    """Client-side caching on the pooled connection (RESP3): a key read there is tracked, and
-    the acquire's own ``SET`` of it pushes an invalidation to that connection right behind
-    the ``SET``'s reply, before the ``TIME`` reply; another client's delete of it pushes one
-    while the connection waits in the pool. Each request reads its own replies, and the
-    connection (its tracking with it) is kept."""
-    client = redis.Redis(port=held.port, socket_timeout=10, protocol=3, max_connections=1)
-    assert type(acquire(client, "t:warm", "w")) is int  # the server looked at, the connection up
-    connection = client.connection_pool.get_connection()
-    try:
-        connection.send_command("CLIENT", "TRACKING", "ON")
-        assert connection.read_response() in (b"OK", "OK")
-    finally:
-        client.connection_pool.release(connection)
-    sock, other = only_socket(client), held.client()
-    for n in range(20):
-        key = f"t:{{demo.task:push}}:{n}"
-        assert run_pooled(client, key, Request([(b"GET", key)], list)) == [None]  # tracked from now
-        assert type(acquire(client, key, f"v{n}")) is int
-        assert other.delete(key) == 1  # its invalidation waits on the idle connection
-        reply = acquire(client, HELD, f"v{n}")
-        assert isinstance(reply, AcquireReply) and reply.previous in (THEIRS, THEIRS.encode()), reply
-        assert only_socket(client) is sock
-    assert_told_held(client)
-
-
 def test_a_push_frame_cut_behind_the_last_reply_is_never_lent_on(held: RedisServer) -> None:
-    """The release's delete of a key its connection tracks pushes an invalidation right
-    behind the release's reply; here the release receives its reply and the first bytes
-    of that frame, the rest arriving once it returned. Those bytes no request asked for
-    end the connection: the next borrower never reads the frame's tail as its reply."""
+    """A release deleting a key its connection tracks: the invalidation is pushed right behind
+    its reply, and the release receives the reply and the frame's first bytes, the rest
+    later. The connection is ended: the next borrower never reads the frame's tail."""
     with SplitProxy(held.port) as proxy:
         client = redis.Redis(port=proxy.port, socket_timeout=10, protocol=3, max_connections=1)
         for n in range(3):
             assert type(acquire(client, "t:warm", "w")) is int and release(client, "t:warm", "w") is True
-            connection = client.connection_pool.get_connection()
-            try:
-                connection.send_command("CLIENT", "TRACKING", "ON")
-                assert connection.read_response() in (b"OK", "OK")
-            finally:
-                client.connection_pool.release(connection)
+            tracking_on(client)
             key = f"t:{{demo.task:cut-push}}:{n}"
             assert type(acquire(client, key, "mine")) is int  # its SET ... GET read the key: tracked
             sock = only_socket(client)
-            proxy.armed = (4 + 10, 2, lambda sock=sock: unread_bytes(sock) == 0)  # ":1\r\n" and 10 bytes of the push
+            proxy.armed = (4 + 10, 2, drained(sock))  # ":1\r\n" and 10 bytes of the push
             assert release(client, key, "mine") is True
             wait_for(lambda: proxy.splits == n + 1, timeout=10, message="the push frame's tail sent")  # noqa: B023
             assert_told_held(client)
             assert type(acquire(client, key, "next")) is int
+
+
+def test_push_frames_in_the_parser_or_between_a_requests_replies(held: RedisServer) -> None:
+    """Client-side caching on the pooled connection. Another client's write of a tracked key
+    pushes an invalidation to it while idle: its first bytes are in redis-py's parser when
+    it is lent (the pool's check read them), the rest comes after; the acquire must not
+    start reading mid-frame off the socket. An acquire's own ``SET`` of a tracked key
+    pushes one between the ``SET``'s reply and ``TIME``'s: skipped. The connection is kept."""
+    with SplitProxy(held.port) as proxy:
+        client = redis.Redis(port=proxy.port, socket_timeout=10, protocol=3, max_connections=1)
+        assert type(acquire(client, "t:warm", "w")) is int
+        tracking_on(client)
+        other = held.client()
+        for n in range(10):
+            key, own = f"t:{{demo.task:half-push}}:{n}", f"t:{{demo.task:own-push}}:{n}"
+            assert run_pooled(client, key, Request([(b"GET", key), (b"GET", own)], list)) == [None, None]
+            sock = only_socket(client)
+            proxy.armed = (7, 1, drained(sock))  # ">2\r\n$10" of the push
+            other.set(key, "theirs")
+            wait_for(lambda: unread_bytes(sock) == 7, timeout=10, message="half the push received")  # noqa: B023
+            reply = acquire(client, key, "mine")
+            assert isinstance(reply, AcquireReply) and reply.previous == b"theirs", reply
+            assert type(acquire(client, own, "mine")) is int
+            assert only_socket(client) is sock
+        assert_told_held(client)
 
 
 # ----------------------------------------------------------------- a greenlet killed mid-reply
@@ -266,10 +268,8 @@ monkey.patch_all()
 
 import sys
 import time
-
 import gevent
 import redis
-
 from celery_singleton_beat.lease.commands import acquire_request
 from celery_singleton_beat.lease.executor import execute
 
@@ -277,18 +277,14 @@ port, protocol, HELD = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 client = redis.Redis(port=port, socket_timeout=30, protocol=protocol, max_connections=1)
 admin = redis.Redis(port=port, socket_timeout=30)
 
-
 def acquire(key, value):
     return execute(client, key, lambda info: acquire_request(info, key, value, 60_000, None), pooled=True)
-
 
 class Interrupted(BaseException):
     "What a gevent.Timeout or a soft time limit raises into the waiting greenlet."
 
-
 def blocked():
     return any("b" in c.get("flags", "") and c.get("cmd") == "set" for c in admin.client_list())
-
 
 assert type(acquire("t:warm", "w")) is int
 for n in range(3):
@@ -312,10 +308,9 @@ print("RESULT", len(client.connection_pool._in_use_connections), flush=True)
 
 def test_a_greenlet_killed_mid_reply_leaves_nothing_for_the_next_borrower(held: RedisServer,
                                                                           protocol: int) -> None:
-    """In a gevent-patched process, an acquire on the pool's only connection is killed while
-    the server holds its ``SET`` (``CLIENT PAUSE WRITE``); the server then answers it. The
-    next acquire borrows that pool again and must be told ``HELD`` is another's, not read
-    the killed acquire's replies as its own; the connection is back in the pool."""
+    """gevent: an acquire on the pool's only connection is killed while the server holds its
+    ``SET`` (``CLIENT PAUSE WRITE``), then answers it. The next acquire on that pool is told
+    ``HELD`` is another's, never reads the killed one's replies; nothing stays lent."""
     importorskip("gevent")
     child = TestProcess("adversary-green-kill", [sys.executable, "-c", GREEN, str(held.port), str(protocol), HELD],
                         env={**os.environ, "PYTHONPATH": str(ROOT)}).start()
@@ -334,8 +329,7 @@ def test_a_greenlet_killed_mid_reply_leaves_nothing_for_the_next_borrower(held: 
 
 
 def test_a_100_kb_lock_value_is_read_whole(held: RedisServer, protocol: int) -> None:
-    """A lock value of 100 KB (a reply larger than one receive): the acquire that finds it
-    gets all of it, the owner's release deletes it, and the pool stays in step."""
+    """A 100 KB lock value (a reply larger than one receive) is found whole, and released."""
     client = redis.Redis(port=held.port, socket_timeout=10, protocol=protocol, max_connections=1)
     big = "".join(f"{n:07d}," for n in range(12_800))  # 102,400 bytes, no two stretches alike
     key = "t:{demo.task:big}"
@@ -356,10 +350,9 @@ def test_a_100_kb_lock_value_is_read_whole(held: RedisServer, protocol: int) -> 
 @pytest.mark.timeout(60)
 def test_a_connection_closed_under_a_borrowed_read_is_retried_or_unknown(held: RedisServer,
                                                                          protocol: int) -> None:
-    """The connection closes before the acquire's ``SET`` reached the server: it is sent
-    again on a new connection and takes the key. It closes once a release ran: sent again,
-    "not ours" is unknown (None), never False. A connection the server closed while idle
-    in the pool is replaced. Each time the next request reads its own replies."""
+    """Closed before the acquire's ``SET`` reached the server: sent again, the key taken.
+    Closed once a release ran: sent again, "not ours" is unknown (None), never False.
+    Closed by the server while idle in the pool: replaced. Each next request reads its own."""
     with RefusingProxy(held.port, Rates(0, 0, 0, 0, 0, 0), seed=2) as proxy:
         client = redis.Redis(port=proxy.port, socket_timeout=10, protocol=protocol, max_connections=1)
         assert type(acquire(client, "t:warm", "w")) is int
@@ -372,14 +365,6 @@ def test_a_connection_closed_under_a_borrowed_read_is_retried_or_unknown(held: R
         assert release(client, "t:warm", "w") is None
         assert proxy.faults["close_after"] == 1
         assert held.client().get("t:warm") is None
-        admin = held.client()
-        assert admin.client_kill_filter(_type="normal", skipme=True) >= 1  # idle in the pool
+        assert held.client().client_kill_filter(_type="normal", skipme=True) >= 1  # idle in the pool
         assert release(client, "t:closed", "mine") is True
         assert_told_held(client)
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_pause(redis_server: RedisServer) -> Iterator[None]:
-    """A failed test leaves the session's server unpaused."""
-    yield
-    redis_server.client().execute_command("CLIENT", "UNPAUSE")
