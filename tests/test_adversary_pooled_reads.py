@@ -59,9 +59,10 @@ def only_socket(client: redis.Redis) -> socket.socket:
 
 def unread_bytes(sock: socket.socket) -> int:
     """Bytes received on ``sock`` that nothing read yet (``FIONREAD``; 0 once it is closed)."""
-    if sock.fileno() < 0:
+    try:  # the reader may close it meanwhile (it drops a connection with bytes left)
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
+    except (OSError, ValueError):
         return 0
-    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
 
 
 def drained(sock: socket.socket) -> Callable[[], bool]:
