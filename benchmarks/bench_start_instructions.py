@@ -4,7 +4,8 @@ What ``bench_leases`` measures as the start spread (first start to last start of
 runs queued before a gevent worker starts), counted instead of timed: wall-clock
 and CPU time on a shared 2-core machine moved the ratio from 0.53x to 2.61x between
 runs of the same code. Here the worker runs under ``valgrind --tool=callgrind``,
-which counts the user-space instructions every thread of it executes; the first
+which counts the user-space instructions every thread of it executes (the main
+thread, where the hub runs every greenlet, reported apart too); the first
 body to start zeroes the counts (a callgrind client request, through a two-function
 library built with ``gcc`` at the start), the N-th dumps them. The figure is that
 count over N - 1: the instructions the worker spent per run taken in, everything
@@ -24,11 +25,19 @@ worker's liveness TTL are long here by default (``--lock-ttl 600 --liveness-ttl
 apart, see docs/performance.md); ``--lock-ttl 3 --liveness-ttl 10`` counts them, at
 that exaggerated rate.
 
+Which threads: ``--threads main`` (the default) counts the main thread alone, where
+the hub runs every greenlet: the runs, the acquires, kombu's reads. Callgrind zeroes
+and dumps the counts of the thread that asks, so that count is exact. ``--threads all``
+counts every thread, but the other threads' counts run from their own start, not from
+the first start (callgrind zeroes only the asking thread's): in our worker the lease
+keeper's and the counters' threads, started by the first acquire, just before the
+window; plain Celery's gevent worker has no other thread doing work.
+
 What callgrind does not see: system calls (the kernel's share of each send and
 receive) and waiting. Needs ``valgrind``, its ``callgrind.h`` and ``gcc``.
 
 Usage: python -m benchmarks.bench_start_instructions [--n 200] [--rounds 2] [--lock-ttl 600]
-       [--liveness-ttl 600] [--json]
+       [--liveness-ttl 600] [--threads main|all] [--json]
 """
 
 from __future__ import annotations
@@ -72,8 +81,8 @@ def build_marks(work: Path) -> Path:
 
 
 def _dumped(out: Path) -> int | None:
-    """The instruction total of the dump the N-th start asked for (None before it is written)."""
-    for path in sorted(out.parent.glob(out.name + ".*")):
+    """The instructions of the dump the N-th start asked for (None before it is written)."""
+    for path in sorted(out.parent.glob(out.name + ".1*")):
         found = _TOTALS.search(path.read_bytes())
         if found is not None:
             return int(found.group(1))
@@ -81,7 +90,7 @@ def _dumped(out: Path) -> int | None:
 
 
 def one_round(variant: str, n: int, broker: Server, locks: Server, work: Path, marks: Path,
-              lock_ttl: int, liveness_ttl: float) -> dict[str, Any]:
+              lock_ttl: int, liveness_ttl: float, threads: str = "main") -> dict[str, Any]:
     """One worker under callgrind taking in ``n`` queued runs of ``variant``: its count."""
     env = bench_env(BENCH_BROKER=broker.url, BENCH_LOCKS=locks.url, BENCH_CALLGRIND_LIB=str(marks),
                     BENCH_MARK_LAST=str(n), BENCH_LOCK_TTL=str(lock_ttl), BENCH_LIVENESS_TTL=str(liveness_ttl),
@@ -99,7 +108,9 @@ def one_round(variant: str, n: int, broker: Server, locks: Server, work: Path, m
     tag = work / f"{variant}-{n}-{time.monotonic_ns()}"
     out = Path(f"{tag}.out")
     worker = ChildProcess("worker", [
-        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", f"--log-file={tag}.log",
+        "valgrind", "--tool=callgrind", f"--separate-threads={'yes' if threads == 'main' else 'no'}",
+        f"--callgrind-out-file={out}",
+        f"--log-file={tag}.log",
         sys.executable, "-m", "celery", "-A", "benchmarks.leases_app", "worker", "-P", "gevent", "-c", str(n),
         "--prefetch-multiplier", "1", "-Q", queue, "-l", "warning", "--without-gossip", "--without-mingle",
         "--without-heartbeat"], env=env, cwd=ROOT, log=Path(f"{tag}.worker.log"))
@@ -125,12 +136,13 @@ def one_round(variant: str, n: int, broker: Server, locks: Server, work: Path, m
     return {"instructions": total, "per_start": total / (n - 1), "lock_keys": lock_keys}
 
 
-def run(n: int = 200, rounds: int = 2, lock_ttl: int = 600, liveness_ttl: float = 600.0) -> dict[str, Any]:
+def run(n: int = 200, rounds: int = 2, lock_ttl: int = 600, liveness_ttl: float = 600.0,
+        threads: str = "main") -> dict[str, Any]:
     """``rounds`` rounds of each variant, interleaved; instructions per start and ours over plain."""
     if shutil.which("valgrind") is None or shutil.which("gcc") is None:
         return {"skipped": "needs valgrind and gcc (apt-get install valgrind gcc)"}
-    if n < 2:
-        raise ValueError("need n >= 2")
+    if n < 2 or threads not in ("main", "all"):
+        raise ValueError("need n >= 2 and --threads main or all")
     work = Path(tempfile.mkdtemp(prefix="csb-bench-start-instr-"))
     broker, locks = Server(), Server()
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
@@ -140,7 +152,7 @@ def run(n: int = 200, rounds: int = 2, lock_ttl: int = 600, liveness_ttl: float 
             order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
             for variant in order:
                 progress(f"start instructions: N={n} round {r + 1}/{rounds}: {variant} under callgrind")
-                result = one_round(variant, n, broker, locks, work, marks, lock_ttl, liveness_ttl)
+                result = one_round(variant, n, broker, locks, work, marks, lock_ttl, liveness_ttl, threads)
                 progress(f"start instructions: {variant}: {result['per_start']:,.0f} per start")
                 results[variant].append(result)
     finally:
@@ -149,8 +161,8 @@ def run(n: int = 200, rounds: int = 2, lock_ttl: int = 600, liveness_ttl: float 
         shutil.rmtree(work, ignore_errors=True)
     medians = {v: statistics.median(r["per_start"] for r in rs) for v, rs in results.items()}
     return {"date": date.today().isoformat(), "n": n, "rounds": rounds, "lock_ttl": lock_ttl,
-            "liveness_ttl": liveness_ttl, "per_start": medians, "ratio": medians["ours"] / medians["plain"],
-            "results": results}
+            "liveness_ttl": liveness_ttl, "threads": threads, "per_start": medians,
+            "ratio": medians["ours"] / medians["plain"], "results": results}
 
 
 def table(report: dict[str, Any]) -> str:
@@ -160,7 +172,8 @@ def table(report: dict[str, Any]) -> str:
              f"{report['per_start'][variant] / 1000:,.1f}k"] for variant in VARIANTS]
     return "\n".join([
         f"Measured {report['date']}: user-space instructions of one gevent worker (`-P gevent -c {report['n']}`, "
-        f"every thread) from the first of {report['n']:,} queued runs' start to the last, over "
+        f"{'its main thread, the hub' if report['threads'] == 'main' else 'every thread'}) from the first of "
+        f"{report['n']:,} queued runs' start to the last, over "
         f"{report['n'] - 1:,}, counted by callgrind; `lock_ttl = {report['lock_ttl']}`, liveness TTL "
         f"{report['liveness_ttl']:g} s; {report['rounds']} round(s) per variant, interleaved.",
         "",
@@ -171,7 +184,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_cli(__doc__, run, table, argv, n=200, rounds=2, lock_ttl=600, liveness_ttl=600.0)
+    return bench_cli(__doc__, run, table, argv, n=200, rounds=2, lock_ttl=600, liveness_ttl=600.0, threads="main")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from .wire import PoolLink
+from .wire import Link
 
 __all__ = ["LOOK_AGAIN", "borrow", "give_back", "pool_is_full"]
 
@@ -123,10 +123,15 @@ def borrow(pool: Any) -> Any:
                 condition.wait(min(LOOK_AGAIN, deadline - now))
 
 
-def give_back(pool: Any, connection: Any, link: PoolLink) -> None:
-    """Return a borrowed connection to its pool, dropped first if replies on it are unread;
-    wake one request waiting for a connection of that pool."""
-    if link.outstanding:
+def _nothing() -> bool:
+    return False
+
+
+def give_back(pool: Any, connection: Any, link: Link | None) -> None:
+    """Return a borrowed connection to its pool, dropped first if replies on it are unread
+    (or, read off its socket, bytes were received that no request asked for); wake one
+    request waiting for a connection of that pool. ``link`` None: nothing was written."""
+    if link is not None and (link.outstanding or getattr(link, "unread", _nothing)()):
         connection.disconnect()
     pool.release(connection)
     condition = _returned.get(pool)

@@ -7,6 +7,14 @@ client's server record first (:func:`.wire.ensure_checked`); on Cluster,
 ``-MOVED`` and ``-ASK`` are followed (:mod:`.redirects`), and a node that refuses
 or drops the connection makes the client read the layout again before the request
 is sent once more (the node may be gone: removed from the cluster, or failed over).
+
+The lock requests (``raw``, see :func:`.lease.executor.execute`) on a standalone
+client's plain pool read their replies straight off the borrowed connection's socket
+(:class:`BorrowedLink`), as a thread's channel reads its own (:class:`.wire.SocketLink`):
+in a greenlet pool every acquire and release borrows a connection, and redis-py's reply
+parser was about a sixth of an acquire's Python calls. Other requests, and every
+request on Sentinel and Cluster clients (whose connections act on some replies:
+``-READONLY`` after a failover, ``-MOVED``), are read by redis-py.
 """
 
 from __future__ import annotations
@@ -19,9 +27,64 @@ import redis
 from .client import _outage_as_connection_error, cluster_moved, cluster_reread, group_by_node, is_cluster
 from .lending import borrow, give_back, pool_is_full
 from .redirects import AskFollower
-from .wire import BROKEN, RETRIED, LuaScript, PoolLink, Request, ensure_checked, looker_of, run_on
+from .wire import (
+    BROKEN,
+    RETRIED,
+    LuaScript,
+    PoolLink,
+    Request,
+    SocketLink,
+    ensure_checked,
+    loaded_on,
+    looker_of,
+    run_on,
+)
 
-__all__ = ["run_by_node", "run_pooled", "run_script"]
+__all__ = ["BorrowedLink", "run_by_node", "run_pooled", "run_script"]
+
+#: The pools whose connections a lock request reads off the socket (Sentinel's acts on replies).
+_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
+
+
+class BorrowedLink(SocketLink):
+    """A borrowed connection's socket as a :class:`.wire.Link`, for one borrowing, read
+    without redis-py's parser (:class:`.wire.SocketLink`'s reader, new for each borrowing).
+
+    Used only when redis-py's parser holds no byte received earlier (:func:`_link_for`):
+    redis-py 8 lends a connection with bytes waiting when it expects push frames
+    (maintenance notices), and those in its buffer would be read by nobody here. Push
+    frames on the socket are skipped (as a channel skips them); every reply written
+    here is read here, and :func:`.lending.give_back` drops the connection if one is
+    not, or if bytes no request asked for were received with them. Replies are bytes
+    whatever the client's ``decode_responses``: as a channel's.
+    """
+
+    __slots__ = ("connection",)
+
+    def __init__(self, connection: Any) -> None:
+        super().__init__(connection._sock, resp3=str(getattr(connection, "protocol", 2)) == "3")
+        self.connection = connection
+        self.loaded = loaded_on(connection)
+
+
+def _parser_empty(connection: Any) -> bool:
+    """redis-py's reply parser of ``connection`` holds no byte received and not read yet
+    (False when that cannot be told: a parser of another kind, an old hiredis)."""
+    parser = getattr(connection, "_parser", None)
+    reader = getattr(parser, "_reader", None)
+    if reader is not None:  # hiredis's parser
+        has_data = getattr(reader, "has_data", None)
+        return has_data is not None and not has_data()
+    unread = getattr(getattr(parser, "_buffer", None), "unread_bytes", None)
+    return unread is not None and not unread()
+
+
+def _link_for(connection: Any, raw: bool) -> PoolLink | BorrowedLink:
+    """The link of a borrowed, connected connection: its socket read directly for ``raw``
+    requests where redis-py's parser has nothing buffered (see :class:`BorrowedLink`)."""
+    if raw and _parser_empty(connection):
+        return BorrowedLink(connection)
+    return PoolLink(connection)
 
 
 def _node_client(client: Any, key: str, cluster: bool) -> Any:
@@ -32,7 +95,7 @@ def _node_client(client: Any, key: str, cluster: bool) -> Any:
 
 
 def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any, Any], Any] | None = None,
-               before_write: Callable[[], Any] | None = None) -> Any:
+               before_write: Callable[[], Any] | None = None, raw: bool = False) -> Any:
     """Run ``request`` on a connection borrowed from the pool of the server holding ``key``.
 
     ``after(link, result)``, if given, runs on the same connection before it
@@ -47,6 +110,8 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
     node serving the slot now); one whose replies were not all read (whatever the
     exception) is dropped, never put back. On Cluster, ``-MOVED`` and ``-ASK`` are followed (see the module
     docstring).
+    ``raw``: a lock request whose replies, on a plain pool's connection and
+    without ``after``, are read off the socket (:class:`BorrowedLink`).
     """
     cluster = is_cluster(client)
     repeated = False
@@ -60,10 +125,11 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
                 raise
             cluster_reread(client)  # the slot's node refused: it may be gone, the slot served by another
             continue
-        link = PoolLink(connection)
         follow = AskFollower(client) if cluster else None
+        link: PoolLink | BorrowedLink | None = None  # made once connected (a BorrowedLink reads its socket)
         try:
             ensure_checked(connection, looker_of(client))
+            link = _link_for(connection, raw and after is None and not cluster and type(pool) in _PLAIN_POOLS)
             if before_write is not None:
                 waited = before_write()
                 while waited and (primary := _primary_after_wait(pool, connection)) is not None:
@@ -82,7 +148,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
                 return None  # its first attempt may have run: unknown, not "not ours"
             return result
         except RETRIED:
-            repeated = link.outstanding > 0  # written (maybe in part) before the connection failed
+            repeated = link is not None and link.outstanding > 0  # written (maybe in part) before it failed
             connection.disconnect()
             if attempt == 2:
                 raise

@@ -285,8 +285,8 @@ class _PyReader:
         kind, rest = line[:1], line[1:]
         if kind in (b"+", b"("):
             return rest, at
-        if kind in (b"-", b"!"):
-            return redis.ResponseError(rest.decode("utf-8", "replace")), at
+        if kind == b"-":
+            return ReplyError(rest.decode("utf-8", "replace")), at
         if kind == b":":
             return int(rest), at
         if kind == b",":
@@ -295,13 +295,15 @@ class _PyReader:
             return rest == b"t", at
         if kind == b"_":
             return None, at
-        if kind in (b"$", b"="):
+        if kind in (b"$", b"=", b"!"):  # a bulk string, verbatim string, bulk error (RESP3)
             size = int(rest)
             if size < 0:
                 return None, at
             if len(self._buffer) < at + size + 2:
                 raise _Short
             value = bytes(self._buffer[at:at + size])
+            if kind == b"!":
+                return ReplyError(value.decode("utf-8", "replace")), at + size + 2
             return (value[4:] if kind == b"=" else value), at + size + 2
         if kind == b"|":  # attributes: about the reply that follows, which is the reply
             for _ in range(int(rest) * 2):
@@ -349,6 +351,32 @@ _INCOMPLETE: Any = False
 _NOT_YET: Any = object()
 
 
+def _hiredis() -> Any:
+    """The hiredis module, or None when it is not installed."""
+    try:
+        import hiredis
+    except ImportError:
+        return None
+    return hiredis
+
+
+#: Looked for once: a borrowed connection makes a reader for each request (and a failed
+#: import searches the whole path each time).
+_HIREDIS = _hiredis()
+
+
+class ReplyError(redis.ResponseError):
+    """An error reply as the reply readers give it (hiredis's ``replyError``): a
+    ``ResponseError``, except ``-LOADING``, which is redis-py's ``BusyLoadingError`` (a
+    ``ConnectionError``): a server loading its data answers nothing yet, an outage as
+    redis-py's own reads report it, not the request's error."""
+
+    def __new__(cls, message: str = "", *args: Any) -> Any:
+        if message.startswith("LOADING"):
+            return redis.BusyLoadingError(message)
+        return super().__new__(cls, message, *args)
+
+
 def reply_reader(resp3: bool = False) -> Any:
     """A reply parser with ``feed(bytes)`` and ``gets()``: hiredis's C one when installed.
 
@@ -357,19 +385,18 @@ def reply_reader(resp3: bool = False) -> Any:
     Its ``gets()`` returns :data:`_NOT_YET` while a reply is not complete (else
     :data:`_INCOMPLETE`): on RESP3 ``False`` is a reply.
     """
-    try:
-        import hiredis
-    except ImportError:
+    hiredis = _HIREDIS
+    if hiredis is None:
         return _PyReader(_NOT_YET if resp3 else _INCOMPLETE)
     if resp3:
         if len(PUSH_TYPES) == 1:
             return _PyReader(_NOT_YET)
         try:
-            return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError,
+            return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=ReplyError,
                                   notEnoughData=_NOT_YET)
         except TypeError:  # a hiredis without that option
             return _PyReader(_NOT_YET)
-    return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError)
+    return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=ReplyError)
 
 
 class SocketLink:
@@ -529,7 +556,14 @@ def run_on(link: Link, request: Request,
     commands' replies in their place.
     """
     try:
-        replies = read_own(link, write_request(link, request))
+        written = write_request(link, request)
+        short = request.short
+        if short is not None and not written.loads and isinstance(link, SocketLink):
+            # The usual reply, read in one step off the socket (see SocketLink.read_short).
+            result = link.read_short(short, request.count)
+            if result is not NOT_SHORT:
+                return result
+        replies = read_own(link, written)
     except _NoScript:
         replies = read_own(link, write_request(link, request))
     if redirected is not None and any(isinstance(reply, AskError) for reply in replies):

@@ -47,7 +47,7 @@ def execute(client: RedisClient, key: str, build: Callable[[ServerInfo], Request
                         else _counting(writes, before_write))
                 result = channel.call(request, hook)
             else:  # tells a repeated write itself (and may call before_write again after a move)
-                result = run_pooled(client, key, request, after=after, before_write=before_write)
+                result = run_pooled(client, key, request, after=after, before_write=before_write, raw=True)
         except NativeRefused as exc:
             if attempt == 2:
                 raise
