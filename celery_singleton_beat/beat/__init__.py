@@ -9,7 +9,8 @@
 * :mod:`.anchoring`: the start-up rule (which slot an entry continues after);
 * :mod:`.breaker`: back-off while Redis is unreachable;
 * :mod:`.scheduler`: :class:`SingletonSchedulerMixin` wiring them into Celery's
-  ``Scheduler`` hooks, and :class:`SingletonScheduler`;
+  ``Scheduler`` hooks;
+* :mod:`.persistent`: :class:`SingletonScheduler`, Celery's shelve-backed scheduler with it;
 * :mod:`.following`: for schedulers whose entries change while they run;
 * :mod:`.embedded`: beat inside a worker (``-B``): ``-S`` refused, a foreign beat warned.
 
@@ -22,8 +23,9 @@ from ..task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SL
 from . import embedded  # noqa: F401 (connects the worker's start-up checks)
 from .claims import read_history
 from .entries import ENTRY_OPTION, SlotSpec, entry_spec, history_key, slot_key, slot_task_id, stats_key
+from .persistent import SingletonScheduler
 from .records import entry_record_key
-from .scheduler import SingletonScheduler, SingletonSchedulerMixin
+from .scheduler import SingletonSchedulerMixin
 from .slots import (
     EARLY_TOLERANCE,
     Slot,
