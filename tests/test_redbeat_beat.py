@@ -200,8 +200,8 @@ def test_a_stop_signal_inside_a_send_or_its_meta_write_leaves_last_run_at_on_the
     as_created = meta_of(api, "hourly")
     scheduler = recording_scheduler(redis_server)
     if where == "meta write":
-        monkeypatch.setattr(contrib, "_evalsha_pipelined", contrib._evalsha_pipelined)
-        _stop_once(contrib, "_evalsha_pipelined", after=False)
+        monkeypatch.setattr(contrib, "evalsha_pipelined", contrib.evalsha_pipelined)
+        _stop_once(contrib, "evalsha_pipelined", after=False)
     else:
         _stop_once(scheduler, "send_task", after=True)
     with pytest.raises(StopSignal):

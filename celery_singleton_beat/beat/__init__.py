@@ -2,6 +2,7 @@
 
 * :mod:`.slots`: pure slot math (which instant an entry fires for);
 * :mod:`.entries`: what an entry claims under, message headers, slot task ids;
+* :mod:`.scripted`: script calls in one round trip per server (the claims' compare-and-set);
 * :mod:`.claims`: claims in Redis (claim, pending -> sent, hand back, take over,
   receive, history, counters);
 * :mod:`.handover`: this beat's claims to mark and slots to take over;

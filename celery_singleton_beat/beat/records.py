@@ -28,7 +28,7 @@ from typing import Any
 
 from ..connection.client import is_cluster
 from ..connection.wire import LuaScript
-from .claims import _evalsha_pipelined  # the multi-key script runner of the claims
+from .scripted import evalsha_pipelined
 
 __all__ = ["REFRESH", "EntryRecords", "entry_record_key"]
 
@@ -93,7 +93,7 @@ class EntryRecords:
         values = [f"{seen[name]:.3f}" for name in names]
         step = 1 if is_cluster(client) else CHUNK
         calls = [(keys[i:i + step], [self.ttl_ms, *values[i:i + step]]) for i in range(0, len(keys), step)]
-        stored = [value for reply in _evalsha_pipelined(client, RECORD_SCRIPT, calls) for value in reply]
+        stored = [value for reply in evalsha_pipelined(client, RECORD_SCRIPT, calls) for value in reply]
         found: dict[str, float] = {}
         for name, value in zip(names, stored, strict=True):
             recorded = _parse(value)

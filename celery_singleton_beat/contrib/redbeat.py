@@ -52,9 +52,10 @@ import redis
 from celery.beat import ScheduleEntry, Scheduler
 
 from celery_singleton_beat import SingletonSchedulerMixin
-from celery_singleton_beat.beat.claims import Claim, _evalsha_pipelined
+from celery_singleton_beat.beat.claims import Claim
 from celery_singleton_beat.beat.entries import entry_spec
 from celery_singleton_beat.beat.following import ScheduleFollower
+from celery_singleton_beat.beat.scripted import evalsha_pipelined
 from celery_singleton_beat.beat.slots import Slot, SlotError, current_slot
 from celery_singleton_beat.connection.url import sanitize_redis_url
 from celery_singleton_beat.connection.wire import LuaScript
@@ -334,7 +335,7 @@ class SingletonRedBeatScheduler(ScheduleFollower, SingletonSchedulerMixin, _RedB
         client = _client(self.app)
         started = time.monotonic()
         try:
-            written = _evalsha_pipelined(client, WRITE_META, [
+            written = evalsha_pipelined(client, WRITE_META, [
                 ([key], [f"{pending[key][0]:.6f}", pending[key][1], META_SLOT_FIELD]) for key in keys])
             scores = {key: pending[key][2] for key, done in zip(keys, written, strict=True) if done}
             if scores:  # members only: an entry deleted meanwhile is not added back
