@@ -80,6 +80,7 @@ print("RESULT "
       f"calls={per_acquire(lambda path, name: True):.2f} "
       f"deprecation_wrapper={per_acquire(lambda path, name: path.endswith('redis/utils.py')):.2f} "
       f"instance_checks={per_acquire(lambda path, name: name in ('__instancecheck__', '__subclasscheck__')):.2f} "
+      f"reads={per_acquire(lambda path, name: '/redis/' in path and 'read_response' in name):.2f} "
       f"no_channel={int(no_channel)} local_filled={int(local_filled)}", flush=True)
 """
 
@@ -115,3 +116,11 @@ def test_a_run_in_a_green_process_makes_no_channel_state(counts: dict[str, float
     assert counts["no_channel"] == 1, counts
     assert counts["local_filled"] == 0, (
         f"channel_or_none filled in the run greenlet's local to find no channel: {counts}")
+
+
+def test_a_green_acquire_reads_its_reply_without_redis_pys_parser(counts: dict[str, float]) -> None:
+    """Acquires on borrowed connections make no call into redis-py's reply parser: their
+    replies are read off the socket as a thread's channel reads its own (see
+    ``tests/test_pooled_reads.py``)."""
+    assert counts["reads"] == 0, (
+        f"each green acquire read {counts['reads']} replies through redis-py's read_response: {counts}")

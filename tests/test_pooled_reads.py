@@ -7,14 +7,13 @@ sixth of an acquire's Python calls (its reads, buffer and host-error layers, twi
 acquire: 26 of 150); the requests are the ones a thread's channel reads straight off its socket,
 and a borrowed connection of a plain pool is read the same way: counted here, not timed.
 What the requests return, their errors and script reloads, and what goes back to the
-pool are checked on both protocols.
+pool are checked on both protocols; that a green acquire makes no call into redis-py's
+reply parser is counted in ``tests/test_acquire_green_cost.py``.
 """
 
 from __future__ import annotations
 
-import os
 import select
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -25,69 +24,7 @@ from celery_singleton_beat.connection.wire import _NOT_YET, LuaScript, Request, 
 from celery_singleton_beat.lease.commands import acquire_request, release_request
 from celery_singleton_beat.lease.executor import execute
 
-from .support import RedisServer, TestProcess, importorskip, wait_for
-from .support.paths import ROOT
-
-CHILD = r"""
-from gevent import monkey
-monkey.patch_all()
-
-import collections
-import sys
-import uuid
-
-from celery import Celery
-
-from celery_singleton_beat.lease.lock import acquire
-from celery_singleton_beat.lease.spec import LockSpec
-from celery_singleton_beat.recovery.lock_redis import get_redis
-
-app = Celery("pooled-reads", set_as_current=False)
-app.conf.singleton_redis_url = sys.argv[1]
-client = get_redis(app)
-spec = LockSpec(task="pooled-reads", ttl=60.0)
-prefix = uuid.uuid4().hex
-for n in range(5):  # the pool's connections made, the server looked at
-    assert acquire(client, f"singleton:{prefix}:warm:{n}", spec, f"warm-{n}").lease
-
-calls = collections.Counter()
-
-
-def profile(frame, event, arg):
-    if event == "call":
-        code = frame.f_code
-        calls[(code.co_filename.replace("\\", "/"), code.co_name)] += 1
-
-
-N = 50
-sys.setprofile(profile)
-leases = [acquire(client, f"singleton:{prefix}:counted:{n}", spec, f"run-{n}").lease for n in range(N)]
-sys.setprofile(None)
-assert all(leases)
-assert all(lease.release() for lease in leases)
-print("RESULT "
-      f"calls={sum(calls.values()) / N:.2f} "
-      f"reads={sum(c for (path, name), c in calls.items() if '/redis/' in path and 'read_response' in name) / N:.2f}",
-      flush=True)
-"""
-
-
-def test_a_green_acquire_reads_its_reply_without_redis_pys_parser(redis_db: redis.Redis) -> None:
-    """In a gevent-patched process, acquires (on borrowed connections) make no call into
-    redis-py's reply parser: their replies are read off the socket as a channel's are."""
-    importorskip("gevent")
-    kwargs = redis_db.connection_pool.connection_kwargs
-    url = f"redis://{kwargs['host']}:{kwargs['port']}/0"
-    child = TestProcess("pooled-reads", [sys.executable, "-c", CHILD, url],
-                        env={**os.environ, "PYTHONPATH": str(ROOT)}).start()
-    try:
-        line = child.wait_for_line("RESULT", timeout=120)
-    finally:
-        child.close()
-    counts = {name: float(value) for name, value in (part.split("=") for part in line.split()[1:])}
-    assert counts["reads"] == 0, (
-        f"each green acquire read {counts['reads']} replies through redis-py's read_response: {counts}")
-
+from .support import RedisServer, wait_for
 
 KEY = "t:{demo.task:pooled-reads}"
 ECHO = LuaScript("return ARGV[1]")
