@@ -127,6 +127,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             continue
         follow = AskFollower(client) if cluster else None
         link: PoolLink | BorrowedLink | None = None  # made once connected (a BorrowedLink reads its socket)
+        written = False
         try:
             ensure_checked(connection, looker_of(client))
             link = _link_for(connection, raw and after is None and not cluster and type(pool) in _PLAIN_POOLS)
@@ -141,6 +142,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
                     ensure_checked(connection, looker_of(client))
                     link = PoolLink(connection)  # scripts loaded on that connection only
                     waited = before_write()
+            written = True
             result = run_on(link, request, follow)
             if after is not None:
                 result = after(follow.link if follow is not None and follow.link is not None else link, result)
@@ -148,7 +150,10 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
                 return None  # its first attempt may have run: unknown, not "not ours"
             return result
         except RETRIED:
-            repeated = link is not None and link.outstanding > 0  # written (maybe in part) before it failed
+            # Written (maybe in part) before it failed: its commands may have run, even when
+            # every reply was read (a reply that reads as an outage, -LOADING, for a done
+            # marker written ahead of a compare-and-delete that ran).
+            repeated = written
             connection.disconnect()
             if attempt == 2:
                 raise
