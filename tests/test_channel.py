@@ -157,7 +157,7 @@ def test_a_reply_that_is_not_all_there_yet_is_left_to_the_general_reader() -> No
     ours, theirs = socket.socketpair()
     try:
         link = SocketLink(ours)
-        if type(link._reader).__name__ != "_PyReader":
+        if type(link._reader).__name__ != "PyReader":
             pytest.skip("hiredis installed: the one-step read is not used")
         reply = b"_\r\n*2\r\n$10\r\n1700000000\r\n$6\r\n000042\r\n"
         link.outstanding = 2
@@ -167,7 +167,7 @@ def test_a_reply_that_is_not_all_there_yet_is_left_to_the_general_reader() -> No
         assert link.read_many(2) == [None, [b"1700000000", b"000042"]] and link.outstanding == 0
         link.outstanding = 3
         theirs.sendall(reply + b":1\r\n")
-        while len(link._reader._buffer) < len(reply) + 4:  # both replies received (blocking reads)
+        while len(link._reader.buffer) < len(reply) + 4:  # both replies received (blocking reads)
             link._receive()
         assert link.read_short(_TAKEN, 2) is NOT_SHORT, "more than the reply: the general path"
         assert link.read_many(3)[2] == 1

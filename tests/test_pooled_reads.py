@@ -20,7 +20,8 @@ import pytest
 import redis
 
 from celery_singleton_beat.connection.pooled import run_pooled
-from celery_singleton_beat.connection.wire import _NOT_YET, LuaScript, Request, _PyReader, reply_reader
+from celery_singleton_beat.connection.replies import NOT_YET, PyReader, reply_reader
+from celery_singleton_beat.connection.wire import LuaScript, Request
 from celery_singleton_beat.lease.commands import acquire_request, release_request
 from celery_singleton_beat.lease.executor import execute
 
@@ -99,7 +100,7 @@ def test_a_push_frame_waiting_on_a_borrowed_connection_is_skipped(redis_db: redi
 
 def _readers() -> list[tuple[str, Callable[[], object]]]:
     """The reply readers a lock connection may use: the Python one, and hiredis's if installed."""
-    found: list[tuple[str, Callable[[], object]]] = [("python", lambda: _PyReader(_NOT_YET))]
+    found: list[tuple[str, Callable[[], object]]] = [("python", lambda: PyReader(NOT_YET))]
     try:
         import hiredis  # noqa: F401
     except ImportError:
@@ -126,7 +127,7 @@ def test_loading_is_read_as_redis_py_reads_it_an_outage(name: str, make: Callabl
 def test_a_resp3_bulk_error_is_an_error_reply() -> None:
     """RESP3's bulk error (``!<length>``, which Redis may send for an error whose text holds a
     line break) is one error reply, read by its length: not a line, then stray bytes."""
-    reader = _PyReader(_NOT_YET)
+    reader = PyReader(NOT_YET)
     reader.feed(b"!22\r\nSYNTAX invalid\r\nsyntax\r\n:7\r\n")
     error, after = reader.gets(), reader.gets()
     assert isinstance(error, redis.ResponseError) and str(error) == "SYNTAX invalid\r\nsyntax", error

@@ -46,9 +46,11 @@ from typing import Any, NamedTuple, Protocol
 import redis
 from redis.exceptions import AskError, NoScriptError
 
+from .replies import INCOMPLETE, NOT_YET, PUSH_TYPES, PyReader, reply_reader
+
 __all__ = [
     "NOT_SHORT", "Link", "LuaScript", "PoolLink", "Request", "Short", "SocketLink", "Written", "ensure_checked",
-           "looker_of", "pack", "read_own", "read_replies", "reply_reader", "run_on", "write_request"]
+           "looker_of", "pack", "read_own", "read_replies", "run_on", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
 RETRIED = (redis.ConnectionError, OSError)
@@ -248,157 +250,6 @@ def write_request(link: Link, request: Request) -> Written:
     return Written(request, loads)
 
 
-class _PyReader:
-    """A RESP2/RESP3 reply parser for when hiredis is not installed (``feed``/``gets`` as hiredis's).
-
-    Error replies become ``ResponseError`` objects; ``gets()`` returns
-    ``incomplete`` while a reply is not complete (:data:`_INCOMPLETE`, as hiredis's,
-    unless told otherwise: on RESP3, ``False`` is a reply).
-    """
-
-    def __init__(self, incomplete: Any = False) -> None:
-        self._buffer = bytearray()
-        self._incomplete = incomplete
-
-    def feed(self, data: bytes) -> None:
-        self._buffer += data
-
-    def has_data(self) -> bool:
-        return bool(self._buffer)
-
-    def gets(self) -> Any:
-        try:
-            reply, end = self._parse(0)
-        except _Short:
-            return self._incomplete
-        del self._buffer[:end]
-        return reply
-
-    def _line(self, at: int) -> tuple[bytes, int]:
-        end = self._buffer.find(b"\r\n", at)
-        if end < 0:
-            raise _Short
-        return bytes(self._buffer[at:end]), end + 2
-
-    def _parse(self, at: int) -> tuple[Any, int]:
-        line, at = self._line(at)
-        kind, rest = line[:1], line[1:]
-        if kind in (b"+", b"("):
-            return rest, at
-        if kind == b"-":
-            return ReplyError(rest.decode("utf-8", "replace")), at
-        if kind == b":":
-            return int(rest), at
-        if kind == b",":
-            return float(rest), at
-        if kind == b"#":
-            return rest == b"t", at
-        if kind == b"_":
-            return None, at
-        if kind in (b"$", b"=", b"!"):  # a bulk string, verbatim string, bulk error (RESP3)
-            size = int(rest)
-            if size < 0:
-                return None, at
-            if len(self._buffer) < at + size + 2:
-                raise _Short
-            value = bytes(self._buffer[at:at + size])
-            if kind == b"!":
-                return ReplyError(value.decode("utf-8", "replace")), at + size + 2
-            return (value[4:] if kind == b"=" else value), at + size + 2
-        if kind == b"|":  # attributes: about the reply that follows, which is the reply
-            for _ in range(int(rest) * 2):
-                _, at = self._parse(at)
-            return self._parse(at)
-        if kind in (b"*", b"~", b">", b"%"):
-            count = int(rest)
-            if count < 0:
-                return None, at
-            items = []
-            for _ in range(count * 2 if kind == b"%" else count):
-                item, at = self._parse(at)
-                items.append(item)
-            if kind == b"%":
-                return dict(zip(items[::2], items[1::2], strict=True)), at
-            return (_Push(items) if kind == b">" else items), at
-        raise redis.InvalidResponse(f"unknown reply type {line[:20]!r}")
-
-
-class _Short(Exception):
-    """The buffer ends inside a reply."""
-
-
-class _Push(list):  # type: ignore[type-arg]
-    """A RESP3 push frame (``>``), as :class:`_PyReader` gives it: no reply to any request."""
-
-
-def _push_types() -> tuple[type, ...]:
-    """The types the reply parsers give RESP3 push frames: :class:`_Push`, and hiredis's
-    ``PushNotification`` (hiredis 3.2 and later, see :func:`reply_reader`)."""
-    try:
-        from hiredis import PushNotification
-    except ImportError:  # not installed, or too old to tell a push frame from an array
-        return (_Push,)
-    return (_Push, PushNotification)
-
-
-#: See :func:`_push_types`.
-PUSH_TYPES = _push_types()
-
-
-#: What a reader's ``gets()`` returns while its reply is not complete.
-_INCOMPLETE: Any = False
-#: The same for a RESP3 connection, whose replies include ``False`` (``#f``).
-_NOT_YET: Any = object()
-
-
-def _hiredis() -> Any:
-    """The hiredis module, or None when it is not installed."""
-    try:
-        import hiredis
-    except ImportError:
-        return None
-    return hiredis
-
-
-#: Looked for once: a borrowed connection makes a reader for each request (and a failed
-#: import searches the whole path each time).
-_HIREDIS = _hiredis()
-
-
-class ReplyError(redis.ResponseError):
-    """An error reply as the reply readers give it (hiredis's ``replyError``): a
-    ``ResponseError``, except ``-LOADING``, which is redis-py's ``BusyLoadingError`` (a
-    ``ConnectionError``): a server loading its data answers nothing yet, an outage as
-    redis-py's own reads report it, not the request's error."""
-
-    def __new__(cls, message: str = "", *args: Any) -> Any:
-        if message.startswith("LOADING"):
-            return redis.BusyLoadingError(message)
-        return super().__new__(cls, message, *args)
-
-
-def reply_reader(resp3: bool = False) -> Any:
-    """A reply parser with ``feed(bytes)`` and ``gets()``: hiredis's C one when installed.
-
-    ``resp3``: for a connection that may receive push frames, which a hiredis older
-    than 3.2 gives as plain arrays: the Python parser then, which tells them apart.
-    Its ``gets()`` returns :data:`_NOT_YET` while a reply is not complete (else
-    :data:`_INCOMPLETE`): on RESP3 ``False`` is a reply.
-    """
-    hiredis = _HIREDIS
-    if hiredis is None:
-        return _PyReader(_NOT_YET if resp3 else _INCOMPLETE)
-    if resp3:
-        if len(PUSH_TYPES) == 1:
-            return _PyReader(_NOT_YET)
-        try:
-            return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=ReplyError,
-                                  notEnoughData=_NOT_YET)
-        except TypeError:  # a hiredis without that option
-            return _PyReader(_NOT_YET)
-    return hiredis.Reader(protocolError=redis.InvalidResponse, replyError=ReplyError)
-
-
 class SocketLink:
     """A connected socket as a :class:`Link`, read with :func:`reply_reader` (no redis-py layers).
 
@@ -422,7 +273,7 @@ class SocketLink:
         self.outstanding = 0
         self._reader = reply_reader(resp3)
         #: What the reader's ``gets()`` returns while a reply is not complete.
-        self._incomplete = _NOT_YET if resp3 else _INCOMPLETE
+        self._incomplete = NOT_YET if resp3 else INCOMPLETE
 
     def send(self, data: bytes, replies: int = 1) -> None:
         self.outstanding += replies
@@ -469,9 +320,9 @@ class SocketLink:
         received is waiting in it: at most one ``recv`` here.
         """
         reader = self._reader
-        if type(reader) is not _PyReader:
+        if type(reader) is not PyReader:
             return NOT_SHORT
-        buffer = reader._buffer
+        buffer = reader.buffer
         if not buffer:
             self._receive()
         match = short.pattern.fullmatch(buffer)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery_singleton_beat.connection.wire import reply_reader
+from celery_singleton_beat.connection.replies import reply_reader
 
 from .loopback import LoopbackProxy, close_socket, shut_write
 from .owners import register
