@@ -35,7 +35,7 @@ import uuid
 import gevent
 from celery import Celery
 
-from celery_singleton_beat.connection import channel
+from celery_singleton_beat.connection import channels
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import get_redis
@@ -71,8 +71,8 @@ def per_acquire(test):
 
 def run_local():
     # a run's greenlet: a new greenlet-local, as for every task a gevent worker starts
-    found = channel.channel_or_none(client)
-    return found is None, getattr(channel._local, "channels", None) is not None
+    found = channels.channel_or_none(client)
+    return found is None, getattr(channels._local, "channels", None) is not None
 
 
 no_channel, local_filled = gevent.spawn(run_local).get()

@@ -41,7 +41,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.commands import look_request
 from celery_singleton_beat.lease.executor import execute

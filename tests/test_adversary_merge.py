@@ -54,7 +54,7 @@ from celery import Celery
 from celery_singleton_beat import SingletonTask
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.connection import flusher
-from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.wire import Request, SocketLink, pack
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients

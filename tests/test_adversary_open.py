@@ -37,7 +37,7 @@ from celery import Celery
 from celery_singleton_beat import native
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.connection import flusher
-from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.wire import Request
 from celery_singleton_beat.lease import liveness
 from celery_singleton_beat.lease.lock import AcquireResult

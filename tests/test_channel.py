@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from celery_singleton_beat.connection import channel as channel_module
-from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.wire import NOT_SHORT, SocketLink
 from celery_singleton_beat.lease.commands import _TAKEN
 from celery_singleton_beat.lease.holder import done_key

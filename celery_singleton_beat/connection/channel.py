@@ -43,19 +43,16 @@ child makes its own).
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import ssl
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import Any
 
 import redis
 
-from .. import native
 from ..log import logger
 from .flusher import watcher
 from .wire import (
@@ -72,7 +69,7 @@ from .wire import (
     write_request,
 )
 
-__all__ = ["Channel", "channel_for", "channel_or_none", "close_channels", "close_own_channels", "supports_channel"]
+__all__ = ["Channel", "ReplyHandler"]
 
 #: Called with the result of a request sent without waiting (or the error it got).
 ReplyHandler = Callable[[Any, BaseException | None], None]
@@ -135,7 +132,6 @@ class Channel:
         self.watched = False
         #: Closed by :meth:`close` and not used since (a later use connects again).
         self.closed = False
-        _register(self, client)
 
     # ----------------------------------------------------------------- public
 
@@ -465,102 +461,3 @@ def _deliver(on_reply: ReplyHandler, reply: Any, error: BaseException | None) ->
         on_reply(reply, error)
     except Exception as exc:  # a handler must not break the next run's acquire
         logger.warning("a deferred lock reply handler failed: %s", exc)
-
-
-def supports_channel(client: Any) -> TypeGuard[redis.Redis]:
-    """True for clients whose lock requests go through a :class:`Channel`.
-
-    Standalone Redis (a plain connection pool) in a process with real threads;
-    Sentinel and Cluster clients, and greenlet pools, keep the pooled path.
-    """
-    return (isinstance(client, redis.Redis)
-            and type(client.connection_pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
-            and not native.green())
-
-
-_local = threading.local()
-#: Bumped in a forked child: every thread-local cache of the parent is stale there.
-_generation = 0
-
-
-#: Guards the channel sets kept on clients (:func:`_register`, :func:`close_channels`).
-_registry_lock = threading.Lock()
-
-
-def _new_generation_in_child() -> None:
-    global _generation, _registry_lock
-    _generation += 1
-    _registry_lock = threading.Lock()  # another thread may have held it while forking
-
-
-def _register(channel: Channel, client: Any) -> None:
-    """Keep ``channel`` in the set of ``client``'s channels (every thread's), weakly: on the
-    client itself, so that the channels go with it (see :func:`close_channels`)."""
-    with _registry_lock:
-        channels: weakref.WeakSet[Channel] | None = vars(client).get("csb_channels")
-        if channels is None:
-            channels = client.csb_channels = weakref.WeakSet()
-        channels.add(channel)
-
-
-def close_channels(client: Any) -> None:
-    """Close the channel of every thread of this process for ``client``, which is dropped
-    (:func:`.recovery.lock_redis.reset_clients`): a channel's connection is its own, not of
-    the client's pool, so closing the client leaves it open. A thread busy on its channel
-    finishes its request first."""
-    with _registry_lock:
-        channels = list(getattr(client, "csb_channels", ()))
-    for channel in channels:
-        channel.close()
-
-
-def close_own_channels() -> None:
-    """Close every channel of the calling thread, which is done with them (a heartbeat
-    thread that stops). Never the channels a forked child's thread inherited: their
-    connections are the parent's."""
-    channels = getattr(_local, "channels", None)
-    if channels is None or _local.generation != _generation:
-        return
-    _local.channels = {}
-    for _, channel in channels.values():
-        if channel is not None:
-            channel.close()
-
-
-os.register_at_fork(after_in_child=_new_generation_in_child)
-
-
-def channel_for(client: redis.Redis) -> Channel:
-    """This thread's channel for ``client`` (a new one after a fork)."""
-    channel = channel_or_none(client)
-    if channel is None:
-        raise TypeError(f"{client!r} has no lock channel (see supports_channel)")
-    return channel
-
-
-def channel_or_none(client: Any) -> Channel | None:
-    """This thread's channel for ``client``, or None when it has none (:func:`supports_channel`).
-
-    One dictionary look-up per lock request: the verdict is cached with the channel. In a
-    process patched by gevent or eventlet no client has one (:func:`supports_channel`), and
-    the thread-local there is a greenlet's own, new for each run: once the process is known
-    to be patched (:func:`.native.green` said so), the answer is None at once.
-    """
-    if native._patched:
-        return None
-    channels: dict[int, tuple[weakref.ref[Any], Channel | None]] | None = getattr(_local, "channels", None)
-    if channels is not None and _local.generation == _generation:
-        known = channels.get(id(client))
-        if known is not None and known[0]() is client:
-            return known[1]
-    else:
-        channels = _local.channels = {}
-        _local.generation = _generation
-    # A new client, an id reused, or a new process. Channels closed since their client was
-    # dropped are forgotten (each keeps its client alive, so its entry would stay for ever).
-    for ident in [ident for ident, (_, known_channel) in channels.items()
-                  if known_channel is not None and known_channel.closed]:
-        del channels[ident]
-    channel = Channel(client) if supports_channel(client) else None
-    channels[id(client)] = (weakref.ref(client), channel)
-    return channel

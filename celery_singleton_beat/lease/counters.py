@@ -29,7 +29,7 @@ from typing import Any
 import redis
 
 from .. import native
-from ..connection.channel import channel_or_none
+from ..connection.channels import channel_or_none
 from ..connection.flusher import read_all_replies
 from ..connection.wire import Request, Short
 from ..log import logger

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..connection.channel import channel_or_none
+from ..connection.channels import channel_or_none
 from ..connection.client import RedisClient
 from ..connection.pooled import run_pooled
 from ..connection.wire import Request

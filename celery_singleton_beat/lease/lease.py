@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..connection.channel import channel_or_none
+from ..connection.channels import channel_or_none
 from ..connection.client import RedisClient, ReplicasNotAcknowledged, is_cluster
 from ..connection.pooled import run_pooled
 from ..connection.wire import Request, pack, run_on

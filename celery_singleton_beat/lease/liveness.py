@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from .. import native
-from ..connection.channel import channel_or_none, close_own_channels
+from ..connection.channels import channel_or_none, close_own_channels
 from ..connection.pooled import run_pooled
 from ..connection.wire import Request
 from ..log import logger

@@ -28,7 +28,7 @@ import time
 
 from redis.exceptions import TryAgainError
 
-from ..connection.channel import channel_or_none
+from ..connection.channels import channel_or_none
 from ..connection.client import RedisClient
 from ..recovery.server import PORTABLE, server_of
 from . import counters

@@ -27,7 +27,7 @@ from celery import Celery
 
 from .. import native
 from ..config import get_settings
-from ..connection.channel import close_channels
+from ..connection.channels import close_channels
 from ..connection.client import RedisClient, redis_from_url
 from .server import LockServer, memory_for, server_of
 
