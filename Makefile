@@ -85,7 +85,8 @@ test-matrix: $(VENV)/.nox-installed redis-server
 	$(BIN)/nox -f noxfile.py $(NOX_ARGS); status=$$?; $(BIN)/nox -f noxfile.py -s report; exit $$status
 
 # CI's floor check (.ci/run): one leg, the oldest declared celery/kombu/redis-py, in-process tests (~40 s);
-# and the lock tests on Valkey 9.1 and Redis 6.2 (newest deps, ~1.5 min). The two sessions run side by
+# then the reply readers' tests with hiredis (newest deps, ~1 min); and the lock tests on Valkey 9.1 and Redis 6.2
+# (newest deps, ~3 min). The two sessions run side by
 # side (each in its own venv, each test on servers of its own); the floor leg's output follows the other's.
 test-matrix-smoke: $(VENV)/.nox-installed redis-server
 	@mkdir -p .nox

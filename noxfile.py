@@ -211,18 +211,20 @@ def _junit_counts(path: Path) -> dict[str, int]:
 
 
 def run_leg(session: nox.Session, deps: str, server: str, binary: str, tests: list[str] = TESTS,
-            label: str = "") -> None:
-    """Install the project with ``DEPS[deps]``, run ``tests`` against ``binary``, record the leg
-    (``label`` tells apart several legs of one session)."""
+            label: str = "", extras: str = "test") -> None:
+    """Install the project (with ``extras``) and ``DEPS[deps]``, run ``tests`` against ``binary``,
+    record the leg (``label`` tells apart several legs of one session)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     junit = RESULTS / f"{_slug(session.name + label)}.xml"
     junit.unlink(missing_ok=True)
-    record: dict[str, object] = {"session": session.name, "python": session.python, "deps": deps,
+    record: dict[str, object] = {"session": session.name, "python": session.python,
+                                 "deps": deps if extras == "test" else f"{deps}, extras {extras}",
                                  "server": server, "server_version": server_version(binary),
                                  "result": "install failed"}
     started = time.monotonic()
     try:
-        session.install("-e", ".[test]", *DEPS[deps])
+        # "newest" upgrades what an earlier leg of the same venv pinned lower (the smoke's floor).
+        session.install("-e", f".[{extras}]", *DEPS[deps], *(["--upgrade"] if deps == "newest" else []))
         record["install_s"] = round(time.monotonic() - started)
         record.update(json.loads(session.run("python", "-c", _VERSIONS, silent=True) or "{}"))
         record["result"] = "failed"
@@ -271,10 +273,21 @@ def servers(session: nox.Session, server: str, deps: str) -> None:
     run_leg(session, deps, server, packaged_server(session, server))
 
 
+#: The replies the library reads off its sockets (a thread's channel, a greenlet pool's
+#: borrowed connections), with Lua scripts in the requests (Redis 7.0, not Valkey 9.1's
+#: native commands): run with hiredis installed, whose reader then parses them.
+READER_TESTS = ["tests/test_channel.py", "tests/test_channel_replies.py", "tests/test_pooled_reads.py",
+                "tests/test_adversary_pooled_reads.py"]
+
+
 @nox.session(python=RUNNER)
 def smoke(session: nox.Session) -> None:
-    """CI's check of the floor: the runner's Python, floor deps, in-process tests only."""
+    """CI's check of the floor: the runner's Python, floor deps, in-process tests only; then, in
+    the same venv, newest deps with the ``fast`` extra (hiredis): :data:`READER_TESTS` (the
+    suite's own run has no hiredis)."""
     run_leg(session, "floor", "redis (Debian)", debian_redis_server(), SMOKE_TESTS)
+    run_leg(session, "newest", "redis (Debian)", debian_redis_server(), READER_TESTS, label="hiredis",
+            extras="test,fast")
 
 
 #: The lock's own tests: what differs from one server to the next (native commands,

@@ -38,7 +38,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_singleton_beat import SingletonTask
-from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.wire import Request
 from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease.behalf import read_holder

@@ -22,7 +22,7 @@ import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_singleton_beat.connection import channel as channel_module
-from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.pooled import run_pooled
 from celery_singleton_beat.connection.wire import Request, pack
 from celery_singleton_beat.lease.behalf import read_holder

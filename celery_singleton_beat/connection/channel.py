@@ -263,7 +263,7 @@ class Channel:
         """Read the pending replies (each handler gets its outcome), then close the connection.
 
         For a channel nobody will use any more: its client was dropped
-        (:func:`close_channels`) or its thread is done (:func:`close_own_channels`).
+        (:func:`.channels.close_channels`) or its thread is done (:func:`.channels.close_own_channels`).
         Should it be used after all (a run still holding a lease of a dropped client),
         it connects again.
         """

@@ -54,7 +54,7 @@ from typing import Any
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from celery_singleton_beat.connection.channel import channel_for
+from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.pooled import run_pooled
 from celery_singleton_beat.lease.commands import Renewal, release_request
 from celery_singleton_beat.lease.lease import Lease
