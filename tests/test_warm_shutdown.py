@@ -59,8 +59,9 @@ def _active(tasks: ModuleType, node: str) -> list[list[object]] | None:
 
 
 def _forget_a_written_job(tasks: ModuleType, worker: CeleryProcess, node: str, records: redis.Redis,
-                          submit: Callable[[], AsyncResult]) -> int:
-    """Make the worker's only pool process hold a job its main process forgot; its pid.
+                          submit: Callable[[], AsyncResult]) -> tuple[int, AsyncResult]:
+    """Make the worker's only pool process hold a job its main process forgot; the
+    process's pid and the job's result.
 
     Runs a first job, stops the pool process (SIGSTOP) once the worker counts it idle,
     submits the job (``submit``), sends the worker SIGTERM once the job is in the
@@ -77,7 +78,7 @@ def _forget_a_written_job(tasks: ModuleType, worker: CeleryProcess, node: str, r
     os.kill(child, signal.SIGSTOP)
     try:
         idle = bytes_waiting(child)
-        submit()
+        held = submit()
         written = wait_for(lambda: bytes_waiting(child) > idle and bytes_waiting(child),
                            timeout=30, message="the job written into the stopped pool process's pipe")
         worker.signal(signal.SIGTERM)
@@ -85,7 +86,7 @@ def _forget_a_written_job(tasks: ModuleType, worker: CeleryProcess, node: str, r
                  message="the pool's end-of-work sentinel written after the job (the consumer closed)")
     finally:
         os.kill(child, signal.SIGCONT)
-    return child
+    return child, held
 
 
 def test_warm_shutdown_exits_though_a_job_written_to_the_pool_was_forgotten(
@@ -94,12 +95,11 @@ def test_warm_shutdown_exits_though_a_job_written_to_the_pool_was_forgotten(
     worker = start_worker(redis_server, APP, "w1", concurrency=1,
                           env={"CSB_ENDLESS_CONSUMED_WAIT": "1", "CSB_HOLD_REPORT": "1"})
     node = f"w1@{socket.gethostname()}"
-    submitted: list[AsyncResult] = []
-    child = _forget_a_written_job(tasks, worker, node, records, lambda: submitted.append(tasks.work.delay("held")))
+    child, held = _forget_a_written_job(tasks, worker, node, records, lambda: tasks.work.delay("held"))
     wait_for(lambda: not worker.running, timeout=60,
              message="the worker to exit once its pool process ran the job it held")
     assert worker.returncode == 0, worker.tail(40)
-    assert submitted[0].get(timeout=30) == "held", "the job written before the shutdown ran"
+    assert held.get(timeout=30) == "held", "the job written before the shutdown ran"
     assert [run["pid"] for run in runs(records, "held")] == [child]
     assert lock_keys(locks) == [], "its lock was released"
 
@@ -113,13 +113,11 @@ def test_warm_shutdown_exits_though_a_forgotten_job_ends_with_a_result_larger_th
     worker = start_worker(redis_server, APP, "w1", concurrency=1,
                           env={"CSB_ENDLESS_CONSUMED_WAIT": "1", "CSB_HOLD_REPORT": "1"})
     node = f"w1@{socket.gethostname()}"
-    submitted: list[AsyncResult] = []
-    child = _forget_a_written_job(tasks, worker, node, records,
-                                  lambda: submitted.append(tasks.fails_large.delay(f"large-{how}", how)))
+    child, held = _forget_a_written_job(tasks, worker, node, records,
+                                        lambda: tasks.fails_large.delay(f"large-{how}", how))
     wait_for(lambda: not worker.running, timeout=60,
              message="the worker to exit once its pool process ran the job it held")
     assert worker.returncode == 0, worker.tail(40)
-    held = submitted[0]
     wait_for(lambda: held.state == ("RETRY" if how == "retry" else "FAILURE"), timeout=30,
              message="the held job's end stored")
     assert repr(held.result) == "ValueError('large')"
