@@ -7,8 +7,11 @@ its result goes unread, since the main process reads results at a shutdown only 
 the jobs it still knows. billiard's pool process, before it exits, waits for its main
 process to have counted every result it sent, up to 300 looks 0.1 s apart: so the
 worker took 30 s more to exit (a Kubernetes pod's whole grace period), its runs long
-over. The worker step (:mod:`celery_singleton_beat.task.worker`) lets the pool
-processes go once nothing reads their results any more.
+over. Worse, a result larger than the pipe holds (64 KiB on Linux: the exception
+information of a failure or a retry often is) blocks the pool process in its write,
+and the worker never exited. The worker step (:mod:`celery_singleton_beat.task.worker`)
+lets the pool processes go once nothing reads their results any more, and reads (and
+drops) what they still write until they have exited.
 
 The test makes that race certain: the pool process is stopped (SIGSTOP) while a job
 is written into its pipe, so it cannot report taking it up; the worker is sent SIGTERM
@@ -31,12 +34,14 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 import redis
+from celery.result import AsyncResult
 
-from .support import RedisServer, start_worker, wait_for
+from .support import CeleryProcess, RedisServer, start_worker, wait_for
 from .support.pipes import bytes_waiting
 from .support.tasks import lock_keys, runs
 
@@ -53,15 +58,19 @@ def _active(tasks: ModuleType, node: str) -> list[list[object]] | None:
     return [list(request["args"]) for request in replies[node]]
 
 
-def test_warm_shutdown_exits_though_a_job_written_to_the_pool_was_forgotten(
-    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
-) -> None:
-    worker = start_worker(redis_server, APP, "w1", concurrency=1,
-                          env={"CSB_ENDLESS_CONSUMED_WAIT": "1", "CSB_HOLD_REPORT": "1"})
-    node = f"w1@{socket.gethostname()}"
+def _forget_a_written_job(tasks: ModuleType, worker: CeleryProcess, node: str, records: redis.Redis,
+                          submit: Callable[[], AsyncResult]) -> tuple[int, AsyncResult]:
+    """Make the worker's only pool process hold a job its main process forgot; the
+    process's pid and the job's result.
+
+    Runs a first job, stops the pool process (SIGSTOP) once the worker counts it idle,
+    submits the job (``submit``), sends the worker SIGTERM once the job is in the
+    process's pipe, and resumes the process once the pool's end-of-work sentinel
+    follows the job (the consumer is closed and the job forgotten).
+    """
     records.set("hold-report:first", 1, ex=60)
     assert tasks.work.delay("first").get(timeout=30) == "first"
-    child = runs(records, "first")[0]["pid"]
+    child = int(runs(records, "first")[0]["pid"])
     assert _active(tasks, node) == [["first"]], "the result is stored, not yet reported: the pool process is busy"
     records.delete("hold-report:first")
     wait_for(lambda: _active(tasks, node) == [], timeout=30,
@@ -69,7 +78,7 @@ def test_warm_shutdown_exits_though_a_job_written_to_the_pool_was_forgotten(
     os.kill(child, signal.SIGSTOP)
     try:
         idle = bytes_waiting(child)
-        held = tasks.work.delay("held")
+        held = submit()
         written = wait_for(lambda: bytes_waiting(child) > idle and bytes_waiting(child),
                            timeout=30, message="the job written into the stopped pool process's pipe")
         worker.signal(signal.SIGTERM)
@@ -77,9 +86,40 @@ def test_warm_shutdown_exits_though_a_job_written_to_the_pool_was_forgotten(
                  message="the pool's end-of-work sentinel written after the job (the consumer closed)")
     finally:
         os.kill(child, signal.SIGCONT)
+    return child, held
+
+
+def test_warm_shutdown_exits_though_a_job_written_to_the_pool_was_forgotten(
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis,
+) -> None:
+    worker = start_worker(redis_server, APP, "w1", concurrency=1,
+                          env={"CSB_ENDLESS_CONSUMED_WAIT": "1", "CSB_HOLD_REPORT": "1"})
+    node = f"w1@{socket.gethostname()}"
+    child, held = _forget_a_written_job(tasks, worker, node, records, lambda: tasks.work.delay("held"))
     wait_for(lambda: not worker.running, timeout=60,
              message="the worker to exit once its pool process ran the job it held")
     assert worker.returncode == 0, worker.tail(40)
     assert held.get(timeout=30) == "held", "the job written before the shutdown ran"
     assert [run["pid"] for run in runs(records, "held")] == [child]
+    assert lock_keys(locks) == [], "its lock was released"
+
+
+@pytest.mark.parametrize("how", ["fail", "retry"])
+def test_warm_shutdown_exits_though_a_forgotten_job_ends_with_a_result_larger_than_a_pipe(
+    tasks: ModuleType, redis_server: RedisServer, records: redis.Redis, locks: redis.Redis, how: str,
+) -> None:
+    """The forgotten job ends with exception information larger than the pipe to the main
+    process holds: the pool process blocks in its write until something reads it."""
+    worker = start_worker(redis_server, APP, "w1", concurrency=1,
+                          env={"CSB_ENDLESS_CONSUMED_WAIT": "1", "CSB_HOLD_REPORT": "1"})
+    node = f"w1@{socket.gethostname()}"
+    child, held = _forget_a_written_job(tasks, worker, node, records,
+                                        lambda: tasks.fails_large.delay(f"large-{how}", how))
+    wait_for(lambda: not worker.running, timeout=60,
+             message="the worker to exit once its pool process ran the job it held")
+    assert worker.returncode == 0, worker.tail(40)
+    wait_for(lambda: held.state == ("RETRY" if how == "retry" else "FAILURE"), timeout=30,
+             message="the held job's end stored")
+    assert repr(held.result) == "ValueError('large')"
+    assert [run["pid"] for run in runs(records, f"large-{how}")] == [child]
     assert lock_keys(locks) == [], "its lock was released"

@@ -19,8 +19,9 @@
   :data:`POOL_CHECK_INTERVAL` seconds instead.
 * At a warm shutdown, a prefork pool process that ran a job Celery had already
   forgotten (written into its pipe just before the consumer closed) waited 30 s for its
-  main process to count a result nobody reads; :class:`SingletonWorkerStep` lets the
-  pool processes go once the pool stopped reading results (:func:`_let_pool_processes_go`).
+  main process to count a result nobody reads, or for ever to write one larger than
+  its pipe holds; :class:`SingletonWorkerStep` lets the pool processes go once the pool
+  stopped reading results, and reads what they still write (:func:`_let_pool_processes_go`).
 * :class:`SingletonWorkerStep` tells runs waiting for their lock Redis
   (:mod:`.outage`) which pool the worker runs and when it begins to stop.
 * A prefork child ends with ``os._exit`` (recycled by
@@ -34,11 +35,14 @@
 
 from __future__ import annotations
 
+import os
+import selectors
 import threading
 import time
 from typing import Any
 
 from billiard.common import TERM_SIGNAME
+from billiard.pool import TERMINATE
 from celery import Celery, bootsteps, signals
 from celery.exceptions import ImproperlyConfigured
 from celery.platforms import signals as platform_signals
@@ -256,18 +260,25 @@ _ALL_READ = 2**31 - 1
 
 def _let_pool_processes_go(pool: Any) -> None:
     """At a shutdown, let billiard's pool processes exit once their main process stopped
-    reading their results, instead of 30 s later (idempotent; a no-op on a billiard without
-    that wait).
+    reading their results, instead of 30 s later or never (idempotent; a no-op on a
+    billiard without that reading).
 
-    A pool process that ends waits until its main process has counted every result it
-    sent (``on_ready_counter``), up to 300 looks 0.1 s apart. At a warm shutdown the
-    consumer closes first, and Celery's pool forgets the jobs whose process had not yet
-    reported taking them up (the broker delivers them again); a job already written into
-    a process's pipe still runs there. When the pool stops, its main process reads
-    results only while it still knows a job (``on_stop_not_started``): the forgotten
-    job's result is never read, never counted, and the worker took 30 s more to exit.
-    Once that reading is over nothing counts results any more, so every count is set
-    to "all read" and the processes end at once.
+    At a warm shutdown the consumer closes first, and Celery's pool forgets the jobs
+    whose process had not yet reported taking them up (the broker delivers them again);
+    a job already written into a process's pipe still runs there. When the pool stops,
+    its main process reads results only while it still knows a job
+    (``on_stop_not_started``), then waits for its processes to exit. A forgotten job's
+    result is never read, so:
+
+    * a pool process that ends waits until its main process has counted every result it
+      sent (``on_ready_counter``), up to 300 looks 0.1 s apart: the worker took 30 s more
+      to exit. Once that reading is over nothing counts results any more, so every count
+      is set to "all read";
+    * a result larger than the pipe holds (64 KiB on Linux; the exception information of
+      a failure or a retry is often that large, see :func:`_read_until_processes_exit`)
+      blocks its pool process in the write for good, and the worker never exited. The
+      main process goes on reading, and dropping, what its processes write until each
+      has exited.
     """
     handler = getattr(pool, "_result_handler", None)
     counts = getattr(pool, "_on_ready_counters", None)
@@ -282,9 +293,68 @@ def _let_pool_processes_go(pool: Any) -> None:
             for count in list(counts.values()):
                 with count.get_lock():
                     count.value = _ALL_READ
+        _read_until_processes_exit(pool)
 
     handler.on_stop_not_started = on_stop_not_started
     handler._singleton_lets_go = True
+
+
+#: Bytes read from a pool process's result pipe at once when nothing uses them any more.
+_DROP_CHUNK = 1 << 16
+
+
+def _read_until_processes_exit(pool: Any) -> None:
+    """Read, and drop, what ``pool``'s processes write to their main process until each
+    has exited (or the pool is terminated): no result is awaited any more.
+
+    A pool process sends each result whole, and a result larger than its pipe holds
+    waits in the write for its main process to read. The exception information of a
+    failure or a retry carries, on Python 3.11 and later, the position of every
+    instruction of every function on its traceback (billiard's ``ExceptionInfo``):
+    a ``SingletonTask`` retried because its lock Redis did not answer sends about
+    76 KB. A process that has exited closes its end of its sentinel pipe, which is
+    then readable.
+    """
+    watched: dict[int, tuple[Any, int]] = {}  # sentinel -> (process, its result pipe)
+    for process in list(getattr(pool, "_pool", ())):
+        popen = getattr(process, "_popen", None)
+        try:
+            results = process.outq._reader.fileno()
+        except (AttributeError, OSError, ValueError):  # its queues are gone: nothing to read
+            continue
+        if popen is not None and popen.sentinel is not None and popen.poll() is None:
+            watched[popen.sentinel] = (process, results)
+    with selectors.DefaultSelector() as selector:
+
+        def forget(fd: int) -> None:
+            if fd in selector.get_map():
+                selector.unregister(fd)
+
+        def gone(process: Any) -> bool:  # exited (reaped here or by another thread)
+            popen = process._popen
+            return popen is None or popen.poll() is not None
+
+        for fd in {fd for sentinel, (_, results) in watched.items() for fd in (sentinel, results)}:
+            selector.register(fd, selectors.EVENT_READ)
+        while watched and getattr(pool, "_state", None) != TERMINATE:
+            for key, _ in selector.select(timeout=1.0):
+                if key.fd in watched:  # its sentinel: exited
+                    forget(watched.pop(key.fd)[1])
+                    forget(key.fd)
+                    continue
+                try:
+                    os.read(key.fd, _DROP_CHUNK)
+                except BlockingIOError:
+                    pass
+                except OSError:  # closed: nothing more comes from there
+                    forget(key.fd)
+            # A sentinel another process still holds open (a child of the pool process)
+            # never becomes readable: look at each process once a second as well.
+            for sentinel, (process, results) in list(watched.items()):
+                if gone(process):
+                    del watched[sentinel]
+                    forget(sentinel)
+                    forget(results)
 
 
 def _check_until_up(check: StartupCheck) -> None:

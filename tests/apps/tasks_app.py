@@ -259,3 +259,24 @@ def until_soft_limit(self: SingletonTask, key: str) -> str:
     except SoftTimeLimitExceeded:
         return "stopped by its soft time limit"
     return "never stopped"
+
+
+#: Bytes :func:`fails_large`'s exception carries: more than a pipe holds (64 KiB on Linux).
+LARGE_DETAIL = 100_000
+
+
+@app.task(bind=True, base=SingletonTask, unique_on=["key"])
+def fails_large(self: SingletonTask, key: str, how: str) -> str:
+    """Runs (recorded like :func:`work`), then ends as ``how`` says (``"fail"``: FAILURE,
+    ``"retry"``: RETRY, in 60 s) with ``ValueError("large")`` carrying :data:`LARGE_DETAIL`
+    bytes in an attribute (pickled with it; not in its text, so logs stay short).
+
+    The pool process sends its main process the exception information of such an end:
+    a message larger than the pipe between them holds.
+    """
+    record_run(key, self, 0.0)
+    error = ValueError("large")
+    error.detail = b"x" * LARGE_DETAIL  # type: ignore[attr-defined]
+    if how == "retry":
+        raise self.retry(exc=error, countdown=60)
+    raise error
