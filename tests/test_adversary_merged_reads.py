@@ -13,30 +13,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import redis
 
 from celery_singleton_beat.lease.commands import acquire_request, release_request
 from celery_singleton_beat.lease.executor import execute
 
+from . import test_adversary_pooled_reads as attacks
 from .support import RedisServer
 from .support.fault_proxy import Rates
-from .test_adversary_pooled_reads import HELD, THEIRS, RefusingProxy, assert_told_held
+from .test_adversary_pooled_reads import RefusingProxy, assert_told_held
 
 LOADING = b"-LOADING Redis is loading the dataset in memory\r\n"
 NO_FAULTS = Rates(0, 0, 0, 0, 0, 0)
 
-
-@pytest.fixture(params=[2, 3], ids=["resp2", "resp3"])
-def protocol(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
-
-
-@pytest.fixture
-def held(redis_db: redis.Redis, redis_server: RedisServer) -> RedisServer:
-    """The session's server, with ``HELD`` held by another client."""
-    redis_server.client().set(HELD, THEIRS)
-    return redis_server
+#: The fixtures of those attacks: the protocol, and the session's server with ``HELD`` held.
+protocol = attacks.protocol
+held = attacks.held
 
 
 class LoadingProxy(RefusingProxy):
