@@ -343,7 +343,8 @@ def _read_until_processes_exit(pool: Any) -> None:
                     forget(key.fd)
                     continue
                 try:
-                    os.read(key.fd, _DROP_CHUNK)
+                    if not os.read(key.fd, _DROP_CHUNK):  # end of file: nothing more comes
+                        forget(key.fd)
                 except BlockingIOError:
                     pass
                 except OSError:  # closed: nothing more comes from there
