@@ -123,15 +123,11 @@ def borrow(pool: Any) -> Any:
                 condition.wait(min(LOOK_AGAIN, deadline - now))
 
 
-def _nothing() -> bool:
-    return False
-
-
 def give_back(pool: Any, connection: Any, link: Link | None) -> None:
     """Return a borrowed connection to its pool, dropped first if replies on it are unread
     (or, read off its socket, bytes were received that no request asked for); wake one
     request waiting for a connection of that pool. ``link`` None: nothing was written."""
-    if link is not None and (link.outstanding or getattr(link, "unread", _nothing)()):
+    if link is not None and (link.outstanding or link.unread()):
         connection.disconnect()
     pool.release(connection)
     condition = _returned.get(pool)

@@ -126,11 +126,12 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             cluster_reread(client)  # the slot's node refused: it may be gone, the slot served by another
             continue
         follow = AskFollower(client) if cluster else None
+        direct = raw and after is None and not cluster and type(pool) in _PLAIN_POOLS
         link: PoolLink | BorrowedLink | None = None  # made once connected (a BorrowedLink reads its socket)
         written = False
         try:
             ensure_checked(connection, looker_of(client))
-            link = _link_for(connection, raw and after is None and not cluster and type(pool) in _PLAIN_POOLS)
+            link = _link_for(connection, direct)
             if before_write is not None:
                 waited = before_write()
                 while waited and (primary := _primary_after_wait(pool, connection)) is not None:
@@ -140,7 +141,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
                     connection.disconnect()
                     connection.connect_to(primary)
                     ensure_checked(connection, looker_of(client))
-                    link = PoolLink(connection)  # scripts loaded on that connection only
+                    link = _link_for(connection, direct)  # scripts loaded on that connection only
                     waited = before_write()
             written = True
             result = run_on(link, request, follow)

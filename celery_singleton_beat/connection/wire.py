@@ -175,6 +175,9 @@ class Link(Protocol):
     def read_many(self, count: int) -> list[Any]:
         """The next ``count`` replies, as :meth:`read` gives them."""
 
+    def unread(self) -> bool:
+        """Bytes were received that no request asked for (the connection must not be reused)."""
+
 
 class PoolLink:
     """A redis-py connection (from a pool) as a :class:`Link`, for one borrowing."""
@@ -200,6 +203,9 @@ class PoolLink:
 
     def read_many(self, count: int) -> list[Any]:
         return [self.read() for _ in range(count)]
+
+    def unread(self) -> bool:
+        return False  # redis-py's parser keeps what it received; ``get_connection`` checks it
 
 
 def loaded_on(connection: Any) -> set[str]:
