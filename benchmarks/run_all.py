@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         sections.append(section + f"\n_{name}: {seconds:.0f} s_\n")
     if "instructions" in reports or "peers" in reports:
-        sections.insert(1, "### Targets (issue 23): the lock's cost per server, ratio to plain\n\n"
+        sections.insert(1, "### Targets: the lock's cost per server, ratio to plain\n\n"
                         + summary_table(reports.get("instructions"), reports.get("peers")) + "\n")
     text = "\n".join(sections)
     print(text)

@@ -1,11 +1,11 @@
-"""The performance targets of the lock (issue 23), judged from one run's reports.
+"""The performance targets of the lock, judged from one run's reports.
 
 ``benchmarks.run_all`` puts this summary at the top of ``benchmarks/results.md``
 when ``bench_instructions`` and/or ``bench_peers`` ran: one row per server,
 each figure a ratio to plain Celery on the same server, measured side by side
 in the same run, with its target and whether it is met.
 
-The targets (the issue names Redis 7.0 and Valkey 9; the other Redis
+The targets (set for Redis 7.0 and Valkey 9; the other Redis
 versions are held to Redis 7.0's):
 
 * Redis instructions per task (callgrind, no-op task, fresh keys):
@@ -90,8 +90,8 @@ def summary_table(instructions: dict[str, Any] | None, peers: dict[str, Any] | N
     return "\n".join([
         "Each figure: ours (or a peer) over plain Celery on the same server, measured side by side in this "
         "run. Instructions: `bench_instructions` (callgrind, no-op tasks, fresh keys); Redis CPU: "
-        "`bench_peers` (timed, INFO used_cpu_sys + used_cpu_user, medians). Targets from the issue "
-        "\"Performance, decided\": Redis instructions <= 1.6x plain on Redis (set for 7.0; 6.2 and 8.2 held "
+        "`bench_peers` (timed, INFO used_cpu_sys + used_cpu_user, medians). The project's targets: "
+        "Redis instructions <= 1.6x plain on Redis (set for 7.0; 6.2 and 8.2 held "
         "to it) and <= 1.4x on Valkey 9, acks_late <= 1.8x / 1.5x; Redis CPU <= 1.35x; worker instructions "
         "<= 1.07x, at or below celery-singleton and celery-once.",
         "",

@@ -33,6 +33,7 @@ from celery_singleton_beat.recovery.window import FAILED_OVER, mark_in_use
 from harness.chaos.cluster import Cluster, Settings
 from harness.chaos.history import Recorder, load
 from harness.chaos.nemesis import Nemesis
+from harness.chaos.redis_node import Redis
 
 from .support.locking import renew, take_lock
 
@@ -71,13 +72,14 @@ def app(cluster: Cluster) -> Iterator[Celery]:
 #: A fresh process of the library: ``look`` checks its first connection and prints the
 #: window it found; ``take`` tries to acquire the key and prints who holds it.
 FRESH_PROCESS = """
-import json, sys
+import json, logging, sys
 from celery import Celery
 from celery_singleton_beat.recovery.lock_redis import get_redis
 from celery_singleton_beat.recovery.server import server_of
 from tests.support.locking import take_lock
 
 action, key, conf = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 app = Celery("fresh", broker="memory://", set_as_current=False)
 app.conf.update(conf)
 client = get_redis(app)
@@ -87,7 +89,11 @@ if action == "look":
     print(json.dumps({"open": window.open, "reason": window.reason}))
 else:
     result = take_lock(client, key, 30.0, task="chaos.run", task_id="fresh")
-    print(json.dumps({"holder": "fresh" if result.lease else getattr(result.holder, "task_id", None)}))
+    server = server_of(client)
+    window = server.recovery()
+    print(json.dumps({"holder": "fresh" if result.lease else getattr(result.holder, "task_id", None),
+                      "taken_over": getattr(result.taken_over, "task_id", None), "window": window.reason,
+                      "since_ms": server.data_lost_since_ms()}))
 """
 
 
@@ -98,7 +104,18 @@ def fresh_process(app: Celery, action: str, key: str) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, action, key, json.dumps(conf)],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert done.returncode == 0, f"the fresh process failed: {done.stderr[-2000:]}"
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    seen = dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    seen["log"] = done.stderr[-3000:]  # its warnings: the windows it found, a lock it freed
+    return seen
+
+
+def never_promoted(node: Redis) -> None:
+    """Before ``node`` (stopped) starts again: the sentinels never promote it
+    (``replica-priority 0`` in the configuration file it starts from)."""
+    config = node.workdir / "redis.conf"
+    lines = [line for line in config.read_text().splitlines()
+             if not line.startswith(("replica-priority ", "slave-priority "))]
+    config.write_text("\n".join([*lines, "replica-priority 0"]) + "\n")
 
 
 def notes(cluster: Cluster, stage: str) -> list[dict[str, Any]]:
@@ -120,6 +137,13 @@ def test_the_reelected_former_primary_lacks_what_was_written_on_the_interim_one(
     assert fault is not None, "the group is whole: the fault applies"
     fault.number = 1
     _, cut_off, _ = fault.steps.pop(0)
+    # P2 comes back as a replica that the sentinels never promote: with a down-after of
+    # 1 s, sentinels that lose sight of the re-elected P1 for a second (a busy machine)
+    # would otherwise fail over once more, to P2, in the middle of the checks below. That
+    # is another fault (a replica promoted: a window every live holder answers, which the
+    # hand-renewed holder here does not), not the one this test looks at.
+    delay, come_back, what = fault.steps[-1]
+    fault.steps[-1] = (delay, lambda: (never_promoted(p2), come_back()), what)
     cut_off()
     nemesis.active.append(fault)
 
@@ -151,6 +175,8 @@ def test_the_reelected_former_primary_lacks_what_was_written_on_the_interim_one(
     assert seen["lacks_marker"], f"P1 lacks the marker written on P2: {seen}"
     assert seen["locks_taken_on_p2"] >= 1 and seen["of_them_on_p1"] == 0, f"P1 lacks P2's locks: {seen}"
     assert cluster.named_primary() is p1
+    with p2.client(DB) as back:
+        assert back.config_get("replica-priority") == {"replica-priority": "0"}, "P2 is never promoted again"
     with p1.client(DB) as direct:
         assert not direct.exists(key), "P1 lacks the lock the library took on P2"
 
