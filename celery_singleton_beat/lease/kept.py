@@ -68,9 +68,9 @@ class Bucket:
 def renewed_together(renewed: list[KeptLease], started: float, epoch: int) -> list[tuple[float, list[KeptLease]]]:
     """``renewed``, renewed by one request sent at ``started`` under ``epoch``: confirmed from then
     (as :meth:`.lease.Lease.settle_renewal` confirms one) and counted; returned in groups of one
-    lock client and spec, each with its next due time, a renewal interval after ``started``
+    lock client, counter hash and renewal interval, each with its next due time, a renewal interval after ``started``
     (from the confirmation, not from now: judging a large batch takes time)."""
-    groups: dict[tuple[int, int], list[KeptLease]] = {}
+    groups: dict[tuple[int, str | None, float], list[KeptLease]] = {}
     client = spec = same = None
     for kept in renewed:
         lease = kept.lease
@@ -81,7 +81,7 @@ def renewed_together(renewed: list[KeptLease], started: float, epoch: int) -> li
             logger.warning("renewed lock %s again: Redis answers", lease.key)
         if lease.spec is not spec or lease.client is not client or same is None:
             client, spec = lease.client, lease.spec
-            same = groups.setdefault((id(client), id(spec)), [])
+            same = groups.setdefault((id(client), spec.stats_key, spec.renew_every), [])
         same.append(kept)
     now = time.monotonic()
     due: list[tuple[float, list[KeptLease]]] = []
