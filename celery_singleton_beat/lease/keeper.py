@@ -314,7 +314,7 @@ class LeaseKeeper:
                 done.append((group[0], self._renew(group[0], via=via)))
                 continue
             self.batches += 1
-            if scripted(server_of(via).info or PORTABLE, cluster):
+            if scripted(server_of(via).info or PORTABLE, is_cluster(via)):
                 try:
                     started, epoch, failed = renew_scripted(via, [kept.lease for kept in group])
                 except redis.ResponseError:  # refused as a whole (-BUSY, -NOPERM): each lease on its own below
