@@ -75,7 +75,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from celery_singleton_beat.connection.client import redis_from_url
 from celery_singleton_beat.lease import keeper as keeper_module
-from celery_singleton_beat.lease.batches import renew_many
+from celery_singleton_beat.lease.batches import renew_many, renew_scripted
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
 from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.lock import acquire
@@ -165,17 +165,22 @@ class MidReplyCut(LoopbackProxy):
         self.spawn(self.relay, upstream, down, lambda: shut_write(client), name="cut-down")
 
 
+@pytest.mark.parametrize("path", ["pipelined", "scripted"])
 def test_a_batch_cut_mid_reply_is_sent_again_and_each_lease_judged_on_its_own_reply(
-        make_redis: Callable[..., RedisServer]) -> None:
+        make_redis: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """Six leases of six TTLs in one batch; the connection is cut once the server's replies
     of two of them (plus the ``SCRIPT LOAD`` ahead) were relayed and two bytes of the third.
-    Leases 1 (before the cut point) and 4 (after it) are held by another holder.
+    Leases 1 (before the cut point) and 4 (after it) are held by another holder. Scripted
+    (one call of the many-lease script, the path on a server without ``SET ... IFEQ``):
+    cut after the ``SCRIPT LOAD``'s reply and two bytes of the script's.
 
     Each lease must be judged on its own reply: only 1 and 4 lost, the others renewed to
     their own TTL; and the next batch on the same client must read no reply left from
     the cut request."""
     server, direct = own_server(make_redis)
-    proxy = MidReplyCut(server.port, keep=3)
+    if path == "pipelined":
+        monkeypatch.setattr(keeper_module, "scripted", lambda info, cluster: False)
+    proxy = MidReplyCut(server.port, keep=3 if path == "pipelined" else 1)
     client = redis.Redis(port=proxy.port)
     try:
         leases = take_leases(client, "cut", TTLS)
@@ -209,8 +214,9 @@ def test_a_batch_cut_mid_reply_is_sent_again_and_each_lease_judged_on_its_own_re
 # -------------------------------------------------------------------- 2. data loss, mixed
 
 
+@pytest.mark.parametrize("path", ["pipelined", "scripted"])
 def test_a_batch_after_a_data_loss_puts_each_lock_back_alone_but_not_an_ended_runs(
-        make_redis: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch) -> None:
+        make_redis: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """Six leases of six TTLs; the server restarts empty (no persistence), and another
     holder takes lease 1's key on the new server. The batch finds every lock gone; run 3
     ends (its lease forgotten, its release sent) right after the reply came, before its
@@ -227,13 +233,16 @@ def test_a_batch_after_a_data_loss_puts_each_lock_back_alone_but_not_an_ended_ru
     keeper = LeaseKeeper()
     kept = [keeper.keep(lease) for lease in leases]  # the thread starts; nothing is due for a second
 
-    def run_3_ends_at_the_reply(via: Any, batch: list[Lease]) -> list[Any]:
-        outcomes = renew_many(via, batch)
+    def run_3_ends_at_the_reply(via: Any, batch: list[Lease]) -> Any:
+        outcomes = (renew_many if path == "pipelined" else renew_scripted)(via, batch)
         keeper.forget(kept[3])
         leases[3].release()
         return outcomes
 
-    monkeypatch.setattr(keeper_module, "renew_many", run_3_ends_at_the_reply)
+    if path == "pipelined":
+        monkeypatch.setattr(keeper_module, "scripted", lambda info, cluster: False)
+    monkeypatch.setattr(keeper_module, "renew_many" if path == "pipelined" else "renew_scripted",
+                        run_3_ends_at_the_reply)
     try:
         keeper._renew_batch(kept)
     finally:

@@ -7,6 +7,12 @@ second then stay about constant however many leases a process holds (a gevent
 worker with a thousand running tasks), where one request per lease made them
 grow with the leases.
 
+Where the server has no native compare-and-extend (it renews in Lua anyway) and is not a
+Cluster, the leases of a batch go in one call of :data:`.scripts.RENEW_MANY` instead
+(:func:`renew_scripted`): the same compare-and-extend for each lock, in one script whose
+reply lists only the locks it did not renew, and why. The keeper then does little per
+renewed lease: no reply of its own to read and judge.
+
 Each lease's reply decides for that lease alone: a lock held by another is
 lost alone, a lock the server lost is put back alone (:meth:`.keeper.LeaseKeeper.renew`'s
 rules), and a reply that is an error (``-BUSY`` for that command, a
@@ -17,18 +23,20 @@ after the write) changes nothing the first did not.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..connection.client import is_cluster
-from ..connection.wire import Request
+from ..connection.wire import Request, Short
 from ..recovery.server import ServerInfo, server_of
 from .commands import NativeRefused, Renewal
 from .executor import execute
 from .lease import Lease
+from .scripts import RENEW_MANY
 
-__all__ = ["BATCH_MAX", "combined", "group_key", "renew_many"]
+__all__ = ["BATCH_MAX", "combined", "group_key", "renew_many", "renew_scripted", "scripted"]
 
 #: Renewals written in one request at most (a bigger batch waits for the next round).
 BATCH_MAX = 512
@@ -87,3 +95,46 @@ def renew_many(via: Any, leases: Sequence[Lease]) -> list[Renewal | BaseExceptio
         except Exception as exc:  # its look, when the native renewal did not say why
             outcomes.append(exc)
     return outcomes
+
+
+#: The usual reply of :data:`.scripts.RENEW_MANY`: every lock renewed (RESP2 and RESP3).
+_ALL_RENEWED = Short(re.compile(rb"\*0\r\n"), lambda match: ())
+_FOUND = {0: Renewal.HELD_BY_ANOTHER, -1: Renewal.GONE}
+
+
+def scripted(info: ServerInfo, cluster: bool) -> bool:
+    """Whether the leases of one server go in one call of :data:`.scripts.RENEW_MANY`: where the
+    server renews in Lua anyway (no native ``SET ... IFEQ``), and not on Cluster (whose keys
+    of one request may be in many slots)."""
+    return not cluster and not info.set_ifeq
+
+
+def renew_scripted(via: Any, leases: Sequence[Lease]) -> tuple[float, int, dict[int, Renewal]]:
+    """Renew ``leases`` (all of one server) in one call of :data:`.scripts.RENEW_MANY`: the
+    monotonic time and server epoch read before it was sent (what the renewed leases are
+    confirmed from), and the leases it did not renew, by position, with what it found.
+
+    Raises ``redis.RedisError`` when the request could not be made, or the script's reply is
+    an error (``-BUSY``, a refusal): the caller sends the batch the other way."""
+    started = time.monotonic()
+    epoch = server_of(via).epoch
+    keys = []
+    args = []
+    for lease in leases:
+        parts = lease.batch_parts or lease.spell_batch_parts()
+        keys.append(parts[0])
+        args.append(parts[1])
+    count = len(keys)
+    head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (
+        3 + 3 * count, RENEW_MANY.sha.encode(), len(str(count)), count)
+    data = b"".join((head, *keys, *args))
+
+    def finish(replies: list[Any]) -> Any:
+        reply = replies[0]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    request = Request(None, finish, (RENEW_MANY,), data=data, count=1, short=_ALL_RENEWED)
+    reply = execute(via, leases[0].key, lambda info: request, pooled=True)
+    return started, epoch, {int(reply[at]) - 1: _FOUND[int(reply[at + 1])] for at in range(0, len(reply), 2)}

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
 
@@ -40,9 +40,10 @@ from ..connection.flusher import read_all_replies
 from ..log import logger
 from ..recovery import server
 from ..recovery.lock_redis import thread_client
-from ..recovery.server import server_of
-from .batches import BATCH_MAX, group_key, renew_many
+from ..recovery.server import PORTABLE, server_of
+from .batches import BATCH_MAX, group_key, renew_many, renew_scripted, scripted
 from .commands import Renewal
+from .kept import Bucket, KeptLease, Later, renewed_together
 from .lease import RETRY_EVERY, Lease, retry_pause
 from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
 
@@ -58,44 +59,6 @@ LOG_EVERY = 5.0
 BATCH_HORIZON = 0.25
 
 
-class Later(NamedTuple):
-    """A put-back that waits until ``at`` (monotonic): the end of the recovery window."""
-
-    at: float
-
-
-class KeptLease:
-    """A lease under renewal; ``lost`` tells whether it still protects the run."""
-
-    __slots__ = ("active", "lease", "lost_reason", "next_complaint", "on_lost", "put_back_at", "releasing",
-                 "renewals")
-
-    def __init__(self, lease: Lease, on_lost: Callable[[KeptLease, str], None] | None) -> None:
-        self.lease = lease
-        self.on_lost = on_lost
-        self.lost_reason: str | None = None
-        self.renewals = 0
-        self.active = True
-        #: The run ended and its release is on its way (:meth:`LeaseKeeper.releasing`): still
-        #: renewed, but a lock found gone or another's is the release's doing, not a loss.
-        self.releasing = False
-        #: Monotonic time before which a failed renewal is not logged again.
-        self.next_complaint = 0.0
-        #: Monotonic time of a put-back waiting for the end of a recovery window (see
-        #: :meth:`.lease.Lease.late_put_back_at`); None when none waits.
-        self.put_back_at: float | None = None
-
-    @property
-    def lost(self) -> bool:
-        return self.lost_reason is not None
-
-    def mark_lost(self, reason: str) -> None:
-        if self.lost_reason is None:
-            self.lost_reason = reason
-            if self.on_lost is not None:
-                self.on_lost(self, reason)
-
-
 class LeaseKeeper:
     """Renews leases from one background OS thread (started on first use).
 
@@ -108,7 +71,8 @@ class LeaseKeeper:
         # keeper must renew while the running task blocks the hub.
         self._mutex = native.allocate_lock()
         self._wake = native.Wakeup()
-        self._queue: list[tuple[float, int, KeptLease | PendingRelease]] = []
+        #: Due time, order of scheduling, and a lease, a pending release or leases due together.
+        self._queue: list[tuple[float, int, KeptLease | PendingRelease | Bucket]] = []
         self._seq = itertools.count()
         #: Leases kept and not yet forgotten (the queue also holds forgotten ones).
         self._active = 0
@@ -144,8 +108,9 @@ class LeaseKeeper:
         inside :meth:`keep` once the lease was queued). Its entry never reached the run,
         which could not end it: the lock was renewed for the life of the process."""
         with self._mutex:
-            entries = [entry[2] for entry in self._queue
-                       if entry[2].lease is lease and isinstance(entry[2], KeptLease)]
+            entries = [kept for _, _, entry in self._queue
+                       for kept in (entry.leases if isinstance(entry, Bucket) else (entry,))
+                       if kept.lease is lease and isinstance(kept, KeptLease)]
         for kept in entries:
             self.forget(kept)
         with contextlib.suppress(Exception):  # else it lapses at its TTL
@@ -224,9 +189,9 @@ class LeaseKeeper:
     @property
     def tracked(self) -> int:
         """Entries in the renewal queue, forgotten ones included (bounded by the kept ones)."""
-        return len(self._queue)
+        return sum(len(entry.leases) if isinstance(entry, Bucket) else 1 for _, _, entry in self._queue)
 
-    def _schedule(self, kept: KeptLease | PendingRelease, when: float) -> None:
+    def _schedule(self, kept: KeptLease | PendingRelease | Bucket, when: float) -> None:
         heapq.heappush(self._queue, (when, next(self._seq), kept))
 
     def _run(self) -> None:
@@ -252,19 +217,26 @@ class LeaseKeeper:
                 self.waiting = False
                 self.wakeups += 1
                 continue
-            try:
-                leases = [kept for kept in batch if isinstance(kept, KeptLease)]
-                done = self._renew_batch(leases) if leases else []
-                done += [(pending, self._release_again(pending)) for pending in batch
-                         if isinstance(pending, PendingRelease)]
-            except Exception:  # never let the keeper thread die: the round's entries again soon
-                logger.exception("unexpected error in a round of the lease keeper")
-                again = time.monotonic() + RETRY_EVERY
-                done = [(kept, again) for kept in batch]
-            with self._mutex:
-                for kept, next_time in done:
-                    if next_time is not None and kept.active:
-                        self._schedule(kept, next_time)
+            self._handle(batch)
+
+    def _handle(self, batch: list[KeptLease | PendingRelease]) -> None:
+        """Renew the leases of ``batch`` and send its pending releases again; schedule each again."""
+        buckets: list[tuple[float, list[KeptLease]]] = []
+        try:
+            leases = [kept for kept in batch if isinstance(kept, KeptLease)]
+            done = self._renew_round(leases, buckets) if leases else []
+            done += [(pending, self._release_again(pending)) for pending in batch
+                     if isinstance(pending, PendingRelease)]
+        except Exception:  # never let the keeper thread die: the round's entries again soon
+            logger.exception("unexpected error in a round of the lease keeper")
+            again = time.monotonic() + RETRY_EVERY
+            done, buckets = [(kept, again) for kept in batch], []
+        with self._mutex:
+            for kept, next_time in done:
+                if next_time is not None and kept.active:
+                    self._schedule(kept, next_time)
+            for due, group in buckets:
+                self._schedule(Bucket(group), due)
 
     def _take_due(self, now: float) -> list[KeptLease | PendingRelease]:
         """Under the mutex: the entries due now, with every lease due within its horizon
@@ -274,6 +246,16 @@ class LeaseKeeper:
         leases = 0
         while self._queue and leases < BATCH_MAX:
             when, _, kept = self._queue[0]
+            if isinstance(kept, Bucket):  # renewed together before: taken together (or not yet)
+                live = [each for each in kept.leases if each.active]
+                horizon = min(BATCH_HORIZON, live[0].lease.renew_every / 4) if live else 0.0
+                if live and (when > now + (horizon if taken else 0.0) or (taken and leases + len(live) > BATCH_MAX)):
+                    kept.leases = live
+                    break
+                heapq.heappop(self._queue)
+                taken += live
+                leases += len(live)
+                continue
             if not kept.active:
                 heapq.heappop(self._queue)
                 continue
@@ -286,14 +268,24 @@ class LeaseKeeper:
         return taken
 
     def _renew_batch(self, leases: list[KeptLease]) -> list[tuple[KeptLease | PendingRelease, float | None]]:
+        """Renew ``leases`` (:meth:`_renew_round`): the monotonic time of each one's next attempt."""
+        buckets: list[tuple[float, list[KeptLease]]] = []
+        done = self._renew_round(leases, buckets)
+        return done + [(kept, due) for due, group in buckets for kept in group]
+
+    def _renew_round(self, leases: list[KeptLease], buckets: list[tuple[float, list[KeptLease]]]
+                     ) -> list[tuple[KeptLease | PendingRelease, float | None]]:
         """Renew ``leases``: in one request per server where several share it (:mod:`.batches`),
-        each judged on its own reply; the monotonic time of each one's next attempt."""
+        each judged on its own reply; the monotonic time of each one's next attempt. The leases
+        a many-lease script renewed (:func:`.batches.renew_scripted`) go in ``buckets`` instead,
+        with their next due time: those renewed together with the same interval share it."""
         groups: dict[tuple[int, str], tuple[Any, list[KeptLease]]] = {}
         # The keeper's own client and its kind, once per lock client, not per lease: in a
         # gevent worker this thread's Python work holds up the hub (see .native). A client
         # that cannot be made (a Cluster whose seed does not answer: each attempt waits up to
         # its connect timeout) is tried once per round too; its leases are retried.
-        vias: dict[int, tuple[Any, bool] | BaseException] = {}
+        # Off Cluster, all of a client's leases share one group, found with the client.
+        vias: dict[int, tuple[Any, bool, list[KeptLease] | None] | BaseException] = {}
         done: list[tuple[KeptLease | PendingRelease, float | None]] = []
         for kept in leases:
             client = kept.lease.client
@@ -301,13 +293,18 @@ class LeaseKeeper:
             if found is None:
                 try:
                     via = thread_client(client)
-                    found = vias[id(client)] = (via, is_cluster(via))
+                    cluster = is_cluster(via)
+                    shared = None if cluster else groups.setdefault((id(via), ""), (via, []))[1]
+                    found = vias[id(client)] = (via, cluster, shared)
                 except Exception as exc:  # judged with each of its leases, where errors are
                     found = vias[id(client)] = exc
             if isinstance(found, BaseException):
                 done.append((kept, self._renew(kept, found)))
                 continue
-            via, cluster = found
+            via, cluster, shared = found
+            if shared is not None:
+                shared.append(kept)
+                continue
             try:
                 groups.setdefault(group_key(via, kept.lease, cluster), (via, []))[1].append(kept)
             except Exception:  # no node for it now (a Cluster being reshaped): on its own
@@ -317,6 +314,20 @@ class LeaseKeeper:
                 done.append((group[0], self._renew(group[0], via=via)))
                 continue
             self.batches += 1
+            if scripted(server_of(via).info or PORTABLE, is_cluster(via)):
+                try:
+                    started, epoch, failed = renew_scripted(via, [kept.lease for kept in group])
+                except redis.ResponseError:  # refused as a whole (-BUSY, -NOPERM): each lease on its own below
+                    pass
+                except Exception as exc:  # the request as a whole: each lease's error
+                    done += [(kept, self._renew(kept, exc, via)) for kept in group]
+                    continue
+                else:
+                    for at, found_at in failed.items():  # each judged alone, as its own reply would be
+                        done.append((group[at], self._renew(group[at], found_at, via)))
+                    renewed = [kept for at, kept in enumerate(group) if at not in failed] if failed else group
+                    buckets += renewed_together(renewed, started, epoch)
+                    continue
             try:
                 outcomes: list[Renewal | BaseException] = renew_many(via, [kept.lease for kept in group])
             except Exception as exc:  # the request as a whole: each lease's error

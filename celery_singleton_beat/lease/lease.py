@@ -94,9 +94,11 @@ class Lease:
         self.task_id = task_id
         #: The renewal request last built, and the server info it was spelt for.
         self._renewal: tuple[ServerInfo, Request] | None = None
-        self._confirmed(started, epoch)
+        #: This lease's part of a many-lease renewal (:func:`.batches.renew_scripted`), in RESP.
+        self.batch_parts: tuple[bytes, bytes] | None = None
+        self.confirm(started, epoch)
 
-    def _confirmed(self, started: float, epoch: int) -> None:
+    def confirm(self, started: float, epoch: int) -> None:
         """The lock was ours (taken or renewed) at ``started`` (monotonic, before the request),
         under the server's ``epoch`` (read before the request too)."""
         #: Monotonic time until which the lock exists in Redis, if Redis keeps it.
@@ -147,6 +149,14 @@ class Lease:
         self._renewal = (info, request)
         return request
 
+    def spell_batch_parts(self) -> tuple[bytes, bytes]:
+        """This lease's key, and its value and TTL, as arguments of a many-lease renewal (in RESP):
+        built once and kept, as :meth:`renewal_request`."""
+        key, value, ttl = self.key.encode(), self.value.encode(), b"%d" % self.spec.ttl_ms
+        parts = self.batch_parts = (b"$%d\r\n%s\r\n" % (len(key), key),
+                                    b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(value), value, len(ttl), ttl))
+        return parts
+
     def settle_renewal(self, outcome: Renewal | None, started: float, epoch: int, via: RedisClient) -> Renewal:
         """What a renewal sent at ``started`` (monotonic) under ``epoch`` found: a native
         renewal that did not say why it failed is asked about (gone, or another's); a
@@ -155,7 +165,7 @@ class Lease:
             look = execute(via, self.key, lambda info: look_request(self.key), pooled=True)
             outcome = Renewal.HELD_BY_ANOTHER if look.current is not None else Renewal.GONE
         if outcome is Renewal.RENEWED:
-            self._confirmed(started, epoch)
+            self.confirm(started, epoch)
             counters.count(self.client, self.spec.stats_key, "renewed")
         return outcome
 
@@ -226,7 +236,7 @@ class Lease:
             # (found by this very request's connection): give it up.
             execute(via, self.key, lambda info: release_request(info, self.key, self.value), pooled=True)
             return False
-        self._confirmed(started, epoch)
+        self.confirm(started, epoch)
         logger.warning("put lock %s back after the lock Redis lost it (%s)", self.key,
                        server.recovery_reason or "restarted or failed over")
         counters.count(self.client, self.spec.stats_key, "put_back")

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from ..connection.wire import LuaScript
 
-__all__ = ["ACQUIRE_UNLESS_DONE", "ADOPT", "CLAIM_ON_RETRY", "RELEASE", "RELEASE_FOR", "RENEW", "STATS_TTL_MS",
-           "TAKE_OVER", "LuaScript"]
+__all__ = ["ACQUIRE_UNLESS_DONE", "ADOPT", "CLAIM_ON_RETRY", "RELEASE", "RELEASE_FOR", "RENEW", "RENEW_MANY",
+           "STATS_TTL_MS", "TAKE_OVER", "LuaScript"]
 
 # KEYS: lock. ARGV: value. 1 if it was ours and is deleted, 0 if not.
 RELEASE = LuaScript("""
@@ -60,6 +60,23 @@ if current == ARGV[1] then
 end
 if current then return 0 end
 return -1
+""")
+
+# KEYS: locks. ARGV: each lock's value and ttl ms, in pairs (the lock's RENEW, for many).
+# The 1-based positions of the locks not renewed, each followed by 0 (another value holds
+# it) or -1 (gone): empty when every lock was renewed, which is the usual reply.
+RENEW_MANY = LuaScript("""
+local failed = {}
+for i = 1, #KEYS do
+  local current = redis.call('GET', KEYS[i])
+  if current == ARGV[2 * i - 1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+  else
+    failed[#failed + 1] = i
+    failed[#failed + 1] = current and 0 or -1
+  end
+end
+return failed
 """)
 
 # KEYS: lock. ARGV: value, the claim to leave in its place, its ttl ms.
