@@ -40,10 +40,17 @@ For each N and variant, per round:
   while the runs sleep; kept out of the measured round, where its own commands
   would be counted as the locks' (at N = 5,000 they are about 25,000 a second).
 
+With ``--thread-stats 1`` the first body and the N-th also snapshot the worker's threads
+(:mod:`benchmarks.thread_stats`): each round's JSON then has, from the first start to the
+last, every thread's user and system CPU and context switches (the hub, the library's
+keeper, counters and heartbeat threads by name), the garbage collector's runs and seconds
+per generation, and the objects it tracked at the last start, by type (``--json`` shows
+them).
+
 Variants run interleaved (plain, ours, ours sampled; the order rotates from one round
 to the next); medians over the rounds. Ratios at N are to the smallest N.
 
-Usage: python -m benchmarks.bench_leases [--sizes 100 1000 5000] [--seconds 20] [--rounds 1]
+Usage: python -m benchmarks.bench_leases [--sizes 100 1000 5000] [--seconds 20] [--rounds 1] [--thread-stats 1]
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class LostReport:
 
     __slots__ = ("eager", "hostname", "task", "task_id")
 
-    def __init__(self, task: SingletonTask, task_id: str | None, hostname: str | None, eager: bool) -> None:
+    def __init__(self, task: SingletonTask, task_id: str, hostname: str | None, eager: bool) -> None:
         self.task = task
         self.task_id = task_id
         self.hostname = hostname
