@@ -40,14 +40,22 @@ For each N and variant, per round:
   while the runs sleep; kept out of the measured round, where its own commands
   would be counted as the locks' (at N = 5,000 they are about 25,000 a second).
 
+With ``--thread-stats 1`` the first body and the N-th also snapshot the worker's threads
+(:mod:`benchmarks.thread_stats`): each round's JSON then has, from the first start to the
+last, every thread's user and system CPU and context switches (the hub, the library's
+keeper, counters and heartbeat threads by name), the garbage collector's runs and seconds
+per generation, and the objects it tracked at the last start, by type (``--json`` shows
+them).
+
 Variants run interleaved (plain, ours, ours sampled; the order rotates from one round
 to the next); medians over the rounds. Ratios at N are to the smallest N.
 
-Usage: python -m benchmarks.bench_leases [--sizes 100 1000 5000] [--seconds 20] [--rounds 1]
+Usage: python -m benchmarks.bench_leases [--sizes 100 1000 5000] [--seconds 20] [--rounds 1] [--thread-stats 1]
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -73,6 +81,7 @@ from .common import (
     progress,
     start_celery,
 )
+from .thread_stats import delta as stats_delta
 
 #: variant -> (task of benchmarks.leases_app, PTTL sampled)
 VARIANTS = {"plain": ("plain", False), "ours": ("singleton", False), "ours_sampled": ("singleton", True)}
@@ -157,9 +166,12 @@ def log_lines(log: Path) -> dict[str, list[str]]:
     return {name: [line for line in text if pattern.search(line)] for name, pattern in LOG_PATTERNS.items()}
 
 
-def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Server, log: Path) -> dict[str, Any]:
+def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Server, log: Path,
+              thread_stats: bool = False) -> dict[str, Any]:
     task_name, sampled = VARIANTS[variant]
     env = bench_env(BENCH_BROKER=broker.url, BENCH_LOCKS=locks.url)
+    if thread_stats:  # the first and the N-th body snapshot the worker's threads and collector
+        env["BENCH_THREAD_STATS"] = str(n)
     os.environ.update(BENCH_BROKER=broker.url, BENCH_LOCKS=locks.url)
     from . import leases_app
 
@@ -218,6 +230,7 @@ def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Serve
                 if key.endswith(b"}")]
     lines = log_lines(log)
     lease_seconds = n * seconds
+    snaps = records.hgetall("thread_stats") if thread_stats else {}
     result: dict[str, Any] = {
         "started": len(starts), "ended": len(ends),
         "start_spread_s": max(starts) - min(starts),
@@ -239,6 +252,11 @@ def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Serve
         "log_lines": {name: found[:5] for name, found in lines.items() if found},
         "prefetch_multiplier": multiplier,
     }
+    if b"first" in snaps and b"last" in snaps:
+        last = json.loads(snaps[b"last"])
+        result["thread_stats"] = {**stats_delta(json.loads(snaps[b"first"]), last),
+                                  "gc_objects_at_last_start": last.get("gc_objects"),
+                                  "gc_types_at_last_start": last.get("gc_types")}
     if sampler is not None:
         result["pttl"] = {"lowest_ms": sampler.lowest, "key": sampler.lowest_key, "samples": sampler.samples,
                           "no_ttl": sampler.no_ttl, "most_keys": sampler.most_keys,
@@ -250,7 +268,8 @@ def _median(rounds: list[dict[str, Any]], name: str) -> float:
     return float(statistics.median(r[name] for r in rounds))
 
 
-def run(sizes: tuple[int, ...] = (100, 1000, 5000), seconds: float = 20.0, rounds: int = 1) -> dict[str, Any]:
+def run(sizes: tuple[int, ...] = (100, 1000, 5000), seconds: float = 20.0, rounds: int = 1,
+        thread_stats: int = 0) -> dict[str, Any]:
     sizes = tuple(sorted(sizes))
     broker, locks = Server(), Server()
     log = Path(tempfile.mkstemp(prefix="csb-bench-leases-", suffix=".log")[1])
@@ -261,7 +280,8 @@ def run(sizes: tuple[int, ...] = (100, 1000, 5000), seconds: float = 20.0, round
             for r in range(rounds):
                 for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
                     progress(f"N={n} round {r + 1}/{rounds}: {variant}, {seconds:g} s sleeps")
-                    results[n][variant].append(one_round(variant, n, seconds, broker, locks, log))
+                    results[n][variant].append(one_round(variant, n, seconds, broker, locks, log,
+                                                                  bool(thread_stats)))
     finally:
         broker.stop()
         locks.stop()
@@ -390,7 +410,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_cli(__doc__, run, table, argv, sizes=(100, 1000, 5000), seconds=20.0, rounds=1)
+    return bench_cli(__doc__, run, table, argv, sizes=(100, 1000, 5000), seconds=20.0, rounds=1, thread_stats=0)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,11 @@ of the process) and whether ``time`` is patched into the record hash ``ready``.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import gc
 import itertools
+import json
 import os
 import time
 from typing import Any
@@ -35,6 +38,7 @@ from celery.signals import worker_ready
 
 from celery_singleton_beat import SingletonTask
 
+from . import thread_stats
 from .common import process_cpu_seconds
 
 BROKER = os.environ["BENCH_BROKER"]
@@ -55,6 +59,14 @@ if os.environ.get("BENCH_LIVENESS_TTL"):
 _MARKS = ctypes.CDLL(os.environ["BENCH_CALLGRIND_LIB"]) if os.environ.get("BENCH_CALLGRIND_LIB") else None
 _MARK_LAST = int(os.environ.get("BENCH_MARK_LAST", "0"))
 _started = itertools.count(1)
+#: With ``BENCH_THREAD_STATS=<N>``: the first body and the N-th write a snapshot of the
+#: worker's threads and collector (:mod:`benchmarks.thread_stats`) to the record hash
+#: ``thread_stats`` (fields ``first`` and ``last``, JSON), and the collector is timed.
+_STATS_LAST = int(os.environ.get("BENCH_THREAD_STATS", "0"))
+_stats_started = itertools.count(1)
+if _STATS_LAST:
+    thread_stats.watch_gc()
+    thread_stats.name_library_threads()
 
 _records: redis.Redis | None = None
 
@@ -78,9 +90,24 @@ def _mark() -> None:
         _MARKS.csb_dump()
 
 
+def _stats() -> None:
+    """Snapshot the worker's threads at the first start and at the ``BENCH_THREAD_STATS``-th."""
+    nth = next(_stats_started)
+    if nth in (1, _STATS_LAST):
+        snap = thread_stats.snapshot()
+        if nth == _STATS_LAST:
+            # after the snapshot: outside the window
+            tracked = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
+            snap["gc_objects"] = sum(tracked.values())
+            snap["gc_types"] = dict(tracked.most_common(60))
+        records().hset("thread_stats", "first" if nth == 1 else "last", json.dumps(snap))
+
+
 def body(i: int, seconds: float) -> None:
     if _MARKS is not None:
         _mark()
+    if _STATS_LAST:
+        _stats()
     started = time.time()
     # the member also carries the worker process's CPU so far (every thread's: the keeper's
     # too), so that the CPU spent from the first start to the last is known, whatever share

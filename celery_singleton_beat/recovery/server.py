@@ -200,6 +200,11 @@ class LockServer:
         self._lock = threading.Lock()
         #: This thread's last wait for a window (see :meth:`resumed`).
         self._paused = threading.local()
+        #: Some thread of this process waited for a window once: until then no thread's
+        #: :meth:`resumed` reads ``_paused``. In a gevent worker it is a greenlet-local, and
+        #: the first read by each run's greenlet built that greenlet's entry (four objects
+        #: and a weak reference kept for the life of the run, each acquire).
+        self._ever_paused = False
 
     @property
     def epoch(self) -> int:
@@ -288,6 +293,7 @@ class LockServer:
             waited += left
         if waited:
             self._paused.resumed = time.monotonic()
+            self._ever_paused = True  # after the thread's own entry: its resumed() sees it
             logger.info("a new lock waited %.1fs for the lock Redis's recovery window (%s)", waited,
                         self.recovery_reason)
         return waited
@@ -295,6 +301,8 @@ class LockServer:
     def resumed(self) -> float:
         """When this thread's last :meth:`pause` that waited ended (monotonic; 0.0: never): a
         request written after it runs from then, e.g. a lease's TTL."""
+        if not self._ever_paused:  # no thread ever waited: no thread-local to look in
+            return 0.0
         return float(getattr(self._paused, "resumed", 0.0))
 
     def copy_of(self, client: Any) -> Any:
