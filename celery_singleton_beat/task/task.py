@@ -47,21 +47,19 @@ import logging
 import sys
 import time
 import types
-from collections.abc import Callable
-from datetime import datetime
 from typing import Any, ClassVar
 
 import celery
 import redis
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore
 from kombu.utils.functional import maybe_list
 
 from .. import config
 from ..config import SingletonSettings, get_settings
 from ..lease.holder import describe_holder
-from ..lease.keeper import KeptLease, get_keeper
+from ..lease.keeper import get_keeper
 from ..lease.lease import Lease
 from ..lease.liveness import boot_id, publishes_liveness
 from ..lease.lock import AcquireResult, acquire
@@ -72,22 +70,15 @@ from ..recovery.lock_redis import get_redis
 from . import soft_limit
 from . import worker as worker_support
 from .conflicts import ConflictOutcomes, is_copy
-from .endings import Release, Report, ending_of
-from .events import TASK_LOCK_LOST, send_task_event_soon
 from .keys import UniqueOn, lock_key, task_signature, task_stats_key
 from .options import LOCK_MODES, ON_CONFLICT, OPTIONS, check_options, misspelt_option
 from .outage import claim_back, in_time, wait_for_redis
-from .publish import PublishClaims, delay_of
+from .publish import PublishClaims
+from .release import ReleaseAtEnd
 from .request import compose_request
 from .run import SingletonRun
 
 __all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "SingletonRun", "SingletonTask"]
-
-
-def _has_followers(request: Context) -> bool:
-    """Whether work is published when this run ends: callbacks/errbacks, a chain's next
-    step, a chord's body (counted by its parts)."""
-    return bool(request.callbacks or request.errbacks or request.chain or request.chord)
 
 
 def _stores_results(task: celery.Task) -> bool:
@@ -98,33 +89,7 @@ def _stores_results(task: celery.Task) -> bool:
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
 
 
-class LostReport:
-    """A run's report of its lost lease (its :class:`.KeptLease`'s ``on_lost``): a log line
-    and, in a worker, a task event.
-
-    One object per run, held for as long as the run: a closure over the same fields was
-    seven objects (a function, its tuple of cells and a cell per field) for the cyclic garbage collector to go
-    through at every full collection, which a gevent worker holding thousands of leases
-    makes more often and longer as it takes in runs.
-    """
-
-    __slots__ = ("eager", "hostname", "task", "task_id")
-
-    def __init__(self, task: SingletonTask, task_id: str, hostname: str | None, eager: bool) -> None:
-        self.task = task
-        self.task_id = task_id
-        self.hostname = hostname
-        self.eager = eager
-
-    def __call__(self, kept: KeptLease, reason: str) -> None:
-        logger.warning("%s[%s] lost its lock %s while running: %s",
-                       self.task.name, self.task_id, kept.lease.key, reason)
-        if not self.eager:
-            send_task_event_soon(self.task.app, self.hostname, self.task_id, TASK_LOCK_LOST,
-                                 key=kept.lease.key, reason=reason)
-
-
-class SingletonTask(ConflictOutcomes, PublishClaims):
+class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
     """Base class for tasks that must not run twice at once for the same arguments.
 
     Use it as ``@app.task(base=SingletonTask, unique_on=[...], lock_ttl=60)``.
@@ -373,107 +338,3 @@ class SingletonTask(ConflictOutcomes, PublishClaims):
         except BaseException:  # a soft time limit as the run began: its end will not come
             keeper.abandon(result.lease)
             raise
-
-    def _lease_lost_callback(self, request: Context) -> Callable[[KeptLease, str], None]:
-        """Report a lost lease once, the moment it is noticed (keeper or release)."""
-        return LostReport(self, request.id, request.hostname, bool(request.is_eager))
-
-    def _release_reported(self, request: Context, kept: KeptLease,
-                          done_ttl: float | None) -> Callable[[bool | None, BaseException | None], None]:
-        """The handler of a release's reply, read after the run ended."""
-        name, task_id = self.name, request.id
-
-        def confirmed(released: bool | None, error: BaseException | None) -> None:
-            if error is not None:
-                self._release_again(name, task_id, kept, done_ttl, error)
-            elif released is None:
-                logger.info("%s[%s] released %s again on a new connection (the first reply was lost)",
-                            name, task_id, kept.lease.key)
-            elif not released:
-                kept.mark_lost("the lock was gone when the run ended")
-
-        return confirmed
-
-    @staticmethod
-    def _release_again(name: str, task_id: str | None, kept: KeptLease, done_ttl: float | None,
-                       error: BaseException) -> None:
-        """A release got no answer (``-BUSY``, a timeout, a cut connection): the keeper sends it
-        again until it runs, so the key is freed (and an ``acks_late`` run's done marker
-        written) without waiting for the lock's TTL."""
-        logger.warning("%s[%s] could not release %s (%s); sending the release again until Redis "
-                       "answers (the lock expires within %.0fs otherwise)",
-                       name, task_id, kept.lease.key, error, kept.lease.ttl)
-        get_keeper().retry_release(kept.lease, done_ttl)
-
-    def _end_is_seen(self, request: Context, exc: BaseException | None) -> bool:
-        """Whether someone can see this run's end once ``__call__`` returns.
-
-        Its stored result (unless the task ignores results; errors still stored
-        with ``store_errors_even_if_ignored``), its ``task-succeeded`` /
-        ``task-failed`` event (a worker started with ``-E``), work published
-        when it ends (a chain's next step, callbacks, a chord's body), the
-        caller of an eager run. A caller who saw it and submits the same key
-        again must never be skipped as a duplicate of this ended run.
-        """
-        if request.is_eager or _has_followers(request):
-            return True
-        if self.send_events and worker_support.sends_task_events():
-            return True
-        stored = self._run_context(False)[3]  # the app has a result backend (not eager here)
-        if self.ignore_result or request.ignore_result:
-            return stored and exc is not None and bool(self.store_errors_even_if_ignored) and \
-                not isinstance(exc, (Ignore, Reject, Retry))
-        return stored
-
-    def _end(self, request: Context, run: SingletonRun | None, exc: BaseException | None) -> None:
-        """Release the run's lock as its ending says (:mod:`.endings`)."""
-        kept = run._kept if run is not None else None
-        if kept is None:
-            return
-        # Renewed until its release is sent: the release may wait (a pooled connection, a busy
-        # hub) longer than the lease has left (see LeaseKeeper.releasing).
-        keeper = get_keeper()
-        try:
-            keeper.releasing(kept)
-            self._release(request, run, kept, exc)
-        finally:
-            keeper.forget(kept)
-
-    def _release(self, request: Context, run: SingletonRun | None, kept: KeptLease,
-                 exc: BaseException | None) -> None:
-        """Send the release of ``kept`` as the run's ending says; report what it found."""
-        ending = ending_of(exc, self.lock_mode)
-        done_ttl = run._done_ttl if ending.marker else None  # type: ignore[union-attr]  # kept: run too
-        claim_ttl = self._retry_claim_ttl(request, exc) if ending.release is Release.CLAIM else None
-        if ending.release is Release.SOON and not self._end_is_seen(request, exc):
-            try:
-                if kept.lease.release_soon(self._release_reported(request, kept, done_ttl), done_ttl=done_ttl):
-                    return
-            except redis.RedisError as error:
-                self._release_again(self.name, request.id, kept, done_ttl, error)
-                return
-        try:
-            released = kept.lease.release(done_ttl=done_ttl, claim_ttl=claim_ttl)
-        except redis.RedisError as error:
-            if ending.report is Report.RUN:
-                self._release_again(self.name, request.id, kept, done_ttl, error)
-            else:
-                logger.error("%s[%s] could not release %s (it expires within %.0fs): %s",
-                             self.name, request.id, kept.lease.key, kept.lease.ttl, error)
-            return
-        if ending.report is Report.TERMINATION:
-            if released:
-                logger.warning("%s[%s] terminated (%s); freed its lock %s before exiting",
-                               self.name, request.id, exc, kept.lease.key)
-            elif released is False:  # the pool child is being terminated (hard time limit, revoke+terminate)
-                logger.info("%s[%s] terminated; its lock %s was already freed by the worker's main process",
-                            self.name, request.id, kept.lease.key)
-        elif released is False:  # reported once, by the callback, unless the keeper already did
-            kept.mark_lost("the lock was gone when the run ended")  # (None: unknown, sent again)
-
-    def _retry_claim_ttl(self, request: Context, exc: BaseException | None) -> float:
-        """Seconds the claim an ``until_executed`` run's lock turns into covers its retry:
-        the queue lock's TTL and the retry's countdown or eta."""
-        when = exc.when if isinstance(exc, Retry) else None
-        return self._run_context(bool(request.is_eager))[0].queue_lock_ttl + delay_of(
-            {"eta": when} if isinstance(when, datetime) else {"countdown": when})
