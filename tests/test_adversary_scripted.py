@@ -1,0 +1,199 @@
+"""Adversarial review of the keeper's many-lease renewal script (``RENEW_MANY``, sent as raw
+RESP by :func:`.batches.renew_scripted` where the server has no ``SET ... IFEQ`` and is not a
+Cluster) and of the queue entries of leases renewed together (:class:`.kept.Bucket`),
+against real redis-servers.
+
+Attacks kept here (each a test), and what they found:
+
+* A lock key overwritten with a hash (``WRONGTYPE`` inside the script) among five good
+  leases: the script fails as a whole, the batch goes the pipelined way, the five are
+  renewed and confirmed, the bad one is neither confirmed nor reported lost at once (an
+  error: retried until its TTL would lapse).
+  ``test_a_wrongtype_key_costs_only_its_own_lease``.
+* Keys and values with non-ASCII characters, ``\\r\\n`` and very long keys (RESP lengths
+  counted in bytes): every lease renewed by the one call.
+  ``test_non_ascii_and_long_keys_are_renewed_by_the_script``.
+* ``SCRIPT FLUSH`` between two rounds (``NOSCRIPT`` on the raw ``EVALSHA``): the script
+  is loaded and the batch sent again, every lease renewed once more.
+  ``test_a_script_flush_between_rounds_loads_the_script_again``.
+* More than :data:`.batches.BATCH_MAX` leases due at once, kept as queue entries of leases
+  renewed together: no round sends more than the maximum, every lease renewed every round.
+  ``test_more_than_a_batch_of_leases_in_buckets_are_all_renewed_each_round``.
+* A run cut short as it began (:meth:`.keeper.LeaseKeeper.abandon`) while its lease was
+  being renewed (taken off the queue by the keeper's round): see the test's docstring.
+  ``test_a_lease_abandoned_while_its_renewal_is_in_flight_is_not_put_back``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from celery_singleton_beat.lease import batches
+from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
+from celery_singleton_beat.lease.kept import Bucket
+from celery_singleton_beat.lease.lease import Lease
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
+from celery_singleton_beat.recovery.server import server_of
+from celery_singleton_beat.recovery.window import mark_in_use
+
+from .support import RedisServer
+from .support.locking import take_leases
+
+#: Distinct TTLs: a renewal sent with another lease's TTL shows.
+TTLS = [3.0, 30.0, 7.0, 11.0, 19.0, 5.0]
+
+
+def scripted_only(client: redis.Redis) -> None:
+    info = server_of(client).info
+    if info is not None and info.set_ifeq:
+        pytest.skip("the server renews natively (SET IFEQ): the keeper pipelines its renewals there")
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def own_server(make_redis: Callable[..., RedisServer]) -> tuple[RedisServer, redis.Redis]:
+    """A redis-server of the test's own, marked in use (no recovery window), and a direct client."""
+    server = make_redis()
+    direct = server.client()
+    mark_in_use(direct)
+    return server, direct
+
+
+def test_a_wrongtype_key_costs_only_its_own_lease(redis_db: redis.Redis) -> None:
+    leases = take_leases(redis_db, "wrongtype", TTLS)
+    scripted_only(redis_db)
+    for lease in leases:
+        redis_db.pexpire(lease.key, 2_000)
+    bad = leases[2]
+    ttl = redis_db.pttl(bad.key)
+    redis_db.delete(bad.key)
+    redis_db.hset(bad.key, "field", "value")
+    redis_db.pexpire(bad.key, ttl)
+    before = [lease.confirmed_at for lease in leases]
+    keeper = LeaseKeeper()
+    kept = [KeptLease(lease, None) for lease in leases]
+    keeper._active = len(kept)
+
+    done = dict((id(k), at) for k, at in keeper._renew_batch(kept))
+
+    assert not any(k.lost for k in kept), "an error on one key is retried, not a loss"
+    assert bad.confirmed_at == before[2] and kept[2].renewals == 0, "the bad key's lease was not confirmed"
+    assert done[id(kept[2])] is not None and done[id(kept[2])] <= bad.valid_until, "retried before its end"
+    for n in (0, 1, 3, 4, 5):
+        assert kept[n].renewals == 1 and leases[n].confirmed_at > before[n], f"lease {n} renewed"
+        assert 2_000 < redis_db.pttl(leases[n].key) <= TTLS[n] * 1000, f"lease {n} renewed to its own TTL"
+    assert redis_db.hget(bad.key, "field") == b"value", "the other key was left alone"
+
+
+def test_non_ascii_and_long_keys_are_renewed_by_the_script(redis_db: redis.Redis) -> None:
+    spec = LockSpec(task="tâche-日本", ttl=9.0)
+    names = ["é", "日本語", "a\r\nb", "x" * 20_000, "emoji-\U0001F600", "$5\r\n"]
+    leases: list[Lease] = []
+    for n, name in enumerate(names):
+        lease = acquire(redis_db, f"singleton:{{ü-{n}}}:{name}", spec, f"run-ü-{n}-{name[:30]}").lease
+        assert lease is not None
+        leases.append(lease)
+    scripted_only(redis_db)
+    for lease in leases:
+        redis_db.pexpire(lease.key, 2_000)
+    keeper = LeaseKeeper()
+    kept = [KeptLease(lease, None) for lease in leases]
+    calls = evalsha_calls(redis_db)
+
+    keeper._renew_batch(kept)
+
+    assert evalsha_calls(redis_db) == calls + 1, "the six renewals went out in one script call"
+    assert not any(k.lost for k in kept) and all(k.renewals == 1 for k in kept)
+    for lease in leases:
+        assert redis_db.get(lease.key) == lease.value.encode()
+        assert 2_000 < redis_db.pttl(lease.key) <= 9_000
+
+
+def test_a_script_flush_between_rounds_loads_the_script_again(make_redis: Callable[..., RedisServer]) -> None:
+    server, direct = own_server(make_redis)
+    leases = take_leases(server.client(), "flush", TTLS)
+    scripted_only(direct)
+    keeper = LeaseKeeper()
+    kept = [KeptLease(lease, None) for lease in leases]
+    keeper._renew_batch(kept)
+    assert all(k.renewals == 1 for k in kept)
+    for lease in leases:
+        direct.pexpire(lease.key, 2_000)
+    direct.script_flush()
+
+    keeper._renew_batch(kept)
+
+    assert not any(k.lost for k in kept) and all(k.renewals == 2 for k in kept)
+    for n, lease in enumerate(leases):
+        assert 2_000 < direct.pttl(lease.key) <= TTLS[n] * 1000, f"lease {n} renewed after the flush"
+
+
+def test_more_than_a_batch_of_leases_in_buckets_are_all_renewed_each_round(redis_db: redis.Redis) -> None:
+    count = batches.BATCH_MAX + 200
+    short, long = LockSpec(task="many", ttl=600.0), LockSpec(task="many", ttl=900.0)
+    leases: list[Lease] = []
+    with redis_db.pipeline(transaction=False):
+        pass
+    for n in range(count):
+        lease = acquire(redis_db, f"singleton:{{many:{n}}}", short if n % 3 else long, f"run-{n}").lease
+        assert lease is not None
+        leases.append(lease)
+    scripted_only(redis_db)
+    keeper = LeaseKeeper()
+    keeper._running = True  # no thread: the rounds run here
+    kept = [keeper.keep(lease) for lease in leases]
+    sizes: list[int] = []
+    for _ in range(3):  # every lease due at once, three times over
+        with keeper._mutex:
+            keeper._move_all_forward(float("-inf"))
+        renewed = 0
+        while renewed < count:
+            with keeper._mutex:
+                taken = keeper._take_due(float("inf"))
+            assert taken, "every lease is due"
+            sizes.append(len(taken))
+            keeper._handle(taken)
+            renewed += len(taken)
+        assert renewed == count
+    assert max(sizes) <= batches.BATCH_MAX, f"a round of {max(sizes)} leases"
+    assert all(k.renewals == 3 and not k.lost for k in kept), sorted({k.renewals for k in kept})
+    assert any(isinstance(entry, Bucket) for _, _, entry in keeper._queue)
+    assert keeper.tracked == count
+
+
+def test_a_lease_abandoned_while_its_renewal_is_in_flight_is_not_put_back(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """Two leases; the keeper's round takes them off the queue; meanwhile the run of one is
+    cut short as it begins (:meth:`.keeper.LeaseKeeper.abandon`: forgotten and released),
+    and the server restarts empty within the leases' put-back window (a data loss the round
+    then finds). The abandoned run's lock must not be written back: its release ran, and
+    the run that owned it is gone (the lock would be renewed for the life of the process).
+    """
+    server, direct = own_server(make_redis)
+    client = server.client()
+    leases = take_leases(client, "abandon", [30.0, 30.0])
+    scripted_only(direct)
+    keeper = LeaseKeeper()
+    keeper._running = True  # no thread: the round runs here
+    lost: list[str] = []
+    kept = [keeper.keep(lease, on_lost=lambda k, reason: lost.append(reason)) for lease in leases]
+    with keeper._mutex:
+        taken = keeper._take_due(float("inf"))
+    assert len(taken) == 2, "the round has both leases in flight"
+
+    keeper.abandon(leases[0])
+    assert direct.get(leases[0].key) is None, "the abandoned run's lock was released"
+    server.restart()
+
+    keeper._handle(taken)
+
+    assert direct.get(leases[1].key) == leases[1].value.encode(), "the kept lease was put back"
+    assert direct.get(leases[0].key) is None, "the abandoned run's released lock was written back"
+    assert not kept[0].active, "the abandoned lease is still kept (renewed for the life of the process)"
+    assert lost == [], "a loss was reported for a run that never ran"
