@@ -197,3 +197,99 @@ def test_a_lease_abandoned_while_its_renewal_is_in_flight_is_not_put_back(
     assert direct.get(leases[0].key) is None, "the abandoned run's released lock was written back"
     assert not kept[0].active, "the abandoned lease is still kept (renewed for the life of the process)"
     assert lost == [], "a loss was reported for a run that never ran"
+
+
+def test_runs_released_while_their_bucket_is_in_flight_are_not_put_back(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """Six leases renewed together (one queue entry); the keeper's round takes the entry; runs
+    2 and 4 end meanwhile (``releasing``, their release, ``forget``) and the server restarts
+    empty (a data loss the round finds). The four kept leases are put back and confirmed;
+    the two released locks stay gone, and no loss is reported for them."""
+    server, direct = own_server(make_redis)
+    leases = take_leases(server.client(), "inflight", TTLS)
+    scripted_only(direct)
+    keeper = LeaseKeeper()
+    keeper._running = True  # no thread: the rounds run here
+    lost: list[str] = []
+    kept = [keeper.keep(lease, on_lost=lambda k, reason: lost.append(k.lease.key)) for lease in leases]
+    with keeper._mutex:
+        first = keeper._take_due(float("inf"))
+    keeper._handle(first)
+    assert all(isinstance(entry, Bucket) for _, _, entry in keeper._queue), "renewed together"
+    with keeper._mutex:
+        keeper._move_all_forward(float("-inf"))
+        taken = keeper._take_due(float("inf"))
+    assert len(taken) == 6
+    for n in (2, 4):
+        keeper.releasing(kept[n])
+        assert leases[n].release() is True
+        keeper.forget(kept[n])
+    server.restart()
+    vouched = [lease.vouched_until for lease in leases]
+
+    keeper._handle(taken)
+
+    assert lost == [], "a loss was reported for a run that released its lock"
+    for n in (2, 4):
+        assert direct.get(leases[n].key) is None, f"run {n}'s released lock was written back"
+        assert leases[n].vouched_until == vouched[n], f"run {n}'s lease was vouched for again"
+    for n in (0, 1, 3, 5):
+        assert direct.get(leases[n].key) == leases[n].value.encode(), f"lease {n} put back"
+        assert kept[n].renewals == 2 and leases[n].vouched_until > vouched[n]
+
+
+def test_a_mixed_reply_after_a_partial_data_loss_judges_each_lease(make_redis: Callable[..., RedisServer]) -> None:
+    """The server restarts and comes back with some locks only (a persistence file older than
+    the last writes): leases 0, 3 and 5 are there, 1 was taken by another holder, 2 and 4
+    are gone. One script call: 0, 3, 5 renewed to their own TTL; 2 and 4 put back alone; 1
+    lost alone, and none of the three not renewed by the script confirmed by it."""
+    server, direct = own_server(make_redis)
+    client = server.client()
+    leases = take_leases(client, "partial", TTLS)
+    scripted_only(direct)
+    epoch = server_of(client).epoch
+    server.restart()
+    for n in (0, 3, 5):
+        direct.set(leases[n].key, leases[n].value, px=2_000)
+    direct.set(leases[1].key, "another holder's value", px=2_000)
+    keeper = LeaseKeeper()
+    kept = [KeptLease(lease, None) for lease in leases]
+    keeper._active = len(kept)
+    vouched = [lease.vouched_until for lease in leases]
+    calls = evalsha_calls(direct)
+
+    keeper._renew_batch(kept)
+
+    assert server_of(client).epoch > epoch, "the round found the data lost"
+    assert evalsha_calls(direct) == calls + 1, "the six renewals went out in one script call"
+    assert [k.lost for k in kept] == [False, True, False, False, False, False]
+    assert leases[1].vouched_until == vouched[1], "a lease the script did not renew was vouched for"
+    assert direct.get(leases[1].key) == b"another holder's value"
+    for n in (0, 2, 3, 4, 5):
+        assert direct.get(leases[n].key) == leases[n].value.encode(), f"lease {n} held"
+        assert 2_000 < direct.pttl(leases[n].key) <= TTLS[n] * 1000, f"lease {n} at its own TTL"
+        assert leases[n].vouched_until > vouched[n]
+
+
+def test_a_full_server_still_renews_through_the_script(make_redis: Callable[..., RedisServer]) -> None:
+    """``noeviction`` and over ``maxmemory``: the script's ``PEXPIRE`` is no command a full
+    server refuses; every lease renewed in the one call."""
+    server, direct = own_server(make_redis)
+    leases = take_leases(server.client(), "full", TTLS)
+    scripted_only(direct)
+    used = int(direct.info("memory")["used_memory"])
+    direct.config_set("maxmemory-policy", "noeviction")
+    direct.config_set("maxmemory", str(used + 200_000))
+    with pytest.raises(redis.ResponseError, match="maxmemory"):
+        for n in range(100_000):
+            direct.set(f"filler:{n}", "x" * 1_000)
+    for lease in leases:
+        direct.pexpire(lease.key, 2_000)
+    keeper = LeaseKeeper()
+    kept = [KeptLease(lease, None) for lease in leases]
+
+    keeper._renew_batch(kept)
+
+    assert not any(k.lost for k in kept) and all(k.renewals == 1 for k in kept)
+    for n, lease in enumerate(leases):
+        assert 2_000 < direct.pttl(lease.key) <= TTLS[n] * 1000
