@@ -40,7 +40,7 @@ from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.server import server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
-from .support import RedisServer
+from .support import RedisServer, wait_for
 from .support.locking import take_leases
 
 #: Distinct TTLs: a renewal sent with another lease's TTL shows.
@@ -293,3 +293,63 @@ def test_a_full_server_still_renews_through_the_script(make_redis: Callable[...,
     assert not any(k.lost for k in kept) and all(k.renewals == 1 for k in kept)
     for n, lease in enumerate(leases):
         assert 2_000 < direct.pttl(lease.key) <= TTLS[n] * 1000
+
+
+@pytest.mark.parametrize("options", [{"protocol": 3}, {"decode_responses": True}, {"protocol": 3, "db": 5}],
+                         ids=["resp3", "decoded", "resp3-db5"])
+def test_the_script_reply_is_read_whatever_the_clients_options(
+        make_redis: Callable[..., RedisServer], options: dict[str, object]) -> None:
+    """Lock clients speaking RESP3, decoding replies, or on another database: the script's
+    reply (empty, and listing two leases) is read the same way."""
+    server, direct = own_server(make_redis)
+    client = redis.Redis(port=server.port, **options)  # type: ignore[arg-type]
+    db = redis.Redis(port=server.port, db=int(options.get("db", 0)))  # type: ignore[call-overload]
+    leases = take_leases(client, "options", TTLS)
+    scripted_only(direct)
+    keeper = LeaseKeeper()
+    kept = [KeptLease(lease, None) for lease in leases]
+    for round_ in (1, 2):
+        for lease in leases:
+            db.pexpire(lease.key, 2_000)
+        keeper._renew_batch(kept)
+        assert all(k.renewals == round_ for k in kept) and not any(k.lost for k in kept)
+    db.set(leases[1].key, "another holder's value", keepttl=True)
+    db.delete(leases[2].key)
+
+    keeper._renew_batch(kept)
+
+    assert [k.lost for k in kept] == [False, True, True, False, False, False]
+    for n in (0, 3, 4, 5):
+        assert kept[n].renewals == 3 and db.get(leases[n].key) == leases[n].value.encode()
+
+
+def test_the_keepers_thread_with_buckets_through_releases_and_a_data_loss(
+        make_redis: Callable[..., RedisServer]) -> None:
+    """The keeper's own thread keeps 200 leases (renewed together, in queue entries of many);
+    60 runs end (``releasing``, release, ``forget``) while it renews, then the server restarts
+    empty. Every kept lock is put back and renewed again; no released lock comes back; no
+    loss is reported."""
+    server, direct = own_server(make_redis)
+    leases = take_leases(server.client(), "thread", [3.0] * 200)
+    scripted_only(direct)
+    keeper = LeaseKeeper()
+    lost: list[str] = []
+    kept = [keeper.keep(lease, on_lost=lambda k, reason: lost.append(f"{k.lease.key}: {reason}")) for lease in leases]
+    ending, staying = kept[::10] + kept[1::10] + kept[2::10], [k for n, k in enumerate(kept) if n % 10 > 2]
+    try:
+        wait_for(lambda: all(k.renewals >= 2 for k in kept), message="every lease renewed twice")
+        assert any(isinstance(entry, Bucket) for _, _, entry in list(keeper._queue))
+        for k in ending:
+            keeper.releasing(k)
+            k.lease.release()
+            keeper.forget(k)
+        before = {id(k): k.renewals for k in staying}
+        server.restart()
+        wait_for(lambda: all(k.renewals >= before[id(k)] + 2 for k in staying),
+                 message="every kept lease put back and renewed again")
+        assert lost == []
+        assert all(direct.get(k.lease.key) == k.lease.value.encode() for k in staying)
+        assert [k.lease.key for k in ending if direct.exists(k.lease.key)] == [], "released locks came back"
+    finally:
+        for k in kept:
+            keeper.forget(k)
