@@ -26,22 +26,32 @@ Attacks kept here (each a test), and what they found:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
 import redis
 
+from celery_singleton_beat.connection.client import redis_from_url
 from celery_singleton_beat.lease import batches
-from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
+from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
 from celery_singleton_beat.lease.kept import Bucket
 from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
-from celery_singleton_beat.recovery.server import server_of
+from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, wait_for
 from .support.locking import take_leases
+from .support.topologies import MASTER_NAME, start_sentinels, wait_for_new_primary
+from .test_adversary_putback import spec
+from .test_adversary_renewal_epoch import PutBacks, take
+from .test_adversary_stale import process as stale_process
+from .test_adversary_stale import spec as stale_spec
+
+#: The lock of the late put-back's run.
+LATE_KEY = "singleton:{scripted:late}"
 
 #: Distinct TTLs: a renewal sent with another lease's TTL shows.
 TTLS = [3.0, 30.0, 7.0, 11.0, 19.0, 5.0]
@@ -353,3 +363,76 @@ def test_the_keepers_thread_with_buckets_through_releases_and_a_data_loss(
     finally:
         for k in kept:
             keeper.forget(k)
+
+
+@pytest.mark.parametrize("how", ["demoted", "killed"])
+def test_six_leases_across_a_sentinel_failover(how: str) -> None:
+    """Sentinel: a primary, a replica, three sentinels; six leases (renewed in one script call)
+    kept by the keeper's thread, replicated. The sentinels fail the primary over: demoted
+    (``SENTINEL FAILOVER``: the old primary, still up, answers the script ``-READONLY``) or
+    killed. Every lease's renewal reaches the new primary and finds its lock there; none is
+    reported lost, none put back."""
+    group = start_sentinels(down_after_ms=1000)
+    try:
+        host, port = group.master_address()
+        with redis.Redis(host=host, port=port, socket_timeout=5) as primary:
+            mark_in_use(primary)
+        client = redis_from_url(group.url)
+        client.csb_server = LockServer("singleton", 1.5)  # type: ignore[union-attr]
+        leases = [take(client, f"singleton:{{failover:{n}}}", spec(f"boot-{n}"), f"run-{n}", "taken")
+                  for n in range(6)]
+        scripted_only(client)
+        put_backs = [PutBacks(lease) for lease in leases]
+        keeper = LeaseKeeper()
+        lost: list[str] = []
+        kept = [keeper.keep(lease, on_lost=lambda k, reason: lost.append(reason)) for lease in leases]
+        try:
+            replica = next(s for s in group.servers[:2] if s.port != port)
+            wait_for(lambda: all(replica.client().get(lease.key) == lease.value.encode() for lease in leases),
+                     timeout=20, message="the replica has every lock")
+            wait_for(lambda: all(k.renewals >= 2 for k in kept), timeout=10, message="renewed together")
+            if how == "killed":
+                group.server_on(port).kill()
+            else:
+                group.sentinel().execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+            wait_for_new_primary(group, (host, port))
+            before = [k.renewals for k in kept]
+            wait_for(lambda: lost or all(k.renewals >= n + 2 for k, n in zip(kept, before, strict=True)),
+                     timeout=30, message="renewed on the new primary")
+            assert lost == [], f"live runs lost their locks in a Sentinel failover: {lost}"
+            assert sum(p.count for p in put_backs) == 0, "the locks were on the promoted replica"
+            new = group.server_on(group.master_address()[1]).client()
+            assert all(new.get(lease.key) == lease.value.encode() for lease in leases)
+        finally:
+            for k in kept:
+                keeper.forget(k)
+    finally:
+        group.stop()
+
+
+def test_a_late_put_back_survives_the_keepers_own_renew_all_soon(make_redis: Callable[..., RedisServer]) -> None:
+    """The process's keeper (:func:`.keeper.get_keeper`, the one the data-loss listener moves
+    forward) keeps ``h``'s run, last confirmed longer ago than a take-over needs when the
+    server restarts empty: its put-back must wait for the end of the recovery window
+    (``Later``). The very renewal that found the restart also told the keeper to renew every
+    lease at once (``renew_all_soon``), which moves the waiting put-back's entry to now: the
+    lease must still wait for its time and put its lock back then, not be reported lost."""
+    server = make_redis()
+    mark_in_use(server.client())
+    direct = server.client()
+    h = stale_process(server.port)
+    held = acquire(h, LATE_KEY, stale_spec(live=True, boot="h-boot"), "h").lease
+    assert held is not None
+    wait_for(lambda: time.monotonic() > held.put_back_until, message="h unconfirmed past a possible take-over")
+    server.kill()
+    server.start()
+    keeper = get_keeper()
+    kept = keeper.keep(held)  # its first renewal finds the restart (and opens the window)
+    try:
+        wait_for(lambda: kept.put_back_at is not None or kept.lost, message="h's keeper found its lock gone")
+        wait_for(lambda: kept.lost or direct.get(LATE_KEY) is not None or not server_of(h).recovery().open,
+                 timeout=30, message="h's late put-back or the window's end")
+        assert not kept.lost, f"a late put-back was judged lost before its time: {kept.lost_reason}"
+        assert direct.get(LATE_KEY) == held.value.encode(), "h put its lock back as the window closed"
+    finally:
+        keeper.forget(kept)
