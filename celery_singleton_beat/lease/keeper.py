@@ -387,8 +387,10 @@ class LeaseKeeper:
         if late or lease.may_put_back(client):
             with self._mutex:
                 return kept.active and not kept.releasing and lease.put_back(client, decided=epoch)
-        if kept.releasing or kept.put_back_at is not None:  # the run releases it; or its turn came too late
+        if kept.releasing:  # the run releases it
             return False
+        if kept.put_back_at is not None:  # its turn came too late; or a data loss moved it forward early: it waits
+            return Later(kept.put_back_at) if time.monotonic() < kept.put_back_at else False
         at = lease.late_put_back_at(client)
         if at is None:
             return False
