@@ -73,6 +73,8 @@ class LeaseKeeper:
         self._wake = native.Wakeup()
         #: Due time, order of scheduling, and a lease, a pending release or leases due together.
         self._queue: list[tuple[float, int, KeptLease | PendingRelease | Bucket]] = []
+        #: The entries of the round under way, off the queue (:meth:`abandon` looks there too).
+        self._in_flight: list[KeptLease | PendingRelease] = []
         self._seq = itertools.count()
         #: Leases kept and not yet forgotten (the queue also holds forgotten ones).
         self._active = 0
@@ -106,10 +108,13 @@ class LeaseKeeper:
         """Stop renewing ``lease`` and release it: a run being set up was cut short after
         :meth:`keep` (a soft time limit or a revoke's ``SIGUSR1`` landing as it began, even
         inside :meth:`keep` once the lease was queued). Its entry never reached the run,
-        which could not end it: the lock was renewed for the life of the process."""
+        which could not end it: the lock was renewed for the life of the process. An entry
+        the keeper's round has in flight is forgotten too: else that round, finding the
+        released lock gone after a data loss, put it back."""
         with self._mutex:
-            entries = [kept for _, _, entry in self._queue
-                       for kept in (entry.leases if isinstance(entry, Bucket) else (entry,))
+            entries = [kept for kept in itertools.chain(self._in_flight, (
+                           kept for _, _, entry in self._queue
+                           for kept in (entry.leases if isinstance(entry, Bucket) else (entry,))))
                        if kept.lease is lease and isinstance(kept, KeptLease)]
         for kept in entries:
             self.forget(kept)
@@ -232,6 +237,7 @@ class LeaseKeeper:
             again = time.monotonic() + RETRY_EVERY
             done, buckets = [(kept, again) for kept in batch], []
         with self._mutex:
+            self._in_flight = []
             for kept, next_time in done:
                 if next_time is not None and kept.active:
                     self._schedule(kept, next_time)
@@ -265,6 +271,7 @@ class LeaseKeeper:
             heapq.heappop(self._queue)
             taken.append(kept)
             leases += isinstance(kept, KeptLease)
+        self._in_flight = taken
         return taken
 
     def _renew_batch(self, leases: list[KeptLease]) -> list[tuple[KeptLease | PendingRelease, float | None]]:
@@ -380,8 +387,10 @@ class LeaseKeeper:
         if late or lease.may_put_back(client):
             with self._mutex:
                 return kept.active and not kept.releasing and lease.put_back(client, decided=epoch)
-        if kept.releasing or kept.put_back_at is not None:  # the run releases it; or its turn came too late
+        if kept.releasing:  # the run releases it
             return False
+        if kept.put_back_at is not None:  # its turn came too late; or a data loss moved it forward early: it waits
+            return Later(kept.put_back_at) if time.monotonic() < kept.put_back_at else False
         at = lease.late_put_back_at(client)
         if at is None:
             return False
