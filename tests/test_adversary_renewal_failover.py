@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-import redis
 from redis.crc import key_slot
 
 from celery_singleton_beat.connection.client import redis_from_url
@@ -102,10 +101,7 @@ def test_a_live_holder_across_a_sentinel_failover_that_replicated_its_lock() -> 
     group = start_sentinels(down_after_ms=1000)
     try:
         host, port = group.master_address()
-        with redis.Redis(host=host, port=port, socket_timeout=5) as primary:
-            mark_in_use(primary)
-        a = redis_from_url(group.url)
-        a.csb_server = LockServer("singleton", 1.5)  # type: ignore[union-attr]
+        a = group.lock_client()
         held = take(a, KEY, spec("a-boot"), "a", "a took k")
         put_backs = PutBacks(held)
         keeper = LeaseKeeper()

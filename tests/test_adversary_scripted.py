@@ -59,14 +59,13 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat.connection.client import redis_from_url
 from celery_singleton_beat.lease import batches
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
 from celery_singleton_beat.lease.kept import Bucket
 from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
-from celery_singleton_beat.recovery.server import LockServer, server_of
+from celery_singleton_beat.recovery.server import server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, wait_for
@@ -403,10 +402,7 @@ def test_six_leases_across_a_sentinel_failover(how: str) -> None:
     group = start_sentinels(down_after_ms=1000)
     try:
         host, port = group.master_address()
-        with redis.Redis(host=host, port=port, socket_timeout=5) as primary:
-            mark_in_use(primary)
-        client = redis_from_url(group.url)
-        client.csb_server = LockServer("singleton", 1.5)  # type: ignore[union-attr]
+        client = group.lock_client()
         leases = [take(client, f"singleton:{{failover:{n}}}", spec(f"boot-{n}"), f"run-{n}", "taken")
                   for n in range(6)]
         scripted_only(client)

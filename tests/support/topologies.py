@@ -29,7 +29,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from celery_singleton_beat.connection.client import RedisClient
+from celery_singleton_beat.connection.client import RedisClient, redis_from_url
+from celery_singleton_beat.recovery.server import LockServer
 from celery_singleton_beat.recovery.window import mark_in_use
 from harness.redis_cluster import cluster_nodes
 from harness.redis_server import RedisServerProcess, free_port, probe_options
@@ -322,6 +323,16 @@ class SentinelGroup(Topology):
 
     def server_on(self, port: int) -> ServerProcess:
         return next(s for s in self.servers if s.port == port)
+
+    def lock_client(self, window: float = 1.5) -> RedisClient:
+        """The library's client of the group, on a primary marked in use (no first-deploy
+        window), with a lock server record of its own (windows of ``window`` seconds)."""
+        host, port = self.master_address()
+        with redis.Redis(host=host, port=port, socket_timeout=5, password=self.password) as primary:
+            mark_in_use(primary)
+        client = redis_from_url(self.url)
+        client.csb_server = LockServer("singleton", window)  # type: ignore[union-attr]
+        return client
 
     def wait_ready(self, replicas: int = 1, timeout: float = 40.0) -> None:
         """Every sentinel knows the primary, its replica(s) and the other sentinels; replication is up."""
