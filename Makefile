@@ -84,14 +84,16 @@ test-matrix: $(VENV)/.nox-installed redis-server
 	rm -rf .nox/_results
 	$(BIN)/nox -f noxfile.py $(NOX_ARGS); status=$$?; $(BIN)/nox -f noxfile.py -s report; exit $$status
 
-# CI's floor check (.ci/run): one leg, the oldest declared celery/kombu/redis-py, in-process tests (~40 s);
-# then the reply readers' tests with hiredis (newest deps, ~1 min); and the lock tests on Valkey 9.1 and Redis 6.2
-# (newest deps, ~3 min). The two sessions run side by
-# side (each in its own venv, each test on servers of its own); the floor leg's output follows the other's.
+# CI's floor check (.ci/run): one leg, the oldest declared celery/kombu/redis-py, in-process tests;
+# then the reply readers' tests with hiredis (newest deps); and the lock tests on Valkey 9.1 and
+# Redis 6.2 (newest deps). The two sessions run side by side (each in its own venv, each test on
+# servers of its own), each leg's tests in two processes ($(SMOKE_PYTEST)); ~2.5 min in all. The
+# floor leg's output follows the other's.
+SMOKE_PYTEST ?= -n 2 --dist loadscope
 test-matrix-smoke: $(VENV)/.nox-installed redis-server
 	@mkdir -p .nox
-	$(BIN)/nox -f noxfile.py -s smoke > .nox/smoke.log 2>&1 & floor=$$!; \
-	$(BIN)/nox -f noxfile.py -s lock_servers; servers=$$?; \
+	$(BIN)/nox -f noxfile.py -s smoke -- $(SMOKE_PYTEST) > .nox/smoke.log 2>&1 & floor=$$!; \
+	$(BIN)/nox -f noxfile.py -s lock_servers -- $(SMOKE_PYTEST); servers=$$?; \
 	wait $$floor; floor_status=$$?; cat .nox/smoke.log; \
 	[ $$servers -eq 0 ] && [ $$floor_status -eq 0 ]
 
