@@ -31,8 +31,11 @@ path) and waiting. So these ratios are the floor of the CPU ratios; ``bench_peer
 measures CPU time with the system calls in it. A variant whose package cannot be
 installed is skipped with a message. Needs ``valgrind`` (``apt-get install valgrind``).
 
+``--counted redis`` counts the lock Redis alone (a worker under callgrind takes a
+minute or more to start; the suite's smoke run of every benchmark counts Redis only).
+
 Usage: python -m benchmarks.bench_instructions [--small 200] [--large 1000] [--variants ...]
-       [--servers all|NAME ...] [--venv DIR] [--json]
+       [--servers all|NAME ...] [--counted worker redis] [--venv DIR] [--json]
 """
 
 from __future__ import annotations
@@ -134,13 +137,16 @@ def one_run(variant: str, tasks: int, python: str, work: Path, counted: str, bin
 
 def run(small: int, large: int, variants: tuple[str, ...] = DEFAULT_VARIANTS, servers: tuple[str, ...] = ("all",),
         singleton: str = "celery-singleton==0.3.1", once: str = "celery-once==3.0.1",
-        venv: str = "") -> dict[str, Any]:
+        venv: str = "", counted: tuple[str, ...] = ("worker", "redis")) -> dict[str, Any]:
     """Every variant on every server of ``servers`` (``all``: each of :mod:`benchmarks.servers`) at
-    ``small`` and ``large`` tasks; instructions per task and ratios to plain on the same server."""
+    ``small`` and ``large`` tasks; instructions per task of each process in ``counted``
+    (``worker``, ``redis``) and ratios to plain on the same server."""
     if shutil.which("valgrind") is None:
         return {"skipped": "valgrind not found (apt-get install valgrind)", "servers": {}}
     if not 0 < small < large:
         raise ValueError("need 0 < small < large")
+    if not counted or set(counted) - {"worker", "redis"}:
+        raise ValueError(f"counted must name worker and/or redis, not {counted}")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
@@ -168,15 +174,15 @@ def run(small: int, large: int, variants: tuple[str, ...] = DEFAULT_VARIANTS, se
                     results[name][variant] = {"label": label, "skipped": skipped[package]}
                     continue
                 data: dict[str, Any] = {"label": label}
-                for counted in ("worker", "redis"):
+                for process in counted:
                     totals = []
                     for tasks in (small, large):
-                        progress(f"instructions: {server.label}: {variant} x {tasks}, {counted} under callgrind")
-                        totals.append(one_run(variant, tasks, python, work, counted, server.binary))
-                    data[f"{counted}_per_task"] = (totals[1] - totals[0]) / (large - small)
+                        progress(f"instructions: {server.label}: {variant} x {tasks}, {process} under callgrind")
+                        totals.append(one_run(variant, tasks, python, work, process, server.binary))
+                    data[f"{process}_per_task"] = (totals[1] - totals[0]) / (large - small)
                 results[name][variant] = data
-                progress(f"instructions: {server.label}: {variant}: worker {data['worker_per_task']:,.0f}/task, "
-                         f"redis {data['redis_per_task']:,.0f}/task")
+                progress(f"instructions: {server.label}: {variant}: "
+                         + ", ".join(f"{p} {data[f'{p}_per_task']:,.0f}/task" for p in counted))
         for by_variant in results.values():
             _ratios(by_variant)
     finally:
@@ -188,13 +194,17 @@ def _ratios(results: dict[str, Any]) -> None:
     """Each variant's counts over plain's on the same server (``worker_ratio``, ``redis_ratio``)."""
     plain = results.get("plain", {})
     for data in results.values():
-        if "worker_per_task" in data and "worker_per_task" in plain:
-            data["worker_ratio"] = data["worker_per_task"] / plain["worker_per_task"]
-            data["redis_ratio"] = data["redis_per_task"] / plain["redis_per_task"]
+        for process in ("worker", "redis"):
+            if f"{process}_per_task" in data and f"{process}_per_task" in plain:
+                data[f"{process}_ratio"] = data[f"{process}_per_task"] / plain[f"{process}_per_task"]
 
 
 def _ratio(data: dict[str, Any], key: str) -> str:
     return f"{data[key]:.3f}" if key in data else "-"
+
+
+def _count(data: dict[str, Any], key: str, digits: int) -> str:
+    return f"{data[key] / 1000:,.{digits}f}k" if key in data else "not counted"
 
 
 def table(report: dict[str, Any]) -> str:
@@ -210,8 +220,8 @@ def table(report: dict[str, Any]) -> str:
                 rows.append([server["label"], data["label"], f"skipped: {data['skipped'].split(': ', 1)[0]}",
                              "", "", ""])
                 continue
-            rows.append([server["label"], data["label"], f"{data['worker_per_task'] / 1000:,.0f}k",
-                         _ratio(data, "worker_ratio"), f"{data['redis_per_task'] / 1000:,.1f}k",
+            rows.append([server["label"], data["label"], _count(data, "worker_per_task", 0),
+                         _ratio(data, "worker_ratio"), _count(data, "redis_per_task", 1),
                          _ratio(data, "redis_ratio")])
     return "\n".join([
         f"User-space instructions per task counted by callgrind (worker: all threads; Redis: the measured "
@@ -226,7 +236,8 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     return bench_cli(__doc__, run, table, argv, small=200, large=1000, variants=DEFAULT_VARIANTS,
-                     servers=("all",), singleton="celery-singleton==0.3.1", once="celery-once==3.0.1", venv="")
+                     servers=("all",), singleton="celery-singleton==0.3.1", once="celery-once==3.0.1", venv="",
+                     counted=("worker", "redis"))
 
 
 if __name__ == "__main__":
