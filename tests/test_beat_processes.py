@@ -182,21 +182,28 @@ def test_crontab_every_minute_across_dst_with_three_beats(
     """``* * * * *`` in Europe/Berlin, 3 beats on a shared fake clock running 20x.
 
     The fake clock starts at 2024-03-31 00:57:30 UTC, three minutes before
-    Berlin's clocks jump from 02:00 to 03:00: each real minute runs once.
+    Berlin's clocks jump from 02:00 to 03:00: each real minute runs once. It stands
+    still until all three beats have started (on a loaded machine the third one took
+    longer to start than the 9 real seconds before the jump).
     """
     entry = f"{clean}minutely"
     speed = 20.0
-    anchor = time.time()
+    anchor_file = tmp_path / "clock-anchor"
     start = datetime(2024, 3, 31, 0, 57, 30, tzinfo=UTC).timestamp()
-    clock = {"speed": speed, "anchor": anchor, "start": start}
+    clock = {"speed": speed, "anchor_file": str(anchor_file), "start": start}
     settings = {"timezone": "Europe/Berlin", "beat_max_loop_interval": 0.5}
-
-    def fake_now() -> float:
-        return start + (time.time() - anchor) * speed
 
     for name in ("a", "b", "c"):
         processes.append(start_beat(redis_server, tmp_path, name, {entry: {"cron": "* * * * *"}},
                                     settings=settings, clock=clock))
+    anchor = time.time()
+    staged = anchor_file.with_suffix(".new")
+    staged.write_text(repr(anchor))
+    staged.replace(anchor_file)  # whole, never half written
+
+    def fake_now() -> float:
+        return start + (time.time() - anchor) * speed
+
     end = datetime(2024, 3, 31, 1, 3, 10, tzinfo=UTC).timestamp()
     soak((end - fake_now()) / speed, check=all_running(processes), what="the fake clock to reach 01:03:10")
     stopped = fake_now()

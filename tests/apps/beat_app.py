@@ -28,7 +28,9 @@
 * ``CSB_CLOCK``: JSON ``{"offset": s, "speed": x, "anchor": real_epoch, "start": fake_epoch}``:
   this process's clock reads ``start + (real - anchor) * speed + offset``. It
   is the injectable clock for skew and fast-forward tests: Celery's beat reads
-  time through ``app.now()`` only.
+  time through ``app.now()`` only. With ``"anchor_file": path`` instead of an
+  ``anchor``, the clock stands at ``start`` until that file holds the real epoch to
+  run from: a test starts every beat, then lets the clock go for all at once.
 """
 
 from __future__ import annotations
@@ -57,12 +59,25 @@ class ClockedCelery(Celery):
         clock = json.loads(os.environ.get("CSB_CLOCK") or "{}")
         self.clock_offset = float(clock.get("offset", 0.0))
         self.clock_speed = float(clock.get("speed", 1.0))
-        self.clock_anchor = float(clock.get("anchor", 0.0))
-        self.clock_start = float(clock.get("start", self.clock_anchor))
+        self.clock_anchor_file = clock.get("anchor_file")
+        self.clock_anchor: float | None = None if self.clock_anchor_file else float(clock.get("anchor", 0.0))
+        self.clock_start = float(clock.get("start", self.clock_anchor or 0.0))
+
+    def _anchor(self) -> float | None:
+        """The real epoch the clock runs from; None while its ``anchor_file`` is not written."""
+        if self.clock_anchor is None:
+            try:
+                with open(self.clock_anchor_file) as written:  # type: ignore[arg-type]
+                    self.clock_anchor = float(written.read())
+            except (OSError, ValueError):  # not there yet, or half written
+                return None
+        return self.clock_anchor
 
     def now(self) -> datetime:
         real = time.time()
-        fake = self.clock_start + (real - self.clock_anchor) * self.clock_speed + self.clock_offset
+        anchor = self._anchor()
+        elapsed = 0.0 if anchor is None else real - anchor
+        fake = self.clock_start + elapsed * self.clock_speed + self.clock_offset
         return datetime.fromtimestamp(fake, timezone.utc).astimezone(self.timezone)
 
 

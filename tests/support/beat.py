@@ -64,7 +64,7 @@ RUNS_KEY = "beat:runs"
 # ----------------------------------------------------------------- real processes
 
 def start_beat(redis_server: RedisServer, workdir: Path, name: str, schedule: dict[str, Any], *,
-               settings: dict[str, Any] | None = None, clock: dict[str, float] | None = None,
+               settings: dict[str, Any] | None = None, clock: dict[str, Any] | None = None,
                scheduler: str = "singleton", wait: bool = True,
                env: dict[str, str] | None = None, schedule_file: Path | None = None) -> CeleryProcess:
     """Start ``celery beat -S <scheduler>`` with its own schedule file; wait until it starts.
