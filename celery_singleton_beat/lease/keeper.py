@@ -286,7 +286,7 @@ class LeaseKeeper:
         each judged on its own reply; the monotonic time of each one's next attempt. The leases
         a many-lease script renewed (:func:`.batches.renew_scripted`) go in ``buckets`` instead,
         with their next due time: those renewed together with the same interval share it."""
-        groups: dict[tuple[int, str], tuple[Any, list[KeptLease]]] = {}
+        groups: dict[tuple[int, str], tuple[Any, bool, list[KeptLease]]] = {}
         # The keeper's own client and its kind, once per lock client, not per lease: in a
         # gevent worker this thread's Python work holds up the hub (see .native). A client
         # that cannot be made (a Cluster whose seed does not answer: each attempt waits up to
@@ -301,7 +301,7 @@ class LeaseKeeper:
                 try:
                     via = thread_client(client)
                     cluster = is_cluster(via)
-                    shared = None if cluster else groups.setdefault((id(via), ""), (via, []))[1]
+                    shared = None if cluster else groups.setdefault((id(via), ""), (via, False, []))[2]
                     found = vias[id(client)] = (via, cluster, shared)
                 except Exception as exc:  # judged with each of its leases, where errors are
                     found = vias[id(client)] = exc
@@ -313,15 +313,15 @@ class LeaseKeeper:
                 shared.append(kept)
                 continue
             try:
-                groups.setdefault(group_key(via, kept.lease, cluster), (via, []))[1].append(kept)
+                groups.setdefault(group_key(via, kept.lease, cluster), (via, cluster, []))[2].append(kept)
             except Exception:  # no node for it now (a Cluster being reshaped): on its own
-                groups[(id(kept), "")] = (via, [kept])
-        for via, group in groups.values():
+                groups[(id(kept), "")] = (via, cluster, [kept])
+        for via, cluster, group in groups.values():
             if len(group) == 1:
                 done.append((group[0], self._renew(group[0], via=via)))
                 continue
             self.batches += 1
-            if scripted(server_of(via).info or PORTABLE, is_cluster(via)):
+            if scripted(server_of(via).info or PORTABLE, cluster):
                 try:
                     started, epoch, failed = renew_scripted(via, [kept.lease for kept in group])
                 except redis.ResponseError:  # refused as a whole (-BUSY, -NOPERM): each lease on its own below
