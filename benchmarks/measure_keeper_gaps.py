@@ -98,16 +98,16 @@ def instrument() -> None:
         return taken
 
     keeper_module.LeaseKeeper._take_due = recorded_take  # type: ignore[method-assign]
-    original_batch = keeper_module.LeaseKeeper._renew_batch
+    original_batch = keeper_module.LeaseKeeper._renew_round
 
-    def timed_batch(self: Any, leases: list[Any]) -> Any:
+    def timed_batch(self: Any, leases: list[Any], buckets: list[Any]) -> Any:
         cpu, wall = time.thread_time(), time.perf_counter()
         try:
-            return original_batch(self, leases)
+            return original_batch(self, leases, buckets)
         finally:
             batch_cost.append((len(leases), time.thread_time() - cpu, time.perf_counter() - wall))
 
-    keeper_module.LeaseKeeper._renew_batch = timed_batch  # type: ignore[method-assign]
+    keeper_module.LeaseKeeper._renew_round = timed_batch  # type: ignore[method-assign]
     keeper_module.LeaseKeeper._schedule = recorded_schedule  # type: ignore[method-assign]
 
 

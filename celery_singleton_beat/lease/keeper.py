@@ -274,12 +274,6 @@ class LeaseKeeper:
         self._in_flight = taken
         return taken
 
-    def _renew_batch(self, leases: list[KeptLease]) -> list[tuple[KeptLease | PendingRelease, float | None]]:
-        """Renew ``leases`` (:meth:`_renew_round`): the monotonic time of each one's next attempt."""
-        buckets: list[tuple[float, list[KeptLease]]] = []
-        done = self._renew_round(leases, buckets)
-        return done + [(kept, due) for due, group in buckets for kept in group]
-
     def _renew_round(self, leases: list[KeptLease], buckets: list[tuple[float, list[KeptLease]]]
                      ) -> list[tuple[KeptLease | PendingRelease, float | None]]:
         """Renew ``leases``: in one request per server where several share it (:mod:`.batches`),
