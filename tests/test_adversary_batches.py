@@ -75,6 +75,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from celery_singleton_beat.connection.client import redis_from_url
 from celery_singleton_beat.lease import keeper as keeper_module
+from celery_singleton_beat.lease import rounds
 from celery_singleton_beat.lease.batches import renew_many, renew_scripted
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
 from celery_singleton_beat.lease.lease import Lease
@@ -179,7 +180,7 @@ def test_a_batch_cut_mid_reply_is_sent_again_and_each_lease_judged_on_its_own_re
     the cut request."""
     server, direct = own_server(make_redis)
     if path == "pipelined":
-        monkeypatch.setattr(keeper_module, "scripted", lambda info, cluster: False)
+        monkeypatch.setattr(rounds, "scripted", lambda info, cluster: False)
     proxy = MidReplyCut(server.port, keep=3 if path == "pipelined" else 1)
     client = redis.Redis(port=proxy.port)
     try:
@@ -240,8 +241,8 @@ def test_a_batch_after_a_data_loss_puts_each_lock_back_alone_but_not_an_ended_ru
         return outcomes
 
     if path == "pipelined":
-        monkeypatch.setattr(keeper_module, "scripted", lambda info, cluster: False)
-    monkeypatch.setattr(keeper_module, "renew_many" if path == "pipelined" else "renew_scripted",
+        monkeypatch.setattr(rounds, "scripted", lambda info, cluster: False)
+    monkeypatch.setattr(rounds, "renew_many" if path == "pipelined" else "renew_scripted",
                         run_3_ends_at_the_reply)
     try:
         renew_round(keeper, kept)
@@ -417,7 +418,7 @@ def test_a_greenlet_keeper_survives_its_cluster_client_copy_failing(
     1. The process acquires the four leases (its client read the layout through the seed).
     2. The seed address stops answering (the proxy refuses connections: a seed node
        restarting, a load balancer in front of it), the leases are kept.
-    3. The keeper's first round: ``_renew_round`` calls ``thread_client`` (outside any
+    3. The keeper's first round: ``Renewer.renew_round`` calls ``thread_client`` (outside any
        ``try``) to make the keeper's own Cluster client; its constructor cannot reach the
        seed: ``ClusterUnavailable`` escapes ``_loop`` and the keeper's thread ends
        ("Exception ignored in thread started by LeaseKeeper._run").
@@ -445,13 +446,13 @@ def test_a_greenlet_keeper_survives_its_cluster_client_copy_failing(
 
 
 def deadlocked_in_put_back(thread: threading.Thread) -> bool:
-    """``thread`` holds the keeper's mutex (``_settle``) and waits for it (``renew_all_soon``)."""
+    """``thread`` holds the keeper's mutex (``Renewer.settle``) and waits for it (``renew_all_soon``)."""
     frame = sys._current_frames().get(thread.ident or -1)
     names = set()
     while frame is not None:
         names.add(frame.f_code.co_name)
         frame = frame.f_back
-    return {"_settle", "renew_all_soon"} <= names
+    return {"settle", "renew_all_soon"} <= names
 
 
 def test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper(
@@ -461,7 +462,7 @@ def test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper(
     the put-back (``may_put_back``) -- and right then the server restarts empty again
     (data loss 2: a crash-looping server, a second failover).
 
-    ``_settle`` holds the keeper's mutex around ``put_back``; the put-back's pooled
+    ``Renewer.settle`` holds the keeper's mutex around ``put_back``; the put-back's pooled
     connection is broken, its new connection's check (``LockServer.check``) finds the data
     lost again and calls the ``on_data_lost`` listeners in this very thread:
     ``_renew_all_soon`` -> ``LeaseKeeper.renew_all_soon`` -> ``with self._mutex``, held by
@@ -495,7 +496,7 @@ def test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper(
     restarted.set()
     wait_for(lambda: not rounds.is_alive() or deadlocked_in_put_back(rounds), timeout=60,
              message="the keeper's round ended, or waits for the mutex it holds")
-    assert not rounds.is_alive(), ("the keeper deadlocked: _settle holds its mutex around put_back, whose "
+    assert not rounds.is_alive(), ("the keeper deadlocked: Renewer.settle holds its mutex around put_back, whose "
                                    "connection found the data lost again and called renew_all_soon")
     assert keeper.batches == 1 and not keeper._mutex.locked()
     with server.client() as after:

@@ -64,7 +64,7 @@ kept = [KeptLease(lease, None) for lease in leases]
 def renew_round(batch):
     # One renewal round of the keeper over batch (as tests.support.locking.renew_round).
     buckets = []
-    done = keeper._renew_round(batch, buckets)
+    done = keeper.renewer.renew_round(batch, buckets)
     return done + [(each, due) for due, group in buckets for each in group]
 
 

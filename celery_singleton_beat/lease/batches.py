@@ -14,7 +14,7 @@ reply lists only the locks it did not renew, and why. The keeper then does littl
 renewed lease: no reply of its own to read and judge.
 
 Each lease's reply decides for that lease alone: a lock held by another is
-lost alone, a lock the server lost is put back alone (:meth:`.keeper.LeaseKeeper.renew`'s
+lost alone, a lock the server lost is put back alone (:meth:`.rounds.Renewer.settle`'s
 rules), and a reply that is an error (``-BUSY`` for that command, a
 ``-MOVED`` of a slot that moved) sends that lease on the one-lease path. Every
 renewal compares before it writes, so a batch sent twice (its connection broke

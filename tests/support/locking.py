@@ -30,7 +30,7 @@ def renew_round(keeper: LeaseKeeper, leases: list[KeptLease]) -> list[tuple[Any,
     again), those a many-lease script renewed together included (the keeper queues them as one
     entry per due time)."""
     buckets: list[tuple[float, list[KeptLease]]] = []
-    done = keeper._renew_round(leases, buckets)
+    done = keeper.renewer.renew_round(leases, buckets)
     return done + [(kept, due) for due, group in buckets for kept in group]
 
 
