@@ -74,8 +74,9 @@ class LeaseKeeper:
         self._running = False
         #: Times the thread came back from waiting (diagnostics and tests).
         self.wakeups = 0
-        #: Renews the leases of each round and judges each one's reply (:mod:`.rounds`).
-        self.renewer = Renewer(self._mutex, self.forget)
+        #: Renews the leases of each round and judges each one's reply (:mod:`.rounds`). Its
+        #: ``forget`` is this keeper's :meth:`forget` as found at each call, as a method call would.
+        self.renewer = Renewer(self._mutex, lambda entry: self.forget(entry))
         #: Every lease is due now (set by :meth:`renew_all_soon`, applied by the thread).
         self._renew_all = False
         #: The thread is waiting (not renewing).
