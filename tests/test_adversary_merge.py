@@ -56,6 +56,7 @@ from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.connection import flusher
 from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.wire import Request, SocketLink, pack
+from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.task import soft_limit
@@ -441,6 +442,7 @@ def test_a_soft_limit_in_a_run_its_failure_handler_and_a_nested_apply_is_raised(
     assert isinstance(result.result, SoftTimeLimitExceeded)
     assert handled == ["SoftTimeLimitExceeded", "raised in on_failure"]
     assert outer.apply().get() == "SoftTimeLimitExceeded", "raised in the nested run"
+    counters.flush()  # the runs' counts written, as the process's counter writer may at any moment
     assert not redis_db.keys("*adv.merge*"), "every run's lock released"
 
 
@@ -468,6 +470,7 @@ def test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever(
     result = ending.apply()
     assert fired
     monkeypatch.setattr(LeaseKeeper, "forget", forget)
+    counters.flush()  # the run's counts written, as the process's counter writer may at any moment
     wait_for(lambda: not redis_db.keys("*adv.merge.ending*"), timeout=15,
              message=f"the run's lock freed or lapsed (outcome {result.state}: {result.result!r})")
     assert isinstance(result.result, SoftTimeLimitExceeded), "raised as before, a moment later"
@@ -502,6 +505,7 @@ def test_a_soft_limit_as_a_nested_run_ends_reaches_the_outer_body(
     monkeypatch.setattr(LeaseKeeper, "forget", forget)
     assert fired
     assert result.get() == "the outer body stopped"
+    counters.flush()  # the runs' counts written, as the process's counter writer may at any moment
     wait_for(lambda: not redis_db.keys("*adv.merge.nesting*"), timeout=15, message="both locks freed")
 
 
@@ -530,6 +534,7 @@ def test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever(
     result = beginning.apply()
     assert fired and isinstance(result.result, SoftTimeLimitExceeded)
     monkeypatch.setattr(LeaseKeeper, "keep", keep)
+    counters.flush()  # the run's counts written, as the process's counter writer may at any moment
     wait_for(lambda: not redis_db.keys("*adv.merge.beginning*"), timeout=15,
              message="the run's lock freed or lapsed")
 
