@@ -46,6 +46,7 @@ import gevent  # noqa: E402
 from celery import Celery  # noqa: E402
 
 from celery_singleton_beat.lease import keeper as keeper_module  # noqa: E402
+from celery_singleton_beat.lease import rounds as rounds_module  # noqa: E402
 from celery_singleton_beat.lease.lease import Lease  # noqa: E402
 from celery_singleton_beat.lease.lock import acquire  # noqa: E402
 from celery_singleton_beat.lease.spec import LockSpec  # noqa: E402
@@ -98,16 +99,16 @@ def instrument() -> None:
         return taken
 
     keeper_module.LeaseKeeper._take_due = recorded_take  # type: ignore[method-assign]
-    original_batch = keeper_module.LeaseKeeper._renew_batch
+    original_batch = rounds_module.Renewer.renew_round
 
-    def timed_batch(self: Any, leases: list[Any]) -> Any:
+    def timed_batch(self: Any, leases: list[Any], buckets: list[Any]) -> Any:
         cpu, wall = time.thread_time(), time.perf_counter()
         try:
-            return original_batch(self, leases)
+            return original_batch(self, leases, buckets)
         finally:
             batch_cost.append((len(leases), time.thread_time() - cpu, time.perf_counter() - wall))
 
-    keeper_module.LeaseKeeper._renew_batch = timed_batch  # type: ignore[method-assign]
+    rounds_module.Renewer.renew_round = timed_batch  # type: ignore[method-assign]
     keeper_module.LeaseKeeper._schedule = recorded_schedule  # type: ignore[method-assign]
 
 

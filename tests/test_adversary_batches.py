@@ -75,6 +75,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from celery_singleton_beat.connection.client import redis_from_url
 from celery_singleton_beat.lease import keeper as keeper_module
+from celery_singleton_beat.lease import rounds
 from celery_singleton_beat.lease.batches import renew_many, renew_scripted
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
 from celery_singleton_beat.lease.lease import Lease
@@ -85,7 +86,7 @@ from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, wait_for
 from .support.fault_proxy import command_length, reply_length
-from .support.locking import take_leases
+from .support.locking import renew_round, take_leases
 from .support.loopback import LoopbackProxy, close_socket, shut_write
 from .support.paths import ROOT
 from .support.processes import TestProcess
@@ -179,7 +180,7 @@ def test_a_batch_cut_mid_reply_is_sent_again_and_each_lease_judged_on_its_own_re
     the cut request."""
     server, direct = own_server(make_redis)
     if path == "pipelined":
-        monkeypatch.setattr(keeper_module, "scripted", lambda info, cluster: False)
+        monkeypatch.setattr(rounds, "scripted", lambda info, cluster: False)
     proxy = MidReplyCut(server.port, keep=3 if path == "pipelined" else 1)
     client = redis.Redis(port=proxy.port)
     try:
@@ -192,7 +193,7 @@ def test_a_batch_cut_mid_reply_is_sent_again_and_each_lease_judged_on_its_own_re
         kept = [KeptLease(lease, None) for lease in leases]
 
         proxy.arm()
-        keeper._renew_batch(kept)
+        renew_round(keeper, kept)
 
         assert proxy.cuts == 1, "the batch's connection was cut mid-reply"
         assert keeper.batches == 1, "the six renewals went out in one request"
@@ -204,7 +205,7 @@ def test_a_batch_cut_mid_reply_is_sent_again_and_each_lease_judged_on_its_own_re
             assert direct.get(leases[n].key) == b"another holder's value"
 
         again = [k for k in kept if not k.lost]
-        keeper._renew_batch(again)
+        renew_round(keeper, again)
         assert keeper.batches == 2 and not any(k.lost for k in again) and all(k.renewals == 2 for k in again)
     finally:
         client.close()
@@ -240,11 +241,11 @@ def test_a_batch_after_a_data_loss_puts_each_lock_back_alone_but_not_an_ended_ru
         return outcomes
 
     if path == "pipelined":
-        monkeypatch.setattr(keeper_module, "scripted", lambda info, cluster: False)
-    monkeypatch.setattr(keeper_module, "renew_many" if path == "pipelined" else "renew_scripted",
+        monkeypatch.setattr(rounds, "scripted", lambda info, cluster: False)
+    monkeypatch.setattr(rounds, "renew_many" if path == "pipelined" else "renew_scripted",
                         run_3_ends_at_the_reply)
     try:
-        keeper._renew_batch(kept)
+        renew_round(keeper, kept)
     finally:
         for k in kept:
             keeper.forget(k)
@@ -288,14 +289,14 @@ def test_a_busy_server_sends_every_lease_of_a_batch_to_its_retry(
         one_lease_path(k)
     kill = busy_script(server)
 
-    retries = keeper._renew_batch(kept)
+    retries = renew_round(keeper, kept)
 
     assert keeper.batches == 1 and alone == kept, "each -BUSY reply sent its lease on the one-lease path"
     assert not any(k.lost for k in kept) and all(k.renewals == 0 for k in kept)
     for k, at in retries:
         assert isinstance(k, KeptLease) and at is not None and at <= k.lease.valid_until, "retried before its end"
     kill()
-    keeper._renew_batch(kept)
+    renew_round(keeper, kept)
     assert keeper.batches == 2 and not any(k.lost for k in kept) and all(k.renewals == 1 for k in kept)
     assert all(direct.pttl(lease.key) > 0 for lease in leases)
 
@@ -342,7 +343,7 @@ def test_a_node_batch_with_moved_and_migrating_slots_renews_every_lease(cluster:
         keeper = LeaseKeeper()
         kept = {key: KeptLease(lease, None) for key, lease in leases.items()}
 
-        keeper._renew_batch(list(kept.values()))
+        renew_round(keeper, list(kept.values()))
 
         assert keeper.batches == 3, "one request per node"
         assert not [key for key, k in kept.items() if k.lost or k.renewals != 1]
@@ -417,7 +418,7 @@ def test_a_greenlet_keeper_survives_its_cluster_client_copy_failing(
     1. The process acquires the four leases (its client read the layout through the seed).
     2. The seed address stops answering (the proxy refuses connections: a seed node
        restarting, a load balancer in front of it), the leases are kept.
-    3. The keeper's first round: ``_renew_batch`` calls ``thread_client`` (outside any
+    3. The keeper's first round: ``Renewer.renew_round`` calls ``thread_client`` (outside any
        ``try``) to make the keeper's own Cluster client; its constructor cannot reach the
        seed: ``ClusterUnavailable`` escapes ``_loop`` and the keeper's thread ends
        ("Exception ignored in thread started by LeaseKeeper._run").
@@ -445,13 +446,13 @@ def test_a_greenlet_keeper_survives_its_cluster_client_copy_failing(
 
 
 def deadlocked_in_put_back(thread: threading.Thread) -> bool:
-    """``thread`` holds the keeper's mutex (``_settle``) and waits for it (``renew_all_soon``)."""
+    """``thread`` holds the keeper's mutex (``Renewer.settle``) and waits for it (``renew_all_soon``)."""
     frame = sys._current_frames().get(thread.ident or -1)
     names = set()
     while frame is not None:
         names.add(frame.f_code.co_name)
         frame = frame.f_back
-    return {"_settle", "renew_all_soon"} <= names
+    return {"settle", "renew_all_soon"} <= names
 
 
 def test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper(
@@ -461,7 +462,7 @@ def test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper(
     the put-back (``may_put_back``) -- and right then the server restarts empty again
     (data loss 2: a crash-looping server, a second failover).
 
-    ``_settle`` holds the keeper's mutex around ``put_back``; the put-back's pooled
+    ``Renewer.settle`` holds the keeper's mutex around ``put_back``; the put-back's pooled
     connection is broken, its new connection's check (``LockServer.check``) finds the data
     lost again and calls the ``on_data_lost`` listeners in this very thread:
     ``_renew_all_soon`` -> ``LeaseKeeper.renew_all_soon`` -> ``with self._mutex``, held by
@@ -488,14 +489,14 @@ def test_a_second_data_loss_found_by_a_put_back_does_not_deadlock_the_keeper(
 
     leases[0].may_put_back = decide_then_lose_again  # type: ignore[method-assign]
     kept = [KeptLease(lease, None) for lease in leases]
-    rounds = threading.Thread(target=keeper._renew_batch, args=(kept,), daemon=True, name="adv-keeper-round")
+    rounds = threading.Thread(target=renew_round, args=(keeper, kept), daemon=True, name="adv-keeper-round")
     rounds.start()
     assert decided.wait(60), "the round found lease 0's lock gone and decided to put it back"
     server.restart()  # data loss 2, before the put-back is written (from this thread: the server dies with its parent)
     restarted.set()
     wait_for(lambda: not rounds.is_alive() or deadlocked_in_put_back(rounds), timeout=60,
              message="the keeper's round ended, or waits for the mutex it holds")
-    assert not rounds.is_alive(), ("the keeper deadlocked: _settle holds its mutex around put_back, whose "
+    assert not rounds.is_alive(), ("the keeper deadlocked: Renewer.settle holds its mutex around put_back, whose "
                                    "connection found the data lost again and called renew_all_soon")
     assert keeper.batches == 1 and not keeper._mutex.locked()
     with server.client() as after:

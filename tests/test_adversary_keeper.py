@@ -58,7 +58,7 @@ from celery_singleton_beat.recovery.server import LockServer, server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, TestProcess, importorskip
-from .support.locking import take_leases
+from .support.locking import renew_round, take_leases
 from .support.owners import register
 from .support.paths import ROOT
 
@@ -105,7 +105,7 @@ def test_a_server_restarted_as_another_version_renews_each_lease_with_its_own_va
         leases = take_leases(client, f"swap{protocol}", TTLS)
         keeper = LeaseKeeper()
         kept = [KeptLease(lease, None) for lease in leases]
-        keeper._renew_batch(kept)
+        renew_round(keeper, kept)
         info = server_of(client).info
         assert info is not None and info.set_ifeq, "Valkey 9.1: renewed natively"
         assert_each_its_own(valkey.client(), leases, TTLS)
@@ -114,11 +114,11 @@ def test_a_server_restarted_as_another_version_renews_each_lease_with_its_own_va
             epoch = server_of(client).epoch
             down.kill()
             up.start()
-            keeper._renew_batch(kept)
+            renew_round(keeper, kept)
             assert server_of(client).epoch > epoch, "the restart was found"
             assert not any(k.lost for k in kept), [k.lost_reason for k in kept]
             assert_each_its_own(up.client(), leases, TTLS)
-            keeper._renew_batch(kept)  # and renewed after the put-back, in the new spelling
+            renew_round(keeper, kept)  # and renewed after the put-back, in the new spelling
             assert not any(k.lost for k in kept), [k.lost_reason for k in kept]
             assert_each_its_own(up.client(), leases, TTLS)
     finally:
@@ -142,7 +142,7 @@ def test_a_round_over_two_servers_judges_each_on_its_own_when_one_dies(
     keeper = LeaseKeeper()
     kept = [KeptLease(lease, None) for pair in zip(ones, twos, strict=True) for lease in pair]
     first.kill()
-    retries = dict(keeper._renew_batch(kept))
+    retries = dict(renew_round(keeper, kept))
     assert keeper.batches == 2, "one request per server"
     assert not any(k.lost for k in kept)
     for k in kept:
@@ -246,7 +246,7 @@ def test_a_keeper_copy_that_cannot_be_made_is_tried_once_per_round(
     monkeypatch.setattr(LockServer, "copy_of", cannot_copy)
     keeper = LeaseKeeper()
     kept = [KeptLease(lease, None) for lease in many + six]
-    retries = dict(keeper._renew_batch(kept))
+    retries = dict(renew_round(keeper, kept))
     assert len(attempts) == 1, f"the keeper tried to make its copy {len(attempts)} times in one round"
     assert not any(k.lost for k in kept)
     for k in kept[:100]:
@@ -274,11 +274,11 @@ def test_native_renewals_judge_each_lease_on_its_own_reply(protocol: int) -> Non
         leases = take_leases(client, f"native{protocol}", TTLS)
         keeper = LeaseKeeper()
         kept = [KeptLease(lease, None) for lease in leases]
-        keeper._renew_batch(kept)
+        renew_round(keeper, kept)
         assert not any(k.lost for k in kept) and keeper.batches == 1
         direct.delete(leases[1].key)
         direct.set(leases[4].key, "another holder's value", px=60_000)
-        keeper._renew_batch(kept)
+        renew_round(keeper, kept)
         assert [k.lost for k in kept] == [False, True, False, False, True, False]
         assert direct.get(leases[4].key) == b"another holder's value" and direct.get(leases[1].key) is None
         assert_each_its_own(direct, [leases[n] for n in (0, 2, 3, 5)], [TTLS[n] for n in (0, 2, 3, 5)])

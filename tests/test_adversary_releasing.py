@@ -159,7 +159,7 @@ def test_a_put_back_decided_before_releasing_never_writes_a_released_lock_back(
 
     lease.may_put_back = decide_then_hold  # type: ignore[method-assign]
     outcome: list[float | None] = []
-    renewal = threading.Thread(target=lambda: outcome.append(keeper._renew(kept, via=other or client)))
+    renewal = threading.Thread(target=lambda: outcome.append(keeper.renewer.renew_one(kept, via=other or client)))
     renewal.start()
     assert decided.wait(30), "the renewal reached its put-back decision"
     with keyspace_events(direct, KEY) as events:
@@ -193,13 +193,13 @@ def test_a_late_put_back_waiting_when_the_run_releases_writes_nothing(
     keeper = LeaseKeeper()
     lost: list[str] = []
     kept = KeptLease(lease, lambda _, why: lost.append(why))
-    late = keeper._renew(kept)
+    late = keeper.renewer.renew_one(kept)
     assert late is not None and late == kept.put_back_at, "the put-back waits for the window's end"
     keeper.releasing(kept)
     assert lease.release() is False
     wait_for(lambda: time.monotonic() >= late, timeout=30, message="the late put-back's time")
     with keyspace_events(direct, KEY) as events:
-        assert keeper._renew(kept) is None
+        assert keeper.renewer.renew_one(kept) is None
         assert events() == [], "the released lock was written back at the window's end"
     keeper.forget(kept)
     assert lost == [] and direct.get(KEY) is None

@@ -68,7 +68,8 @@ from redis.crc import key_slot
 from celery_singleton_beat.connection.client import redis_from_url
 from celery_singleton_beat.lease.commands import look_request
 from celery_singleton_beat.lease.executor import execute
-from celery_singleton_beat.lease.keeper import KeptLease, Later, LeaseKeeper
+from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
+from celery_singleton_beat.lease.kept import Later
 from celery_singleton_beat.lease.lease import LATE_PUT_BACK, Lease
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
@@ -107,12 +108,12 @@ def held_now(kept: KeptLease) -> bool:
 
 def late_put_back(keeper: LeaseKeeper, kept: KeptLease) -> bool:
     """Renew ``kept`` as the keeper's thread does, waiting for a put-back deferred to the end of
-    the recovery window (:class:`.keeper.Later`); True if the lease holds in the end."""
-    outcome = keeper._settle(kept, kept.lease.renew_once(), None)
+    the recovery window (:class:`.kept.Later`); True if the lease holds in the end."""
+    outcome = keeper.renewer.settle(kept, kept.lease.renew_once(), None)
     if isinstance(outcome, Later):
         at = outcome.at
         wait_for(lambda: time.monotonic() >= at, timeout=30, interval=0.01, message="the late put-back's time")
-        outcome = keeper._settle(kept, kept.lease.renew_once(), None)
+        outcome = keeper.renewer.settle(kept, kept.lease.renew_once(), None)
     return outcome is True
 
 
@@ -233,7 +234,7 @@ def test_a_renewal_on_the_old_primary_after_a_promotion_was_noticed(
         held.renewal_request = noticing  # type: ignore[method-assign]
     kept = KeptLease(held, None)
     keeper = LeaseKeeper()
-    reached(keeper._settle(kept, held.renew_once(), None) is True and server_of(a).epoch == 1
+    reached(keeper.renewer.settle(kept, held.renew_once(), None) is True and server_of(a).epoch == 1
             and old.client().get(KEY) == held.value.encode(),
             "the old primary renewed k after a's process noticed the promotion")
     address.switch(replica.port)
@@ -265,14 +266,14 @@ def test_a_late_put_back_while_the_taker_still_vouches(make_redis: Callable[...,
             f"the server came back {data}")
     kept = KeptLease(held, None)
     keeper = LeaseKeeper()
-    outcome = keeper._settle(kept, held.renew_once(), None)
+    outcome = keeper.renewer.settle(kept, held.renew_once(), None)
     reached(isinstance(outcome, Later), "a's put-back waits for the end of the window")
     reached(server_of(a).lost_by < taker.confirmed_at + LATE_PUT_BACK,
             "the restart came within LATE_PUT_BACK of b's renewal")
     assert isinstance(outcome, Later)
     at = outcome.at
     wait_for(lambda: time.monotonic() >= at, timeout=30, interval=0.01, message="the late put-back's time")
-    put_back = keeper._settle(kept, held.renew_once(), None) is True
+    put_back = keeper.renewer.settle(kept, held.renew_once(), None) is True
     reached(put_back, "a put its lock back as the window closes")
     assert not (vouched(held) and vouched(taker)), (f"a (fence {held.fence}) and b (fence {taker.fence}) both "
                                                     "pass ensure_held()")
@@ -373,7 +374,7 @@ def test_a_renewal_late_in_the_window_after_a_slow_snapshot_restart(make_redis: 
              message="the window's last half second")
     put_backs = PutBacks(held)
     kept = KeptLease(held, None)
-    renewed = LeaseKeeper()._settle(kept, held.renew_once(), None)
+    renewed = LeaseKeeper().renewer.settle(kept, held.renew_once(), None)
     reached(server_of(a).recovery().open, "a's renewal came inside the window")
     assert renewed is True, "a live holder renewing within the window lost the lock it found intact"
     assert put_backs.count == 0 and held.epoch == 1 and direct.get(KEY) == held.value.encode(), \

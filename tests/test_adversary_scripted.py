@@ -69,7 +69,7 @@ from celery_singleton_beat.recovery.server import server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, wait_for
-from .support.locking import take_leases
+from .support.locking import renew_round, take_leases
 from .support.topologies import MASTER_NAME, start_sentinels, wait_for_new_primary
 from .test_adversary_putback import spec
 from .test_adversary_renewal_epoch import PutBacks, take
@@ -116,7 +116,7 @@ def test_a_wrongtype_key_costs_only_its_own_lease(redis_db: redis.Redis) -> None
     kept = [KeptLease(lease, None) for lease in leases]
     keeper._active = len(kept)
 
-    done = dict((id(k), at) for k, at in keeper._renew_batch(kept))
+    done = dict((id(k), at) for k, at in renew_round(keeper, kept))
 
     assert not any(k.lost for k in kept), "an error on one key is retried, not a loss"
     assert bad.confirmed_at == before[2] and kept[2].renewals == 0, "the bad key's lease was not confirmed"
@@ -143,7 +143,7 @@ def test_non_ascii_and_long_keys_are_renewed_by_the_script(redis_db: redis.Redis
     kept = [KeptLease(lease, None) for lease in leases]
     calls = evalsha_calls(redis_db)
 
-    keeper._renew_batch(kept)
+    renew_round(keeper, kept)
 
     assert evalsha_calls(redis_db) == calls + 1, "the six renewals went out in one script call"
     assert not any(k.lost for k in kept) and all(k.renewals == 1 for k in kept)
@@ -158,13 +158,13 @@ def test_a_script_flush_between_rounds_loads_the_script_again(make_redis: Callab
     scripted_only(direct)
     keeper = LeaseKeeper()
     kept = [KeptLease(lease, None) for lease in leases]
-    keeper._renew_batch(kept)
+    renew_round(keeper, kept)
     assert all(k.renewals == 1 for k in kept)
     for lease in leases:
         direct.pexpire(lease.key, 2_000)
     direct.script_flush()
 
-    keeper._renew_batch(kept)
+    renew_round(keeper, kept)
 
     assert not any(k.lost for k in kept) and all(k.renewals == 2 for k in kept)
     for n, lease in enumerate(leases):
@@ -295,7 +295,7 @@ def test_a_mixed_reply_after_a_partial_data_loss_judges_each_lease(make_redis: C
     vouched = [lease.vouched_until for lease in leases]
     calls = evalsha_calls(direct)
 
-    keeper._renew_batch(kept)
+    renew_round(keeper, kept)
 
     assert server_of(client).epoch > epoch, "the round found the data lost"
     assert evalsha_calls(direct) == calls + 1, "the six renewals went out in one script call"
@@ -325,7 +325,7 @@ def test_a_full_server_still_renews_through_the_script(make_redis: Callable[...,
     keeper = LeaseKeeper()
     kept = [KeptLease(lease, None) for lease in leases]
 
-    keeper._renew_batch(kept)
+    renew_round(keeper, kept)
 
     assert not any(k.lost for k in kept) and all(k.renewals == 1 for k in kept)
     for n, lease in enumerate(leases):
@@ -348,12 +348,12 @@ def test_the_script_reply_is_read_whatever_the_clients_options(
     for round_ in (1, 2):
         for lease in leases:
             db.pexpire(lease.key, 2_000)
-        keeper._renew_batch(kept)
+        renew_round(keeper, kept)
         assert all(k.renewals == round_ for k in kept) and not any(k.lost for k in kept)
     db.set(leases[1].key, "another holder's value", keepttl=True)
     db.delete(leases[2].key)
 
-    keeper._renew_batch(kept)
+    renew_round(keeper, kept)
 
     assert [k.lost for k in kept] == [False, True, True, False, False, False]
     for n in (0, 3, 4, 5):

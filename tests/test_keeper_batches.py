@@ -21,6 +21,7 @@ from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 
 from .support import wait_for
+from .support.locking import renew_round
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def test_leases_renewed_together_are_each_judged_on_their_own_reply(locks: redis
     keeper = LeaseKeeper()
     kept = [KeptLease(lease, None) for lease in leases]
 
-    keeper._renew_batch(kept)
+    renew_round(keeper, kept)
 
     assert keeper.batches == 1, "the six renewals went out in one request"
     assert [k.lost for k in kept] == [False, True, True, False, False, False]

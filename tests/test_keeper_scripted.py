@@ -16,6 +16,10 @@ leases renewed together are scheduled again as one entry of the keeper's queue.
   thread (take the due leases, renew them, schedule them) makes at most
   :data:`CALLS_PER_LEASE` Python calls per lease (counted with ``sys.setprofile``; the
   pipelined path made about 24 per lease in its renewal alone).
+* ``test_a_lease_spells_its_script_arguments_as_the_encoder_does``: a lease's arguments of a
+  many-lease call, encoded once and kept, are the bytes :func:`.wire.pack` writes for them
+  (a key and a value not all ASCII: lengths in bytes); and the whole call, written in parts
+  behind its head, is the command :func:`.wire.pack` writes.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat.lease.batches import renew_scripted
+from celery_singleton_beat.connection.wire import pack
+from celery_singleton_beat.lease.batches import renew_scripted, scripted_call
 from celery_singleton_beat.lease.commands import Renewal
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
 from celery_singleton_beat.lease.kept import Bucket
 from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.scripts import RENEW_MANY
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import thread_client
 from celery_singleton_beat.recovery.server import server_of
@@ -164,3 +170,17 @@ def test_a_round_makes_few_python_calls_per_renewed_lease(redis_db: redis.Redis)
     per_lease = (many - few) / 180
     assert per_lease <= CALLS_PER_LEASE, \
         f"{per_lease:.1f} Python calls per renewed lease ({few} for 20, {many} for 200)"
+
+
+def test_a_lease_spells_its_script_arguments_as_the_encoder_does(redis_db: redis.Redis) -> None:
+    spec = LockSpec(task="spelt", ttl=7.5)
+    lease = acquire(redis_db, "singleton:{spelt:\u00e9t\u00e9}", spec, "run-\u00e9").lease
+    assert lease is not None
+    key, rest = lease.spell_batch_parts()
+    assert lease.batch_parts == (key, rest), "kept for the next round"
+    assert b"*3\r\n" + key + rest == pack(lease.key, lease.value, spec.ttl_ms)
+
+    leases = [lease, *take_leases(redis_db, "spelt", TTLS)]
+    keys = [each.key for each in leases]
+    args = [arg for each in leases for arg in (each.value, each.spec.ttl_ms)]
+    assert scripted_call(leases) == pack(*RENEW_MANY.command(keys, args))

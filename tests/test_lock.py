@@ -288,7 +288,7 @@ def test_a_renewal_answered_after_its_run_released_is_no_loss(redis_db: redis.Re
     # The order of a renewal that was already on its way when the run ended:
     keeper.forget(kept)  # the run ends ...
     assert lease.release()  # ... and its release executes first
-    assert keeper._renew(kept) is None  # then the renewal's answer: not ours any more
+    assert keeper.renewer.renew_one(kept) is None  # then the renewal's answer: not ours any more
     assert not kept.lost and reasons == []
 
 

@@ -85,7 +85,7 @@ def test_a_holder_stopped_past_a_possible_take_over_does_not_put_its_lock_back(
     confirmed_in = held.epoch
     keeper, kept = LeaseKeeper(), KeptLease(held, None)
     with keyspace_events(direct, KEY) as events:
-        late = keeper._renew(kept)  # a resumes: its keeper's next renewal
+        late = keeper.renewer.renew_one(kept)  # a resumes: its keeper's next renewal
         assert server_of(a).epoch > confirmed_in, "a found its data lost (the rule under test is then asked)"
         assert events() == [], "the stopped holder wrote its lock back, if only for a moment"
     assert not kept.lost and late is not None and late == kept.put_back_at, \
@@ -93,7 +93,7 @@ def test_a_holder_stopped_past_a_possible_take_over_does_not_put_its_lock_back(
     assert renew(taker), "the holder that took the lock over puts its own back at once"
     assert read_holder(direct, KEY).raw == taker.value
     wait_for(lambda: time.monotonic() >= late, timeout=30, message="a's turn, as the window closes")
-    assert keeper._renew(kept) is None and kept.lost, "a finds the taker's lock: its lease is lost"
+    assert keeper.renewer.renew_one(kept) is None and kept.lost, "a finds the taker's lock: its lease is lost"
     assert read_holder(direct, KEY).raw == taker.value
 
 

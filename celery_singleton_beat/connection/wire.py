@@ -49,8 +49,8 @@ from redis.exceptions import AskError, NoScriptError
 from .replies import INCOMPLETE, NOT_YET, PUSH_TYPES, PyReader, reply_reader
 
 __all__ = [
-    "NOT_SHORT", "Link", "LuaScript", "PoolLink", "Request", "Short", "SocketLink", "Written", "ensure_checked",
-           "looker_of", "pack", "read_own", "read_replies", "run_on", "write_request"]
+    "NOT_SHORT", "Link", "LuaScript", "PoolLink", "Request", "Short", "SocketLink", "Written", "bulk", "command_head",
+           "ensure_checked", "looker_of", "pack", "read_own", "read_replies", "run_on", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
 RETRIED = (redis.ConnectionError, OSError)
@@ -153,6 +153,22 @@ def _hiredis_packer() -> Callable[..., bytes] | None:
 
 
 pack: Callable[..., bytes] = _hiredis_packer() or _pack_python
+
+
+def bulk(part: bytes | str | int) -> bytes:
+    """One argument of a command in RESP (``$<length>\r\n<bytes>\r\n``), as :func:`pack`
+    writes each: for a command written in parts that are encoded once, kept and joined
+    later (a lease's arguments of the keeper's many-lease renewal; see :func:`command_head`)."""
+    if type(part) is not bytes:
+        part = str(part).encode()
+    return b"$%d\r\n%s\r\n" % (len(part), part)
+
+
+def command_head(length: int, *first: bytes | str | int) -> bytes:
+    """The start of a command of ``length`` arguments in all: their count and the ``first``
+    of them; the others follow as :func:`bulk` parts. With ``length == len(first) + len(rest)``,
+    ``command_head(length, *first) + b"".join(map(bulk, rest))`` is ``pack(*first, *rest)``."""
+    return b"*%d\r\n" % length + b"".join([bulk(part) for part in first])
 
 
 class Link(Protocol):

@@ -14,7 +14,7 @@ reply lists only the locks it did not renew, and why. The keeper then does littl
 renewed lease: no reply of its own to read and judge.
 
 Each lease's reply decides for that lease alone: a lock held by another is
-lost alone, a lock the server lost is put back alone (:meth:`.keeper.LeaseKeeper.renew`'s
+lost alone, a lock the server lost is put back alone (:meth:`.rounds.Renewer.settle`'s
 rules), and a reply that is an error (``-BUSY`` for that command, a
 ``-MOVED`` of a slot that moved) sends that lease on the one-lease path. Every
 renewal compares before it writes, so a batch sent twice (its connection broke
@@ -29,14 +29,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..connection.client import is_cluster
-from ..connection.wire import Request, Short
+from ..connection.wire import Request, Short, command_head
 from ..recovery.server import ServerInfo, server_of
 from .commands import NativeRefused, Renewal
 from .executor import execute
 from .lease import Lease
 from .scripts import RENEW_MANY
 
-__all__ = ["BATCH_MAX", "combined", "group_key", "renew_many", "renew_scripted", "scripted"]
+__all__ = ["BATCH_MAX", "combined", "group_key", "renew_many", "renew_scripted", "scripted", "scripted_call"]
 
 #: Renewals written in one request at most (a bigger batch waits for the next round).
 BATCH_MAX = 512
@@ -109,6 +109,20 @@ def scripted(info: ServerInfo, cluster: bool) -> bool:
     return not cluster and not info.set_ifeq
 
 
+def scripted_call(leases: Sequence[Lease]) -> bytes:
+    """The call of :data:`.scripts.RENEW_MANY` renewing ``leases``, in RESP: each lease's
+    arguments encoded once and kept (:meth:`.lease.Lease.spell_batch_parts`), joined behind
+    the command's head."""
+    keys = []
+    args = []
+    for lease in leases:
+        parts = lease.batch_parts or lease.spell_batch_parts()
+        keys.append(parts[0])
+        args.append(parts[1])
+    count = len(keys)
+    return b"".join((command_head(3 + 3 * count, b"EVALSHA", RENEW_MANY.sha, count), *keys, *args))
+
+
 def renew_scripted(via: Any, leases: Sequence[Lease]) -> tuple[float, int, dict[int, Renewal]]:
     """Renew ``leases`` (all of one server) in one call of :data:`.scripts.RENEW_MANY`: the
     monotonic time and server epoch read before it was sent (what the renewed leases are
@@ -118,16 +132,7 @@ def renew_scripted(via: Any, leases: Sequence[Lease]) -> tuple[float, int, dict[
     an error (``-BUSY``, a refusal): the caller sends the batch the other way."""
     started = time.monotonic()
     epoch = server_of(via).epoch
-    keys = []
-    args = []
-    for lease in leases:
-        parts = lease.batch_parts or lease.spell_batch_parts()
-        keys.append(parts[0])
-        args.append(parts[1])
-    count = len(keys)
-    head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%d\r\n" % (
-        3 + 3 * count, RENEW_MANY.sha.encode(), len(str(count)), count)
-    data = b"".join((head, *keys, *args))
+    data = scripted_call(leases)
 
     def finish(replies: list[Any]) -> Any:
         reply = replies[0]

@@ -7,8 +7,9 @@ within seconds, and every holder puts its lock back within a recovery window
 after a restart), so a run may last any multiple of ``lock_ttl``; a lease that
 stops being renewable is marked lost and its owner is told through a callback.
 The leases due within a short horizon are renewed together, in one request per
-server (:mod:`.batches`), each judged on its own reply: the keeper's round trips
-stay about constant however many leases the process holds.
+server (:mod:`.batches`), each judged on its own reply (:mod:`.rounds`): the keeper's
+round trips stay about constant however many leases the process holds. This module
+keeps the queue and the thread; :class:`.rounds.Renewer` renews and judges.
 
 When Redis does not answer, the keeper tries again every
 :data:`~.lease.RETRY_EVERY` seconds until the lease would have expired; only
@@ -32,31 +33,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
 from .. import native
-from ..connection.client import is_cluster
 from ..connection.flusher import read_all_replies
 from ..log import logger
 from ..recovery import server
-from ..recovery.lock_redis import thread_client
-from ..recovery.server import PORTABLE, server_of
-from .batches import BATCH_MAX, group_key, renew_many, renew_scripted, scripted
-from .commands import Renewal
-from .kept import Bucket, KeptLease, Later, renewed_together
-from .lease import RETRY_EVERY, Lease, retry_pause
+from .kept import Bucket, Entry, KeptLease, take_due
+from .lease import RETRY_EVERY, Lease
 from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
+from .rounds import Renewer
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper", "send_pending_releases"]
 
 #: Seconds an idle keeper (nothing to renew) waits before it looks at its queue again.
 #: A new lease due later than that needs no wake-up: short runs cost no thread switch.
 IDLE_LOOK = 1.0
-#: Seconds between two log lines about the same lease while Redis does not answer.
-LOG_EVERY = 5.0
-#: Seconds ahead of its time a lease may be renewed, to share a request with the others
-#: due by then (at most a quarter of its renewal interval).
-BATCH_HORIZON = 0.25
 
 
 class LeaseKeeper:
@@ -72,7 +62,7 @@ class LeaseKeeper:
         self._mutex = native.allocate_lock()
         self._wake = native.Wakeup()
         #: Due time, order of scheduling, and a lease, a pending release or leases due together.
-        self._queue: list[tuple[float, int, KeptLease | PendingRelease | Bucket]] = []
+        self._queue: list[Entry] = []
         #: The entries of the round under way, off the queue (:meth:`abandon` looks there too).
         self._in_flight: list[KeptLease | PendingRelease] = []
         self._seq = itertools.count()
@@ -84,8 +74,9 @@ class LeaseKeeper:
         self._running = False
         #: Times the thread came back from waiting (diagnostics and tests).
         self.wakeups = 0
-        #: Requests that renewed several leases at once (diagnostics and tests).
-        self.batches = 0
+        #: Renews the leases of each round and judges each one's reply (:mod:`.rounds`). Its
+        #: ``forget`` is this keeper's :meth:`forget` as found at each call, as a method call would.
+        self.renewer = Renewer(self._mutex, lambda entry: self.forget(entry))
         #: Every lease is due now (set by :meth:`renew_all_soon`, applied by the thread).
         self._renew_all = False
         #: The thread is waiting (not renewing).
@@ -192,6 +183,11 @@ class LeaseKeeper:
                 del self._pending[id(kept.lease)]
 
     @property
+    def batches(self) -> int:
+        """Requests that renewed several leases at once (diagnostics and tests)."""
+        return self.renewer.batches
+
+    @property
     def tracked(self) -> int:
         """Entries in the renewal queue, forgotten ones included (bounded by the kept ones)."""
         return sum(len(entry.leases) if isinstance(entry, Bucket) else 1 for _, _, entry in self._queue)
@@ -229,8 +225,8 @@ class LeaseKeeper:
         buckets: list[tuple[float, list[KeptLease]]] = []
         try:
             leases = [kept for kept in batch if isinstance(kept, KeptLease)]
-            done = self._renew_round(leases, buckets) if leases else []
-            done += [(pending, self._release_again(pending)) for pending in batch
+            done = self.renewer.renew_round(leases, buckets) if leases else []
+            done += [(pending, self.renewer.release_again(pending)) for pending in batch
                      if isinstance(pending, PendingRelease)]
         except Exception:  # never let the keeper thread die: the round's entries again soon
             logger.exception("unexpected error in a round of the lease keeper")
@@ -245,105 +241,10 @@ class LeaseKeeper:
                 self._schedule(Bucket(group), due)
 
     def _take_due(self, now: float) -> list[KeptLease | PendingRelease]:
-        """Under the mutex: the entries due now, with every lease due within its horizon
-        (a quarter of its renewal interval, :data:`BATCH_HORIZON` at most) behind them,
-        :data:`.batches.BATCH_MAX` leases at most: renewed together, in one request per server."""
-        taken: list[KeptLease | PendingRelease] = []
-        leases = 0
-        while self._queue and leases < BATCH_MAX:
-            when, _, kept = self._queue[0]
-            if isinstance(kept, Bucket):  # renewed together before: taken together (or not yet)
-                live = [each for each in kept.leases if each.active]
-                horizon = min(BATCH_HORIZON, live[0].lease.renew_every / 4) if live else 0.0
-                if live and (when > now + (horizon if taken else 0.0) or (taken and leases + len(live) > BATCH_MAX)):
-                    kept.leases = live
-                    break
-                heapq.heappop(self._queue)
-                taken += live
-                leases += len(live)
-                continue
-            if not kept.active:
-                heapq.heappop(self._queue)
-                continue
-            horizon = min(BATCH_HORIZON, kept.lease.renew_every / 4) if isinstance(kept, KeptLease) else 0.0
-            if when > now + (horizon if taken else 0.0):
-                break
-            heapq.heappop(self._queue)
-            taken.append(kept)
-            leases += isinstance(kept, KeptLease)
-        self._in_flight = taken
+        """Under the mutex: the entries due now and those taken with them (:func:`.kept.take_due`),
+        in flight from now on."""
+        taken = self._in_flight = take_due(self._queue, now)
         return taken
-
-    def _renew_batch(self, leases: list[KeptLease]) -> list[tuple[KeptLease | PendingRelease, float | None]]:
-        """Renew ``leases`` (:meth:`_renew_round`): the monotonic time of each one's next attempt."""
-        buckets: list[tuple[float, list[KeptLease]]] = []
-        done = self._renew_round(leases, buckets)
-        return done + [(kept, due) for due, group in buckets for kept in group]
-
-    def _renew_round(self, leases: list[KeptLease], buckets: list[tuple[float, list[KeptLease]]]
-                     ) -> list[tuple[KeptLease | PendingRelease, float | None]]:
-        """Renew ``leases``: in one request per server where several share it (:mod:`.batches`),
-        each judged on its own reply; the monotonic time of each one's next attempt. The leases
-        a many-lease script renewed (:func:`.batches.renew_scripted`) go in ``buckets`` instead,
-        with their next due time: those renewed together with the same interval share it."""
-        groups: dict[tuple[int, str], tuple[Any, list[KeptLease]]] = {}
-        # The keeper's own client and its kind, once per lock client, not per lease: in a
-        # gevent worker this thread's Python work holds up the hub (see .native). A client
-        # that cannot be made (a Cluster whose seed does not answer: each attempt waits up to
-        # its connect timeout) is tried once per round too; its leases are retried.
-        # Off Cluster, all of a client's leases share one group, found with the client.
-        vias: dict[int, tuple[Any, bool, list[KeptLease] | None] | BaseException] = {}
-        done: list[tuple[KeptLease | PendingRelease, float | None]] = []
-        for kept in leases:
-            client = kept.lease.client
-            found = vias.get(id(client))
-            if found is None:
-                try:
-                    via = thread_client(client)
-                    cluster = is_cluster(via)
-                    shared = None if cluster else groups.setdefault((id(via), ""), (via, []))[1]
-                    found = vias[id(client)] = (via, cluster, shared)
-                except Exception as exc:  # judged with each of its leases, where errors are
-                    found = vias[id(client)] = exc
-            if isinstance(found, BaseException):
-                done.append((kept, self._renew(kept, found)))
-                continue
-            via, cluster, shared = found
-            if shared is not None:
-                shared.append(kept)
-                continue
-            try:
-                groups.setdefault(group_key(via, kept.lease, cluster), (via, []))[1].append(kept)
-            except Exception:  # no node for it now (a Cluster being reshaped): on its own
-                groups[(id(kept), "")] = (via, [kept])
-        for via, group in groups.values():
-            if len(group) == 1:
-                done.append((group[0], self._renew(group[0], via=via)))
-                continue
-            self.batches += 1
-            if scripted(server_of(via).info or PORTABLE, is_cluster(via)):
-                try:
-                    started, epoch, failed = renew_scripted(via, [kept.lease for kept in group])
-                except redis.ResponseError:  # refused as a whole (-BUSY, -NOPERM): each lease on its own below
-                    pass
-                except Exception as exc:  # the request as a whole: each lease's error
-                    done += [(kept, self._renew(kept, exc, via)) for kept in group]
-                    continue
-                else:
-                    for at, found_at in failed.items():  # each judged alone, as its own reply would be
-                        done.append((group[at], self._renew(group[at], found_at, via)))
-                    renewed = [kept for at, kept in enumerate(group) if at not in failed] if failed else group
-                    buckets += renewed_together(renewed, started, epoch)
-                    continue
-            try:
-                outcomes: list[Renewal | BaseException] = renew_many(via, [kept.lease for kept in group])
-            except Exception as exc:  # the request as a whole: each lease's error
-                outcomes = [exc] * len(group)
-            for kept, outcome in zip(group, outcomes, strict=True):
-                # A reply of its own that is an error (-BUSY, -MOVED): on the one-lease path.
-                alone = isinstance(outcome, redis.ResponseError)
-                done.append((kept, self._renew(kept, via=via) if alone else self._renew(kept, outcome, via)))
-        return done
 
     def renew_all_soon(self) -> None:
         """Renew every kept lease now: the process found its data on a server that may lack
@@ -373,85 +274,7 @@ class LeaseKeeper:
         send it through (the keeper's own); the lease's by default. Raises
         ``redis.RedisError`` when Redis cannot be asked.
         """
-        return self._settle(kept, kept.lease.renew_once(client), client) is True
-
-    def _settle(self, kept: KeptLease, outcome: Renewal, client: Any) -> bool | Later:
-        """What a renewal of ``kept`` that found ``outcome`` means: True if the lease holds
-        (renewed, or put back where the server lost it and the rules allow it); a
-        :class:`Later` when its put-back must wait for the end of the recovery window."""
-        lease = kept.lease
-        if outcome is not Renewal.GONE:
-            return outcome is Renewal.RENEWED
-        epoch = server_of(client or lease.client).epoch
-        late = kept.put_back_at is not None and lease.may_put_back_late(kept.put_back_at, client)
-        if late or lease.may_put_back(client):
-            with self._mutex:
-                return kept.active and not kept.releasing and lease.put_back(client, decided=epoch)
-        if kept.releasing:  # the run releases it
-            return False
-        if kept.put_back_at is not None:  # its turn came too late; or a data loss moved it forward early: it waits
-            return Later(kept.put_back_at) if time.monotonic() < kept.put_back_at else False
-        at = lease.late_put_back_at(client)
-        if at is None:
-            return False
-        kept.put_back_at = at
-        return Later(at)
-
-    def _renew(self, kept: KeptLease, outcome: Renewal | BaseException | None = None,
-               via: Any = None) -> float | None:
-        """Renew once (or judge ``outcome``, what a batched renewal of it found) through ``via``
-        (the keeper's client of the lease's server; found here when None); the monotonic
-        time of the next attempt, or None when done."""
-        lease = kept.lease
-        try:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            if via is None:
-                via = thread_client(lease.client)
-            held = self._settle(kept, lease.renew_once(via) if outcome is None else outcome, via)
-            if isinstance(held, Later):
-                return held.at
-            if held:
-                kept.renewals += 1
-                if kept.next_complaint:
-                    kept.next_complaint = 0.0
-                    logger.warning("renewed lock %s again: Redis answers", lease.key)
-                # From its confirmation, not from now: judging a large batch takes time.
-                return max(time.monotonic(), lease.confirmed_at + lease.renew_every)
-            if kept.releasing:  # its release ran (or the lock went another way): nothing left to renew
-                self.forget(kept)
-            elif kept.active:  # else the run ended and released it while this renewal was on its way
-                kept.mark_lost("the lock was deleted, expired or taken by another holder")
-            return None
-        except redis.RedisError as exc:
-            now = time.monotonic()
-            if now >= lease.valid_until:
-                if kept.releasing:  # its release reports it (sent again while Redis does not answer)
-                    self.forget(kept)
-                elif kept.active:
-                    kept.mark_lost(f"the lease expired while Redis was unreachable ({exc})")
-                return None
-            if now >= kept.next_complaint:  # the first failure, then every LOG_EVERY seconds
-                kept.next_complaint = now + LOG_EVERY
-                holder = lease.holder
-                logger.error("cannot renew lock %s of %s[%s], retrying until it would expire in %.1fs: %s",
-                             lease.key, holder.task if holder else "?", holder.task_id if holder else "?",
-                             lease.valid_until - now, exc)
-            return min(now + retry_pause(lease.ttl), lease.valid_until)
-        except Exception:  # never let the keeper thread die
-            logger.exception("unexpected error renewing lock %s", lease.key)
-            return time.monotonic() + lease.renew_every
-
-
-    def _release_again(self, pending: PendingRelease) -> float | None:
-        """Send a pending release once; the monotonic time of the next attempt, or None when done."""
-        error = pending.send()
-        next_time = None if error is None else pending.next_attempt(time.monotonic())
-        if error is not None and next_time is None:
-            pending.give_up(error)
-        if next_time is None:
-            self.forget(pending)
-        return next_time
+        return self.renewer.settle(kept, kept.lease.renew_once(client), client) is True
 
 
 _keeper: LeaseKeeper | None = None

@@ -1,16 +1,24 @@
-"""What the keeper's queue holds: a kept lease, a group of leases due together, a put-back's wait."""
+"""What the keeper's queue holds (a kept lease, a group of leases due together, a put-back's
+wait), and which of its entries a round takes."""
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 from ..log import logger
 from . import counters
+from .batches import BATCH_MAX
 from .lease import Lease
+from .releases import PendingRelease
 
-__all__ = ["Bucket", "KeptLease", "Later", "renewed_together"]
+__all__ = ["BATCH_HORIZON", "Bucket", "Entry", "KeptLease", "Later", "renewed_together", "take_due"]
+
+#: Seconds ahead of its time a lease may be renewed, to share a request with the others
+#: due by then (at most a quarter of its renewal interval).
+BATCH_HORIZON = 0.25
 
 
 class Later(NamedTuple):
@@ -63,6 +71,42 @@ class Bucket:
 
     def __init__(self, leases: list[KeptLease]) -> None:
         self.leases = leases
+
+
+#: An entry of the keeper's queue: due time, order of scheduling, and a lease, a pending
+#: release or leases due together.
+Entry = tuple[float, int, KeptLease | PendingRelease | Bucket]
+
+
+def take_due(queue: list[Entry], now: float) -> list[KeptLease | PendingRelease]:
+    """The entries of ``queue`` (the keeper's heap, under its mutex) due at ``now``, taken off
+    it, with every lease due within its horizon (a quarter of its renewal interval,
+    :data:`BATCH_HORIZON` at most) behind them, :data:`.batches.BATCH_MAX` leases at most:
+    renewed together, in one request per server. Forgotten entries come off too."""
+    taken: list[KeptLease | PendingRelease] = []
+    leases = 0
+    while queue and leases < BATCH_MAX:
+        when, _, kept = queue[0]
+        if isinstance(kept, Bucket):  # renewed together before: taken together (or not yet)
+            live = [each for each in kept.leases if each.active]
+            horizon = min(BATCH_HORIZON, live[0].lease.renew_every / 4) if live else 0.0
+            if live and (when > now + (horizon if taken else 0.0) or (taken and leases + len(live) > BATCH_MAX)):
+                kept.leases = live
+                break
+            heapq.heappop(queue)
+            taken += live
+            leases += len(live)
+            continue
+        if not kept.active:
+            heapq.heappop(queue)
+            continue
+        horizon = min(BATCH_HORIZON, kept.lease.renew_every / 4) if isinstance(kept, KeptLease) else 0.0
+        if when > now + (horizon if taken else 0.0):
+            break
+        heapq.heappop(queue)
+        taken.append(kept)
+        leases += isinstance(kept, KeptLease)
+    return taken
 
 
 def renewed_together(renewed: list[KeptLease], started: float, epoch: int) -> list[tuple[float, list[KeptLease]]]:

@@ -29,7 +29,7 @@ from typing import Any
 from ..connection.channels import channel_or_none
 from ..connection.client import RedisClient, ReplicasNotAcknowledged, is_cluster
 from ..connection.pooled import run_pooled
-from ..connection.wire import Request, pack, run_on
+from ..connection.wire import Request, bulk, pack, run_on
 from ..log import logger
 from ..recovery.server import PORTABLE, ServerInfo, server_of
 from . import counters
@@ -152,9 +152,7 @@ class Lease:
     def spell_batch_parts(self) -> tuple[bytes, bytes]:
         """This lease's key, and its value and TTL, as arguments of a many-lease renewal (in RESP):
         built once and kept, as :meth:`renewal_request`."""
-        key, value, ttl = self.key.encode(), self.value.encode(), b"%d" % self.spec.ttl_ms
-        parts = self.batch_parts = (b"$%d\r\n%s\r\n" % (len(key), key),
-                                    b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(value), value, len(ttl), ttl))
+        parts = self.batch_parts = (bulk(self.key), bulk(self.value) + bulk(self.spec.ttl_ms))
         return parts
 
     def settle_renewal(self, outcome: Renewal | None, started: float, epoch: int, via: RedisClient) -> Renewal:

@@ -1,11 +1,11 @@
 """Taking a lock by hand, as a run would, with the spec's fields as keyword arguments; renewing it
-by hand, as the keeper does."""
+by hand, as the keeper does (one lease, or a round of many)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from celery_singleton_beat.lease.keeper import KeptLease, get_keeper
+from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
 from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.lock import AcquireResult, acquire
 from celery_singleton_beat.lease.spec import LockSpec
@@ -22,6 +22,16 @@ def renew(lease: Lease) -> bool:
     """Renew ``lease`` once, putting its lock back where the server lost it, through the
     keeper's guarded path (:meth:`.keeper.LeaseKeeper.renew`); False if it is no longer ours."""
     return get_keeper().renew(KeptLease(lease, None))
+
+
+def renew_round(keeper: LeaseKeeper, leases: list[KeptLease]) -> list[tuple[Any, float | None]]:
+    """Renew ``leases`` in one renewal round of ``keeper``, from the calling thread and with nothing
+    scheduled: each lease with the monotonic time of its next attempt (None: not to be renewed
+    again), those a many-lease script renewed together included (the keeper queues them as one
+    entry per due time)."""
+    buckets: list[tuple[float, list[KeptLease]]] = []
+    done = keeper.renewer.renew_round(leases, buckets)
+    return done + [(kept, due) for due, group in buckets for kept in group]
 
 
 def take_leases(client: Any, prefix: str, ttls: list[float]) -> list[Lease]:
