@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -55,7 +56,7 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
 
-from celery_singleton_beat import SingletonTask
+from celery_singleton_beat import SingletonTask, native
 from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.connection import flusher
 from celery_singleton_beat.connection.channels import channel_for
@@ -64,6 +65,7 @@ from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
 from celery_singleton_beat.recovery.lock_redis import get_redis, reset_clients
 from celery_singleton_beat.task import soft_limit
+from celery_singleton_beat.task import task as task_module
 
 from .support import BROKER_DB, RedisServer, start_worker, wait_for
 from .support.locking import take_lock
@@ -547,6 +549,47 @@ def test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever(
     counters.flush()  # the run's counts written, as the process's counter writer may at any moment
     wait_for(lambda: not run_locks(redis_db, "adv.merge.beginning"), timeout=15,
              message="the run's lock freed or lapsed")
+
+
+def test_a_soft_limit_as_the_keeper_starts_its_thread_leaves_later_leases_renewed(
+        guarded: None, eager_app: Celery, redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process's first run hands its lease to the keeper, which starts its thread; the
+    soft limit lands there. Raised inside :meth:`.LeaseKeeper.keep`, it left the keeper
+    marked running with no thread: no later lease of the process was ever renewed (each
+    later run's lock lapsed at its TTL while the run went on). Held until ``keep`` returns:
+    the run is cut short as it began (its lease abandoned) and the keeper's thread runs."""
+    keeper = LeaseKeeper()  # a process's keeper before its first run
+    monkeypatch.setattr(task_module, "get_keeper", lambda: keeper)
+    start_thread = native.start_thread
+    fired: list[bool] = []
+
+    def signal_then_start(target: Callable[[], Any], name: str) -> None:
+        if not fired and name == "singleton-lease-keeper":
+            fired.append(True)
+            # The handler, run where the signal lands (the interpreter runs it between two
+            # instructions of this frame): a real SIGUSR1 lands at a moment of its own.
+            soft_limit._on_soft_limit(signal.SIGUSR1, sys._getframe())
+        start_thread(target, name)
+
+    monkeypatch.setattr(native, "start_thread", signal_then_start)
+
+    @eager_app.task(base=SingletonTask, name="adv.merge.first", shared=False, lock_ttl=1.0)
+    def first() -> str:
+        return "ran"
+
+    result = first.apply()
+    assert fired and isinstance(result.result, SoftTimeLimitExceeded), result.result
+    wait_for(lambda: not run_locks(redis_db, "adv.merge.first"), timeout=15, message="the first run's lock freed")
+    later = take_lock(redis_db, "singleton:{adv.merge:later}", 1.0, task="adv.merge.later", task_id="later").lease
+    assert later is not None
+    kept = keeper.keep(later)
+    try:
+        wait_for(lambda: kept.renewals >= 2 or kept.lost, timeout=15,
+                 message="the later lease renewed (the keeper has a thread)")
+        assert not kept.lost
+    finally:
+        keeper.forget(kept)
+        later.release()
 
 
 @pytest.mark.parametrize("pool", ["solo", "threads"])

@@ -21,8 +21,12 @@ before), and drops a late one elsewhere, with a warning. One that lands while th
 library ends a run (:meth:`.SingletonTask._end`) is held until that is done, then
 raised (:func:`raise_held`): raised there, it could come before the run's lease left
 the keeper, which then renewed it for as long as the process lived (no later run of
-that key), or cut its release short. The handler is billiard's own, replaced where
-billiard looks it up when it starts a pool process.
+that key), or cut its release short. One that lands while the run's lease is being
+handed to the keeper (:meth:`.LeaseKeeper.keep`) is held the same way and raised as
+``keep`` returns: raised inside it, as the keeper started its thread, it left the
+keeper marked running with no thread, and no later lease of that process was renewed.
+The handler is billiard's own, replaced where billiard looks it up when it starts a
+pool process.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import billiard.pool
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery.app import trace
 
+from ..lease.keeper import LeaseKeeper
 from ..log import logger
 
 __all__ = ["dropped", "guard_soft_limits", "raise_held"]
@@ -49,6 +54,8 @@ _billiard_handler = billiard.pool.soft_timeout_sighandler
 _dropped = 0
 #: A soft time limit landed while the library ended a run: raised once that is done.
 _held = False
+#: The keeper's taking in of a run's lease: a soft time limit landing in it during a run is held.
+_KEEPING = LeaseKeeper.keep.__code__
 
 
 def dropped() -> int:
@@ -65,14 +72,17 @@ def _ending_code() -> Any:
 
 
 def _in_a_run(frame: FrameType | None) -> bool | None:
-    """True inside Celery's tracer; None while the library ends a run in it; else False."""
+    """True inside Celery's tracer; None while the library ends a run in it, or hands a
+    run's lease to the keeper; else False."""
     ending = _ending_code()
+    keeping = False
     while frame is not None:
         code = frame.f_code
         if code is ending:
             return None
+        keeping = keeping or code is _KEEPING
         if code.co_name == _TRACER_NAME and code.co_filename == _TRACER_FILE:
-            return True
+            return None if keeping else True
         frame = frame.f_back
     return False
 
@@ -93,8 +103,9 @@ def _on_soft_limit(signum: int, frame: FrameType | None) -> None:
 
 
 def raise_held() -> None:
-    """Raise the soft time limit that landed while the library ended a run, now that it
-    is done (where the signal's own exception would have gone, a moment later)."""
+    """Raise the soft time limit that landed while the library ended a run or handed its
+    lease to the keeper, now that it is done (where the signal's own exception would
+    have gone, a moment later)."""
     global _held
     if _held:
         _held = False

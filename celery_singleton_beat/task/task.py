@@ -332,6 +332,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         keeper = get_keeper()
         try:
             kept = keeper.keep(result.lease, on_lost=self._lease_lost_callback(request))
+            soft_limit.raise_held()  # one that landed in keep(): the lease is abandoned below
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
             return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
