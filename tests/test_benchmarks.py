@@ -42,7 +42,9 @@ def test_every_benchmark_runs_with_tiny_sizes(tmp_path: Path, redis_server: Redi
     if "Skipped: valgrind not found" not in instructions:
         row = next(line for line in instructions.splitlines() if line.startswith("|") and "SingletonTask" in line)
         worker, redis = row.split("|")[3].strip(), row.split("|")[5].strip()
-        assert worker == "not counted" and redis.endswith("k") and float(redis[:-1].replace(",", "")) > 0, row
+        # A count (at 2 and 4 tasks the difference is noise, of either sign), not "not counted".
+        assert worker == "not counted" and redis.endswith("k"), row
+        float(redis[:-1].replace(",", ""))
 
 
 def _fake_install(root: Path, name: str) -> Path:
