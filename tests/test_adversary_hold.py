@@ -16,9 +16,11 @@ where the signal lands, as a real ``SIGUSR1`` would run it, for determinism):
 
 from __future__ import annotations
 
+import inspect
 import signal
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -317,3 +319,50 @@ def test_a_soft_limit_between_the_lock_taken_and_keep_frees_the_lock(
     finally:
         for key in run_locks(redis_db, "adv.hold.between"):
             redis_db.delete(key)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a second soft limit landing in raise_held() after it saw the held one and before it cleared "
+    "_held (raise_held runs in _begin or __call__, outside keep() and _end: raised at once) leaves "
+    "_held set: the next, innocent run of the process is cut at its begin; new in 92e8283 for the "
+    "held-in-keep path (the same window in the _end path is older)"))
+def test_a_second_soft_limit_as_the_held_one_is_raised_leaves_nothing_held(
+        guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    made = keeper_module.KeptLease
+    code = soft_limit.raise_held.__code__
+    lines, first = inspect.getsourcelines(soft_limit.raise_held)
+    clearing = first + next(at for at, line in enumerate(lines) if line.strip() == "_held = False")
+    fired: list[str] = []
+
+    class Signalled(made):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any) -> None:
+            if not fired:
+                fired.append("held in keep")
+                soft_limit._on_soft_limit(signal.SIGUSR1, sys._getframe())
+            super().__init__(*args)
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == clearing and fired == ["held in keep"]:
+            fired.append("second in raise_held")
+            soft_limit._on_soft_limit(signal.SIGUSR1, frame)  # where the second signal lands
+        return local
+
+    def calls(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code is code else None
+
+    monkeypatch.setattr(keeper_module, "KeptLease", Signalled)
+
+    @eager_app.task(base=SingletonTask, name="adv.hold.second", shared=False, lock_ttl=1.0, unique_on=["n"])
+    def second(n: int) -> str:
+        return "ran"
+
+    sys.settrace(calls)
+    try:
+        first_run = second.apply((1,))
+    finally:
+        sys.settrace(None)
+    assert fired == ["held in keep", "second in raise_held"]
+    assert isinstance(first_run.result, SoftTimeLimitExceeded), first_run.result
+    later = second.apply((2,))
+    assert later.result == "ran", f"a later run cut by a soft limit left held: {later.result!r}"
