@@ -75,10 +75,6 @@ def assert_renews(keeper: LeaseKeeper, client: redis.Redis, name: str) -> None:
 
 # ------------------------------------------------------ 1. never lost, never misdelivered
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a soft limit held in keep() stays held when keep() then raises something else: _begin's "
-    "except path abandons the lease and re-raises that, never clearing the flag; the next run "
-    "of the process (an innocent one) is cut by SoftTimeLimitExceeded at its own begin"))
 def test_a_soft_limit_held_in_keep_that_then_fails_does_not_cut_a_later_run(
         guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,11 +208,6 @@ def test_a_soft_limit_in_keep_outside_a_run_is_dropped_and_nothing_held(
 
 # ------------------------------------- 3. elsewhere between the lock taken and the lease kept
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a soft limit landing in LeaseKeeper._add after _running = True and before the thread "
-    "starts, when _add is the give-back of a late lock reply in _begin (retry_release, not "
-    "keep(): not held), is raised there: the keeper is left marked running with no thread and "
-    "no later lease of the process is renewed; older than 92e8283"))
 def test_a_soft_limit_as_a_late_replys_give_back_starts_the_keeper_leaves_later_leases_renewed(
         guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -321,26 +312,20 @@ def test_a_soft_limit_between_the_lock_taken_and_keep_frees_the_lock(
             redis_db.delete(key)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a second soft limit landing in raise_held() after it saw the held one and before it cleared "
-    "_held (raise_held runs in _begin or __call__, outside keep() and _end: raised at once) leaves "
-    "_held set: the next, innocent run of the process is cut at its begin; new in 92e8283 for the "
-    "held-in-keep path (the same window in the _end path is older)"))
 def test_a_second_soft_limit_as_the_held_one_is_raised_leaves_nothing_held(
         guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    made = keeper_module.KeptLease
+    schedule = LeaseKeeper._schedule
     code = soft_limit.raise_held.__code__
     lines, first = inspect.getsourcelines(soft_limit.raise_held)
     clearing = first + next(at for at, line in enumerate(lines) if line.strip() == "_held = False")
     fired: list[str] = []
 
-    class Signalled(made):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any) -> None:
-            if not fired:
-                fired.append("held in keep")
-                soft_limit._on_soft_limit(signal.SIGUSR1, sys._getframe())
-            super().__init__(*args)
+    def signalled(self: LeaseKeeper, *args: Any) -> None:  # inside LeaseKeeper._add, from keep()
+        if not fired:
+            fired.append("held in keep")
+            soft_limit._on_soft_limit(signal.SIGUSR1, sys._getframe())
+        schedule(self, *args)
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line" and frame.f_lineno == clearing and fired == ["held in keep"]:
@@ -351,7 +336,7 @@ def test_a_second_soft_limit_as_the_held_one_is_raised_leaves_nothing_held(
     def calls(frame: FrameType, event: str, arg: Any) -> Any:
         return local if frame.f_code is code else None
 
-    monkeypatch.setattr(keeper_module, "KeptLease", Signalled)
+    monkeypatch.setattr(LeaseKeeper, "_schedule", signalled)
 
     @eager_app.task(base=SingletonTask, name="adv.hold.second", shared=False, lock_ttl=1.0, unique_on=["n"])
     def second(n: int) -> str:

@@ -21,10 +21,12 @@ before), and drops a late one elsewhere, with a warning. One that lands while th
 library ends a run (:meth:`.SingletonTask._end`) is held until that is done, then
 raised (:func:`raise_held`): raised there, it could come before the run's lease left
 the keeper, which then renewed it for as long as the process lived (no later run of
-that key), or cut its release short. One that lands while the run's lease is being
-handed to the keeper (:meth:`.LeaseKeeper.keep`) is held the same way and raised as
-``keep`` returns: raised inside it, as the keeper started its thread, it left the
-keeper marked running with no thread, and no later lease of that process was renewed.
+that key), or cut its release short. One that lands while the keeper queues a lease
+(the run's own, or a late-answered lock's release) is held the same way and raised
+once the run has its lease: raised inside, as the keeper started its thread, it left
+the keeper marked running with no thread, and no later lease of that process was
+renewed. A held one is never raised in another run: a run that begins, or that fails
+to begin for another reason, drops it (:func:`drop_held`).
 The handler is billiard's own, replaced where billiard looks it up when it starts a
 pool process.
 """
@@ -44,7 +46,7 @@ from celery.app import trace
 from ..lease.keeper import LeaseKeeper
 from ..log import logger
 
-__all__ = ["dropped", "guard_soft_limits", "raise_held"]
+__all__ = ["drop_held", "dropped", "guard_soft_limits", "raise_held"]
 
 #: Celery's tracer: a frame of its ``trace_task`` on the stack means a task is being run.
 _TRACER_FILE = trace.__file__
@@ -54,8 +56,10 @@ _billiard_handler = billiard.pool.soft_timeout_sighandler
 _dropped = 0
 #: A soft time limit landed while the library ended a run: raised once that is done.
 _held = False
-#: The keeper's taking in of a run's lease: a soft time limit landing in it during a run is held.
-_KEEPING = LeaseKeeper.keep.__code__
+#: The keeper queueing a lease (a run's, or a release to send again): a soft time limit
+#: landing in it during a run is held (raised there, as the keeper started its thread, it
+#: left the keeper marked running with no thread).
+_QUEUEING = LeaseKeeper._add.__code__
 
 
 def dropped() -> int:
@@ -71,45 +75,63 @@ def _ending_code() -> Any:
     return getattr(end, "__code__", None)
 
 
-def _in_a_run(frame: FrameType | None) -> bool | None:
-    """True inside Celery's tracer; None while the library ends a run in it, or hands a
-    run's lease to the keeper; else False."""
+#: Where a soft time limit lands: in a run (raise it), in a part of one it must not cut
+#: (hold it), in :func:`raise_held` (raise it, the held one with it), or outside (drop it).
+RUN, HOLD, RAISING, OUTSIDE = "run", "hold", "raising", "outside"
+
+
+def _where(frame: FrameType | None) -> str:
+    """Where the frame ``frame`` (the signal's) is, by the frames from it up to Celery's tracer."""
     ending = _ending_code()
-    keeping = False
+    queueing = raising = False
     while frame is not None:
         code = frame.f_code
         if code is ending:
-            return None
-        keeping = keeping or code is _KEEPING
+            return HOLD
+        queueing = queueing or code is _QUEUEING
+        raising = raising or code is _RAISE_HELD
         if code.co_name == _TRACER_NAME and code.co_filename == _TRACER_FILE:
-            return None if keeping else True
+            return RAISING if raising else HOLD if queueing else RUN
         frame = frame.f_back
-    return False
+    return OUTSIDE
 
 
 def _on_soft_limit(signum: int, frame: FrameType | None) -> None:
     """billiard's handler, raising only inside a run, and once the library ended it."""
-    where = _in_a_run(frame)
-    if where:
+    global _held, _dropped
+    where = _where(frame)
+    if where == RAISING:  # the one held (if any) and this one are one exception
+        _held = False
         raise SoftTimeLimitExceeded()
-    if where is None:
-        global _held
+    if where == RUN:
+        raise SoftTimeLimitExceeded()
+    if where == HOLD:
         _held = True
         return
-    global _dropped
     _dropped += 1
     logger.warning("a soft time limit (signal %d) reached this pool process after its run had ended: "
                    "dropped (raised here it would corrupt the pool's result pipe)", signum)
 
 
 def raise_held() -> None:
-    """Raise the soft time limit that landed while the library ended a run or handed its
-    lease to the keeper, now that it is done (where the signal's own exception would
-    have gone, a moment later)."""
+    """Raise the soft time limit that landed while the library ended a run or queued its
+    lease in the keeper, now that it is done (where the signal's own exception would have
+    gone, a moment later). A signal landing in here is raised at once, the held one with
+    it: never left held for another run."""
     global _held
     if _held:
         _held = False
         raise SoftTimeLimitExceeded()
+
+
+_RAISE_HELD = raise_held.__code__
+
+
+def drop_held() -> None:
+    """Forget a held soft time limit: its run ends otherwise (another exception), or it is
+    left from a run that ended (a new run begins): raised later, it would cut another run."""
+    global _held
+    _held = False
 
 
 def guard_soft_limits() -> None:

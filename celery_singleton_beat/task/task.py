@@ -296,6 +296,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         adopt = request.id if self.lock_mode == "until_executed" else None
         copy = spec.check_done and is_copy(request)  # its done marker is read before the key is written
         started = time.monotonic()
+        soft_limit.drop_held()  # one left from a run that ended is not this run's
 
         def give_back(lease: Lease) -> None:
             if adopt is None or request.is_eager:
@@ -332,10 +333,11 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         keeper = get_keeper()
         try:
             kept = keeper.keep(result.lease, on_lost=self._lease_lost_callback(request))
-            soft_limit.raise_held()  # one that landed in keep(): the lease is abandoned below
+            soft_limit.raise_held()  # one that landed as the keeper queued a lease: abandoned below
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
             return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
         except BaseException:  # a soft time limit as the run began: its end will not come
+            soft_limit.drop_held()  # this run ends here, whatever ended it
             keeper.abandon(result.lease)
             raise
