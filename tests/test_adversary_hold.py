@@ -73,6 +73,29 @@ def assert_renews(keeper: LeaseKeeper, client: redis.Redis, name: str) -> None:
         later.release()
 
 
+
+def signalled_at_second_kept(calls: list[str]) -> type:
+    """A KeptLease whose second making (a nested run's, inside keep()) is where the soft
+    limit's signal lands; each making noted in ``calls``."""
+    made = keeper_module.KeptLease
+
+    class Signalled(made):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any) -> None:
+            calls.append("kept")
+            if len(calls) == 2:  # the nested run's: inside keep()
+                soft_limit._on_soft_limit(signal.SIGUSR1, sys._getframe())
+            super().__init__(*args)
+
+    return Signalled
+
+def numbered_task(app: Celery, name: str) -> Any:
+    """A singleton task ``name`` of ``app`` whose runs (one key per ``n``) return ``"ran"``."""
+    @app.task(base=SingletonTask, name=name, shared=False, lock_ttl=1.0, unique_on=["n"])
+    def numbered(n: int) -> str:
+        return "ran"
+
+    return numbered
+
 # ------------------------------------------------------ 1. never lost, never misdelivered
 
 def test_a_soft_limit_held_in_keep_that_then_fails_does_not_cut_a_later_run(
@@ -90,9 +113,7 @@ def test_a_soft_limit_held_in_keep_that_then_fails_does_not_cut_a_later_run(
 
     monkeypatch.setattr(native, "start_thread", signal_then_fail)
 
-    @eager_app.task(base=SingletonTask, name="adv.hold.failing", shared=False, lock_ttl=1.0, unique_on=["n"])
-    def failing(n: int) -> str:
-        return "ran"
+    failing = numbered_task(eager_app, "adv.hold.failing")
 
     first = failing.apply((1,))
     assert fired and isinstance(first.result, (RuntimeError, SoftTimeLimitExceeded)), first.result
@@ -106,35 +127,17 @@ def test_a_soft_limit_in_a_nested_runs_keep_cuts_it_and_reaches_the_outer_body(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The soft limit lands as the nested call's lease is kept: the nested call does not run
     its body, the outer body gets the exception, nothing stays held, both locks are freed."""
-    made = keeper_module.KeptLease
     calls: list[str] = []
+    monkeypatch.setattr(keeper_module, "KeptLease", signalled_at_second_kept(calls))
 
-    class Signalled(made):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any) -> None:
-            calls.append("kept")
-            if len(calls) == 2:  # the nested run's: inside keep()
-                soft_limit._on_soft_limit(signal.SIGUSR1, sys._getframe())
-            super().__init__(*args)
-
-    monkeypatch.setattr(keeper_module, "KeptLease", Signalled)
-
-    @eager_app.task(base=SingletonTask, name="adv.hold.nesting", shared=False, bind=True, unique_on=["key"])
-    def nesting(self: SingletonTask, key: str, inner: bool = False) -> str:
-        if inner:
-            calls.append("inner body ran")
-            return "inner"
-        try:
-            self(f"{key}-inner", inner=True)
-        except SoftTimeLimitExceeded:
-            return "the outer body stopped"
-        return "never stopped"
+    nesting = merge.nesting_task(eager_app, "adv.hold.nesting", lambda: calls.append("inner body ran"))
 
     assert nesting.apply(("k",)).get() == "the outer body stopped"
     assert calls == ["kept", "kept"], "the nested body never ran"
     assert not soft_limit._held
     counters.flush()
     wait_for(lambda: not run_locks(redis_db, "adv.hold.nesting"), timeout=15, message="both locks freed")
-    monkeypatch.setattr(keeper_module, "KeptLease", made)
+    monkeypatch.setattr(keeper_module, "KeptLease", KeptLease)
     assert nesting.apply(("again",)).get() == "never stopped", "a later run is not cut"
 
 
@@ -143,16 +146,9 @@ def test_two_soft_limits_one_held_in_keep_one_in_end_are_each_raised_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One lands in the nested call's keep() (the outer body catches it), another as the
     outer run ends: the outer run fails with the second; none is left for a later run."""
-    made = keeper_module.KeptLease
     forget = LeaseKeeper.forget
     calls: list[str] = []
-
-    class Signalled(made):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any) -> None:
-            calls.append("kept")
-            if len(calls) == 2:  # the nested run's: inside keep()
-                soft_limit._on_soft_limit(signal.SIGUSR1, sys._getframe())
-            super().__init__(*args)
+    Signalled = signalled_at_second_kept(calls)
 
     def signal_then_forget(self: LeaseKeeper, kept: Any) -> None:
         if isinstance(kept, KeptLease) and "caught" in calls and "ending" not in calls:
@@ -177,7 +173,7 @@ def test_two_soft_limits_one_held_in_keep_one_in_end_are_each_raised_once(
     assert calls == ["kept", "kept", "caught", "ending"]
     assert isinstance(result.result, SoftTimeLimitExceeded), result.result
     assert not soft_limit._held
-    monkeypatch.setattr(keeper_module, "KeptLease", made)
+    monkeypatch.setattr(keeper_module, "KeptLease", KeptLease)
     monkeypatch.setattr(LeaseKeeper, "forget", forget)
     assert twice.apply(("later",)).get() == "outer body returned"
     counters.flush()
@@ -264,9 +260,7 @@ def test_a_soft_limit_as_the_counter_writer_starts_leaves_later_counts_written(
 
     monkeypatch.setattr(native, "start_thread", signal_then_start)
 
-    @eager_app.task(base=SingletonTask, name="adv.hold.counted", shared=False, lock_ttl=1.0, unique_on=["n"])
-    def counted(n: int) -> str:
-        return "ran"
+    counted = numbered_task(eager_app, "adv.hold.counted")
 
     first = counted.apply((1,))
     assert fired, first.result
@@ -297,11 +291,7 @@ def test_a_soft_limit_between_the_lock_taken_and_keep_frees_the_lock(
 
     monkeypatch.setattr(task_module, "get_keeper", signal_then_keeper)
 
-    @eager_app.task(base=SingletonTask, name="adv.hold.between", shared=False, lock_ttl=600.0)
-    def between() -> str:
-        return "ran"
-
-    result = between.apply()
+    result = merge.one_run(eager_app, "adv.hold.between", lock_ttl=600.0)
     try:
         assert fired and isinstance(result.result, SoftTimeLimitExceeded), result.result
         counters.flush()
@@ -338,9 +328,7 @@ def test_a_second_soft_limit_as_the_held_one_is_raised_leaves_nothing_held(
 
     monkeypatch.setattr(LeaseKeeper, "_schedule", signalled)
 
-    @eager_app.task(base=SingletonTask, name="adv.hold.second", shared=False, lock_ttl=1.0, unique_on=["n"])
-    def second(n: int) -> str:
-        return "ran"
+    second = numbered_task(eager_app, "adv.hold.second")
 
     sys.settrace(calls)
     try:

@@ -417,6 +417,32 @@ def eager_app(lock_app: Celery) -> Celery:
     return lock_app
 
 
+def one_run(app: Celery, name: str, lock_ttl: float = 1.0) -> Any:
+    """The eager result of one run of a new singleton task ``name`` of ``app`` (its body
+    returns ``"done"``)."""
+    @app.task(base=SingletonTask, name=name, shared=False, lock_ttl=lock_ttl)
+    def done() -> str:
+        return "done"
+
+    return done.apply()
+
+def nesting_task(app: Celery, name: str, in_inner: Callable[[], None]) -> Any:
+    """A singleton task ``name`` of ``app`` (one key per ``key``) whose body calls itself once,
+    nested (``in_inner`` runs in the nested body); the outer body returns ``"the outer body
+    stopped"`` if the nested call raised a soft time limit, else ``"never stopped"``."""
+    @app.task(base=SingletonTask, name=name, shared=False, bind=True, unique_on=["key"])
+    def nesting(self: SingletonTask, key: str, inner: bool = False) -> str:
+        if inner:
+            in_inner()
+            return "inner"
+        try:
+            self(f"{key}-inner", inner=True)
+        except SoftTimeLimitExceeded:
+            return "the outer body stopped"
+        return "never stopped"
+
+    return nesting
+
 def test_a_soft_limit_outside_a_run_is_dropped(guarded: None) -> None:
     before = soft_limit.dropped()
     soft_limit_now()
@@ -475,11 +501,7 @@ def test_a_soft_limit_as_a_run_ends_leaves_no_lock_renewed_for_ever(
 
     monkeypatch.setattr(LeaseKeeper, "forget", late_signal_then_forget)
 
-    @eager_app.task(base=SingletonTask, name="adv.merge.ending", shared=False, lock_ttl=1.0)
-    def ending() -> str:
-        return "done"
-
-    result = ending.apply()
+    result = one_run(eager_app, "adv.merge.ending")
     assert fired
     monkeypatch.setattr(LeaseKeeper, "forget", forget)
     counters.flush()  # the run's counts written, as the process's counter writer may at any moment
@@ -502,16 +524,8 @@ def test_a_soft_limit_as_a_nested_run_ends_reaches_the_outer_body(
             soft_limit_now()
         forget(self, kept)
 
-    @eager_app.task(base=SingletonTask, name="adv.merge.nesting", shared=False, bind=True, unique_on=["key"])
-    def nesting(self: SingletonTask, key: str, inner: bool = False) -> str:
-        if inner:
-            monkeypatch.setattr(LeaseKeeper, "forget", late_signal_then_forget)
-            return "inner"
-        try:
-            self(f"{key}-inner", inner=True)
-        except SoftTimeLimitExceeded:
-            return "the outer body stopped"
-        return "never stopped"
+    nesting = nesting_task(eager_app, "adv.merge.nesting",
+                           lambda: monkeypatch.setattr(LeaseKeeper, "forget", late_signal_then_forget))
 
     result = nesting.apply(("k",))
     monkeypatch.setattr(LeaseKeeper, "forget", forget)
@@ -539,11 +553,7 @@ def test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever(
 
     monkeypatch.setattr(LeaseKeeper, "keep", keep_then_late_signal)
 
-    @eager_app.task(base=SingletonTask, name="adv.merge.beginning", shared=False, lock_ttl=1.0)
-    def beginning() -> str:
-        return "done"
-
-    result = beginning.apply()
+    result = one_run(eager_app, "adv.merge.beginning")
     assert fired and isinstance(result.result, SoftTimeLimitExceeded)
     monkeypatch.setattr(LeaseKeeper, "keep", keep)
     counters.flush()  # the run's counts written, as the process's counter writer may at any moment
@@ -573,11 +583,7 @@ def test_a_soft_limit_as_the_keeper_starts_its_thread_leaves_later_leases_renewe
 
     monkeypatch.setattr(native, "start_thread", signal_then_start)
 
-    @eager_app.task(base=SingletonTask, name="adv.merge.first", shared=False, lock_ttl=1.0)
-    def first() -> str:
-        return "ran"
-
-    result = first.apply()
+    result = one_run(eager_app, "adv.merge.first")
     assert fired and isinstance(result.result, SoftTimeLimitExceeded), result.result
     wait_for(lambda: not run_locks(redis_db, "adv.merge.first"), timeout=15, message="the first run's lock freed")
     later = take_lock(redis_db, "singleton:{adv.merge:later}", 1.0, task="adv.merge.later", task_id="later").lease

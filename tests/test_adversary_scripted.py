@@ -69,7 +69,7 @@ from celery_singleton_beat.recovery.server import server_of
 from celery_singleton_beat.recovery.window import mark_in_use
 
 from .support import RedisServer, wait_for
-from .support.locking import renew_round, take_leases
+from .support.locking import renew_round, round_in_flight, take_leases
 from .support.topologies import MASTER_NAME, start_sentinels, wait_for_new_primary
 from .test_adversary_putback import spec
 from .test_adversary_renewal_epoch import PutBacks, take
@@ -216,12 +216,7 @@ def test_a_lease_abandoned_while_its_renewal_is_in_flight_is_not_put_back(
     client = server.client()
     leases = take_leases(client, "abandon", [30.0, 30.0])
     scripted_only(direct)
-    keeper = LeaseKeeper()
-    keeper._running = True  # no thread: the round runs here
-    lost: list[str] = []
-    kept = [keeper.keep(lease, on_lost=lambda k, reason: lost.append(reason)) for lease in leases]
-    with keeper._mutex:
-        taken = keeper._take_due(float("inf"))
+    keeper, kept, lost, taken = round_in_flight(leases)
     assert len(taken) == 2, "the round has both leases in flight"
 
     keeper.abandon(leases[0])

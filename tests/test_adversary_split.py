@@ -50,7 +50,7 @@ from celery_singleton_beat.lease.lease import Lease
 from celery_singleton_beat.lease.scripts import RENEW_MANY
 
 from .support import RedisServer
-from .support.locking import take_leases, take_lock
+from .support.locking import round_in_flight, take_leases, take_lock
 from .test_adversary_scripted import own_server, scripted_only
 
 TTLS = [3.0, 30.0, 7.0, 11.0, 19.0, 5.0]
@@ -89,12 +89,7 @@ def test_renew_all_soon_during_a_round_moves_its_leases_forward_too(
     included: all six are taken again at once, none lost."""
     server, _ = own_server(make_redis)
     leases = take_leases(server.client(), "soon", TTLS)
-    keeper = LeaseKeeper()
-    keeper._running = True  # no thread: the rounds run here
-    lost: list[str] = []
-    kept = [keeper.keep(lease, on_lost=lambda k, reason: lost.append(reason)) for lease in leases]
-    with keeper._mutex:
-        taken = keeper._take_due(float("inf"))
+    keeper, kept, lost, taken = round_in_flight(leases)
     assert len(taken) == 6
 
     keeper.renew_all_soon()  # the data-loss listener, while the round is on its way

@@ -34,6 +34,18 @@ def renew_round(keeper: LeaseKeeper, leases: list[KeptLease]) -> list[tuple[Any,
     return done + [(kept, due) for due, group in buckets for kept in group]
 
 
+def round_in_flight(leases: list[Lease]) -> tuple[LeaseKeeper, list[KeptLease], list[str], list[Any]]:
+    """A keeper with no thread (its rounds run in the calling thread) keeping ``leases``, and
+    the round it took of them all, now in flight: the keeper, the kept leases, the reasons of
+    those reported lost (as they are), and the round's entries."""
+    keeper = LeaseKeeper()
+    keeper._running = True  # no thread: the rounds run here
+    lost: list[str] = []
+    kept = [keeper.keep(lease, on_lost=lambda k, reason: lost.append(reason)) for lease in leases]
+    with keeper._mutex:
+        taken = keeper._take_due(float("inf"))
+    return keeper, kept, lost, taken
+
 def take_leases(client: Any, prefix: str, ttls: list[float]) -> list[Lease]:
     """One lease per TTL, keys ``singleton:{<prefix>:<n>}`` (a hash tag each: Cluster-safe), task
     ids ``run-<n>``; each must be won."""
