@@ -251,7 +251,7 @@ def redis_from_url(url: str, **options: Any) -> RedisClient:
             sentinel_kwargs={**sentinel_defaults, **(extra.get("sentinel_kwargs") or {})},
             **connection,
         )
-        master: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]  # redis-py
+        master: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call,unused-ignore]  # redis-py before 8.2
             master_name, redis_class=redis.Redis, connection_pool_class=FollowingSentinelPool)
         return master
 

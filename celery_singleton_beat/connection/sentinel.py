@@ -43,7 +43,7 @@ class EpochSentinel(Sentinel):
     answer it took: the primary's address and its failover epoch (``config-epoch``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call,unused-ignore]  # redis-py before 8.2
         #: Primary name -> ((host, port), ``config-epoch``) of the latest answer taken.
         self.answers: dict[str, tuple[tuple[Any, Any], int]] = {}
 
