@@ -1,9 +1,10 @@
-"""Adversary tests of the soft time limit held while a run's lease is handed to the keeper.
+"""Adversary tests of the soft time limit held while the library begins or ends a run.
 
 A pool process's ``SIGUSR1`` handler (:mod:`.soft_limit`) holds a soft time limit that
-lands inside :meth:`.LeaseKeeper.keep` during a traced run, and ``SingletonTask._begin``
-raises it as ``keep`` returns. Attacked here (real redis-server; the handler is called
-where the signal lands, as a real ``SIGUSR1`` would run it, for determinism):
+lands anywhere in ``SingletonTask._begin`` or ``_end`` (or what they call) during a
+traced run, and ``_begin`` raises it once the lease is kept. Attacked here (real
+redis-server; the handler is called where the signal lands, as a real ``SIGUSR1`` would
+run it, for determinism):
 
 1. a held soft limit is never lost nor delivered to another run: ``keep`` raising
    something else once it held one; a nested run whose ``keep`` gets it; two in one run
@@ -11,7 +12,7 @@ where the signal lands, as a real ``SIGUSR1`` would run it, for determinism):
 2. ``keep`` outside any run: dropped, nothing held;
 3. the other places a soft limit can land between a run's lock taken and its lease kept:
    the keeper's thread start from a release sent again (``_add`` after ``_running``), the
-   counter writer's thread start (its ``started`` flag).
+   counter writer's thread start (its ``started`` flag), ``get_keeper()`` before ``keep``.
 """
 
 from __future__ import annotations
@@ -235,12 +236,6 @@ def test_a_soft_limit_as_a_late_replys_give_back_starts_the_keeper_leaves_later_
     assert_renews(keeper, redis_db, "after-give-back")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a soft limit landing in the counter writer's wake_writer (the first count of a process, "
-    "inside a run's acquire) after started = True and before its thread starts leaves the batch "
-    "marked started and waiting with no writer: no later count is written until the process "
-    "exits; after the thread started and before wake.notify(), waiting stays set and the writer "
-    "sleeps its hour: no later count wakes it; older than 92e8283"))
 @pytest.mark.parametrize("lands", ["before the thread starts", "after the thread starts"])
 def test_a_soft_limit_as_the_counter_writer_starts_leaves_later_counts_written(
         lands: str, guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
@@ -273,11 +268,6 @@ def test_a_soft_limit_as_the_counter_writer_starts_leaves_later_counts_written(
         batch.flush()  # not left for the process's exit
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a soft limit landing in _begin after the acquire returned its lease and before keep() "
-    "(here as get_keeper() is called; also _release_queue_claim, the result checks) is raised "
-    "outside the try that abandons the lease: the cut run's lock is neither kept nor released and "
-    "refuses every run of its key until its TTL (lock_ttl, 60s by default); older than 92e8283"))
 def test_a_soft_limit_between_the_lock_taken_and_keep_frees_the_lock(
         guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
         monkeypatch: pytest.MonkeyPatch) -> None:
