@@ -8,7 +8,8 @@ run it, for determinism):
 
 1. a held soft limit is never lost nor delivered to another run: ``keep`` raising
    something else once it held one; a nested run whose ``keep`` gets it; two in one run
-   (one held in ``keep``, one in ``_end``);
+   (one held in ``keep``, one in ``_end``); one landing as ``_begin`` starts (not taken
+   for one left from an earlier run);
 2. ``keep`` outside any run: dropped, nothing held;
 3. the other places a soft limit can land between a run's lock taken and its lease kept:
    the keeper's thread start from a release sent again (``_add`` after ``_running``), the
@@ -303,6 +304,29 @@ def test_a_soft_limit_between_the_lock_taken_and_keep_frees_the_lock(
     finally:
         for key in run_locks(redis_db, "adv.hold.between"):
             redis_db.delete(key)
+
+
+def test_a_soft_limit_as_begin_starts_is_raised_before_the_body(
+        guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Landing in ``_begin`` before the lock is asked for (its key being computed), it is
+    held and raised as the run begins: not taken for one left from an earlier run and
+    dropped (the body then ran its full course past its soft limit)."""
+    lock_key = task_module.lock_key
+    fired: list[bool] = []
+
+    def signal_then_key(*args: Any) -> str:
+        if not fired:
+            fired.append(True)
+            land_here()
+        return lock_key(*args)
+
+    monkeypatch.setattr(task_module, "lock_key", signal_then_key)
+
+    result = merge.one_run(eager_app, "adv.hold.starts")
+    assert fired and isinstance(result.result, SoftTimeLimitExceeded), result.result
+    assert not soft_limit._held
+    assert not run_locks(redis_db, "adv.hold.starts")
 
 
 def test_a_second_soft_limit_as_the_held_one_is_raised_leaves_nothing_held(

@@ -203,6 +203,9 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         # A nested call sets its lock on the outer run's request (the one its own is copied
         # from): the outer body gets its own lock back once the nested call returned.
         outer = None if direct else request.__dict__.get("singleton")
+        # One left from a run that ended is not this run's. Dropped here, not in _begin: one
+        # landing as _begin starts is this run's, held there.
+        soft_limit.drop_held()
         run = request.singleton = self._begin(request, args, kwargs)
         try:
             if direct:
@@ -296,7 +299,6 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         adopt = request.id if self.lock_mode == "until_executed" else None
         copy = spec.check_done and is_copy(request)  # its done marker is read before the key is written
         started = time.monotonic()
-        soft_limit.drop_held()  # one left from a run that ended is not this run's
 
         def give_back(lease: Lease) -> None:
             if adopt is None or request.is_eager:
@@ -337,10 +339,13 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
                 self._conflict(key, result)
             assert result.lease is not None
             kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback(request))
-            soft_limit.raise_held()  # the safe point: a run cut short here abandons its lease below
+            run = SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
-            return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
+            # The safe point, the last call: a run cut short here abandons its lease below;
+            # one landing after it would be held through the body.
+            soft_limit.raise_held()
+            return run
         except BaseException:  # the run never reaches its body, its end will not come
             if result is not None and result.lease is not None:
                 get_keeper().abandon(result.lease)  # released now, not left until its TTL
