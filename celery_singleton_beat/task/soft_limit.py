@@ -23,7 +23,7 @@ Inside a run, the library's own part of it is one protected region: a soft limit
 lands in :meth:`.SingletonTask._begin` or :meth:`~.ReleaseAtEnd._end`, or in anything
 they call (the acquire and its reply, the give-back of a late-answered lock, the keeper
 queueing a lease or starting its thread, the counters' writer starting), is held and
-raised at one safe point (:func:`raise_held`): at the end of ``_begin``, once the lease
+raised at a safe point (:func:`raise_held`): as ``_begin``'s last call, once the lease
 is kept, where a run cut short abandons its lease (released at once); after ``_end``,
 once the lock is released. Raised inside, it left state half-made: a lock taken and
 never kept nor released (refusing its key until its TTL), a keeper or a counter writer
@@ -34,8 +34,9 @@ One exception, where nothing is held and a prompt raise matters: the pause of a 
 waiting for its lock Redis (:meth:`.OutageWait.after_failure`: publishing the retry,
 sleeping until the next attempt) raises it at once, and the wait ends on it ("its soft
 time limit struck"). The innermost of these frames met from where the signal landed
-decides: an acquire retried by that wait is held; a soft limit held by it is raised as
-the next pause begins.
+decides: an acquire retried by that wait is held; a soft limit held by it ends the wait
+as the next pause begins (once the retry could not be published), or is raised as the
+run begins if that acquire got the lock.
 
 A held one is raised in its own run or in none. A run that fails to begin (its lock held
 by another: skipped, refused, retried; a delivery already completed; an outage wait that
