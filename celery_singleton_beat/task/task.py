@@ -312,7 +312,7 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
                                    copy=copy), give_back)
 
         # A soft time limit landing in here, or in anything called from here, is held
-        # (soft_limit) and raised at the one safe point below, where the lease is abandoned.
+        # (soft_limit) and raised at the safe point below, where the lease is abandoned.
         result: AcquireResult | None = None
         try:
             try:
