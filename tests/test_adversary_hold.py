@@ -1,25 +1,32 @@
-"""Adversary tests of the soft time limit held while a run's lease is handed to the keeper.
+"""Adversary tests of the soft time limit held while the library begins or ends a run.
 
 A pool process's ``SIGUSR1`` handler (:mod:`.soft_limit`) holds a soft time limit that
-lands inside :meth:`.LeaseKeeper.keep` during a traced run, and ``SingletonTask._begin``
-raises it as ``keep`` returns. Attacked here (real redis-server; the handler is called
-where the signal lands, as a real ``SIGUSR1`` would run it, for determinism):
+lands anywhere in ``SingletonTask._begin`` or ``_end`` (or what they call) during a
+traced run, and ``_begin`` raises it once the lease is kept. Attacked here (real
+redis-server; the handler is called where the signal lands, as a real ``SIGUSR1`` would
+run it, for determinism):
 
 1. a held soft limit is never lost nor delivered to another run: ``keep`` raising
    something else once it held one; a nested run whose ``keep`` gets it; two in one run
-   (one held in ``keep``, one in ``_end``);
+   (one held in ``keep``, one in ``_end``); one landing as ``_begin`` starts (not taken
+   for one left from an earlier run);
 2. ``keep`` outside any run: dropped, nothing held;
 3. the other places a soft limit can land between a run's lock taken and its lease kept:
    the keeper's thread start from a release sent again (``_add`` after ``_running``), the
-   counter writer's thread start (its ``started`` flag).
+   counter writer's thread start (its ``started`` flag), ``get_keeper()`` before ``keep``;
+4. in the acquire's request (its reply read, the key written: held, the lock released) and
+   in the wait for the lock Redis (its pause: raised at once; its acquire tried again:
+   held, and the wait ends as its next pause begins, or the lock is released).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -27,17 +34,25 @@ import pytest
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
+from celery.app.trace import build_tracer
 
 from celery_singleton_beat import SingletonTask, native
+from celery_singleton_beat.config import clear_settings_cache
+from celery_singleton_beat.connection.channel import Channel
+from celery_singleton_beat.connection.wire import SocketLink
+from celery_singleton_beat.exceptions import LockUnavailable
 from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease import keeper as keeper_module
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
+from celery_singleton_beat.recovery.lock_redis import reset_clients
+from celery_singleton_beat.task import outage as outage_module
 from celery_singleton_beat.task import soft_limit
 from celery_singleton_beat.task import task as task_module
 
 from . import test_adversary_merge as merge
-from .support import wait_for
+from .support import RedisServer, wait_for
 from .support.locking import take_lock
+from .support.outages import Outage
 from .test_adversary_merge import run_locks
 
 # The merged change's fixtures: its guarded SIGUSR1 handler, its app (eager runs, lock Redis).
@@ -235,12 +250,6 @@ def test_a_soft_limit_as_a_late_replys_give_back_starts_the_keeper_leaves_later_
     assert_renews(keeper, redis_db, "after-give-back")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a soft limit landing in the counter writer's wake_writer (the first count of a process, "
-    "inside a run's acquire) after started = True and before its thread starts leaves the batch "
-    "marked started and waiting with no writer: no later count is written until the process "
-    "exits; after the thread started and before wake.notify(), waiting stays set and the writer "
-    "sleeps its hour: no later count wakes it; older than 92e8283"))
 @pytest.mark.parametrize("lands", ["before the thread starts", "after the thread starts"])
 def test_a_soft_limit_as_the_counter_writer_starts_leaves_later_counts_written(
         lands: str, guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
@@ -273,11 +282,6 @@ def test_a_soft_limit_as_the_counter_writer_starts_leaves_later_counts_written(
         batch.flush()  # not left for the process's exit
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a soft limit landing in _begin after the acquire returned its lease and before keep() "
-    "(here as get_keeper() is called; also _release_queue_claim, the result checks) is raised "
-    "outside the try that abandons the lease: the cut run's lock is neither kept nor released and "
-    "refuses every run of its key until its TTL (lock_ttl, 60s by default); older than 92e8283"))
 def test_a_soft_limit_between_the_lock_taken_and_keep_frees_the_lock(
         guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,6 +304,29 @@ def test_a_soft_limit_between_the_lock_taken_and_keep_frees_the_lock(
     finally:
         for key in run_locks(redis_db, "adv.hold.between"):
             redis_db.delete(key)
+
+
+def test_a_soft_limit_as_begin_starts_is_raised_before_the_body(
+        guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Landing in ``_begin`` before the lock is asked for (its key being computed), it is
+    held and raised as the run begins: not taken for one left from an earlier run and
+    dropped (the body then ran its full course past its soft limit)."""
+    lock_key = task_module.lock_key
+    fired: list[bool] = []
+
+    def signal_then_key(*args: Any) -> str:
+        if not fired:
+            fired.append(True)
+            land_here()
+        return lock_key(*args)
+
+    monkeypatch.setattr(task_module, "lock_key", signal_then_key)
+
+    result = merge.one_run(eager_app, "adv.hold.starts")
+    assert fired and isinstance(result.result, SoftTimeLimitExceeded), result.result
+    assert not soft_limit._held
+    assert not run_locks(redis_db, "adv.hold.starts")
 
 
 def test_a_second_soft_limit_as_the_held_one_is_raised_leaves_nothing_held(
@@ -339,3 +366,166 @@ def test_a_second_soft_limit_as_the_held_one_is_raised_leaves_nothing_held(
     assert isinstance(first_run.result, SoftTimeLimitExceeded), first_run.result
     later = second.apply((2,))
     assert later.result == "ran", f"a later run cut by a soft limit left held: {later.result!r}"
+
+
+# ---------------------------------------------- 4. in the acquire's request, in the outage wait
+
+def test_a_soft_limit_as_the_acquires_reply_is_read_is_held_and_the_lock_released(
+        guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal lands as the acquire reads its reply, the key already written by Redis.
+    Raised there, the run never learnt it held the lock: left until its TTL (600 s here).
+    Held, the acquire ends: the run is cut short as it begins and its lock released."""
+    merge.one_run(eager_app, "adv.hold.warm")  # this thread's channel up, its scripts loaded
+    runner = threading.get_ident()
+    receive = SocketLink._receive
+    acquire = task_module.acquire
+    armed: list[str] = []
+
+    def signal_then_receive(self: SocketLink) -> None:
+        if armed == ["acquiring"] and threading.get_ident() == runner:  # not the counter writer's
+            armed.append("landed")
+            wait_for(lambda: run_locks(redis_db, "adv.hold.reply"), timeout=15, message="the lock written")
+            land_here()
+        receive(self)
+
+    def armed_acquire(*args: Any, **kwargs: Any) -> Any:
+        armed.append("acquiring")
+        return acquire(*args, **kwargs)
+
+    monkeypatch.setattr(SocketLink, "_receive", signal_then_receive)
+    monkeypatch.setattr(task_module, "acquire", armed_acquire)
+
+    result = merge.one_run(eager_app, "adv.hold.reply", lock_ttl=600.0)
+    try:
+        assert armed == ["acquiring", "landed"] and isinstance(result.result, SoftTimeLimitExceeded), result.result
+        assert not soft_limit._held
+        wait_for(lambda: not run_locks(redis_db, "adv.hold.reply"), timeout=15,
+                 message="the cut run's lock freed (its TTL is 600s)")
+    finally:
+        for key in run_locks(redis_db, "adv.hold.reply"):
+            redis_db.delete(key)
+
+
+@pytest.fixture
+def outage_app(make_redis: Callable[..., RedisServer]) -> Iterator[tuple[Celery, Outage]]:
+    """An app whose lock Redis is its broker too, and an outage of it that refuses writes:
+    a run fails its acquire and cannot publish its retry either, so it waits in the worker."""
+    server = make_redis()
+    server.flushall()  # its records written, as a Redis in use: no recovery window to wait out
+    app = Celery("adversary-hold-outage", broker=server.url(1), set_as_current=False)
+    app.conf.update(singleton_redis_url=server.url(), task_publish_retry=False, broker_connection_retry=False)
+    clear_settings_cache()
+    reset_clients()
+    yield app, Outage("refused-writes", server)
+    reset_clients()
+    clear_settings_cache()
+
+
+def run_as_worker(task: Any, task_id: str) -> Any:
+    """Run ``task`` as a worker's pool does (not eager: a run waits for its lock Redis);
+    its trace's info (state, retval)."""
+    tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=False)
+    return tracer(task_id, (), {}, {"id": task_id, "retries": 0, "is_eager": False,
+                                    "delivery_info": {"routing_key": "celery"}})[1]
+
+
+def ended_because(caplog: pytest.LogCaptureFixture, task_id: str) -> list[str]:
+    """Why the wait of ``task_id`` ended, as logged."""
+    return [record.getMessage() for record in caplog.records
+            if f"[{task_id}] ends without running" in record.getMessage()]
+
+
+@pytest.mark.parametrize("lands", ["in the pause", "in the acquire tried again, refused"])
+def test_a_soft_limit_in_the_wait_for_redis_ends_the_wait_before_its_next_pause(
+        lands: str, guarded: None, outage_app: tuple[Celery, Outage], keeper: LeaseKeeper,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Landing in the pause between two attempts (nothing held), it is raised at once and
+    ends the wait ("its soft time limit struck"); landing in an acquire the wait tries
+    again, it is held there and ends the wait as the next pause begins: never slept
+    through. A pause that goes on ends the wait another way ("shutting down")."""
+    caplog.set_level(logging.ERROR, logger="celery_singleton_beat")
+    app, outage = outage_app
+    pause = outage_module._pause
+    call = Channel.call
+    steps: list[str] = []
+
+    def signalled_pause(seconds: float) -> bool:
+        steps.append("pause")
+        if lands == "in the pause":
+            land_here()
+        elif steps.count("pause") == 1:
+            return pause(0.0)  # the next attempt at once; its reply read lands the signal
+        return False  # a wait that went on into this pause: ended here ("shutting down")
+
+    def signal_then_call(self: Channel, *args: Any) -> Any:
+        if steps == ["pause"] and lands != "in the pause":  # the acquire's request
+            steps.append("landed")
+            land_here()
+        return call(self, *args)
+
+    monkeypatch.setattr(outage_module, "_pause", signalled_pause)
+    monkeypatch.setattr(Channel, "call", signal_then_call)
+
+    @app.task(base=SingletonTask, name="adv.hold.waits", shared=False)
+    def waits() -> str:
+        return "ran"
+
+    outage.begin()
+    try:
+        info = run_as_worker(waits, "waits-1")
+    finally:
+        outage.end()
+    assert steps == (["pause"] if lands == "in the pause" else ["pause", "landed"])
+    assert isinstance(info.retval, LockUnavailable), info.retval
+    assert ended_because(caplog, "waits-1") and all(
+        "its soft time limit struck" in line for line in ended_because(caplog, "waits-1")), caplog.text
+    assert not soft_limit._held
+
+
+def test_a_soft_limit_in_the_acquire_the_wait_for_redis_tries_again_is_held_and_the_lock_released(
+        guarded: None, outage_app: tuple[Celery, Outage], keeper: LeaseKeeper,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait's next attempt is answered (the outage is over) and the signal lands as its
+    reply is read, the key written. Raised there, the wait ended on it and the lock it had
+    just taken stayed until its TTL (600 s here). Held, the run is cut short as it begins,
+    its lock released."""
+    app, outage = outage_app
+    locks = outage.server.client()
+    runner = threading.get_ident()
+    receive = SocketLink._receive
+    steps: list[str] = []
+
+    def outage_over(seconds: float) -> bool:
+        steps.append("pause")
+        outage.end()
+        return True
+
+    def signal_then_receive(self: SocketLink) -> None:
+        if steps == ["pause"] and threading.get_ident() == runner:  # the acquire's reply
+            steps.append("landed")
+            wait_for(lambda: run_locks(locks, "adv.hold.waited"), timeout=15, message="the lock written")
+            land_here()
+        receive(self)
+
+    monkeypatch.setattr(outage_module, "_pause", outage_over)
+    monkeypatch.setattr(SocketLink, "_receive", signal_then_receive)
+
+    @app.task(base=SingletonTask, name="adv.hold.waited", shared=False, lock_ttl=600.0)
+    def waited() -> str:
+        return "ran"
+
+    outage.begin()
+    try:
+        info = run_as_worker(waited, "waited-1")
+    finally:
+        outage.end()
+    try:
+        assert steps == ["pause", "landed"]
+        assert isinstance(info.retval, SoftTimeLimitExceeded), info.retval
+        assert not soft_limit._held
+        wait_for(lambda: not run_locks(locks, "adv.hold.waited"), timeout=15,
+                 message="the cut run's lock freed (its TTL is 600s)")
+    finally:
+        locks.flushall()
+        locks.close()

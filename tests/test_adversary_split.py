@@ -21,8 +21,9 @@ before it (the keeper in one module) where it applies; each held on both:
   :meth:`.keeper.LeaseKeeper.keep` as the keeper starts its thread (the first run of a
   process): the run abandoned its lease as it should, but the keeper was left marked
   running with no thread, and no lease of that process was ever renewed again. **BROKE**,
-  on main too (older than the split); fixed since: a soft limit landing in ``keep`` is held
-  until it returns (:mod:`.task.soft_limit`), then raised. The test is
+  on main too (older than the split); fixed since: a soft limit landing in ``keep`` (now
+  anywhere in ``SingletonTask._begin``) is held until the lease is kept
+  (:mod:`.task.soft_limit`), then raised. The test is
   ``test_adversary_merge.py::test_a_soft_limit_as_the_keeper_starts_its_thread_leaves_later_leases_renewed``.
 * A fork while the parent's keeper holds its mutex (a round's put-back): the child's keeper
   renews with a mutex of its own, its :class:`~.rounds.Renewer`'s too: HELD.

@@ -48,6 +48,7 @@ from ..lease import counters
 from ..lease.lease import Lease
 from ..lease.lock import AcquireResult
 from ..log import logger
+from . import soft_limit
 from .conflicts import ConflictOutcomes
 
 __all__ = ["SHUTDOWN_LOOK", "LateLockReply", "OutageWait", "accepted_at", "claim_back", "in_time", "retry_uncapped",
@@ -227,7 +228,10 @@ class OutageWait:
 
     def after_failure(self, exc: redis.RedisError) -> None:
         """An acquire failed with ``exc``: publish the retry (raises ``Retry``), end the
-        wait (raises), or pause until the next attempt may start (returns)."""
+        wait (raises), or pause until the next attempt may start (returns).
+
+        A soft time limit is raised at once in here (:mod:`.soft_limit`), and ends the
+        wait: nothing is held, and the pause must not outlast the run's time."""
         task, request = self.task, self.request
         self.error = LockUnavailable(self.key, exc)
         countdown = task._backoff(max(request.retries or 0, self.attempts))
@@ -245,6 +249,9 @@ class OutageWait:
             logger.warning("%s[%s] still waiting for Redis (lock %s), next try in %.1fs: %s",
                            task.name, request.id, self.key, countdown, exc)
         self.attempts += 1
+        # One that landed while the acquire was in flight was held (nothing is held now):
+        # the wait ends on it, as on one landing in the pause (raised at once there).
+        soft_limit.raise_held()
         if shutting_down():
             self.end("the worker is shutting down")
         pause = countdown

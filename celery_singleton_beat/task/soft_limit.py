@@ -17,16 +17,35 @@ next job, or ends. Raised there, the exception
 
 A worker with this library installed raises it only while Celery's tracer runs a
 task in that process (the task's body, its handlers, storing its result: as
-before), and drops a late one elsewhere, with a warning. One that lands while the
-library ends a run (:meth:`.SingletonTask._end`) is held until that is done, then
-raised (:func:`raise_held`): raised there, it could come before the run's lease left
-the keeper, which then renewed it for as long as the process lived (no later run of
-that key), or cut its release short. One that lands while the keeper queues a lease
-(the run's own, or a late-answered lock's release) is held the same way and raised
-once the run has its lease: raised inside, as the keeper started its thread, it left
-the keeper marked running with no thread, and no later lease of that process was
-renewed. A held one is never raised in another run: a run that begins, or that fails
-to begin for another reason, drops it (:func:`drop_held`).
+before), and drops a late one elsewhere, with a warning.
+
+Inside a run, the library's own part of it is one protected region: a soft limit that
+lands in :meth:`.SingletonTask._begin` or :meth:`~.ReleaseAtEnd._end`, or in anything
+they call (the acquire and its reply, the give-back of a late-answered lock, the keeper
+queueing a lease or starting its thread, the counters' writer starting), is held and
+raised at a safe point (:func:`raise_held`): as ``_begin``'s last call, once the lease
+is kept, where a run cut short abandons its lease (released at once); after ``_end``,
+once the lock is released. Raised inside, it left state half-made: a lock taken and
+never kept nor released (refusing its key until its TTL), a keeper or a counter writer
+marked running with no thread (no later lease renewed, no later count written), a lease
+renewed for as long as the process lived.
+
+One exception, where nothing is held and a prompt raise matters: the pause of a run
+waiting for its lock Redis (:meth:`.OutageWait.after_failure`: publishing the retry,
+sleeping until the next attempt) raises it at once, and the wait ends on it ("its soft
+time limit struck"). The innermost of these frames met from where the signal landed
+decides: an acquire retried by that wait is held; a soft limit held by it ends the wait
+as the next pause begins (once the retry could not be published), or is raised as the
+run begins if that acquire got the lock.
+
+A held one is raised in its own run or in none. A run that fails to begin (its lock held
+by another: skipped, refused, retried; a delivery already completed; an outage wait that
+ended) drops it: that run never ran its body, and its ending is already decided and
+recorded (a skip stored, a retry published, a message given back), which a failure would
+contradict. A run that begins drops one left from an earlier run (:func:`drop_held`).
+The cost: a soft limit landing while an acquire waits for its reply (a paused or stalled
+lock Redis) is raised once the reply comes or the lock client's read timeout passes.
+
 The handler is billiard's own, replaced where billiard looks it up when it starts a
 pool process.
 """
@@ -36,14 +55,12 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from types import FrameType
-from typing import Any
+from types import CodeType, FrameType
 
 import billiard.pool
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery.app import trace
 
-from ..lease.keeper import LeaseKeeper
 from ..log import logger
 
 __all__ = ["drop_held", "dropped", "guard_soft_limits", "raise_held"]
@@ -54,12 +71,8 @@ _TRACER_NAME = "trace_task"
 #: billiard's handler, as found before it was replaced.
 _billiard_handler = billiard.pool.soft_timeout_sighandler
 _dropped = 0
-#: A soft time limit landed while the library ended a run: raised once that is done.
+#: A soft time limit landed in the library's part of a run: raised at its safe point.
 _held = False
-#: The keeper queueing a lease (a run's, or a release to send again): a soft time limit
-#: landing in it during a run is held (raised there, as the keeper started its thread, it
-#: left the keeper marked running with no thread).
-_QUEUEING = LeaseKeeper._add.__code__
 
 
 def dropped() -> int:
@@ -67,37 +80,46 @@ def dropped() -> int:
     return _dropped
 
 
-def _ending_code() -> Any:
-    """The code of :meth:`.SingletonTask._end` (None before that module is imported: no run
-    of a singleton task can be ending then). Looked up, not imported: it imports this module."""
-    module = sys.modules.get("celery_singleton_beat.task.task")
-    end = getattr(getattr(module, "SingletonTask", None), "_end", None)
-    return getattr(end, "__code__", None)
-
-
-#: Where a soft time limit lands: in a run (raise it), in a part of one it must not cut
-#: (hold it), in :func:`raise_held` (raise it, the held one with it), or outside (drop it).
+#: Where a soft time limit lands: in a run (raise it), in the library's part of one (hold
+#: it), in :func:`raise_held` (raise it, the held one with it), or outside (drop it).
 RUN, HOLD, RAISING, OUTSIDE = "run", "hold", "raising", "outside"
+
+#: Where each marked method is, by module, class and name, and what a soft limit landing
+#: under it (innermost first) is.
+_MARKED = (("celery_singleton_beat.task.task", "SingletonTask", "_begin", HOLD),
+           ("celery_singleton_beat.task.task", "SingletonTask", "_end", HOLD),
+           ("celery_singleton_beat.task.outage", "OutageWait", "after_failure", RUN))
+
+
+def _marks() -> dict[CodeType, str]:
+    """The code of each marked frame and what it decides. Looked up, not imported (those
+    modules import this one); a module not imported yet has no frame on any stack."""
+    marks = {_RAISE_HELD: RAISING}
+    for module, owner, name, where in _MARKED:
+        method = getattr(getattr(sys.modules.get(module), owner, None), name, None)
+        code = getattr(method, "__code__", None)
+        if code is not None:
+            marks[code] = where
+    return marks
 
 
 def _where(frame: FrameType | None) -> str:
-    """Where the frame ``frame`` (the signal's) is, by the frames from it up to Celery's tracer."""
-    ending = _ending_code()
-    queueing = raising = False
+    """Where the frame ``frame`` (the signal's) is, by the frames from it up to Celery's
+    tracer: the innermost marked one decides, else it is in the run (outside without a tracer)."""
+    marks = _marks()
+    decided: str | None = None
     while frame is not None:
         code = frame.f_code
-        if code is ending:
-            return HOLD
-        queueing = queueing or code is _QUEUEING
-        raising = raising or code is _RAISE_HELD
+        if decided is None:
+            decided = marks.get(code)
         if code.co_name == _TRACER_NAME and code.co_filename == _TRACER_FILE:
-            return RAISING if raising else HOLD if queueing else RUN
+            return decided or RUN
         frame = frame.f_back
     return OUTSIDE
 
 
 def _on_soft_limit(signum: int, frame: FrameType | None) -> None:
-    """billiard's handler, raising only inside a run, and once the library ended it."""
+    """billiard's handler, raising only inside a run, and never inside the library's part of it."""
     global _held, _dropped
     where = _where(frame)
     if where == RAISING:  # the one held (if any) and this one are one exception
@@ -114,10 +136,10 @@ def _on_soft_limit(signum: int, frame: FrameType | None) -> None:
 
 
 def raise_held() -> None:
-    """Raise the soft time limit that landed while the library ended a run or queued its
-    lease in the keeper, now that it is done (where the signal's own exception would have
-    gone, a moment later). A signal landing in here is raised at once, the held one with
-    it: never left held for another run."""
+    """Raise the soft time limit that landed in the library's part of the run, now that it
+    is at a safe point (where the signal's own exception would have gone, a moment later).
+    A signal landing in here is raised at once, the held one with it: never left held for
+    another run."""
     global _held
     if _held:
         _held = False
@@ -128,7 +150,7 @@ _RAISE_HELD = raise_held.__code__
 
 
 def drop_held() -> None:
-    """Forget a held soft time limit: its run ends otherwise (another exception), or it is
+    """Forget a held soft time limit: its run ends otherwise (it failed to begin), or it is
     left from a run that ended (a new run begins): raised later, it would cut another run."""
     global _held
     _held = False

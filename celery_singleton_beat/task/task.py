@@ -203,6 +203,9 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         # A nested call sets its lock on the outer run's request (the one its own is copied
         # from): the outer body gets its own lock back once the nested call returned.
         outer = None if direct else request.__dict__.get("singleton")
+        # One left from a run that ended is not this run's. Dropped here, not in _begin: one
+        # landing as _begin starts is this run's, held there.
+        soft_limit.drop_held()
         run = request.singleton = self._begin(request, args, kwargs)
         try:
             if direct:
@@ -296,7 +299,6 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         adopt = request.id if self.lock_mode == "until_executed" else None
         copy = spec.check_done and is_copy(request)  # its done marker is read before the key is written
         started = time.monotonic()
-        soft_limit.drop_held()  # one left from a run that ended is not this run's
 
         def give_back(lease: Lease) -> None:
             if adopt is None or request.is_eager:
@@ -309,35 +311,43 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
             return in_time(acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt,
                                    copy=copy), give_back)
 
+        # A soft time limit landing in here, or in anything called from here, is held
+        # (soft_limit) and raised at the safe point below, where the lease is abandoned.
+        result: AcquireResult | None = None
         try:
-            result = take()
-        except redis.RedisError as exc:
-            if settings.fail_open:
-                return self._run_unlocked(key, exc)
-            result = wait_for_redis(self, key, exc, take, started=started, client=client)
-        if self.lock_mode == "until_executing":
-            self._release_queue_claim(client, key)
-        if result.completed:
-            logger.info("%s[%s] already completed; this delivery of the same message ends without "
-                        "running", self.name, request.id)
-            raise Ignore(f"{request.id} already completed")
-        if result.taken_over is not None:
-            logger.warning("%s[%s] took over %s from %s, whose worker is gone",
-                           self.name, request.id, key, describe_holder(result.taken_over))
-        if not result.acquired:
-            holder = result.holder
-            if holder is not None and holder.task_id == request.id and not holder.claim:
-                self._wait_for_original(key, holder)
-            self._conflict(key, result)
-        assert result.lease is not None
-        keeper = get_keeper()
-        try:
-            kept = keeper.keep(result.lease, on_lost=self._lease_lost_callback(request))
-            soft_limit.raise_held()  # one that landed as the keeper queued a lease: abandoned below
+            try:
+                result = take()
+            except redis.RedisError as exc:
+                if settings.fail_open:
+                    run = self._run_unlocked(key, exc)
+                    soft_limit.raise_held()  # no lock taken: raised before the body
+                    return run
+                result = wait_for_redis(self, key, exc, take, started=started, client=client)
+            if self.lock_mode == "until_executing":
+                self._release_queue_claim(client, key)
+            if result.completed:
+                logger.info("%s[%s] already completed; this delivery of the same message ends without "
+                            "running", self.name, request.id)
+                raise Ignore(f"{request.id} already completed")
+            if result.taken_over is not None:
+                logger.warning("%s[%s] took over %s from %s, whose worker is gone",
+                               self.name, request.id, key, describe_holder(result.taken_over))
+            if not result.acquired:
+                holder = result.holder
+                if holder is not None and holder.task_id == request.id and not holder.claim:
+                    self._wait_for_original(key, holder)
+                self._conflict(key, result)
+            assert result.lease is not None
+            kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback(request))
+            run = SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
-            return SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
-        except BaseException:  # a soft time limit as the run began: its end will not come
-            soft_limit.drop_held()  # this run ends here, whatever ended it
-            keeper.abandon(result.lease)
+            # The safe point, the last call: a run cut short here abandons its lease below;
+            # one landing after it would be held through the body.
+            soft_limit.raise_held()
+            return run
+        except BaseException:  # the run never reaches its body, its end will not come
+            if result is not None and result.lease is not None:
+                get_keeper().abandon(result.lease)  # released now, not left until its TTL
+            soft_limit.drop_held()  # it ends as what ended it says (a skip, a retry, ...)
             raise
