@@ -150,8 +150,17 @@ def is_cluster_outage(exc: RedisClusterException) -> bool:
 def _asked_to_unknown_node(exc: AttributeError) -> bool:
     """redis-py's crash when it follows an ``-ASK`` to a node its node table lacks (it looks
     the node up by name, finds None, and asks None for its connection): a node being added
-    to the cluster, which serves no slot until a first slot finished migrating to it."""
-    return "'NoneType' object has no attribute 'redis_connection'" in str(exc)
+    to the cluster, which serves no slot until a first slot finished migrating to it.
+    redis-py 8.2's error metrics then crash in turn on the missing node (``'NoneType' object
+    has no attribute 'host'``): the first crash is that one's context."""
+    seen: BaseException | None = exc
+    for _ in range(3):
+        if seen is None:
+            return False
+        if "'NoneType' object has no attribute 'redis_connection'" in str(seen):
+            return True
+        seen = seen.__context__
+    return False
 
 
 @contextmanager
