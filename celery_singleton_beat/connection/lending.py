@@ -157,7 +157,7 @@ def borrow(pool: Any) -> Any:
     deadline = None
     openings = _openings_of(pool)
     while True:
-        opening = openings if openings is not None and not pool._available_connections else None
+        opening = openings if openings is not None and not _ready(pool) else None
         if opening is not None and opening.count and not opening.failed:
             # Waited for while the latest opening is young (OPEN_PATIENCE): longer, the
             # server is far or slow, and the request opens its own, as before.
@@ -177,19 +177,31 @@ def borrow(pool: Any) -> Any:
             _wait_for_return(pool, min(LOOK_AGAIN, deadline - now))
 
 
+def _ready(pool: Any) -> bool:
+    """The connection ``pool`` lends next (its last idle one) is connected: taking it opens
+    nothing. An idle connection may be disconnected: dropped when the server went away
+    (given back after a failed request), or put back by redis-py 8.2 after its connect
+    failed; taking it is an opening like a new connection's (a burst after an outage)."""
+    last = pool._available_connections[-1:]
+    return bool(last) and getattr(last[0], "_sock", True) is not None
+
+
 def _open(pool: Any, openings: _Openings) -> Any:
     """A connection of ``pool`` where none was idle: most often a new one, counted in ``openings``."""
-    openings.count += 1
     openings.started = time.monotonic()
+    # No call between the count going up and the try, nor before it goes down: an exception a
+    # signal handler raises (a soft time limit) lands as a call returns, and a count left up
+    # would gate the pool after every later opening.
+    openings.count += 1
     try:
         connection = _take(pool)
     except BaseException as error:
-        openings.failed = not pool_is_full(error)
         openings.count -= 1
+        openings.failed = not pool_is_full(error)
         _wake(pool, every=True)  # those waiting on this opening open their own
         raise
-    openings.failed = False
     openings.count -= 1
+    openings.failed = False
     _wake(pool)  # this one is in use: the next waiter looks again (and may open one)
     return connection
 
