@@ -37,10 +37,17 @@ Attacks, and what they found:
    full-pool wait mixed): held (every request answered, nothing left counted).
    ``test_threads_on_a_full_pool_leave_no_opening_counted``.
 6. ``BlockingConnectionPool`` (no ``_available_connections``): held, never gated.
-7. Held by reading: the lease keeper's native thread in a gevent worker borrows from a
-   client of its own (``thread_client``), never from the greenlets' pool; a prefork child
-   never borrows from an inherited pool (clients rebuilt per pid), so an inherited count is
-   never looked at; a waiter is never left unwoken (each wait is at most 50 ms).
+7. A fork while another thread of the parent is opening a connection of a pool:
+   **BROKE**, fixed. The child inherited the count (and the module's lock and conditions,
+   as held as they were): redis-py's pool starts afresh in the child, but the gate stayed up
+   for its whole life, so the child, one thread, waited for an opening nobody was making
+   (twice in two borrowings). The library's own clients are rebuilt per pid (so their pools
+   are new in a child); a pool a user's code keeps across a fork is not. Now the lending
+   state starts afresh in a forked child.
+   ``test_a_child_forked_while_a_thread_opens_waits_for_no_opening``.
+8. Held by reading: the lease keeper's native thread in a gevent worker borrows from a
+   client of its own (``thread_client``), never from the greenlets' pool; a waiter is never
+   left unwoken (each wait is at most 50 ms); a waiter that is interrupted holds no count.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ import redis
 
 from celery_singleton_beat.connection import lending
 
-from .support import RedisServer, TestProcess, importorskip
+from .support import RedisServer, TestProcess, importorskip, wait_for
 from .support.loopback import close_socket
 from .support.paths import ROOT
 
@@ -392,3 +399,67 @@ def test_a_blocking_pool_is_never_gated(redis_server: RedisServer) -> None:
     assert connection.read_response() in (b"PONG", "PONG")
     lending.give_back(pool, connection, None)
     pool.disconnect()
+
+
+# ----------------------------------------------------------------- 7. a fork while another thread opens
+
+
+class HeldInParent(redis.Connection):
+    """A connection whose opening in the parent waits for ``go`` (a thread mid-opening at the fork)."""
+
+    go = threading.Event()
+    parent = os.getpid()
+
+    def connect(self) -> None:
+        if self._sock is None and os.getpid() == HeldInParent.parent:
+            assert HeldInParent.go.wait(30), "the test never let the parent's opening go on"
+        super().connect()
+
+
+def test_a_child_forked_while_a_thread_opens_waits_for_no_opening(redis_server: RedisServer) -> None:
+    """A thread of the parent is opening a connection of a pool (counted) when the main
+    thread forks. redis-py's pool starts afresh in the child; the child, one thread, takes
+    one connection, then another: nothing is being opened in the child, so the second must
+    not wait for an opening (an inherited count held the pool's gate up for its whole life,
+    after every opening the child made)."""
+    HeldInParent.go.clear()
+    HeldInParent.parent = os.getpid()
+    pool = redis.ConnectionPool(connection_class=HeldInParent, port=redis_server.port, socket_timeout=10,
+                                max_connections=8)
+    opener = threading.Thread(target=lambda: lending.give_back(pool, lending.borrow(pool), None), daemon=True)
+    opener.start()
+    openings = lending._openings_of(pool)
+    assert openings is not None
+    wait_for(lambda: openings.count == 1, timeout=10, message="the parent's opening under way")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one thread, nothing opening
+        code = 2
+        try:
+            waits = [0]
+            wait = lending._wait_for_return
+
+            def counted(pool: Any, timeout: float) -> None:
+                waits[0] += 1
+                wait(pool, timeout)
+
+            lending._wait_for_return = counted  # type: ignore[assignment]
+            first, second = lending.borrow(pool), lending.borrow(pool)
+            os.write(write, f"{waits[0]}\n".encode())
+            first.disconnect()
+            second.disconnect()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        _, status = wait_for(lambda: (lambda done: done if done[0] else None)(os.waitpid(pid, os.WNOHANG)),
+                             timeout=30, message="the child's two borrowings")
+        reply = os.read(read, 100).decode().strip()
+    finally:
+        os.close(read)
+        HeldInParent.go.set()
+        opener.join(30)
+        pool.disconnect()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert reply == "0", f"the child waited {reply} times for an opening nobody in it was making"

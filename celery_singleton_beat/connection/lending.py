@@ -32,6 +32,7 @@ that refuses them all.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -135,6 +136,20 @@ class _Openings:
 
 
 _openings: weakref.WeakKeyDictionary[Any, _Openings] = weakref.WeakKeyDictionary()
+
+
+def _after_fork_in_child() -> None:
+    """Nothing is being opened in a forked child (its one thread forked), and a lock or a
+    condition another thread of the parent held would stay held: start afresh. A count
+    copied from a parent's thread mid-opening would gate the pool for the child's life."""
+    global _returned_guard
+    _returned_guard = threading.Lock()
+    _openings.clear()
+    _returned.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _openings_of(pool: Any) -> _Openings | None:
