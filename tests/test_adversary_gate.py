@@ -535,3 +535,45 @@ def test_a_burst_after_a_restart_reopens_the_idle_connections_one_after_another(
     assert fresh <= BURST // 2, f"a fresh pool's burst opened {fresh} connections"
     assert after <= BURST // 2, (f"a burst after a restart reopened {after} of {BURST} connections at once "
                                  f"(a fresh pool's burst opened {fresh})")
+
+
+# ----------------------------------------------------------------- 10. a Sentinel pool
+
+
+@pytest.mark.timeout(180)
+def test_a_burst_on_a_sentinel_pool_is_gated_and_answered() -> None:
+    """The library's Sentinel pool (it asks the sentinels as it lends): 40 threads at once
+    borrow, each is answered, fewer than 40 connections are opened, nothing stays counted."""
+    from .support.topologies import start_sentinels
+
+    group = start_sentinels(down_after_ms=5000)
+    try:
+        group.wait_ready()
+        client = group.lock_client()
+        pool = client.connection_pool
+        assert lending._openings_of(pool) is not None, "a Sentinel pool is gated"
+        answers: list[Any] = []
+        errors: list[BaseException] = []
+
+        def request() -> None:
+            try:
+                connection = lending.borrow(pool)
+                connection.send_command("PING")
+                answers.append(connection.read_response())
+                lending.give_back(pool, connection, None)
+            except Exception as exc:  # the outcome under test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=request, name=f"sentinel-{i}", daemon=True) for i in range(BURST)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors[:3]
+        assert len(answers) == BURST
+        openings = lending._openings_of(pool)
+        assert openings is not None and openings.count == 0
+        assert len(pool._available_connections) < BURST, f"{len(pool._available_connections)} connections opened"
+        client.close()
+    finally:
+        group.close()
