@@ -54,6 +54,18 @@ Attacks, and what they found:
    connection: a poll per borrowing, only worth it while the gate is up) or count every
    lending as an opening until redis-py's check of it is done.
    ``test_a_burst_after_a_restart_reopens_the_idle_connections_one_after_another``.
+10. A full pool (``max_connections`` lent) under gevent: **BROKE**, fixed. A request that
+    finds no idle connection goes through ``_open``; the pool-full error there woke *every*
+    waiter (as a failed opening does), each of which looked again, found the pool full and
+    woke every other: a storm of looks for as long as the pool stays full. 100 greenlets
+    on 4 connections, each held 0.1 s: 133,665 looks at the pool for 204 reasons to look
+    (give-backs, openings, first looks; no wait ever timed out), the hub busy the whole
+    2.6 s (2.58 s of CPU against 0.12 s before the change: heartbeats and lease renewals of
+    the worker's other greenlets starve). Now a full pool wakes nobody (a give-back wakes
+    one) and leaves ``failed`` as it was (nothing was opened).
+    ``test_waiters_of_a_full_pool_look_again_only_when_woken_for_a_reason``.
+11. A Sentinel pool (the library's, asking the sentinels as it lends): held, gated and
+    answered. ``test_a_burst_on_a_sentinel_pool_is_gated_and_answered``.
 8. Held by reading: the lease keeper's native thread in a gevent worker borrows from a
    client of its own (``thread_client``), never from the greenlets' pool; a waiter is never
    left unwoken (each wait is at most 50 ms); a waiter that is interrupted holds no count.
@@ -493,9 +505,11 @@ def _thread_burst(pool: redis.ConnectionPool, size: int) -> int:
     """``size`` threads each borrow, ask ``PING`` and give back, at once; the openings made."""
     FarOpening.opened = []
     errors: list[BaseException] = []
+    together = threading.Barrier(size)
 
     def request() -> None:
         try:
+            together.wait(30)
             connection = lending.borrow(pool)
             connection.send_command("PING")
             connection.read_response()
@@ -577,3 +591,70 @@ def test_a_burst_on_a_sentinel_pool_is_gated_and_answered() -> None:
         client.close()
     finally:
         group.close()
+
+
+# ----------------------------------------------------------------- 11. a full pool's waiters
+
+FULL_POOL = r"""
+from gevent import monkey
+monkey.patch_all()
+
+import sys
+import gevent
+import redis
+from celery_singleton_beat.connection import lending
+
+port, N = int(sys.argv[1]), int(sys.argv[2])
+pool = redis.ConnectionPool(port=port, max_connections=4, socket_timeout=30)
+tally = {"takes": 0, "notified": 0, "timed_out": 0, "given_back": 0, "opened": 0}
+
+take = lending._take
+def counted_take(pool):
+    tally["takes"] += 1
+    return take(pool)
+lending._take = counted_take
+
+def counted_wait(pool, timeout):  # lending._wait_for_return, telling a notify from a timeout
+    condition = lending._condition(pool)
+    with condition:
+        tally["notified" if condition.wait(timeout) else "timed_out"] += 1
+lending._wait_for_return = counted_wait
+
+class Counted(redis.Connection):
+    def connect(self):
+        if self._sock is None:
+            tally["opened"] += 1
+        super().connect()
+pool.connection_class = Counted
+
+def request():
+    connection = lending.borrow(pool)
+    connection.send_command("PING")
+    connection.read_response()
+    gevent.sleep(0.1)  # a request holding its connection a while (a slow server, a window's wait)
+    tally["given_back"] += 1
+    lending.give_back(pool, connection, None)
+
+gevent.joinall([gevent.spawn(request) for _ in range(N)], raise_error=True)
+print("RESULT", " ".join(f"{k}={v}" for k, v in tally.items()), flush=True)
+"""
+
+
+def test_waiters_of_a_full_pool_look_again_only_when_woken_for_a_reason(redis_server: RedisServer) -> None:
+    """gevent: 100 requests on a pool of 4 connections, each holding its connection 0.1 s.
+    A request that finds the pool full waits; it looks again when a connection is given
+    back, an opening ends, or its wait times out (each look another pool-full error while
+    all 4 are lent). Every look must have one of those reasons: a request finding the pool
+    full must not wake the others (they would find it full too, and wake the others...)."""
+    importorskip("gevent")
+    child = TestProcess("adversary-gate-full", [sys.executable, "-c", FULL_POOL, str(redis_server.port), "100"],
+                        env={**os.environ, "PYTHONPATH": str(ROOT)}).start()
+    try:
+        result = child.wait_for_line("RESULT", timeout=120)
+    finally:
+        child.close()
+    tally = {key: int(value) for key, value in (part.split("=") for part in result.split()[1:])}
+    assert tally["given_back"] == 100, tally
+    reasons = 100 + tally["given_back"] + tally["opened"] + tally["timed_out"]
+    assert tally["takes"] <= reasons, (f"{tally['takes']} looks at the pool for {reasons} reasons to look "
+                                       f"(first looks, give-backs, openings, timed-out waits): {tally}")

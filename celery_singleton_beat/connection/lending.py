@@ -212,8 +212,11 @@ def _open(pool: Any, openings: _Openings) -> Any:
         connection = _take(pool)
     except BaseException as error:
         openings.count -= 1
-        openings.failed = not pool_is_full(error)
-        _wake(pool, every=True)  # those waiting on this opening open their own
+        if not pool_is_full(error):
+            openings.failed = True
+            _wake(pool, every=True)  # those waiting on this opening open their own
+        # A full pool opened nothing: the waiters would find it full too (each waking
+        # every other: a storm of looks while every connection is lent); a give-back wakes one.
         raise
     openings.count -= 1
     openings.failed = False
