@@ -45,7 +45,7 @@ Attacks, and what they found:
    are new in a child); a pool a user's code keeps across a fork is not. Now the lending
    state starts afresh in a forked child.
    ``test_a_child_forked_while_a_thread_opens_waits_for_no_opening``.
-9. A burst after a Redis restart while the pool's connections were idle: **BROKE** (left
+8. A burst after a Redis restart while the pool's connections were idle: **BROKE** (left
    as a strict xfail). Those connections keep their socket (holding the server's EOF), so
    they look ready to the gate; redis-py finds each dead as it lends it and reopens it, outside
    the gate: 40 threads reopened 40 connections at once where a fresh pool's burst opened 2.
@@ -54,21 +54,21 @@ Attacks, and what they found:
    connection: a poll per borrowing, only worth it while the gate is up) or count every
    lending as an opening until redis-py's check of it is done.
    ``test_a_burst_after_a_restart_reopens_the_idle_connections_one_after_another``.
-10. A full pool (``max_connections`` lent) under gevent: **BROKE**, fixed. A request that
-    finds no idle connection goes through ``_open``; the pool-full error there woke *every*
-    waiter (as a failed opening does), each of which looked again, found the pool full and
-    woke every other: a storm of looks for as long as the pool stays full. 100 greenlets
-    on 4 connections, each held 0.1 s: 133,665 looks at the pool for 204 reasons to look
-    (give-backs, openings, first looks; no wait ever timed out), the hub busy the whole
-    2.6 s (2.58 s of CPU against 0.12 s before the change: heartbeats and lease renewals of
-    the worker's other greenlets starve). Now a full pool wakes nobody (a give-back wakes
-    one) and leaves ``failed`` as it was (nothing was opened).
-    ``test_waiters_of_a_full_pool_look_again_only_when_woken_for_a_reason``.
-11. A Sentinel pool (the library's, asking the sentinels as it lends): held, gated and
+9. A full pool (``max_connections`` lent) under gevent: **BROKE**, fixed. A request that
+   finds no idle connection goes through ``_open``; the pool-full error there woke *every*
+   waiter (as a failed opening does), each of which looked again, found the pool full and
+   woke every other: a storm of looks for as long as the pool stays full. 100 greenlets
+   on 4 connections, each held 0.1 s: 133,665 looks at the pool for 204 reasons to look
+   (give-backs, openings, first looks; no wait ever timed out), the hub busy the whole
+   2.6 s (2.58 s of CPU against 0.12 s before the change: heartbeats and lease renewals of
+   the worker's other greenlets starve). Now a full pool wakes nobody (a give-back wakes
+   one) and leaves ``failed`` as it was (nothing was opened).
+   ``test_waiters_of_a_full_pool_look_again_only_when_woken_for_a_reason``.
+10. A Sentinel pool (the library's, asking the sentinels as it lends): held, gated and
     answered. ``test_a_burst_on_a_sentinel_pool_is_gated_and_answered``.
-8. Held by reading: the lease keeper's native thread in a gevent worker borrows from a
-   client of its own (``thread_client``), never from the greenlets' pool; a waiter is never
-   left unwoken (each wait is at most 50 ms); a waiter that is interrupted holds no count.
+11. Held by reading: the lease keeper's native thread in a gevent worker borrows from a
+    client of its own (``thread_client``), never from the greenlets' pool; a waiter is never
+    left unwoken (each wait is at most 50 ms); a waiter that is interrupted holds no count.
 """
 
 from __future__ import annotations
@@ -486,7 +486,7 @@ def test_a_child_forked_while_a_thread_opens_waits_for_no_opening(redis_server: 
     assert reply == "0", f"the child waited {reply} times for an opening nobody in it was making"
 
 
-# ----------------------------------------------------------------- 9. a burst after a restart
+# ----------------------------------------------------------------- 8. a burst after a restart
 
 
 class FarOpening(redis.Connection):
@@ -528,7 +528,7 @@ def _thread_burst(pool: redis.ConnectionPool, size: int) -> int:
 
 @pytest.mark.xfail(strict=True, reason=(
     "after a restart the idle connections look connected (their socket holds the server's EOF): "
-    "each request takes one and redis-py reopens it outside the gate; see attack 9 of the module"))
+    "each request takes one and redis-py reopens it outside the gate; see attack 8 of the module"))
 def test_a_burst_after_a_restart_reopens_the_idle_connections_one_after_another() -> None:
     """40 threads at once on a fresh pool open a few connections (the gate). The pool then
     holds 40 idle connections and the server restarts: the same burst must not reopen 40 at
@@ -593,7 +593,7 @@ def test_a_burst_on_a_sentinel_pool_is_gated_and_answered() -> None:
         group.close()
 
 
-# ----------------------------------------------------------------- 11. a full pool's waiters
+# ----------------------------------------------------------------- 9. a full pool's waiters
 
 FULL_POOL = r"""
 from gevent import monkey

@@ -202,7 +202,8 @@ def _ready(pool: Any) -> bool:
 
 
 def _open(pool: Any, openings: _Openings) -> Any:
-    """A connection of ``pool`` where none was idle: most often a new one, counted in ``openings``."""
+    """A connection of ``pool`` where none was idle and connected (:func:`_ready`): a new one or
+    an idle one opened again, counted in ``openings``."""
     openings.started = time.monotonic()
     # No call between the count going up and the try, nor before it goes down: an exception a
     # signal handler raises (a soft time limit) lands as a call returns, and a count left up
