@@ -32,6 +32,7 @@ that refuses them all.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -137,6 +138,20 @@ class _Openings:
 _openings: weakref.WeakKeyDictionary[Any, _Openings] = weakref.WeakKeyDictionary()
 
 
+def _after_fork_in_child() -> None:
+    """Nothing is being opened in a forked child (its one thread forked), and a lock or a
+    condition another thread of the parent held would stay held: start afresh. A count
+    copied from a parent's thread mid-opening would gate the pool for the child's life."""
+    global _returned_guard
+    _returned_guard = threading.Lock()
+    _openings.clear()
+    _returned.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _openings_of(pool: Any) -> _Openings | None:
     """``pool``'s openings, for a pool whose idle connections can be seen (redis-py's
     ``ConnectionPool`` and its subclasses); None for any other (never waited on)."""
@@ -157,7 +172,7 @@ def borrow(pool: Any) -> Any:
     deadline = None
     openings = _openings_of(pool)
     while True:
-        opening = openings if openings is not None and not pool._available_connections else None
+        opening = openings if openings is not None and not _ready(pool) else None
         if opening is not None and opening.count and not opening.failed:
             # Waited for while the latest opening is young (OPEN_PATIENCE): longer, the
             # server is far or slow, and the request opens its own, as before.
@@ -177,19 +192,35 @@ def borrow(pool: Any) -> Any:
             _wait_for_return(pool, min(LOOK_AGAIN, deadline - now))
 
 
+def _ready(pool: Any) -> bool:
+    """The connection ``pool`` lends next (its last idle one) is connected: taking it opens
+    nothing. An idle connection may be disconnected: dropped when the server went away
+    (given back after a failed request), or put back by redis-py 8.2 after its connect
+    failed; taking it is an opening like a new connection's (a burst after an outage)."""
+    last = pool._available_connections[-1:]
+    return bool(last) and getattr(last[0], "_sock", True) is not None
+
+
 def _open(pool: Any, openings: _Openings) -> Any:
-    """A connection of ``pool`` where none was idle: most often a new one, counted in ``openings``."""
-    openings.count += 1
+    """A connection of ``pool`` where none was idle and connected (:func:`_ready`): a new one or
+    an idle one opened again, counted in ``openings``."""
     openings.started = time.monotonic()
+    # No call between the count going up and the try, nor before it goes down: an exception a
+    # signal handler raises (a soft time limit) lands as a call returns, and a count left up
+    # would gate the pool after every later opening.
+    openings.count += 1
     try:
         connection = _take(pool)
     except BaseException as error:
-        openings.failed = not pool_is_full(error)
         openings.count -= 1
-        _wake(pool, every=True)  # those waiting on this opening open their own
+        if not pool_is_full(error):
+            openings.failed = True
+            _wake(pool, every=True)  # those waiting on this opening open their own
+        # A full pool opened nothing: the waiters would find it full too (each waking
+        # every other: a storm of looks while every connection is lent); a give-back wakes one.
         raise
-    openings.failed = False
     openings.count -= 1
+    openings.failed = False
     _wake(pool)  # this one is in use: the next waiter looks again (and may open one)
     return connection
 
