@@ -382,26 +382,7 @@ def test_threads_on_a_full_pool_leave_no_opening_counted(redis_server: RedisServ
     """16 OS threads, 100 requests each, on a pool of 4 connections: each request answered,
     and no opening counted afterwards."""
     pool = redis.ConnectionPool(port=redis_server.port, socket_timeout=10, max_connections=4)
-    answers: list[Any] = []
-    errors: list[BaseException] = []
-
-    def requests() -> None:
-        for _ in range(100):
-            try:
-                connection = lending.borrow(pool)
-                connection.send_command("PING")
-                answers.append(connection.read_response())
-                lending.give_back(pool, connection, None)
-            except Exception as exc:  # the outcome under test
-                errors.append(exc)
-
-    threads = [threading.Thread(target=requests, name=f"full-{i}", daemon=True) for i in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not errors, errors[:3]
-    assert len(answers) == 1600
+    assert len(_answers_of_a_burst(pool, 16, each=100)) == 1600
     openings = lending._openings_of(pool)
     assert openings is not None and openings.count == 0
     assert getattr(pool, "_created_connections", 0) <= 4
@@ -501,21 +482,23 @@ class FarOpening(redis.Connection):
         super().connect()
 
 
-def _thread_burst(pool: redis.ConnectionPool, size: int) -> int:
-    """``size`` threads each borrow, ask ``PING`` and give back, at once; the openings made."""
-    FarOpening.opened = []
+def _answers_of_a_burst(pool: Any, size: int, each: int = 1) -> list[Any]:
+    """``size`` threads each borrow, ask ``PING`` and give back (``each`` times), at once:
+    their answers (every one answered, none failed)."""
+    answers: list[Any] = []
     errors: list[BaseException] = []
     together = threading.Barrier(size)
 
     def request() -> None:
-        try:
-            together.wait(30)
-            connection = lending.borrow(pool)
-            connection.send_command("PING")
-            connection.read_response()
-            lending.give_back(pool, connection, None)
-        except Exception as exc:  # the outcome under test
-            errors.append(exc)
+        together.wait(30)
+        for _ in range(each):
+            try:
+                connection = lending.borrow(pool)
+                connection.send_command("PING")
+                answers.append(connection.read_response())
+                lending.give_back(pool, connection, None)
+            except Exception as exc:  # the outcome under test
+                errors.append(exc)
 
     threads = [threading.Thread(target=request, name=f"burst-{i}", daemon=True) for i in range(size)]
     for thread in threads:
@@ -523,6 +506,14 @@ def _thread_burst(pool: redis.ConnectionPool, size: int) -> int:
     for thread in threads:
         thread.join(60)
     assert not errors, errors[:3]
+    assert len(answers) == size
+    return answers
+
+
+def _thread_burst(pool: redis.ConnectionPool, size: int) -> int:
+    """``size`` threads each borrow, ask ``PING`` and give back, at once; the openings made."""
+    FarOpening.opened = []
+    _answers_of_a_burst(pool, size)
     return len(FarOpening.opened)
 
 
@@ -566,25 +557,7 @@ def test_a_burst_on_a_sentinel_pool_is_gated_and_answered() -> None:
         client = group.lock_client()
         pool = client.connection_pool
         assert lending._openings_of(pool) is not None, "a Sentinel pool is gated"
-        answers: list[Any] = []
-        errors: list[BaseException] = []
-
-        def request() -> None:
-            try:
-                connection = lending.borrow(pool)
-                connection.send_command("PING")
-                answers.append(connection.read_response())
-                lending.give_back(pool, connection, None)
-            except Exception as exc:  # the outcome under test
-                errors.append(exc)
-
-        threads = [threading.Thread(target=request, name=f"sentinel-{i}", daemon=True) for i in range(BURST)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert not errors, errors[:3]
-        assert len(answers) == BURST
+        _answers_of_a_burst(pool, BURST)
         openings = lending._openings_of(pool)
         assert openings is not None and openings.count == 0
         assert len(pool._available_connections) < BURST, f"{len(pool._available_connections)} connections opened"
