@@ -506,7 +506,7 @@ def _answers_of_a_burst(pool: Any, size: int, each: int = 1) -> list[Any]:
     for thread in threads:
         thread.join(60)
     assert not errors, errors[:3]
-    assert len(answers) == size
+    assert len(answers) == size * each
     return answers
 
 
