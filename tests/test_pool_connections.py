@@ -42,34 +42,3 @@ def test_a_gevent_worker_with_more_runs_than_lock_connections_starts_every_run(r
                    for key, result in zip(keys, results, strict=True)), "each run started once, at its first delivery"
         assert proxy.connections < RUNS // 2, f"{proxy.connections} lock connections for {RUNS} runs"
     owner.close()
-
-
-#: A burst: runs queued before the gevent worker starts, each with a key of its own.
-BURST = 100
-
-
-def test_a_gevent_worker_taking_in_a_burst_opens_its_lock_connections_one_after_another(
-        redis_server: RedisServer) -> None:
-    """100 runs queued before a gevent worker (``-c 100``, the default ``max_connections``
-    of 64) starts, the lock Redis behind a proxy that delays every reply by 20 ms: a run
-    that finds no idle lock connection while another's opening is young waits for a
-    connection instead of opening its own. The worker opens far fewer connections than
-    the runs that overlapped (one each, up to the pool's 64, when every such run opened
-    one: 67 connections in all, seen before), no run is refused for a late reply (its
-    wait for a connection counts in the acquire's time), and every run starts at its
-    first delivery."""
-    tasks_app = clear_runs(redis_server)
-    queue = "burst-connections"
-    keys = [f"burst-{i}" for i in range(BURST)]
-    results = [tasks_app.work.apply_async((key, 0.5), queue=queue) for key in keys]
-    with owning(Owner("gevent worker, a burst")) as owner:
-        proxy = DelayProxy(redis_server.port, 0.02, name="lock-burst").start()
-        worker = start_worker(
-            redis_server, APP, "burst-connections", pool="gevent", concurrency=BURST, extra=["-Q", queue],
-            env={"CSB_LOCK_REDIS": f"redis://127.0.0.1:{proxy.port}/2"})
-        assert [result.get(timeout=90) for result in results] == keys
-        assert "Redis unavailable" not in worker.output(), worker.tail(30)
-        records = redis_server.client(RECORD_DB)
-        assert all(len(started(records, key)) == 1 for key in keys), "each run started once"
-        assert proxy.connections <= BURST // 4, f"{proxy.connections} lock connections for a burst of {BURST} runs"
-    owner.close()
