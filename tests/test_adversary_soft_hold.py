@@ -45,10 +45,12 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+import celery.app.task
 import pytest
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
+from celery.app.trace import build_tracer
 from celery.exceptions import Retry
 
 from celery_singleton_beat import SingletonTask
@@ -56,17 +58,25 @@ from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
 from celery_singleton_beat.recovery import lock_redis
 from celery_singleton_beat.task import soft_limit
+from celery_singleton_beat.exceptions import LockUnavailable
+from celery_singleton_beat.task import outage as outage_module
 from celery_singleton_beat.task import task as task_module
 
 from . import test_adversary_hold as hold
 from . import test_adversary_merge as merge
 from .support import wait_for
+from .support.outages import Outage
 from .test_adversary_merge import run_locks
 
 guarded = merge.guarded
 lock_app = merge.lock_app
 eager_app = merge.eager_app
 keeper = hold.keeper
+outage_app = hold.outage_app
+
+
+PROGRESS = False
+DEEP = False
 
 
 class Landing:
@@ -122,7 +132,8 @@ def kept_leases(keeper: LeaseKeeper) -> list[KeptLease]:
 
 
 def sweep(code: CodeType, one_run: Callable[[int], Any], redis_db: redis.Redis, keeper: LeaseKeeper,
-          task: str, *, deep: bool, body_ran: list[int], nested: bool = False) -> list[str]:
+          task: str, *, deep: bool, body_ran: list[int], nested: bool = False,
+          ends: tuple[type[BaseException], ...] = (SoftTimeLimitExceeded,)) -> list[str]:
     """Land the soft limit at each line event under ``code`` in turn, one run each
     (``one_run(n)``, its own key), until a run ends before the next one; what went wrong,
     one line per landing."""
@@ -133,6 +144,8 @@ def sweep(code: CodeType, one_run: Callable[[int], Any], redis_db: redis.Redis, 
         body_ran.clear()
         landing = Landing(code, nth, deep=deep, nested=nested)
         result = landing.run(lambda: one_run(next(numbers)))
+        if PROGRESS:
+            print("LANDED", nth, landing.landed, repr(result.result)[:80], flush=True)
         if landing.landed is None:
             assert nth > 0, f"no line of {code.co_name} executed"
             break
@@ -141,8 +154,8 @@ def sweep(code: CodeType, one_run: Callable[[int], Any], redis_db: redis.Redis, 
         wrong = [what for what, bad in (
             ("a soft limit left held", held),
             (f"lease still kept: {kept_leases(keeper)}", kept_leases(keeper)),
-            (f"lock left: {run_locks(redis_db, task)}", run_locks(redis_db, task)),
-            (f"the run ended {result.result!r}", not isinstance(result.result, SoftTimeLimitExceeded)),
+            (f"lock left: {run_locks(redis_db, task)}", not freed(redis_db, task)),
+            (f"the run ended {result.result!r}", not isinstance(result.result, ends)),
             ("held through the body, raised after it", body_ran and code.co_name == "_begin"),
         ) if bad]
         if wrong:
@@ -152,6 +165,15 @@ def sweep(code: CodeType, one_run: Callable[[int], Any], redis_db: redis.Redis, 
         for key in run_locks(redis_db, task):
             redis_db.delete(key)
     return problems
+
+
+def freed(client: redis.Redis, task: str) -> bool:
+    """Every run lock of ``task`` freed (a release written, its reply read later, has run)."""
+    try:
+        wait_for(lambda: not run_locks(client, task), timeout=5, message="the locks freed")
+    except AssertionError:
+        return False
+    return True
 
 
 def sweep_task(app: Celery, name: str, body_ran: list[int], **options: Any) -> Any:
@@ -339,3 +361,95 @@ def test_every_line_of_a_fail_open_runs_begin(
     monkeypatch.setattr(task_module, "acquire", acquire)
     assert not problems, "\n".join(problems)
     assert lock_redis  # (the clients reset by the app fixture)
+
+
+# ------------------------------------------------------- 4. the wait for the lock Redis
+
+def traced(task: Any, task_id: str, *args: Any) -> Any:
+    """Run ``task`` as a worker's pool does (not eager: a run waits for its lock Redis)."""
+    tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=False)
+    return tracer(task_id, args, {}, {"id": task_id, "retries": 0, "is_eager": False,
+                                      "delivery_info": {"routing_key": "celery"}})
+
+
+class Ended:
+    """A worker run's outcome, as an eager result shows it."""
+
+    def __init__(self, traced: Any) -> None:
+        retval, info = traced[0], traced[1]
+        self.result = info.retval if info is not None else retval
+
+
+@pytest.mark.parametrize("code", [outage_module.wait_for_redis.__code__, outage_module.OutageWait.after_failure.__code__,
+                                  outage_module.in_time.__code__], ids=lambda code: code.co_name)
+def test_every_line_of_a_wait_for_the_lock_redis(
+        code: CodeType, guarded: None, outage_app: tuple[Celery, Outage], keeper: LeaseKeeper,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's run finds its lock Redis refusing writes (the retry cannot be published
+    either: it waits in the worker); the outage ends during its pause and the next acquire
+    gets the lock. The soft limit lands at each line under ``wait_for_redis`` in turn (its
+    pause, the publish tried, the acquire tried again and its reply, the lease returned):
+    the wait ends on it ("its soft time limit struck", ``LockUnavailable``) or the run is
+    cut short as it begins (``SoftTimeLimitExceeded``), never with its lock left, kept, or
+    the limit held."""
+    app, outage = outage_app
+    locks = outage.server.client()
+    monkeypatch.setattr(outage_module, "_pause", lambda seconds: outage.end() or True)
+    body_ran: list[int] = []
+
+    @app.task(base=SingletonTask, name="adv.soft.waits", shared=False, lock_ttl=600.0, unique_on=["n"])
+    def waits(n: int) -> str:
+        body_ran.append(n)
+        return "ran"
+
+    def one_run(n: int) -> Ended:
+        outage.begin()
+        try:
+            return Ended(traced(waits, f"waits-{n}", n))
+        finally:
+            outage.end()
+
+    try:
+        problems = sweep(code, one_run, locks, keeper, "adv.soft.waits", deep=DEEP, body_ran=body_ran, ends=(SoftTimeLimitExceeded, LockUnavailable))
+        assert not problems, "\n".join(problems)
+    finally:
+        locks.flushall()
+        locks.close()
+
+
+@pytest.mark.parametrize("nth", [0, 3])
+def test_a_soft_limit_in_the_publish_of_a_waits_retry_ends_the_wait(
+        nth: int, guarded: None, outage_app: tuple[Celery, Outage], keeper: LeaseKeeper,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soft limit lands as the waiting run publishes its retry (``Task.apply_async``,
+    called by ``Task.retry``). ``retry()`` turns any ``Exception`` its publish raises into
+    ``Reject`` ("could not publish"): raised there, the soft limit was taken for a publish
+    that failed, and lost; the wait went on, got its lock once Redis was back, and ran the
+    body past its soft limit. Held there, it ends the wait as the pause begins (the publish
+    failed), or is dropped with the run once the retry is published."""
+    app, outage = outage_app
+    locks = outage.server.client()
+    monkeypatch.setattr(outage_module, "_pause", lambda seconds: outage.end() or True)
+    body_ran: list[int] = []
+
+    @app.task(base=SingletonTask, name="adv.soft.publish", shared=False, lock_ttl=600.0)
+    def publish() -> str:
+        body_ran.append(1)
+        return "ran"
+
+    landing = Landing(celery.app.task.Task.apply_async.__code__, nth, deep=True)
+    outage.begin()
+    try:
+        ended = landing.run(lambda: Ended(traced(publish, "publish-1")))
+    finally:
+        outage.end()
+    try:
+        assert landing.landed is not None
+        assert not body_ran, f"the body ran past its soft limit (landed at {landing.landed})"
+        assert isinstance(ended.result, (LockUnavailable, SoftTimeLimitExceeded)), ended.result
+        assert not soft_limit._held
+        assert freed(locks, "adv.soft.publish")
+        assert not kept_leases(keeper)
+    finally:
+        locks.flushall()
+        locks.close()
