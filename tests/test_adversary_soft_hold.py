@@ -29,8 +29,9 @@ the soft limit reached the run (its result is ``SoftTimeLimitExceeded``).
    ``until_executed`` nested run that returned turned its lock into a retry's claim when
    the outer body handled a ``Retry`` (**broke**, fixed with the same change:
    ``test_a_nested_run_in_an_except_block_ends_as_it_returned``).
-3. Nested runs (the nested call's frames), ``until_executed`` runs and ``fail_open`` runs
-   swept the same way: **held** once 2 was fixed (before: the same ``__call__`` lines broke,
+3. Nested runs (the nested call's frames), ``until_executed`` and ``until_executing``
+   runs, ``fail_open`` runs, runs that meet their lock held by another (skipped, refused:
+   they end as that says, the limit dropped) swept the same way: **held** once 2 was fixed (before: the same ``__call__`` lines broke,
    and ``fail_open``'s ``return`` after its ``raise_held`` held the limit through the body).
 4. The wait of a worker's run for its lock Redis: each line of ``wait_for_redis``,
    ``OutageWait.after_failure`` and ``in_time`` (the acquire tried again, its lease
@@ -63,7 +64,7 @@ from celery.app.trace import build_tracer
 from celery.exceptions import Retry
 
 from celery_singleton_beat import SingletonTask
-from celery_singleton_beat.exceptions import LockUnavailable
+from celery_singleton_beat.exceptions import DuplicateTaskError, LockUnavailable, TaskSkipped
 from celery_singleton_beat.lease import counters
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper
 from celery_singleton_beat.recovery import lock_redis
@@ -74,6 +75,7 @@ from celery_singleton_beat.task import task as task_module
 from . import test_adversary_hold as hold
 from . import test_adversary_merge as merge
 from .support import wait_for
+from .support.locking import take_lock
 from .support.outages import Outage
 from .test_adversary_merge import run_locks
 
@@ -140,7 +142,8 @@ def kept_leases(keeper: LeaseKeeper) -> list[KeptLease]:
 
 def sweep(code: CodeType, one_run: Callable[[int], Any], redis_db: redis.Redis, keeper: LeaseKeeper,
           task: str, *, deep: bool, body_ran: list[int], nested: bool = False,
-          ends: tuple[type[BaseException], ...] = (SoftTimeLimitExceeded,)) -> list[str]:
+          ends: tuple[type[BaseException], ...] = (SoftTimeLimitExceeded,),
+          others: frozenset[str] = frozenset()) -> list[str]:
     """Land the soft limit at each line event under ``code`` in turn, one run each
     (``one_run(n)``, its own key), until a run ends before the next one; what went wrong,
     one line per landing."""
@@ -159,7 +162,7 @@ def sweep(code: CodeType, one_run: Callable[[int], Any], redis_db: redis.Redis, 
         wrong = [what for what, bad in (
             ("a soft limit left held", held),
             (f"lease still kept: {kept_leases(keeper)}", kept_leases(keeper)),
-            (f"lock left: {run_locks(redis_db, task)}", not freed(redis_db, task)),
+            (f"lock left: {run_locks(redis_db, task)}", not freed(redis_db, task, others)),
             (f"the run ended {result.result!r}", not isinstance(result.result, ends)),
             ("held through the body, raised after it", body_ran and code.co_name == "_begin"),
         ) if bad]
@@ -167,15 +170,16 @@ def sweep(code: CodeType, one_run: Callable[[int], Any], redis_db: redis.Redis, 
             problems.append(f"landing at {landing.landed}: {'; '.join(wrong)}")
         for kept in kept_leases(keeper):
             keeper.forget(kept)
-        for key in run_locks(redis_db, task):
+        for key in set(run_locks(redis_db, task)) - others:
             redis_db.delete(key)
     return problems
 
 
-def freed(client: redis.Redis, task: str) -> bool:
-    """Every run lock of ``task`` freed (a release written, its reply read later, has run)."""
+def freed(client: redis.Redis, task: str, others: frozenset[str] = frozenset()) -> bool:
+    """Every run lock of ``task`` freed (a release written, its reply read later, has run),
+    but those of ``others`` (held by someone else: left as they are)."""
     try:
-        wait_for(lambda: not run_locks(client, task), timeout=5, message="the locks freed")
+        wait_for(lambda: set(run_locks(client, task)) == set(others), timeout=5, message="the locks freed")
     except AssertionError:
         return False
     return True
@@ -332,17 +336,45 @@ def test_every_line_of_a_nested_runs_begin_call_and_end(
     assert not signal_free(problems), "\n".join(signal_free(problems))
 
 
+@pytest.mark.parametrize("mode", ["until_executed", "until_executing"])
 @pytest.mark.parametrize("method", ["_begin", "__call__"])
 def test_every_line_of_an_until_executed_runs_begin_and_call(
-        method: str, guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper) -> None:
+        method: str, mode: str, guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper) -> None:
     """The run adopts its publish claim (``apply_async`` claims; eager here: the claim
     taken by hand first, as a queued message's)."""
     body_ran: list[int] = []
-    swept = sweep_task(eager_app, "adv.soft.until", body_ran, lock_mode="until_executed")
+    swept = sweep_task(eager_app, "adv.soft.until", body_ran, lock_mode=mode)
     code = getattr(SingletonTask, method).__code__
     problems = sweep(code, lambda n: swept.apply((n,)), redis_db, keeper, "adv.soft.until",
                      deep=method == "_begin", body_ran=body_ran)
     assert not signal_free(problems), "\n".join(signal_free(problems))
+
+
+@pytest.mark.parametrize(("on_conflict", "ended"), [("skip", TaskSkipped), ("raise", DuplicateTaskError)])
+def test_every_line_of_a_run_that_meets_its_lock_held_by_another(
+        on_conflict: str, ended: type[BaseException], guarded: None, eager_app: Celery, redis_db: redis.Redis,
+        keeper: LeaseKeeper) -> None:
+    """Another holds the key: wherever in ``_begin`` the soft limit lands, the run ends as
+    its conflict says (skipped, refused), the limit dropped (not raised in a later run), the
+    other's lock left alone."""
+    body_ran: list[int] = []
+
+    @eager_app.task(base=SingletonTask, name="adv.soft.conflict", shared=False, lock_ttl=600.0,
+                    on_conflict=on_conflict)
+    def conflict(n: int) -> str:
+        body_ran.append(n)
+        return "ran"
+
+    key = conflict.singleton_key((0,))
+    other = take_lock(redis_db, key, 600.0, task="adv.soft.conflict", task_id="the-other")
+    assert other.acquired
+    try:
+        problems = sweep(SingletonTask._begin.__code__, lambda n: conflict.apply((0,)), redis_db, keeper,
+                         "adv.soft.conflict", deep=True, body_ran=body_ran, ends=(ended,), others=frozenset({key}))
+        assert not problems, "\n".join(problems)
+        assert not body_ran
+    finally:
+        redis_db.delete(key)
 
 
 def test_every_line_of_a_fail_open_runs_begin(

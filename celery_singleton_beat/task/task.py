@@ -231,7 +231,10 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
                 self._end(request, run, ending)
             finally:
                 ending = None  # no cycle through this frame's traceback
-                soft_limit.raise_held()  # one that landed in _end
+                if run is None:  # it did not begin: it ends as what ended it says (_begin)
+                    soft_limit.drop_held()
+                else:
+                    soft_limit.raise_held()  # one that landed in _end
 
     @classmethod
     def _singleton_direct_call(cls) -> bool:
