@@ -31,8 +31,9 @@ the soft limit reached the run (its result is ``SoftTimeLimitExceeded``).
    ``test_a_nested_run_in_an_except_block_ends_as_it_returned``).
 3. Nested runs (the nested call's frames), ``until_executed`` and ``until_executing``
    runs, ``fail_open`` runs, runs that meet their lock held by another (skipped, refused:
-   they end as that says, the limit dropped) swept the same way: **held** once 2 was fixed (before: the same ``__call__`` lines broke,
-   and ``fail_open``'s ``return`` after its ``raise_held`` held the limit through the body).
+   they end as that says, the limit dropped) swept the same way: **held** once 2 was fixed
+   (before: the same ``__call__`` lines broke, and ``fail_open``'s ``return`` after its
+   ``raise_held`` held the limit through the body).
 4. The wait of a worker's run for its lock Redis: each line of ``wait_for_redis``,
    ``OutageWait.after_failure`` and ``in_time`` (the acquire tried again, its lease
    returned): **held**. Under the retry's publish (``Task.retry`` -> ``apply_async``):
@@ -42,6 +43,11 @@ the soft limit reached the run (its result is ``SoftTimeLimitExceeded``).
    (``test_a_soft_limit_in_the_publish_of_a_waits_retry_ends_the_wait``). Fixed:
    ``OutageWait._publish`` is a held region; the held limit ends the wait as the pause
    begins (the publish failed), or is dropped with the run once the retry is published.
+5. A soft limit held in ``_end`` of a run whose body decided its ending (``Ignore``,
+   ``Reject(requeue=True)``, ``Retry``): raised after ``_end`` in its place (**broke**): the
+   run stored as a ``FAILURE`` over the body's own state, its message acknowledged as a
+   failure instead of given back, contradicting what was recorded, which ``_begin``'s rule
+   for a run that did not begin avoids. Fixed: dropped there too.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 import celery.app.task
+import celery.exceptions
 import pytest
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -494,3 +501,27 @@ def test_a_soft_limit_in_the_publish_of_a_waits_retry_ends_the_wait(
     finally:
         locks.flushall()
         locks.close()
+
+
+# ------------------------------------------- 5. a held limit after an ending already decided
+
+@pytest.mark.parametrize("decided", ["Ignore", "Reject"])
+def test_a_soft_limit_held_in_end_after_a_decided_ending_is_dropped(
+        decided: str, guarded: None, eager_app: Celery, redis_db: redis.Redis, keeper: LeaseKeeper) -> None:
+    """The body ends its run as decided and recorded by itself: ``Ignore`` (its state stored
+    by the body, not to be overwritten), ``Reject(requeue=True)`` (its message given back).
+    A soft limit landing in ``_end`` was held and raised after it, in place of that ending:
+    the run stored as a ``FAILURE`` over the body's state, the message acknowledged as a
+    failure instead of given back. ``_begin`` drops one for a run whose ending is decided
+    (skip, retry, given back: "which a failure would contradict"); ``_end`` now does too."""
+    @eager_app.task(base=SingletonTask, name=f"adv.soft.decided.{decided}", shared=False, lock_ttl=600.0)
+    def decides() -> str:
+        raise celery.exceptions.Ignore() if decided == "Ignore" else celery.exceptions.Reject("later", requeue=True)
+
+    landing = Landing(SingletonTask._end.__code__, 0, deep=True)
+    result = landing.run(decides.apply)
+    assert landing.landed is not None
+    assert not isinstance(result.result, SoftTimeLimitExceeded), f"{decided} replaced by the held soft limit"
+    assert isinstance(result.result, getattr(celery.exceptions, decided)), result.result
+    assert not soft_limit._held
+    assert freed(redis_db, f"adv.soft.decided.{decided}")

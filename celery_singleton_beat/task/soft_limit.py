@@ -43,7 +43,8 @@ A held one is raised in its own run or in none. A run that fails to begin (its l
 by another: skipped, refused, retried; a delivery already completed; an outage wait that
 ended) drops it: that run never ran its body, and its ending is already decided and
 recorded (a skip stored, a retry published, a message given back), which a failure would
-contradict. A run that begins drops one left from an earlier run (:func:`drop_held`).
+contradict; so does a run whose body decided its ending (``Retry``, ``Ignore``, ``Reject``)
+for one held as it ends. A run that begins drops one left from an earlier run (:func:`drop_held`).
 The cost: a soft limit landing while an acquire waits for its reply (a paused or stalled
 lock Redis) is raised once the reply comes or the lock client's read timeout passes.
 

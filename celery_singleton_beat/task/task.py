@@ -52,7 +52,7 @@ import celery
 import redis
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.functional import maybe_list
 
 from .. import config
@@ -83,6 +83,9 @@ __all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "SingletonRun", "SingletonTas
 def _stores_results(task: celery.Task) -> bool:
     """The task's app has a result backend (results of runs that do not ignore them are stored)."""
     return not isinstance(task.backend, DisabledBackend)
+
+#: Endings a body decides and has recorded itself: a soft limit held in ``_end`` is dropped.
+_DECIDED = (Ignore, Reject, Retry)
 
 #: Counter bumped when a run finds its lock held, by ``on_conflict``.
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
@@ -230,11 +233,15 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
             try:
                 self._end(request, run, ending)
             finally:
+                # One that landed in _end is raised, unless the run did not begin, or its body
+                # decided its ending and had it recorded (a retry published, a message given
+                # back, a state the body stored): it ends as that says, as in _begin.
+                decided = run is None or isinstance(ending, _DECIDED)
                 ending = None  # no cycle through this frame's traceback
-                if run is None:  # it did not begin: it ends as what ended it says (_begin)
+                if decided:
                     soft_limit.drop_held()
                 else:
-                    soft_limit.raise_held()  # one that landed in _end
+                    soft_limit.raise_held()
 
     @classmethod
     def _singleton_direct_call(cls) -> bool:
