@@ -231,7 +231,9 @@ class OutageWait:
         wait (raises), or pause until the next attempt may start (returns).
 
         A soft time limit is raised at once in here (:mod:`.soft_limit`), and ends the
-        wait: nothing is held, and the pause must not outlast the run's time."""
+        wait: nothing is held, and the pause must not outlast the run's time. In the
+        retry's publish it is held (``retry()`` would take it for a failed publish) and
+        raised once the publish failed."""
         task, request = self.task, self.request
         self.error = LockUnavailable(self.key, exc)
         countdown = task._backoff(max(request.retries or 0, self.attempts))

@@ -31,18 +31,20 @@ marked running with no thread (no later lease renewed, no later count written), 
 renewed for as long as the process lived.
 
 One exception, where nothing is held and a prompt raise matters: the pause of a run
-waiting for its lock Redis (:meth:`.OutageWait.after_failure`: publishing the retry,
-sleeping until the next attempt) raises it at once, and the wait ends on it ("its soft
-time limit struck"). The innermost of these frames met from where the signal landed
-decides: an acquire retried by that wait is held; a soft limit held by it ends the wait
-as the next pause begins (once the retry could not be published), or is raised as the
-run begins if that acquire got the lock.
+waiting for its lock Redis (:meth:`.OutageWait.after_failure`: sleeping until the next
+attempt) raises it at once, and the wait ends on it ("its soft time limit struck"). The
+innermost of these frames met from where the signal landed decides: an acquire retried
+by that wait is held, and so is the publish of its retry (Celery's ``retry()`` takes any
+exception there for a failed publish); a soft limit held by them ends the wait as the
+next pause begins (once the retry could not be published), is dropped with the run once
+the retry is published, or is raised as the run begins if that acquire got the lock.
 
 A held one is raised in its own run or in none. A run that fails to begin (its lock held
 by another: skipped, refused, retried; a delivery already completed; an outage wait that
 ended) drops it: that run never ran its body, and its ending is already decided and
 recorded (a skip stored, a retry published, a message given back), which a failure would
-contradict. A run that begins drops one left from an earlier run (:func:`drop_held`).
+contradict; so does a run whose body decided its ending (``Retry``, ``Ignore``, ``Reject``)
+for one held as it ends. A run that begins drops one left from an earlier run (:func:`drop_held`).
 The cost: a soft limit landing while an acquire waits for its reply (a paused or stalled
 lock Redis) is raised once the reply comes or the lock client's read timeout passes.
 
@@ -88,7 +90,12 @@ RUN, HOLD, RAISING, OUTSIDE = "run", "hold", "raising", "outside"
 #: under it (innermost first) is.
 _MARKED = (("celery_singleton_beat.task.task", "SingletonTask", "_begin", HOLD),
            ("celery_singleton_beat.task.task", "SingletonTask", "_end", HOLD),
-           ("celery_singleton_beat.task.outage", "OutageWait", "after_failure", RUN))
+           ("celery_singleton_beat.task.outage", "OutageWait", "after_failure", RUN),
+           # Its publish: Celery's ``retry()`` turns any Exception its publish raises into
+           # ``Reject`` ("could not publish"), which the wait takes for a failed publish and
+           # goes on: the soft limit lost, the body run past it. Held: raised as the pause
+           # begins once the publish failed, dropped with the run once it was published.
+           ("celery_singleton_beat.task.outage", "OutageWait", "_publish", HOLD))
 
 
 def _marks() -> dict[CodeType, str]:

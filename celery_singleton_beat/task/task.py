@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 import time
 import types
 from typing import Any, ClassVar
@@ -53,7 +52,7 @@ import celery
 import redis
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.functional import maybe_list
 
 from .. import config
@@ -84,6 +83,9 @@ __all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "SingletonRun", "SingletonTas
 def _stores_results(task: celery.Task) -> bool:
     """The task's app has a result backend (results of runs that do not ignore them are stored)."""
     return not isinstance(task.backend, DisabledBackend)
+
+#: Endings a body decides and has recorded itself: a soft limit held in ``_end`` is dropped.
+_DECIDED = (Ignore, Reject, Retry)
 
 #: Counter bumped when a run finds its lock held, by ``on_conflict``.
 _CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
@@ -206,8 +208,15 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         # One left from a run that ended is not this run's. Dropped here, not in _begin: one
         # landing as _begin starts is this run's, held there.
         soft_limit.drop_held()
-        run = request.singleton = self._begin(request, args, kwargs)
+        # From the lease kept to _end, no instruction of this frame may raise a soft time
+        # limit (a frame not marked in soft_limit: "in the run") outside the try: _begin is
+        # called inside it, and the ending is caught, not asked for (``sys.exc_info()``, a
+        # C call, after which the interpreter runs pending signal handlers, in this frame).
+        run: SingletonRun | None = None
+        ending: BaseException | None = None
         try:
+            run = request.singleton = self._begin(request, args, kwargs)
+            soft_limit.raise_held()  # one held after _begin's own safe point: before the body
             if direct:
                 # As a worker's stack protection marks the request when it runs the body on
                 # it: a call nested in this run (``self(...)``) then gets a request of its own
@@ -215,13 +224,24 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
                 request._protected = 1
                 return self.run(*args, **kwargs)
             return super().__call__(*args, **kwargs)
+        except BaseException as exc:
+            ending = exc  # this run's own (not one an outer body is handling: a call nested in an except)
+            raise
         finally:
             if outer is not None:
                 request.singleton = outer
             try:
-                self._end(request, run, sys.exc_info()[1])
+                self._end(request, run, ending)
             finally:
-                soft_limit.raise_held()  # one that landed in _end
+                # One that landed in _end is raised, unless the run did not begin, or its body
+                # decided its ending and had it recorded (a retry published, a message given
+                # back, a state the body stored): it ends as that says, as in _begin.
+                decided = run is None or isinstance(ending, _DECIDED)
+                ending = None  # no cycle through this frame's traceback
+                if decided:
+                    soft_limit.drop_held()
+                else:
+                    soft_limit.raise_held()
 
     @classmethod
     def _singleton_direct_call(cls) -> bool:
