@@ -136,7 +136,7 @@ class Renewer:
         return Later(at)
 
     def renew_one(self, kept: KeptLease, outcome: Renewal | BaseException | None = None,
-               via: Any = None) -> float | None:
+                  via: Any = None) -> float | None:
         """Renew once (or judge ``outcome``, what a batched renewal of it found) through ``via``
         (the keeper's client of the lease's server; found here when None); the monotonic
         time of the next attempt, or None when done."""
