@@ -27,6 +27,7 @@ without it) is used with the portable commands only, and no window is opened:
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,8 +41,8 @@ from ..log import logger
 from .records import records_of, server_key
 from .window import NO_WINDOW, WINDOW_SLACK, Recovery, ServerMemory, memory_for, notice
 
-__all__ = ["FLOOR", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer", "memory_for",
-           "on_data_lost", "parse_info", "server_of", "version_text"]
+__all__ = ["FLOOR", "INFO_SECTIONS", "PORTABLE", "LockServer", "ServerInfo", "ServerMemory", "UnsupportedServer",
+           "memory_for", "on_data_lost", "parse_info", "server_of", "version_text"]
 
 #: The oldest server the library runs on: ``SET ... GET`` (the liveness heartbeat)
 #: arrived in Redis 6.2.
@@ -136,17 +137,20 @@ class ServerInfo:
 UNKNOWN = ServerInfo("redis", FLOOR, FLOOR, "", True, False, known=False)
 
 
+#: The ``INFO`` sections the check reads (what :func:`parse_info` needs), asked one per command in
+#: one round trip: a single ``INFO`` with several sections needs Redis 7.0, the floor is 6.2.
+INFO_SECTIONS = ("server", "persistence", "replication", "cluster")
+#: One ``name:value`` line of ``INFO`` (section headers start with ``#``).
+_FIELD = re.compile(r"^([^#:\r\n][^:\r\n]*):([^\r\n]*)", re.M)
+
+
 def parse_info(raw: Any) -> ServerInfo:
     """A :class:`ServerInfo` from the text of ``INFO`` (or redis-py's parsed dict)."""
     if isinstance(raw, dict):
         fields = {str(k): str(v) for k, v in raw.items()}
     else:
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-        fields = {}
-        for line in text.splitlines():
-            name, sep, value = line.partition(":")
-            if sep and not name.startswith("#"):
-                fields[name.strip()] = value.strip()
+        fields = {name.strip(): value.strip() for name, value in _FIELD.findall(text)}
     redis_version = _version(fields.get("redis_version", "0"))
     valkey = fields.get("server_name") == "valkey" or "valkey_version" in fields
     version = _version(fields["valkey_version"]) if valkey and "valkey_version" in fields else redis_version
@@ -244,7 +248,9 @@ class LockServer:
 
     def on_connect(self, connection: Any) -> None:
         """redis-py's ``redis_connect_func`` for the library's clients: set the new
-        connection up as usual, then :meth:`check` it (once per socket)."""
+        connection up as usual (less what this server is known not to need: see
+        :func:`_lean_handshake`), then :meth:`check` it (once per socket)."""
+        _lean_handshake(connection, self.info)
         connection.on_connect()
         self.check(connection)
         connection.csb_checked = connection._sock
@@ -253,8 +259,7 @@ class LockServer:
         """Learn what the server behind ``connection`` is; open or join a recovery window
         if it may have lost locks (see :mod:`.window`)."""
         try:
-            connection.send_command("INFO")
-            info = parse_info(connection.read_response())
+            info = parse_info(_read_info(connection))
         except ResponseError as exc:  # NOPERM: portable commands, no windows
             logger.debug("INFO refused on the lock Redis (%s): portable lock commands, no restart detection", exc)
             info = UNKNOWN
@@ -341,6 +346,50 @@ def _portable(info: ServerInfo) -> ServerInfo:
 PORTABLE = UNKNOWN
 
 _server_lock = threading.Lock()
+
+
+def _read_info(connection: Any) -> str:
+    """The :data:`INFO_SECTIONS` of the server behind ``connection``, in one round trip
+    (every reply read before a refusal is raised: the connection stays in step)."""
+    connection.send_packed_command(connection.pack_commands([("INFO", section) for section in INFO_SECTIONS]))
+    texts: list[str] = []
+    refused: ResponseError | None = None
+    for _ in INFO_SECTIONS:
+        try:
+            reply = connection.read_response()
+        except ResponseError as exc:
+            refused = exc
+            continue
+        texts.append(reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply))
+    if refused is not None:
+        raise refused
+    return "\r\n".join(texts)
+
+
+#: The Redis version that knows ``CLIENT SETINFO`` (Valkey has it from its first release).
+_SETINFO_SINCE = (7, 2, 0)
+
+
+def _lean_handshake(connection: Any, known: ServerInfo | None) -> None:
+    """Leave out of a new connection's handshake what the server is known not to need.
+
+    * redis-py's health check: with ``health_check_interval`` set, a new connection's first
+      command is preceded by a ``PING``. The handshake's own replies confirm a connection
+      just made, so it counts as the check.
+    * ``CLIENT SETINFO`` (the client library's name and version) when the server this
+      client last saw (``known``) is a Redis older than 7.2, which refuses it: redis-py
+      sends it and ignores the error. Until a check saw the server, it is sent.
+
+    Each costs a round trip and its Python on every connection: a gevent worker opens
+    its pool's connections while its first runs start (see docs/performance.md).
+    """
+    interval = getattr(connection, "health_check_interval", 0)
+    if interval:
+        connection.next_health_check = time.monotonic() + interval
+    if known is not None and known.known and known.flavour == "redis" and known.redis_version < _SETINFO_SINCE:
+        for name in ("driver_info", "lib_name", "lib_version"):  # redis-py 7+; 5.x and 6.x
+            if getattr(connection, name, None) is not None:
+                setattr(connection, name, None)
 
 
 def server_of(client: Any) -> LockServer:
