@@ -103,6 +103,15 @@ def signalled_at_second_kept(calls: list[str]) -> type:
 
     return Signalled
 
+def run_during(outage: Outage, task: Any, task_id: str) -> Any:
+    """``task`` run as a worker runs it (:func:`run_as_worker`) while ``outage`` lasts."""
+    outage.begin()
+    try:
+        return run_as_worker(task, task_id)
+    finally:
+        outage.end()
+
+
 def numbered_task(app: Celery, name: str) -> Any:
     """A singleton task ``name`` of ``app`` whose runs (one key per ``n``) return ``"ran"``."""
     @app.task(base=SingletonTask, name=name, shared=False, lock_ttl=1.0, unique_on=["n"])
@@ -471,11 +480,7 @@ def test_a_soft_limit_in_the_wait_for_redis_ends_the_wait_before_its_next_pause(
     def waits() -> str:
         return "ran"
 
-    outage.begin()
-    try:
-        info = run_as_worker(waits, "waits-1")
-    finally:
-        outage.end()
+    info = run_during(outage, waits, "waits-1")
     assert steps == (["pause"] if lands == "in the pause" else ["pause", "landed"])
     assert isinstance(info.retval, LockUnavailable), info.retval
     assert ended_because(caplog, "waits-1") and all(
@@ -515,11 +520,7 @@ def test_a_soft_limit_in_the_acquire_the_wait_for_redis_tries_again_is_held_and_
     def waited() -> str:
         return "ran"
 
-    outage.begin()
-    try:
-        info = run_as_worker(waited, "waited-1")
-    finally:
-        outage.end()
+    info = run_during(outage, waited, "waited-1")
     try:
         assert steps == ["pause", "landed"]
         assert isinstance(info.retval, SoftTimeLimitExceeded), info.retval
