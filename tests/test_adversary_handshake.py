@@ -26,7 +26,10 @@ What was tried, and what it found:
 3. ``INFO`` refused by an ACL (all of it, or every section but some): HELD, RESP2 and RESP3: the
    check reads all four replies before raising, the server is taken as unknown (portable
    commands), and the lock acquired next on the same connection gets its own reply.
-   ``test_info_refused_by_an_acl_leaves_the_connection_in_step``.
+   ``test_info_refused_by_an_acl_leaves_the_connection_in_step``. No ACL refuses a section
+   where it grants a plain ``INFO`` (``-info|cluster`` is refused by ``ACL SETUSER``, Redis
+   6.2, 7.0, Valkey 9.1); one granting only the four sections now has its server known.
+   ``test_a_user_granted_only_the_four_sections_is_known``.
 4. The connection cut at several points of the four ``INFO`` replies (inside the first, between
    replies, inside the last): HELD: the connection is dropped (never lent half read), and the
    next request on a new connection gets its own reply.
@@ -214,6 +217,31 @@ def test_info_refused_by_an_acl_leaves_the_connection_in_step(make_redis: Callab
         result = take_lock(client, "singleton:hs-acl-2", 30.0, task="adv")
         assert result.lease is not None
         assert admin.get("singleton:hs-acl-2") == result.lease.value.encode()
+    finally:
+        client.close()
+        admin.close()
+        reset_clients()
+
+
+def test_a_user_granted_only_the_four_sections_is_known(make_redis: Callable[..., RedisServer]) -> None:
+    """An ACL can grant ``INFO <section>`` without ``INFO`` (never the reverse: ``-info|cluster``
+    is refused by ``ACL SETUSER``): such a user, granted the four sections, has its server known
+    (restart detection on), and no grant makes the four-section check refused where a plain
+    ``INFO`` was not."""
+    server = make_redis()
+    admin = server.client()
+    mark_in_use(admin)
+    with pytest.raises(redis.ResponseError):
+        admin.execute_command("ACL", "SETUSER", "probe", "reset", "on", ">pw", "+@all", "-info|cluster")
+    admin.execute_command("ACL", "SETUSER", "locks", "reset", "on", ">pw", "~*", "&*", "+@all", "-info",
+                          *(f"+info|{section}" for section in ("server", "persistence", "replication", "cluster")))
+    client = _lock_client(f"redis://locks:pw@127.0.0.1:{server.port}/0")
+    try:
+        connection = _checked(client)
+        info = client.csb_server.info
+        assert info is not None and info.known and info.run_id == admin.info("server")["run_id"]
+        assert not connection.can_read(0)
+        client.connection_pool.release(connection)
     finally:
         client.close()
         admin.close()

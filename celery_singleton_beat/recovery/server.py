@@ -373,6 +373,7 @@ _SETINFO_SINCE = (7, 2, 0)
 _DRIVER_DETAILS = ("driver_info", "lib_name", "lib_version")
 
 
+@functools.cache
 def _health_clock() -> Callable[[], float]:
     """The clock redis-py's health check compares ``next_health_check`` with: ``time.time``
     up to redis-py 5.0 (``from time import time`` in :mod:`redis.connection`),
