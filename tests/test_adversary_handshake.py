@@ -33,7 +33,10 @@ What was tried, and what it found:
 4. The connection cut at several points of the four ``INFO`` replies (inside the first, between
    replies, inside the last): HELD: the connection is dropped (never lent half read), and the
    next request on a new connection gets its own reply.
-   ``test_a_connection_cut_inside_the_info_replies_is_dropped_not_lent``.
+   ``test_a_connection_cut_inside_the_info_replies_is_dropped_not_lent``. The same with an
+   exception raised by a signal handler (a soft time limit) while the check waits for the
+   rest of the replies: HELD (redis-py drops the connection on any exception inside a read).
+   ``test_a_check_interrupted_inside_the_info_replies_leaves_no_reply_unread``.
 5. Callers of the old full ``INFO``: none. Every :class:`ServerInfo` field comes from the
    four sections (``uptime_in_seconds`` and the versions from ``server``, ``aof_enabled`` from
    ``persistence``, ``role``/``master_replid2`` from ``replication``, ``cluster_enabled``);
@@ -45,6 +48,7 @@ What was tried, and what it found:
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -345,6 +349,98 @@ def test_a_connection_cut_inside_the_info_replies_is_dropped_not_lent(make_redis
             client.close()
             admin.close()
             reset_clients()
+
+
+class _Interrupted(Exception):
+    """What a signal handler raises in the middle of a read (as Celery's soft time limit does)."""
+
+
+class _InterruptInsideInfo(_CutInsideInfo):
+    """Relays ``limit`` bytes of the server's answer to the next connection's ``INFO``, then
+    holds the rest back and signals the main thread (its handler raises :class:`_Interrupted`
+    in the read that waits for the rest)."""
+
+    def __init__(self, upstream_port: int, limit: int) -> None:
+        self.main = threading.main_thread().ident
+        self.held: list[socket.socket] = []
+        super().__init__(upstream_port, limit)
+
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        state: dict[str, Any] = {"watching": None, "relayed": 0, "holding": False}
+
+        def from_client(data: bytes) -> bool:
+            if state["watching"] is None and b"\r\n$4\r\nINFO\r\n" in data.upper():
+                with self._lock:
+                    state["watching"], self._armed = self._armed, False
+            self.forward(upstream, data)
+            return True
+
+        def from_server(data: bytes) -> bool:
+            if state["holding"]:
+                return True  # held back for good
+            if state["watching"]:
+                room = self.limit - state["relayed"]
+                if len(data) >= room:
+                    self.forward(client, data[:room])
+                    state["holding"] = True
+                    with self._lock:
+                        self.cuts += 1
+                        self.held.append(client)
+                    assert self.main is not None
+                    signal.pthread_kill(self.main, signal.SIGUSR2)
+                    return True
+                state["relayed"] += len(data)
+            self.forward(client, data)
+            return True
+
+        self.spawn(self.relay, client, from_client, lambda: close_socket(upstream), name="hs-up")
+        self.spawn(self.relay, upstream, from_server, lambda: close_socket(client), name="hs-down")
+
+    def close(self) -> None:
+        super().close()
+        for sock in self.held:
+            close_socket(sock)
+
+
+@pytest.mark.parametrize("where", ["inside-first", "after-first", "inside-third"])
+def test_a_check_interrupted_inside_the_info_replies_leaves_no_reply_unread(
+        make_redis: Callable[..., RedisServer], where: str) -> None:
+    """An exception raised by a signal handler (a soft time limit) while the check waits for
+    the rest of the four ``INFO`` replies: the connection is dropped, and the next one's
+    requests get their own replies."""
+    server = make_redis()
+    admin = server.client()
+    mark_in_use(admin)
+    sizes = _info_sizes(server)
+    limit = {"inside-first": 7, "after-first": sizes[0], "inside-third": sum(sizes[:2]) + sizes[2] // 2}[where]
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted(where)
+
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    proxy = _InterruptInsideInfo(server.port, limit)
+    client = _lock_client(proxy.url(0), protocol=2)
+    try:
+        pool = client.connection_pool
+        with pytest.raises(_Interrupted):
+            _lend(pool)
+        assert proxy.cuts == 1
+        assert all(connection._sock is None for connection in pool._available_connections)
+        connection = _lend(pool)  # a new connection, relayed as is
+        assert not connection.can_read(0)
+        connection.send_command("SET", "singleton:hs-int", where)
+        assert connection.read_response() == b"OK"
+        connection.send_command("GET", "singleton:hs-int")
+        assert connection.read_response() == where.encode()
+        pool.release(connection)
+        result = take_lock(client, "singleton:hs-int-lock", 30.0, task="adv")
+        assert result.lease is not None
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        client.close()
+        proxy.close()
+        admin.close()
+        reset_clients()
 
 
 # -------------------------------------------------------------------- 5. the four sections
