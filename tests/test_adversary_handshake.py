@@ -14,6 +14,12 @@ What was tried, and what it found:
    library"). Cosmetic (nothing reads ``lib-name``), fixed: the stripped details are kept on
    the connection and put back once the server known is not an older Redis.
    ``test_a_connection_stripped_for_an_old_redis_names_its_library_once_the_server_knows_setinfo``.
+   The same waste the change removes for a Redis older than 7.2 stays on Redis 7.2+ and
+   Valkey with the user ``acl_rules()`` recommends: it is not granted ``client|setinfo``
+   (Redis 7.0 refuses that rule in ``ACL SETUSER``, so it cannot be), redis-py sends
+   ``CLIENT SETINFO`` twice on each new connection and swallows the two NOPERM refusals,
+   each an ACL LOG entry and a rejected call in the server's stats: UNFIXED (strict xfail),
+   ``test_the_recommended_acl_user_is_not_refused_client_setinfo_on_each_connection``.
 2. The health-check PING skipped on a new connection, with ``health_check_interval`` set (the
    library's default, 30 s), RESP2 and RESP3 with a password (``HELLO 3 AUTH``): HELD on
    redis-py 8.2; BROKE on redis-py 5.0.0 (the declared floor), whose health check compares
@@ -158,6 +164,36 @@ def test_a_connection_stripped_for_an_old_redis_names_its_library_once_the_serve
         reset_clients()
         for server in (old, new):
             server.close()
+
+
+@pytest.mark.xfail(strict=True, reason="unfixed: acl_rules() cannot grant +client|setinfo (Redis 7.0 refuses "
+                   "the rule in ACL SETUSER), and redis-py swallows the refusal: each new connection to Redis 7.2+ "
+                   "or Valkey sends two CLIENT SETINFO that the recommended user is refused (NOPERM, ACL LOG)")
+def test_the_recommended_acl_user_is_not_refused_client_setinfo_on_each_connection() -> None:
+    """A user with exactly ``acl_rules()`` on Valkey 9.1 (which knows ``CLIENT SETINFO``): the
+    lock client's new connections are set up with no command refused."""
+    from celery_singleton_beat.connection.client import acl_rules
+
+    valkey = register(RedisServer(name="hs-valkey-acl", binary=valkey_server_binary()))
+    try:
+        valkey.start()
+        admin = valkey.client()
+        mark_in_use(admin)
+        admin.execute_command("ACL", "SETUSER", "locks", "on", ">pw", *acl_rules())
+        admin.acl_log_reset()
+        client = _lock_client(f"redis://locks:pw@127.0.0.1:{valkey.port}/0")
+        try:
+            connections = [_checked(client) for _ in range(4)]
+            for connection in connections:
+                client.connection_pool.release(connection)
+            refused = {entry["object"]: entry["count"] for entry in admin.acl_log()}
+            assert not refused, f"refused to the acl_rules() user while 4 connections were set up: {refused}"
+        finally:
+            client.close()
+            admin.close()
+            reset_clients()
+    finally:
+        valkey.close()
 
 
 # -------------------------------------------------------------------- 2. the health-check PING
