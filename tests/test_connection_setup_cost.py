@@ -75,7 +75,9 @@ def _open(lock_client: Any, count: int) -> None:
     from celery_singleton_beat.connection.wire import ensure_checked, looker_of
 
     pool = lock_client.connection_pool
-    connections = [pool.get_connection() for _ in range(count)]
+    # redis-py before 5.3 wants a command name (ignored); 5.3+ deprecates it
+    connections = [pool.get_connection() if hasattr(redis, "driver_info") else pool.get_connection("_")
+                   for _ in range(count)]
     assert len({id(connection) for connection in connections}) == count
     for connection in connections:
         ensure_checked(connection, looker_of(lock_client))

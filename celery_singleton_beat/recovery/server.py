@@ -368,6 +368,20 @@ def _read_info(connection: Any) -> str:
 
 #: The Redis version that knows ``CLIENT SETINFO`` (Valkey has it from its first release).
 _SETINFO_SINCE = (7, 2, 0)
+#: A connection's client-library details (what redis-py sends with ``CLIENT SETINFO``):
+#: ``driver_info`` in redis-py 7+, ``lib_name`` and ``lib_version`` in 5.x and 6.x.
+_DRIVER_DETAILS = ("driver_info", "lib_name", "lib_version")
+
+
+@functools.cache
+def _health_clock() -> Callable[[], float]:
+    """The clock redis-py's health check compares ``next_health_check`` with: ``time.time``
+    up to redis-py 5.0 (``from time import time`` in :mod:`redis.connection`),
+    ``time.monotonic`` since (the module ``time`` imported there)."""
+    import redis.connection
+
+    found = getattr(redis.connection, "time", None)
+    return found if callable(found) else time.monotonic
 
 
 def _lean_handshake(connection: Any, known: ServerInfo | None) -> None:
@@ -375,21 +389,32 @@ def _lean_handshake(connection: Any, known: ServerInfo | None) -> None:
 
     * redis-py's health check: with ``health_check_interval`` set, a new connection's first
       command is preceded by a ``PING``. The handshake's own replies confirm a connection
-      just made, so it counts as the check.
+      just made, so it counts as the check (the deadline is set on redis-py's own clock:
+      see :func:`_health_clock`).
     * ``CLIENT SETINFO`` (the client library's name and version) when the server this
       client last saw (``known``) is a Redis older than 7.2, which refuses it: redis-py
-      sends it and ignores the error. Until a check saw the server, it is sent.
+      sends it and ignores the error. Until a check saw the server, it is sent. The details
+      left out are kept on the connection (``csb_driver``) and put back when the server
+      known is no longer such a Redis (a failover, an upgrade): a pooled connection object
+      lives across reconnections, to whatever server its address leads to.
 
     Each costs a round trip and its Python on every connection: a gevent worker opens
     its pool's connections while its first runs start (see docs/performance.md).
     """
     interval = getattr(connection, "health_check_interval", 0)
     if interval:
-        connection.next_health_check = time.monotonic() + interval
+        connection.next_health_check = _health_clock()() + interval
+    kept: dict[str, Any] | None = getattr(connection, "csb_driver", None)
     if known is not None and known.known and known.flavour == "redis" and known.redis_version < _SETINFO_SINCE:
-        for name in ("driver_info", "lib_name", "lib_version"):  # redis-py 7+; 5.x and 6.x
-            if getattr(connection, name, None) is not None:
-                setattr(connection, name, None)
+        if kept is None:
+            kept = connection.csb_driver = {name: getattr(connection, name) for name in _DRIVER_DETAILS
+                                            if getattr(connection, name, None) is not None}
+        for name in kept:
+            setattr(connection, name, None)
+    elif kept is not None:
+        for name, value in kept.items():
+            setattr(connection, name, value)
+        connection.csb_driver = None
 
 
 def server_of(client: Any) -> LockServer:
