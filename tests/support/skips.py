@@ -28,18 +28,6 @@ ALLOWED_SKIPS = {
     "tests/test_compose.py::test_docker_compose_accepts_the_file":
         "needs Docker with its compose plugin, which CI machines do not have; the "
         "other tests of test_compose.py check the same file without Docker",
-    **{f"tests/test_adversary_keeper.py::{name}[{protocol}]":
-        "needs Valkey 9.1 beside Redis (VALKEY_SERVER, or what `make bench` installs), which CI's "
-        "full run does not install; CI runs the lock's own tests on Valkey 9.1 (make test-matrix-smoke)"
-       for name in ("test_a_server_restarted_as_another_version_renews_each_lease_with_its_own_value_and_ttl",
-                    "test_native_renewals_judge_each_lease_on_its_own_reply") for protocol in (2, 3)},
-    **{f"tests/test_adversary_handshake.py::{name}":
-        "needs Valkey 9.1 beside Redis (VALKEY_SERVER, or what `make bench` installs), which CI's "
-        "full run does not install"
-       for name in ("test_a_connection_stripped_for_an_old_redis_names_its_library_once_the_server_knows_setinfo",
-                    "test_the_recommended_acl_user_is_not_refused_client_setinfo_on_each_connection",
-                    *(f"test_valkey_is_recognised_from_the_four_sections[{decode}-{protocol}]"
-                      for decode in ("bytes", "decoded") for protocol in (2, 3)))},
 }
 
 
