@@ -7,8 +7,9 @@ often. In the leases benchmark's 1,000-run round the collector's time from the f
 to the last was about 0.24 s of CPU in ours against 0.09 s in plain Celery's worker. So
 each thing a held run keeps is counted here (no timing):
 
-* the report of a lost lease (``KeptLease.on_lost``) is one object per run, not a closure
-  (a function, its tuple of cells and a cell for each of its five fields: seven);
+* the report of a lost lease (``KeptLease.on_lost``) is shared by a task's runs (it names the
+  run by its lease's task id): none per run (a closure was seven: a function, its tuple of
+  cells and a cell for each of its five fields; then one object per run);
 * a lock server's :meth:`~.LockServer.resumed`, asked once per acquire, reads no
   thread-local while no thread of the process ever waited for a recovery window: in a
   gevent worker that local is the greenlet's, and each run's first read built it a
@@ -72,25 +73,35 @@ def task() -> SingletonTask:
     return hold  # type: ignore[no-any-return]
 
 
-def test_a_lost_lease_report_is_one_object_per_run(task: SingletonTask) -> None:
-    """The report a run's kept lease holds is one tracked object (a closure was seven)."""
-    request = Context(id="id-1", hostname="w1@host", is_eager=False)
-    per_run = tracked_objects_per(lambda: task._lease_lost_callback(request))
-    assert per_run <= 1, f"each run's lost-lease report holds {per_run:.2f} tracked objects"
+def test_a_lost_lease_report_is_shared_by_the_runs_of_a_task(task: SingletonTask) -> None:
+    """The report a run's kept lease holds adds no tracked object per run (a closure was
+    seven, then one object per run): the runs of a task on one worker share it."""
+    requests = iter([Context(id=f"id-{n}", hostname="w1@host", is_eager=False) for n in range(MADE + 1)])
+    per_run = tracked_objects_per(lambda: task._lease_lost_callback(next(requests)))
+    assert per_run == 0, f"each run's lost-lease report holds {per_run:.2f} tracked objects"
+    eager = task._lease_lost_callback(Context(id="id-x", hostname="w1@host", is_eager=True))
+    elsewhere = task._lease_lost_callback(Context(id="id-y", hostname="w2@host", is_eager=False))
+    worker = task._lease_lost_callback(Context(id="id-z", hostname="w1@host", is_eager=False))
+    assert len({id(eager), id(elsewhere), id(worker)}) == 3  # an eager run sends no event
 
 
 def test_a_lost_lease_report_says_which_run_lost_which_lock(task: SingletonTask,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    """The report logs the task, its id, the lock and the reason, as the closure did."""
+    """The shared report logs the task, the id of the run whose lease was lost, the lock and
+    the reason, as the closure did."""
     caplog.set_level(logging.WARNING, logger="celery_singleton_beat")
     report = task._lease_lost_callback(Context(id="id-7", hostname="w1@host", is_eager=True))
+    assert task._lease_lost_callback(Context(id="id-8", hostname="w1@host", is_eager=True)) is report
 
     class Lease:
-        key = "singleton:{hold:abc}"
+        def __init__(self, key: str, task_id: str) -> None:
+            self.key, self.task_id = key, task_id
 
-    report(KeptLease(Lease(), None), "the lock expired")  # type: ignore[arg-type]
+    report(KeptLease(Lease("singleton:{hold:abc}", "id-7"), None), "the lock expired")  # type: ignore[arg-type]
+    report(KeptLease(Lease("singleton:{hold:def}", "id-8"), None), "another holder")  # type: ignore[arg-type]
     lines = [record.getMessage() for record in caplog.records]
-    assert lines == [f"{task.name}[id-7] lost its lock singleton:{{hold:abc}} while running: the lock expired"]
+    assert lines == [f"{task.name}[id-7] lost its lock singleton:{{hold:abc}} while running: the lock expired",
+                     f"{task.name}[id-8] lost its lock singleton:{{hold:def}} while running: another holder"]
 
 
 class Spy:

@@ -39,29 +39,29 @@ def _has_followers(request: Context) -> bool:
 
 
 class LostReport:
-    """A run's report of its lost lease (its :class:`.KeptLease`'s ``on_lost``): a log line
-    and, in a worker, a task event.
+    """The report of a lost lease (a :class:`.KeptLease`'s ``on_lost``): a log line and, in a
+    worker, a task event, naming the run by its lease's task id.
 
-    One object per run, held for as long as the run: a closure over the same fields was
-    seven objects (a function, its tuple of cells and a cell per field) for the cyclic garbage collector to go
-    through at every full collection, which a gevent worker holding thousands of leases
-    makes more often and longer as it takes in runs.
+    One object per task, worker hostname and eagerness, shared by every run of that task
+    in the process (see :meth:`ReleaseAtEnd._lease_lost_callback`): a gevent worker holding
+    thousands of leases takes in its next messages while every run already started holds
+    its objects, and each full collection of Python's cyclic garbage collector goes through
+    them all; an object per run (a closure before it, seven) was one more for each.
     """
 
-    __slots__ = ("eager", "hostname", "task", "task_id")
+    __slots__ = ("eager", "hostname", "task")
 
-    def __init__(self, task: Task, task_id: str, hostname: str | None, eager: bool) -> None:
+    def __init__(self, task: Task, hostname: str | None, eager: bool) -> None:
         self.task = task
-        self.task_id = task_id
         self.hostname = hostname
         self.eager = eager
 
     def __call__(self, kept: KeptLease, reason: str) -> None:
-        logger.warning("%s[%s] lost its lock %s while running: %s",
-                       self.task.name, self.task_id, kept.lease.key, reason)
-        if not self.eager:
-            send_task_event_soon(self.task.app, self.hostname, self.task_id, TASK_LOCK_LOST,
-                                 key=kept.lease.key, reason=reason)
+        lease = kept.lease
+        logger.warning("%s[%s] lost its lock %s while running: %s", self.task.name, lease.task_id, lease.key, reason)
+        if not self.eager and lease.task_id is not None:
+            send_task_event_soon(self.task.app, self.hostname, lease.task_id, TASK_LOCK_LOST,
+                                 key=lease.key, reason=reason)
 
 
 class ReleaseAtEnd(Task):
@@ -75,8 +75,17 @@ class ReleaseAtEnd(Task):
         raise NotImplementedError
 
     def _lease_lost_callback(self, request: Context) -> Callable[[KeptLease, str], None]:
-        """Report a lost lease once, the moment it is noticed (keeper or release)."""
-        return LostReport(self, request.id, request.hostname, bool(request.is_eager))
+        """Report a lost lease once, the moment it is noticed (keeper or release): the
+        task's shared :class:`LostReport` for the request's worker and eagerness (the run
+        is named by its lease's task id, the request's)."""
+        where = (request.hostname, bool(request.is_eager))
+        reports: dict[tuple[str | None, bool], LostReport] | None = self.__dict__.get("_singleton_lost_reports")
+        if reports is None:
+            reports = self.__dict__.setdefault("_singleton_lost_reports", {})
+        report = reports.get(where)
+        if report is None:
+            report = reports.setdefault(where, LostReport(self, *where))
+        return report
 
     def _release_reported(self, request: Context, kept: KeptLease,
                           done_ttl: float | None) -> Callable[[bool | None, BaseException | None], None]:
