@@ -304,31 +304,51 @@ class _CutInsideInfo(LoopbackProxy):
         self._start_accepting()
 
     def connected(self, client: socket.socket, upstream: socket.socket) -> None:
-        state: dict[str, Any] = {"cutting": None, "relayed": 0}
+        state: dict[str, Any] = {"watching": None, "relayed": 0, "holding": False}
 
         def from_client(data: bytes) -> bool:
-            if state["cutting"] is None and b"\r\n$4\r\nINFO\r\n" in data.upper():
+            if state["watching"] is None and b"\r\n$4\r\nINFO\r\n" in data.upper():
                 with self._lock:
-                    state["cutting"], self._armed = self._armed, False
+                    state["watching"], self._armed = self._armed, False
             self.forward(upstream, data)
             return True
 
         def from_server(data: bytes) -> bool:
-            if state["cutting"]:
+            if state["holding"]:
+                return True  # held back for good
+            if state["watching"]:
                 room = self.limit - state["relayed"]
                 if len(data) >= room:
-                    with self._lock:
-                        self.cuts += 1  # before the close: the client's error may come first
-                    self.forward(client, data[:room])
-                    close_socket(client)
-                    close_socket(upstream)
-                    return False
+                    return self.at_limit(client, upstream, data[:room], state)
                 state["relayed"] += len(data)
             self.forward(client, data)
             return True
 
         self.spawn(self.relay, client, from_client, lambda: close_socket(upstream), name="hs-up")
         self.spawn(self.relay, upstream, from_server, lambda: close_socket(client), name="hs-down")
+
+    def at_limit(self, client: socket.socket, upstream: socket.socket, head: bytes, state: dict[str, Any]) -> bool:
+        """The answer reached ``limit`` bytes: relay ``head`` (up to there), cut both sides."""
+        with self._lock:
+            self.cuts += 1  # before the close: the client's error may come first
+        self.forward(client, head)
+        close_socket(client)
+        close_socket(upstream)
+        return False
+
+
+def _assert_next_connection_in_step(client: Any, name: str, value: str) -> None:
+    """The pool's next connection (a new one, relayed as is) holds nothing unread and each of
+    its commands gets its own reply; a lock is then taken through the pool."""
+    pool = client.connection_pool
+    connection = _lend(pool)
+    assert connection._sock is not None and not connection.can_read(0)
+    connection.send_command("SET", f"singleton:{name}", value)
+    assert connection.read_response() == b"OK"
+    connection.send_command("GET", f"singleton:{name}")
+    assert connection.read_response() == value.encode()
+    pool.release(connection)
+    assert take_lock(client, f"singleton:{name}-lock", 30.0, task="adv").lease is not None
 
 
 @contextlib.contextmanager
@@ -372,15 +392,7 @@ def test_a_connection_cut_inside_the_info_replies_is_dropped_not_lent(make_redis
             with pytest.raises(redis.ConnectionError):
                 _lend(pool)
             assert proxy.cuts == 1
-            connection = _lend(pool)  # a new connection, relayed as is
-            assert connection._sock is not None and not connection.can_read(0)
-            connection.send_command("SET", "singleton:hs-cut", where)
-            assert connection.read_response() == b"OK"
-            connection.send_command("GET", "singleton:hs-cut")
-            assert connection.read_response() == where.encode()
-            pool.release(connection)
-            result = take_lock(client, "singleton:hs-cut-lock", 30.0, task="adv")
-            assert result.lease is not None
+            _assert_next_connection_in_step(client, "hs-cut", where)
         finally:
             client.close()
             admin.close()
@@ -401,36 +413,16 @@ class _InterruptInsideInfo(_CutInsideInfo):
         self.held: list[socket.socket] = []
         super().__init__(upstream_port, limit)
 
-    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
-        state: dict[str, Any] = {"watching": None, "relayed": 0, "holding": False}
-
-        def from_client(data: bytes) -> bool:
-            if state["watching"] is None and b"\r\n$4\r\nINFO\r\n" in data.upper():
-                with self._lock:
-                    state["watching"], self._armed = self._armed, False
-            self.forward(upstream, data)
-            return True
-
-        def from_server(data: bytes) -> bool:
-            if state["holding"]:
-                return True  # held back for good
-            if state["watching"]:
-                room = self.limit - state["relayed"]
-                if len(data) >= room:
-                    self.forward(client, data[:room])
-                    state["holding"] = True
-                    with self._lock:
-                        self.cuts += 1
-                        self.held.append(client)
-                    assert self.main is not None
-                    signal.pthread_kill(self.main, signal.SIGUSR2)
-                    return True
-                state["relayed"] += len(data)
-            self.forward(client, data)
-            return True
-
-        self.spawn(self.relay, client, from_client, lambda: close_socket(upstream), name="hs-up")
-        self.spawn(self.relay, upstream, from_server, lambda: close_socket(client), name="hs-down")
+    def at_limit(self, client: socket.socket, upstream: socket.socket, head: bytes, state: dict[str, Any]) -> bool:
+        """Relay ``head``, hold the rest back for good, and signal the main thread."""
+        self.forward(client, head)
+        state["holding"] = True
+        with self._lock:
+            self.cuts += 1
+            self.held.append(client)
+        assert self.main is not None
+        signal.pthread_kill(self.main, signal.SIGUSR2)
+        return True
 
     def close(self) -> None:
         super().close()
@@ -462,15 +454,7 @@ def test_a_check_interrupted_inside_the_info_replies_leaves_no_reply_unread(
             _lend(pool)
         assert proxy.cuts == 1
         assert all(connection._sock is None for connection in pool._available_connections)
-        connection = _lend(pool)  # a new connection, relayed as is
-        assert not connection.can_read(0)
-        connection.send_command("SET", "singleton:hs-int", where)
-        assert connection.read_response() == b"OK"
-        connection.send_command("GET", "singleton:hs-int")
-        assert connection.read_response() == where.encode()
-        pool.release(connection)
-        result = take_lock(client, "singleton:hs-int-lock", 30.0, task="adv")
-        assert result.lease is not None
+        _assert_next_connection_in_step(client, "hs-int", where)
     finally:
         signal.signal(signal.SIGUSR2, previous)
         client.close()
