@@ -65,14 +65,15 @@ def test_every_lost_lease_names_its_own_run_and_worker(
     lost_report_app: ModuleType, tasks: ModuleType, redis_server: RedisServer,
     records: redis.Redis, locks: redis.Redis,
 ) -> None:
-    """Six runs hold their locks at once: five on a threads worker (sharing the task's
-    reports), one on a prefork worker; the nested run holds two (its own and its call's,
-    both named by its id, as before the change). All seven locks are deleted; each run is
-    told, and each ``task-lock-lost`` event and WARNING line names the run whose lock it
+    """Eight runs hold their locks at once: five on a threads worker (sharing the task's
+    reports), one on a prefork worker, two on a gevent worker; the nested run holds two
+    (its own and its call's, both named by its id, as before the change). All nine locks
+    are deleted; each run is told, and each ``task-lock-lost`` event and WARNING line names the run whose lock it
     was, the lock and the run's worker."""
     host = socket.gethostname()
     w1 = start_worker(redis_server, APP, "w1", pool="threads", concurrency=5, extra=["-Q", "lr1"])
     w2 = start_worker(redis_server, APP, "w2", pool="prefork", concurrency=1, extra=["-Q", "lr2"])
+    w3 = start_worker(redis_server, APP, "w3", pool="gevent", concurrency=2, extra=["-Q", "lr3"])
     app = lost_report_app
     seconds = 30.0
     sent = {  # key: (the run's AsyncResult, its worker, the id the lock must name)
@@ -82,14 +83,16 @@ def test_every_lost_lease_names_its_own_run_and_worker(
         "retried": app.retried_watch.apply_async(("retried", seconds), queue="lr1"),
         "nested": app.nested_watch.apply_async(("nested", seconds), queue="lr1"),
         "other": tasks.watch_lease.apply_async(("other", seconds), queue="lr2"),
+        "green1": tasks.watch_lease.apply_async(("green1", seconds), queue="lr3"),
+        "green2": tasks.watch_lease.apply_async(("green2", seconds), queue="lr3"),
     }
     name_of = {key: (app.claimed_watch if key == "claimed" else app.retried_watch if key == "retried"
                      else app.nested_watch if key == "nested" else tasks.watch_lease).name for key in sent}
     watched = {"nested": "nested-inner"}  # the nested call's lock is on its own key
-    worker_of = {key: ("w2" if key == "other" else "w1") for key in sent}
+    worker_of = {key: ("w2" if key == "other" else "w3" if key.startswith("green") else "w1") for key in sent}
     for key in sent:
-        wait_for(lambda k=watched.get(key, key): records.get(f"running:{k}"), timeout=60,  # type: ignore[misc]
-                 message=f"run {key} started")
+        body_key = watched.get(key, key)
+        wait_for(lambda k=body_key: records.get(f"running:{k}"), timeout=60, message=f"run {key} started")
     assert records.get("running:custom") == b"lr-custom-id"
     held: list[tuple[str, str, str]] = []  # (task id, lock, node) of every lock held
     for lock in lock_keys(locks):
@@ -106,16 +109,16 @@ def test_every_lost_lease_names_its_own_run_and_worker(
         for _, lock, _ in held:
             locks.delete(lock)
         for key in sent:
-            wait_for(lambda k=watched.get(key, key): records.get(f"outcome:{k}"), timeout=30,  # type: ignore[misc]
-                     message=f"run {key} told")
-            assert records.get(f"outcome:{watched.get(key, key)}") == b"LockLost", key
+            body_key = watched.get(key, key)
+            wait_for(lambda k=body_key: records.get(f"outcome:{k}"), timeout=30, message=f"run {key} told")
+            assert records.get(f"outcome:{body_key}") == b"LockLost", key
         wait_for(lambda: len(capture.events) >= len(held), timeout=30,
                  message=f"{len(held)} task-lock-lost events (got {capture.events})")
     got = sorted((event["uuid"], event["key"], event["hostname"]) for event in capture.events)
     assert got == sorted((task_id, lock, node) for task_id, lock, node in held)
     for task_id, lock, _ in held:
         key = key_of[task_id]
-        worker = w2 if worker_of[key] == "w2" else w1
+        worker = {"w1": w1, "w2": w2, "w3": w3}[worker_of[key]]
         worker.wait_for_line(f"{name_of[key]}[{task_id}] lost its lock {lock} while running", timeout=30)
     for key in sent:
         records.set(f"retaken:{watched.get(key, key)}", "1")
@@ -193,3 +196,51 @@ def test_a_forked_childs_reports_carry_their_own_hostnames(task: SingletonTask) 
         os.close(read)
         os.waitpid(pid, 0)
     assert parent.hostname == "w1@h"
+
+
+@pytest.mark.parametrize("task_id", ["adv-lr-run", None])
+def test_a_run_on_a_worker_path_sends_its_event_by_its_lease_id_and_none_without_one(
+    redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    task_id: str | None,
+) -> None:
+    """A run on a worker's path (a request pushed, not eager) whose lock is deleted under it,
+    on a real Redis: its report logs the run by its lease's task id and sends the event for
+    it from the request's hostname; a request without an id (only a hand-pushed request has
+    none) sends none, as :func:`~.events.send_task_event` never did (the report before the
+    change sent one with ``uuid=None``). Sending itself is recorded, not done."""
+    from celery_singleton_beat.task import release
+
+    sent: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(release, "send_task_event_soon",
+                        lambda app, hostname, uuid, kind, **fields: sent.append((app, hostname, uuid, kind, fields)))
+    caplog.set_level("WARNING", logger="celery_singleton_beat")
+    kwargs = redis_db.connection_pool.connection_kwargs
+    app = Celery("adv-lost-report-path", set_as_current=False)
+    app.conf.update(singleton_redis_url=f"redis://{kwargs['host']}:{kwargs['port']}/2")
+    seen: dict[str, Any] = {}
+
+    @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, shared=False)
+    def body(self: Any) -> None:
+        run = self.singleton_run
+        seen["key"], seen["lease_id"] = run.key, run._kept.lease.task_id
+        locks = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=2)
+        try:
+            locks.delete(run.key)
+        finally:
+            locks.close()
+        wait_for(lambda: run.lost, timeout=10, message="the keeper notices the deleted lock")
+
+    body.push_request(id=task_id, hostname="adv@host", is_eager=False, delivery_info={}, called_directly=False)
+    try:
+        body()
+    finally:
+        body.pop_request()
+    assert seen["lease_id"] == task_id
+    lines = [r.getMessage() for r in caplog.records if "lost its lock" in r.getMessage()]
+    assert lines == [f"{body.name}[{task_id}] lost its lock {seen['key']} while running: "
+                     "the lock was deleted, expired or taken by another holder"]
+    if task_id is None:
+        assert sent == []
+    else:
+        assert [(a, h, u, k, f["key"]) for a, h, u, k, f in sent] == [
+            (app, "adv@host", task_id, "task-lock-lost", seen["key"])]
