@@ -33,7 +33,7 @@ from celery_singleton_beat import SingletonTask
 from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.task.release import LostReport
 
-from .support import RedisServer, start_worker, wait_for
+from .support import BACKEND_DB, BROKER_DB, LOCK_DB, RedisServer, start_worker, wait_for
 from .support.tasks import EventCapture, lock_keys
 
 APP = "tests.apps.lost_report_app"
@@ -244,3 +244,48 @@ def test_a_run_on_a_worker_path_sends_its_event_by_its_lease_id_and_none_without
     else:
         assert [(a, h, u, k, f["key"]) for a, h, u, k, f in sent] == [
             (app, "adv@host", task_id, "task-lock-lost", seen["key"])]
+
+
+def test_two_workers_in_one_process_share_the_task_and_each_event_names_its_worker(
+    redis_db: redis.Redis, redis_server: RedisServer,
+) -> None:
+    """Two in-process workers (celery.contrib.testing, threads) of one app, so one task
+    instance and one cache of reports: a run on each, both locks deleted; each event
+    names its run and comes from the hostname that run's request has. (In-process workers
+    run Celery's ``trace_task_ret``, not ``fast_trace_task``: their requests' hostname is
+    the machine's, ``socket.gethostname()``, not the node name, for any task, so both runs
+    share one report here, as they shared that hostname before the change.)"""
+    from celery.contrib.testing.worker import start_worker as start_in_process
+
+    app = Celery("adv-lost-report-two", broker=redis_server.url(BROKER_DB), backend=redis_server.url(BACKEND_DB),
+                 set_as_current=False)
+    app.conf.update(singleton_redis_url=redis_server.url(LOCK_DB), worker_prefetch_multiplier=1,
+                    worker_send_task_events=True)
+    told = {"a": threading.Event(), "b": threading.Event()}
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=0.6)
+    def hold(self: Any, key: str) -> str:
+        run = self.singleton_run
+        wait_for(lambda: run.lost, timeout=30, message=f"{key}'s lease lost")
+        told[key].set()
+        return str(self.request.hostname)
+
+    app.loader.import_module("celery.contrib.testing.tasks")
+    locks = redis_server.client(LOCK_DB)
+    with start_in_process(app, pool="threads", concurrency=1, perform_ping_check=False, loglevel="WARNING",
+                          hostname="adv-a@host", queues=["adv-a"]), \
+            start_in_process(app, pool="threads", concurrency=1, perform_ping_check=False, loglevel="WARNING",
+                             hostname="adv-b@host", queues=["adv-b"]):
+        results = {key: hold.apply_async((key,), queue=f"adv-{key}") for key in ("a", "b")}
+        held = wait_for(lambda: (lambda found: found if len(found) == 2 else None)(
+            {read_holder(locks, lock).task_id: lock for lock in lock_keys(locks)}),  # type: ignore[union-attr]
+            timeout=30, message="both runs hold their locks")
+        with EventsCapture(app, "task-lock-lost") as capture:
+            for lock in held.values():
+                locks.delete(lock)
+            wait_for(lambda: len(capture.events) >= 2, timeout=30, message="two task-lock-lost events")
+        hostnames = {key: result.get(timeout=30) for key, result in results.items()}
+    got = sorted((event["uuid"], event["key"], event["hostname"]) for event in capture.events)
+    assert got == sorted((results[key].id, held[results[key].id], hostnames[key]) for key in results)
+    reports = hold.__dict__["_singleton_lost_reports"]
+    assert set(reports) == {(hostname, False) for hostname in hostnames.values()}
