@@ -35,6 +35,7 @@ from celery_singleton_beat.task.release import LostReport
 
 from .support import BACKEND_DB, BROKER_DB, LOCK_DB, RedisServer, start_worker, wait_for
 from .support.tasks import EventCapture, lock_keys
+from .test_held_run_objects import task as task  # the same task fixture (an app of its own, one test each)
 
 APP = "tests.apps.lost_report_app"
 
@@ -124,17 +125,6 @@ def test_every_lost_lease_names_its_own_run_and_worker(
         records.set(f"retaken:{watched.get(key, key)}", "1")
     for key, result in sent.items():
         assert result.get(timeout=30) == "LockLost", key
-
-
-@pytest.fixture
-def task() -> SingletonTask:
-    app = Celery("adversary-lost-report", set_as_current=False)
-
-    @app.task(base=SingletonTask, lock_ttl=3, shared=False)
-    def hold(i: int) -> None:
-        """A task of the test's app."""
-
-    return hold  # type: ignore[no-any-return]
 
 
 def test_threads_making_the_cache_at_once_get_one_report_per_place(task: SingletonTask) -> None:
