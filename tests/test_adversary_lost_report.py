@@ -146,18 +146,19 @@ def test_threads_making_the_cache_at_once_get_one_report_per_place(task: Singlet
         ("w0@h", False, task), ("w1@h", False, task)}
 
 
-def test_a_shared_task_has_a_report_per_app_whose_task_is_that_apps() -> None:
-    """``shared=True``: each app has its own task instance, so its own reports, whose task
-    (and so app, the one the event is sent with) is that app's."""
+def test_a_task_of_two_apps_has_a_report_per_app_whose_task_is_that_apps() -> None:
+    """The same task in two apps (as ``shared=True`` makes it: one instance per app; defined
+    here in each, ``shared=False``, so that no later app of the test process gets it): each
+    instance has its own reports, whose task (and so app, the one the event is sent with)
+    is that app's."""
     apps = [Celery(f"adversary-lost-report-{n}", set_as_current=False) for n in range(2)]
-
-    @apps[0].task(base=SingletonTask, name="adversary.lost_report.shared", shared=True)
-    def shared(i: int) -> None:
-        """A shared task."""
-
+    instances = []
     for app in apps:
-        app.finalize()
-    instances = [app.tasks["adversary.lost_report.shared"] for app in apps]
+        @app.task(base=SingletonTask, name="adversary.lost_report.both", shared=False)
+        def both(i: int) -> None:
+            """The task, in this app."""
+
+        instances.append(app.tasks["adversary.lost_report.both"])
     assert instances[0] is not instances[1]
     request = Context(id="id-1", hostname="w1@h", is_eager=False)
     reports = [instance._lease_lost_callback(request) for instance in instances]
