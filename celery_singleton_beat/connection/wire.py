@@ -50,7 +50,7 @@ from .replies import INCOMPLETE, NOT_YET, PUSH_TYPES, PyReader, reply_reader
 
 __all__ = [
     "NOT_SHORT", "Link", "LuaScript", "PoolLink", "Request", "Short", "SocketLink", "Written", "bulk", "command_head",
-           "ensure_checked", "looker_of", "pack", "read_own", "read_replies", "run_on", "write_request"]
+           "ensure_checked", "looker_of", "own_replies", "pack", "read_own", "read_replies", "run_on", "write_request"]
 
 #: Connection errors after which a request is tried once more on a new connection.
 RETRIED = (redis.ConnectionError, OSError)
@@ -396,13 +396,17 @@ def read_own(link: Link, written: Written) -> list[Any]:
     ``SCRIPT FLUSH``: load and run it again), or the refusal of its ``SCRIPT LOAD``
     (``-BUSY``, ``-NOPERM``) when the script could not run without it.
     """
+    return own_replies(link, written, link.read_many(written.loads + written.request.count))
+
+
+def own_replies(link: Link, written: Written, replies: list[Any]) -> list[Any]:
+    """The request's own of ``replies``, every reply of ``written`` read from ``link``
+    (:func:`read_own`, for a reader that read them one at a time)."""
     request = written.request
     loads = written.loads
     if not loads:
-        replies = link.read_many(request.count)
         refused = None
     else:
-        replies = link.read_many(loads + request.count)
         refused = next((reply for reply in replies[:loads] if isinstance(reply, Exception)), None)
         replies = replies[loads:]
         if refused is not None:  # not loaded through this connection: load it again next time

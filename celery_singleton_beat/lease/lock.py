@@ -29,6 +29,7 @@ import time
 from redis.exceptions import TryAgainError
 
 from ..connection.channels import channel_or_none
+from ..connection.green import green_channel_or_none
 from ..connection.client import RedisClient
 from ..recovery.server import PORTABLE, server_of
 from . import counters
@@ -84,7 +85,7 @@ def acquire(client: RedisClient, key: str, spec: LockSpec, task_id: str | None, 
     server = server_of(client)
     value = lock_value(spec, task_id, node)
     done = done_key(key, task_id) if spec.check_done else None
-    channel = channel_or_none(client) if spec.wait_replicas <= 0 else None
+    channel = (channel_or_none(client) or green_channel_or_none(client)) if spec.wait_replicas <= 0 else None
     for _ in range(3):  # 6.2 only: the key freed between its SET NX and GET (ask again)
         started = time.monotonic()
         epoch = server.epoch
