@@ -35,7 +35,8 @@ connection with bytes to read is broken the same way.
 
 Used for standalone Redis clients without ``singleton_wait_replicas``, in
 processes whose sockets are not green (Sentinel, Cluster, ``WAIT`` and the
-gevent / eventlet pools keep the pooled path). The connection is made from
+gevent / eventlet pools keep the pooled path; a gevent worker's acquires share
+a :class:`.green.GreenChannel`). The connection is made from
 the client's own pool settings, belongs to one thread and process (a forked
 child makes its own).
 """

@@ -2,7 +2,8 @@
 
 :func:`channel_or_none` answers, in one dictionary look-up, the channel of the calling
 thread for a client (made on first use), or None where lock requests take the pooled
-path (:func:`supports_channel`: Sentinel, Cluster, greenlet pools). A forked child
+path (:func:`supports_channel`: Sentinel, Cluster, greenlet pools; a gevent worker's
+acquires go on its :mod:`.green` channel). A forked child
 starts afresh (the parent's connections are never used there); the channels of every
 thread are kept, weakly, on their client, so that a dropped client's go with it
 (:func:`close_channels`).

@@ -55,7 +55,7 @@ from .wire import (
     write_request,
 )
 
-__all__ = ["GreenChannel", "green_channel_or_none"]
+__all__ = ["GreenChannel", "close_green_channels", "green_channel_or_none"]
 
 _PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
 
@@ -80,6 +80,18 @@ def green_channel_or_none(client: Any) -> GreenChannel | None:
         channel = GreenChannel(client)
     channels[ident] = channel
     return channel
+
+
+def close_green_channels(client: Any) -> None:
+    """Close the calling OS thread's green channel of ``client``, which is dropped
+    (:func:`.recovery.lock_redis.reset_clients`). Another thread's is left to the garbage
+    collector with its client: a gevent socket must not be closed from another thread's hub."""
+    known: tuple[int, dict[int, GreenChannel | None]] | None = vars(client).get("csb_green")
+    if known is None or known[0] != os.getpid():
+        return
+    channel = known[1].pop(native.get_ident(), None)
+    if channel is not None:
+        channel.close()
 
 
 class _Entry:
@@ -137,8 +149,10 @@ class GreenChannel:
         more on a new connection.
         """
         reloaded = resent = False
+        hook = before_write
         while True:
-            entry, stale = self._write(request, before_write)
+            entry, stale = self._write(request, hook)
+            hook = before_write
             if not entry.done:
                 self._await(entry)
             error = entry.error
@@ -146,6 +160,7 @@ class GreenChannel:
                 return entry.value if entry.finished else request.finish(entry.value)
             if type(error) is _NoScript and not reloaded:
                 reloaded = True
+                hook = None  # the script did not run: loaded and written again at once
             elif isinstance(error, RETRIED) and stale and not resent:
                 resent = True
             else:

@@ -1,9 +1,9 @@
 """Connections lent by a pool for one request, and given back.
 
-Lock requests that do not go through a thread's own channel (greenlet pools,
-Sentinel, Cluster, the lease keeper, tools) borrow a connection of the client's
-pool for one request (:mod:`.pooled`). Under a gevent or eventlet worker many
-runs do that at once: with ``-P gevent -c 500`` a burst of acquires can find
+Lock requests that do not go through a channel (greenlet pools, except a gevent
+worker's acquires, :mod:`.green`; Sentinel, Cluster, the lease keeper, tools) borrow
+a connection of the client's pool for one request (:mod:`.pooled`). Under a gevent
+or eventlet worker many runs do that at once: with ``-P eventlet -c 500`` a burst of acquires can find
 every connection of the pool lent (``max_connections``, 100 by default in
 redis-py 8, :data:`~.url.DEFAULT_REDIS_OPTIONS` here). redis-py then raises
 ``Too many connections``, a ``ConnectionError``: read as an outage, it would

@@ -11,7 +11,7 @@ is sent once more (the node may be gone: removed from the cluster, or failed ove
 The lock requests (``raw``, see :func:`.lease.executor.execute`) on a standalone
 client's plain pool read their replies straight off the borrowed connection's socket
 (:class:`BorrowedLink`), as a thread's channel reads its own (:class:`.wire.SocketLink`):
-in a greenlet pool every acquire and release borrows a connection, and redis-py's reply
+in a greenlet pool every release (and under eventlet every acquire) borrows a connection, and redis-py's reply
 parser was about a sixth of an acquire's Python calls. Other requests, and every
 request on Sentinel and Cluster clients (whose connections act on some replies:
 ``-READONLY`` after a failover, ``-MOVED``), are read by redis-py.
