@@ -41,6 +41,7 @@ from typing import Any
 import redis
 
 from .. import native
+from .lending import request_bound
 from .wire import (
     BROKEN,
     NOT_SHORT,
@@ -139,6 +140,9 @@ class GreenChannel:
         #: Replies read on the current connection (a connection that served one may have
         #: been closed by the server since: a request that fails there is sent once more).
         self._served = 0
+        #: The longest a request waits for its reader: the reader fails it within its
+        #: socket timeout, so this is only a bound that no bug can turn into a hang.
+        self._bound = request_bound(pool) * 2
 
     def call(self, request: Request, before_write: Callable[[], Any] | None = None) -> Any:
         """Write ``request``, wait for its replies and return ``request.finish(replies)``.
@@ -151,10 +155,10 @@ class GreenChannel:
         reloaded = resent = False
         hook = before_write
         while True:
-            entry, stale = self._write(request, hook)
+            entry, link, stale = self._write(request, hook)
             hook = before_write
             if not entry.done:
-                self._await(entry)
+                self._await(entry, link)
             error = entry.error
             if error is None:
                 return entry.value if entry.finished else request.finish(entry.value)
@@ -172,7 +176,8 @@ class GreenChannel:
         if link is not None:
             self._lost(link, redis.ConnectionError("the lock client was closed"))
 
-    def _write(self, request: Request, before_write: Callable[[], Any] | None) -> tuple[_Entry, bool]:
+    def _write(self, request: Request,
+               before_write: Callable[[], Any] | None) -> tuple[_Entry, SocketLink, bool]:
         if before_write is not None:
             if self._link is None:
                 with self._writing:
@@ -188,22 +193,28 @@ class GreenChannel:
                 self._lost(link, exc)
                 entry = _Entry(None)
                 entry.deliver(None, False, exc)
-                return entry, stale
+                return entry, link, stale
             except BaseException:
                 self._lost(link, None)
                 raise
             entry = _Entry(written)
             self._pending.append(entry)
-        return entry, stale
+        return entry, link, stale
 
-    def _await(self, entry: _Entry) -> None:
-        """Until ``entry`` is done: read (nobody else is reading), or wait for the reader."""
-        link = self._link
-        if self._reader is None and link is not None:
+    def _await(self, entry: _Entry, link: SocketLink) -> None:
+        """Until ``entry``, written on ``link``, is done: read (nobody else reads ``link``), or
+        wait for its reader. A reader still finishing with a connection dropped before
+        (its greenlet not run since) does not count: this link gets a reader of its own."""
+        if self._reader is not link:
             self._read(link, entry)
         if not entry.done:
             event = entry.event = self._event()
-            event.wait()
+            if not event.wait(self._bound) and not entry.done:
+                # Never seen: the reader would have failed it within its socket timeout.
+                late = redis.TimeoutError("no reply from the lock Redis in time")
+                self._lost(link, late)
+                if not entry.done:
+                    entry.deliver(None, False, late)
 
     def _connect(self) -> SocketLink:
         connection = self._connection

@@ -27,7 +27,7 @@ import redis
 
 from .wire import Link
 
-__all__ = ["LOOK_AGAIN", "borrow", "give_back", "pool_is_full"]
+__all__ = ["LOOK_AGAIN", "borrow", "give_back", "pool_is_full", "request_bound"]
 
 #: redis-py 5.0-5.2 require ``get_connection``'s command name; 5.3 deprecated passing it.
 _POOL_WANTS_COMMAND = tuple(int(part) for part in redis.__version__.split(".")[:2]) < (5, 3)
@@ -97,7 +97,7 @@ def _condition(pool: Any) -> threading.Condition:
         return condition
 
 
-def _wait_bound(pool: Any) -> float:
+def request_bound(pool: Any) -> float:
     """What one request on ``pool`` may take: its connect plus read timeouts."""
     options = getattr(pool, "connection_kwargs", None) or {}
     bound = sum(float(options.get(name) or 0) for name in ("socket_connect_timeout", "socket_timeout"))
@@ -115,7 +115,7 @@ def borrow(pool: Any) -> Any:
             if not pool_is_full(error):
                 raise
             now = time.monotonic()
-            deadline = deadline or now + _wait_bound(pool)
+            deadline = deadline or now + request_bound(pool)
             if now >= deadline:
                 raise
             condition = _condition(pool)

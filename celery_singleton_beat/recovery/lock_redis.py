@@ -28,8 +28,8 @@ from celery import Celery
 from .. import native
 from ..config import get_settings
 from ..connection.channels import close_channels
-from ..connection.green import close_green_channels
 from ..connection.client import RedisClient, redis_from_url
+from ..connection.green import close_green_channels
 from .server import LockServer, memory_for, server_of
 
 __all__ = ["GENERATION", "get_redis", "release_thread_client", "reset_clients", "thread_client"]
