@@ -73,13 +73,19 @@ def green_channel_or_none(client: Any) -> GreenChannel | None:
         known = client.csb_green = (os.getpid(), {})
     ident = native.get_ident()
     channels = known[1]
-    if ident in channels:
-        return channels[ident]
+    channel = channels.get(ident, _NONE)
+    if channel is None or (channel is not _NONE and channel._hub is channel._get_hub()):
+        return channel
+    # None seen yet, or one made by an ended thread whose ident this one was given (its
+    # socket waits on that thread's hub, gone): a new one, on this thread's hub.
     channel = None
     if isinstance(client, redis.Redis) and type(client.connection_pool) in _PLAIN_POOLS and _gevent_patched():
         channel = GreenChannel(client)
     channels[ident] = channel
     return channel
+
+
+_NONE: Any = object()
 
 
 class _Entry:
@@ -109,11 +115,14 @@ class GreenChannel:
     """The acquires of a gevent thread's greenlets on one connection (see the module)."""
 
     def __init__(self, client: redis.Redis) -> None:
-        from gevent import spawn_raw
+        from gevent import get_hub, spawn_raw
         from gevent.event import Event
         from gevent.lock import Semaphore
 
         self._client = client
+        #: The hub of the thread that made it: its socket and greenlets are that hub's.
+        self._get_hub = get_hub
+        self._hub = get_hub()
         self._event = Event
         self._spawn = spawn_raw
         pool = client.connection_pool

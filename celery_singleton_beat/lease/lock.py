@@ -29,8 +29,8 @@ import time
 from redis.exceptions import TryAgainError
 
 from ..connection.channels import channel_or_none
-from ..connection.green import green_channel_or_none
 from ..connection.client import RedisClient
+from ..connection.green import green_channel_or_none
 from ..recovery.server import PORTABLE, server_of
 from . import counters
 from .commands import AcquireReply, acquire_request, adopt_request, release_request
