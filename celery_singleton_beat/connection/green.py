@@ -41,6 +41,7 @@ from typing import Any
 import redis
 
 from .. import native
+from .channels import _register
 from .wire import (
     BROKEN,
     NOT_SHORT,
@@ -81,6 +82,7 @@ def green_channel_or_none(client: Any) -> GreenChannel | None:
     channel = None
     if isinstance(client, redis.Redis) and type(client.connection_pool) in _PLAIN_POOLS and _gevent_patched():
         channel = GreenChannel(client)
+        _register(channel, client)  # type: ignore[arg-type]  # closed with the client (reset_clients)
     channels[ident] = channel
     return channel
 
@@ -136,6 +138,8 @@ class GreenChannel:
         #: Replies read on the current connection (a connection that served one may have
         #: been closed by the server since: a request that fails there is sent once more).
         self._served = 0
+        #: Its client was dropped: the connection is closed whenever nothing is pending.
+        self.closed = False
 
     def call(self, request: Request, before_write: Callable[[], Any] | None = None) -> Any:
         """Write ``request``, wait for its replies and return ``request.finish(replies)``.
@@ -161,10 +165,18 @@ class GreenChannel:
                 raise _own(error)
 
     def close(self) -> None:
-        """Drop the connection (its client is dropped); requests waiting on it fail."""
+        """Its client is dropped (:func:`.channels.close_channels`): close the connection once
+        no request is pending on it (requests waiting get their replies first; one written
+        later connects again, and that connection is closed once it is read too). Another
+        OS thread's channel is left alone: its socket is that thread's hub's."""
+        self.closed = True
+        if self._get_hub() is self._hub:
+            self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
         link = self._link
-        if link is not None:
-            self._lost(link, redis.ConnectionError("the lock client was closed"))
+        if link is not None and not self._pending and self._reader is None and not self._writing.locked():
+            self._lost(link, None)
 
     def _write(self, request: Request, before_write: Callable[[], Any] | None) -> tuple[_Entry, bool]:
         if before_write is not None:
@@ -248,6 +260,8 @@ class GreenChannel:
                 if self._pending and self._link is link:
                     self._reader = link
                     self._spawn(self._read, link, None)
+                elif self.closed:
+                    self._close_if_idle()
 
     def _lost(self, link: SocketLink, error: BaseException | None) -> None:
         """Drop ``link``'s connection; every request waiting on it gets the error."""
