@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 import redis
 
-from .support import TestProcess, importorskip
+from .support import Owner, TestProcess, importorskip, owning, start_worker, wait_for
 from .support.cutting_proxy import CuttingProxy
 from .support.fault_proxy import FaultProxy, Rates
 from .support.processes import child_env
 from .support.servers import RedisServer
+from .support.tasks import clear_runs, lock_keys, started
 
 CHILD = r"""
 from gevent import monkey
@@ -560,3 +561,34 @@ def test_a_cut_during_the_resend_of_a_cut_burst(redis_db: redis.Redis, redis_ser
         proxy.close()
     assert clean(result["cut"], ("ConnectionError",)), result
     assert perfect(result["after"]), result
+
+
+GREEN_QUEUE = "adv-green-worker"
+
+
+@pytest.mark.slow
+def test_a_gevent_worker_runs_each_key_once_at_a_time(redis_server: RedisServer, records: redis.Redis,
+                                                      locks: redis.Redis) -> None:
+    """``celery worker -P gevent -c 200``: 20 keys, 10 copies of each sent at once. No key ever
+    runs twice at once, each runs, the lock Redis is never reported unavailable, and once all
+    ended one more run of each key runs (every lock was freed)."""
+    importorskip("gevent")
+    redis_server.flushall()
+    with owning(Owner("adv-green worker")) as owner:
+        worker = start_worker(redis_server, "tests.apps.tasks_app", "adv-green", pool="gevent", concurrency=200,
+                              extra=["-Q", GREEN_QUEUE])
+    try:
+        tasks_app = clear_runs(redis_server)
+        keys = [f"green-{n}" for n in range(20)]
+        results = [tasks_app.work.apply_async((key, 0.3), queue=GREEN_QUEUE) for _ in range(10) for key in keys]
+        wait_for(lambda: all(result.ready() for result in results), timeout=60, message="every copy ended")
+        assert all(started(records, key) for key in keys), "each key ran"
+        assert not any(records.get(f"overlap:{key}") for key in keys), "a key ran twice at once"
+        assert lock_keys(locks) == [], "every lock freed"
+        again = [tasks_app.work.apply_async((key,), queue=GREEN_QUEUE) for key in keys]
+        wait_for(lambda: all(result.ready() for result in again), timeout=60, message="the second runs ended")
+        assert all(len(started(records, key)) >= 2 for key in keys), "each key ran again once freed"
+        log = worker.log.read_text()
+        assert "unavailable" not in log and "Traceback" not in log, worker.tail(40)
+    finally:
+        owner.close()
