@@ -246,7 +246,10 @@ class GreenChannel:
                 self._served += 1
                 try:
                     entry.deliver(own_replies(link, written, replies), False, None)
-                except (_NoScript, redis.ResponseError) as exc:  # every reply of it was read
+                except Exception as exc:  # every reply of it was read: its outcome (the stream is in
+                    # step). Not only ResponseError: a SCRIPT LOAD refused -LOADING is redis-py's
+                    # BusyLoadingError, a ConnectionError, which must not be taken for a lost
+                    # connection here (the request, popped, would never be answered).
                     entry.deliver(None, False, exc)
         except BROKEN as exc:
             self._lost(link, exc)
