@@ -56,6 +56,7 @@ from celery_singleton_beat.recovery.server import server_of
 
 url, scenario, direct, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 extra_flag = extra.pop("flag", None)
+extra_scripted = extra.pop("scripted", False)
 app = Celery("green-adversary", set_as_current=False)
 app.conf.singleton_redis_url = url
 app.conf.singleton_redis_options = {"socket_timeout": 1.0, "max_connections": 8, "client_name": "green-child",
@@ -160,6 +161,8 @@ if scenario == "kill_mid_reply":
     # The leader is killed after reading the first of its request's two replies (SET's; the
     # test's proxy holds TIME's back): 20 followers wait behind it.
     names, held = mixed("m", 20)
+    if extra_scripted:  # a copy's script: its SCRIPT LOAD's reply read, the EVALSHA's held back
+        scripted.append(1)
     print("READY", flush=True)
     assert until(lambda: os.path.exists(extra_flag))
     doomed = gevent.spawn(take, "doomed")
@@ -170,6 +173,25 @@ if scenario == "kill_mid_reply":
     out["doomed_dead"] = doomed.dead
     judge("after", names, held, greenlets)
     out["same_connection"] = channel._link is not None
+    burst("again", 40)
+
+elif scenario == "kill_connecting":
+    # The greenlet connecting (the new connection's check waits: writes paused) is killed with
+    # others waiting to write: the next one connects, and every acquire gets its own outcome.
+    names, held = mixed("n", 20)
+    kill_green_connections()
+    assert until(lambda: green_connections() == 0)
+    watcher.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    try:
+        doomed = gevent.spawn(take, "doomed")
+        assert until(lambda: channel._writing.locked() and channel._link is None and green_connections() == 1)
+        greenlets = spawn(names)
+        gevent.sleep(0)  # they start, and wait for the writing lock
+        doomed.kill()
+        out["doomed_dead"] = doomed.dead
+    finally:
+        watcher.execute_command("CLIENT", "UNPAUSE")
+    judge("after", names, held, greenlets, allowed=("ConnectionError",))
     burst("again", 40)
 
 elif scenario == "interrupts":
@@ -465,8 +487,9 @@ def own_server() -> Any:
         server.close()
 
 
+@pytest.mark.parametrize("held_back", ["TIME", "EVALSHA"])
 def test_a_leader_killed_between_the_replies_of_its_request(redis_db: redis.Redis, redis_server: RedisServer,
-                                                            tmp_path: Path) -> None:
+                                                            tmp_path: Path, held_back: str) -> None:
     """The reading greenlet is killed with its request half answered (the acquire's ``SET`` reply
     read, its ``TIME`` reply held back by a proxy) and 20 followers waiting: a reader takes over
     from the reply it stopped at; each follower gets its own outcome on the same connection."""
@@ -475,8 +498,9 @@ def test_a_leader_killed_between_the_replies_of_its_request(redis_db: redis.Redi
                   long_delay=3.0, long_delay_every=1)
     with FaultProxy(redis_server.port, rates, seed=1) as proxy:
         try:
-            result = run_child(redis_server, "kill_mid_reply", port=proxy.port, extra={"socket_timeout": 10.0},
-                               when_ready=lambda: proxy.force(b"TIME", "delay"), flag=tmp_path / "go")
+            result = run_child(redis_server, "kill_mid_reply", port=proxy.port,
+                               extra={"socket_timeout": 10.0, "scripted": held_back == "EVALSHA"},
+                               when_ready=lambda: proxy.force(held_back.encode(), "delay"), flag=tmp_path / "go")
         finally:
             proxy.close()
     assert result["doomed_dead"], result
@@ -637,3 +661,12 @@ def test_a_script_load_refused_loading_with_its_script_missing(redis_db: redis.R
     assert faults.get("refuse") == 1, f"the SCRIPT LOAD was refused: {faults}"
     assert not result["hung"], result
     assert perfect(result["after"]), result
+
+
+def test_a_greenlet_killed_while_connecting(redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """The greenlet making the shared connection is killed during the new connection's check
+    (writes paused) with 20 others waiting to write: one of them connects, each gets its own
+    outcome (a connection error at worst), none hangs."""
+    result = run_child(redis_server, "kill_connecting", extra={"socket_timeout": 10.0})
+    assert result["doomed_dead"], result
+    assert clean(result["after"], ("ConnectionError",)) and perfect(result["again"]), result
