@@ -169,8 +169,10 @@ class GreenChannel:
         no request is pending on it (requests waiting get their replies first; one written
         later connects again, and that connection is closed once it is read too). Another
         OS thread's channel is left alone: its socket is that thread's hub's."""
+        from gevent._hub_local import get_hub_if_exists  # never makes a hub in the closing thread
+
         self.closed = True
-        if self._get_hub() is self._hub:
+        if get_hub_if_exists() is self._hub:
             self._close_if_idle()
 
     def _close_if_idle(self) -> None:
