@@ -74,7 +74,7 @@ def green_channel_or_none(client: Any) -> GreenChannel | None:
         known = client.csb_green = (os.getpid(), {})
     ident = native.get_ident()
     channels = known[1]
-    channel = channels.get(ident, _NONE)
+    channel: GreenChannel | None = channels.get(ident, _NONE)
     if channel is None or (channel is not _NONE and channel._hub is channel._get_hub()):
         return channel
     # None seen yet, or one made by an ended thread whose ident this one was given (its
