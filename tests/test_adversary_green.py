@@ -194,6 +194,21 @@ elif scenario == "kill_connecting":
     judge("after", names, held, greenlets, allowed=("ConnectionError",))
     burst("again", 40)
 
+elif scenario == "acl":
+    # The child's user loses SET while 40 acquires wait (writes paused): each is refused or
+    # gets its own outcome, none hangs; with SET given back, every acquire works.
+    names, held = mixed("a", 40)
+    watcher.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    try:
+        greenlets = spawn(names)
+        assert until(lambda: len(channel._pending) == 40)
+        watcher.acl_setuser("green", enabled=True, commands=["-set"])
+    finally:
+        watcher.execute_command("CLIENT", "UNPAUSE")
+    judge("refused", names, held, greenlets, allowed=("ResponseError", "ReplyError", "NoPermissionError"))
+    watcher.acl_setuser("green", enabled=True, commands=["+@all"])
+    burst("after", 40)
+
 elif scenario == "interrupts":
     # Timeouts and kills thrown at greenlets at random points of their acquires, while the
     # server keeps pausing writes for a moment; then every later acquire gets its own reply.
@@ -670,3 +685,17 @@ def test_a_greenlet_killed_while_connecting(redis_db: redis.Redis, redis_server:
     result = run_child(redis_server, "kill_connecting", extra={"socket_timeout": 10.0})
     assert result["doomed_dead"], result
     assert clean(result["after"], ("ConnectionError",)) and perfect(result["again"]), result
+
+
+def test_a_permission_taken_away_while_a_burst_waits(redis_db: redis.Redis, own_server: RedisServer) -> None:
+    """``ACL SETUSER <user> -set`` while 40 acquires wait on the shared connection: each is
+    refused or gets its own outcome, none hangs or gets another's; with SET given back (the
+    library may have moved to its portable commands meanwhile) every acquire works."""
+    admin = own_server.client()
+    admin.acl_setuser("green", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"], commands=["+@all"])
+    try:
+        result = run_child(own_server, "acl", extra={"username": "green", "password": "pw"})
+    finally:
+        admin.close()
+    assert clean(result["refused"], ("ResponseError", "ReplyError", "NoPermissionError")), result
+    assert perfect(result["after"]), result
