@@ -41,6 +41,7 @@ from typing import Any
 import redis
 
 from .. import native
+from .channels import _register
 from .lending import request_bound
 from .wire import (
     BROKEN,
@@ -56,7 +57,7 @@ from .wire import (
     write_request,
 )
 
-__all__ = ["GreenChannel", "close_green_channels", "green_channel_or_none"]
+__all__ = ["GreenChannel", "green_channel_or_none"]
 
 _PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
 
@@ -74,25 +75,20 @@ def green_channel_or_none(client: Any) -> GreenChannel | None:
         known = client.csb_green = (os.getpid(), {})
     ident = native.get_ident()
     channels = known[1]
-    if ident in channels:
-        return channels[ident]
+    channel: GreenChannel | None = channels.get(ident, _NONE)
+    if channel is None or (channel is not _NONE and channel._hub is channel._get_hub()):
+        return channel
+    # None seen yet, or one made by an ended thread whose ident this one was given (its
+    # socket waits on that thread's hub, gone): a new one, on this thread's hub.
     channel = None
     if isinstance(client, redis.Redis) and type(client.connection_pool) in _PLAIN_POOLS and _gevent_patched():
         channel = GreenChannel(client)
+        _register(channel, client)  # type: ignore[arg-type]  # closed with the client (reset_clients)
     channels[ident] = channel
     return channel
 
 
-def close_green_channels(client: Any) -> None:
-    """Close the calling OS thread's green channel of ``client``, which is dropped
-    (:func:`.recovery.lock_redis.reset_clients`). Another thread's is left to the garbage
-    collector with its client: a gevent socket must not be closed from another thread's hub."""
-    known: tuple[int, dict[int, GreenChannel | None]] | None = vars(client).get("csb_green")
-    if known is None or known[0] != os.getpid():
-        return
-    channel = known[1].pop(native.get_ident(), None)
-    if channel is not None:
-        channel.close()
+_NONE: Any = object()
 
 
 class _Entry:
@@ -122,11 +118,14 @@ class GreenChannel:
     """The acquires of a gevent thread's greenlets on one connection (see the module)."""
 
     def __init__(self, client: redis.Redis) -> None:
-        from gevent import spawn_raw
+        from gevent import get_hub, spawn_raw
         from gevent.event import Event
         from gevent.lock import Semaphore
 
         self._client = client
+        #: The hub of the thread that made it: its socket and greenlets are that hub's.
+        self._get_hub = get_hub
+        self._hub = get_hub()
         self._event = Event
         self._spawn = spawn_raw
         pool = client.connection_pool
@@ -143,6 +142,8 @@ class GreenChannel:
         #: The longest a request waits for its reader: the reader fails it within its
         #: socket timeout, so this is only a bound that no bug can turn into a hang.
         self._bound = request_bound(pool) * 2
+        #: Its client was dropped: the connection is closed whenever nothing is pending.
+        self.closed = False
 
     def call(self, request: Request, before_write: Callable[[], Any] | None = None) -> Any:
         """Write ``request``, wait for its replies and return ``request.finish(replies)``.
@@ -171,10 +172,20 @@ class GreenChannel:
                 raise _own(error)
 
     def close(self) -> None:
-        """Drop the connection (its client is dropped); requests waiting on it fail."""
+        """Its client is dropped (:func:`.channels.close_channels`): close the connection once
+        no request is pending on it (requests waiting get their replies first; one written
+        later connects again, and that connection is closed once it is read too). Another
+        OS thread's channel is left alone: its socket is that thread's hub's."""
+        from gevent._hub_local import get_hub_if_exists  # never makes a hub in the closing thread
+
+        self.closed = True
+        if get_hub_if_exists() is self._hub:
+            self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
         link = self._link
-        if link is not None:
-            self._lost(link, redis.ConnectionError("the lock client was closed"))
+        if link is not None and not self._pending and self._reader is None and not self._writing.locked():
+            self._lost(link, None)
 
     def _write(self, request: Request,
                before_write: Callable[[], Any] | None) -> tuple[_Entry, SocketLink, bool]:
@@ -227,6 +238,8 @@ class GreenChannel:
         """Read pending replies in order, delivering each: until ``own`` is done, or (a reader
         greenlet, ``own`` None) until none is pending. Whoever stops while requests are still
         pending leaves them to a reader greenlet."""
+        if own is None and self._reader is not link:
+            return  # spawned for a link dropped since, whose successor has a reader of its own
         self._reader = link
         pending = self._pending
         try:
@@ -251,7 +264,10 @@ class GreenChannel:
                 self._served += 1
                 try:
                     entry.deliver(own_replies(link, written, replies), False, None)
-                except (_NoScript, redis.ResponseError) as exc:  # every reply of it was read
+                except Exception as exc:  # every reply of it was read: its outcome (the stream is in
+                    # step). Not only ResponseError: a SCRIPT LOAD refused -LOADING is redis-py's
+                    # BusyLoadingError, a ConnectionError, which must not be taken for a lost
+                    # connection here (the request, popped, would never be answered).
                     entry.deliver(None, False, exc)
         except BROKEN as exc:
             self._lost(link, exc)
@@ -265,6 +281,8 @@ class GreenChannel:
                 if self._pending and self._link is link:
                     self._reader = link
                     self._spawn(self._read, link, None)
+                elif self.closed:
+                    self._close_if_idle()
 
     def _lost(self, link: SocketLink, error: BaseException | None) -> None:
         """Drop ``link``'s connection; every request waiting on it gets the error."""

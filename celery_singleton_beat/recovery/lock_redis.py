@@ -29,7 +29,6 @@ from .. import native
 from ..config import get_settings
 from ..connection.channels import close_channels
 from ..connection.client import RedisClient, redis_from_url
-from ..connection.green import close_green_channels
 from .server import LockServer, memory_for, server_of
 
 __all__ = ["GENERATION", "get_redis", "release_thread_client", "reset_clients", "thread_client"]
@@ -94,9 +93,9 @@ def reset_clients() -> None:
 
     Each is closed with everything made for it: its pool, its OS threads' copies
     (:func:`thread_client`) and every thread's lock channel (a connection of the
-    thread's own, the heartbeat's included; the calling thread's green channel): a
-    thread that goes on asks for the new client and gets new ones. Closed outside the
-    cache's lock: a thread busy on a channel finishes its request first.
+    thread's own, the heartbeat's included; a gevent thread's shared one once nothing is
+    pending on it): a thread that goes on asks for the new client and gets new ones.
+    Closed outside the cache's lock: a thread busy on a channel finishes its request first.
     """
     GENERATION[0] += 1
     with _lock:
@@ -107,7 +106,6 @@ def reset_clients() -> None:
         client.close()
         _close_copies(client)
         close_channels(client)
-        close_green_channels(client)
 
 
 def _after_fork_in_child() -> None:
