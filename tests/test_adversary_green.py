@@ -118,6 +118,19 @@ def spawn(names, wrap=None, on=None):
             for name in names]
 
 
+def written_while_paused(names, then):
+    # Acquires of names written while the server holds writes back; then() once all wait,
+    # before writes go on. Their greenlets.
+    watcher.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    try:
+        greenlets = spawn(names)
+        assert until(lambda: len(channel._pending) == len(names))
+        then()
+    finally:
+        watcher.execute_command("CLIENT", "UNPAUSE")
+    return greenlets
+
+
 def judge(label, names, held, greenlets, allowed=(), seconds=30):
     gevent.joinall(greenlets, timeout=seconds)
     ok, wrong, errors, hung = 0, [], collections.Counter(), 0
@@ -198,13 +211,7 @@ elif scenario == "acl":
     # The child's user loses SET while 40 acquires wait (writes paused): each is refused or
     # gets its own outcome, none hangs; with SET given back, every acquire works.
     names, held = mixed("a", 40)
-    watcher.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
-    try:
-        greenlets = spawn(names)
-        assert until(lambda: len(channel._pending) == 40)
-        watcher.acl_setuser("green", enabled=True, commands=["-set"])
-    finally:
-        watcher.execute_command("CLIENT", "UNPAUSE")
+    greenlets = written_while_paused(names, lambda: watcher.acl_setuser("green", enabled=True, commands=["-set"]))
     judge("refused", names, held, greenlets, allowed=("ResponseError", "ReplyError", "NoPermissionError"))
     watcher.acl_setuser("green", enabled=True, commands=["+@all"])
     burst("after", 40)
@@ -248,14 +255,12 @@ elif scenario == "interrupts":
 elif scenario == "client_kill":
     # The shared connection killed by the server while a burst waits on it (writes paused).
     names, held = mixed("c", 40)
-    watcher.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
-    try:
-        greenlets = spawn(names)
-        assert until(lambda: len(channel._pending) == 40)
+
+    def kill():
         kill_green_connections()
         assert until(lambda: not channel._pending or channel._link is None)
-    finally:
-        watcher.execute_command("CLIENT", "UNPAUSE")
+
+    greenlets = written_while_paused(names, kill)
     judge("killed", names, held, greenlets)
     burst("after", 40)
 
