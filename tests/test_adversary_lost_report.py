@@ -250,8 +250,11 @@ def test_two_workers_in_one_process_share_the_task_and_each_event_names_its_work
 
     app = Celery("adv-lost-report-two", broker=redis_server.url(BROKER_DB), backend=redis_server.url(BACKEND_DB),
                  set_as_current=False)
+    # No remote control: two in-process workers of one app each poll a pidbox fanout (a
+    # Redis pub/sub connection) and one of them was left blocked reading it at shutdown (its
+    # thread did not stop, and broke the in-process workers of the tests after it).
     app.conf.update(singleton_redis_url=redis_server.url(LOCK_DB), worker_prefetch_multiplier=1,
-                    worker_send_task_events=True)
+                    worker_send_task_events=True, worker_enable_remote_control=False)
     told = {"a": threading.Event(), "b": threading.Event()}
 
     @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=0.6)
