@@ -48,6 +48,7 @@ from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.task import outage as outage_module
 from celery_singleton_beat.task import soft_limit
 from celery_singleton_beat.task import task as task_module
+from celery_singleton_beat.task.run import HeldRun
 
 from . import test_adversary_merge as merge
 from .support import RedisServer, wait_for
@@ -90,14 +91,14 @@ def assert_renews(keeper: LeaseKeeper, client: redis.Redis, name: str) -> None:
 
 
 def signalled_at_second_kept(calls: list[str]) -> type:
-    """A KeptLease whose second making (a nested run's, inside keep()) is where the soft
-    limit's signal lands; each making noted in ``calls``."""
-    made = keeper_module.KeptLease
+    """A run's keeper entry (``HeldRun``) whose second making (a nested run's, as its lease
+    is kept) is where the soft limit's signal lands; each making noted in ``calls``."""
+    made = task_module.HeldRun
 
     class Signalled(made):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any) -> None:
             calls.append("kept")
-            if len(calls) == 2:  # the nested run's: inside keep()
+            if len(calls) == 2:  # the nested run's: as its lease is kept
                 soft_limit._on_soft_limit(signal.SIGUSR1, sys._getframe())
             super().__init__(*args)
 
@@ -152,7 +153,7 @@ def test_a_soft_limit_in_a_nested_runs_keep_cuts_it_and_reaches_the_outer_body(
     """The soft limit lands as the nested call's lease is kept: the nested call does not run
     its body, the outer body gets the exception, nothing stays held, both locks are freed."""
     calls: list[str] = []
-    monkeypatch.setattr(keeper_module, "KeptLease", signalled_at_second_kept(calls))
+    monkeypatch.setattr(task_module, "HeldRun", signalled_at_second_kept(calls))
 
     nesting = merge.nesting_task(eager_app, "adv.hold.nesting", lambda: calls.append("inner body ran"))
 
@@ -161,7 +162,7 @@ def test_a_soft_limit_in_a_nested_runs_keep_cuts_it_and_reaches_the_outer_body(
     assert not soft_limit._held
     counters.flush()
     wait_for(lambda: not run_locks(redis_db, "adv.hold.nesting"), timeout=15, message="both locks freed")
-    monkeypatch.setattr(keeper_module, "KeptLease", KeptLease)
+    monkeypatch.setattr(task_module, "HeldRun", HeldRun)
     assert nesting.apply(("again",)).get() == "never stopped", "a later run is not cut"
 
 
@@ -180,7 +181,7 @@ def test_two_soft_limits_one_held_in_keep_one_in_end_are_each_raised_once(
             land_here()
         forget(self, kept)
 
-    monkeypatch.setattr(keeper_module, "KeptLease", Signalled)
+    monkeypatch.setattr(task_module, "HeldRun", Signalled)
     monkeypatch.setattr(LeaseKeeper, "forget", signal_then_forget)
 
     @eager_app.task(base=SingletonTask, name="adv.hold.twice", shared=False, bind=True, unique_on=["key"])
@@ -197,7 +198,7 @@ def test_two_soft_limits_one_held_in_keep_one_in_end_are_each_raised_once(
     assert calls == ["kept", "kept", "caught", "ending"]
     assert isinstance(result.result, SoftTimeLimitExceeded), result.result
     assert not soft_limit._held
-    monkeypatch.setattr(keeper_module, "KeptLease", KeptLease)
+    monkeypatch.setattr(task_module, "HeldRun", HeldRun)
     monkeypatch.setattr(LeaseKeeper, "forget", forget)
     assert twice.apply(("later",)).get() == "outer body returned"
     counters.flush()

@@ -213,7 +213,7 @@ def test_a_run_on_a_worker_path_sends_its_event_by_its_lease_id_and_none_without
     @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, shared=False)
     def body(self: Any) -> None:
         run = self.singleton_run
-        seen["key"], seen["lease_id"] = run.key, run._kept.lease.task_id
+        seen["key"], seen["lease_id"] = run.key, run.lease.task_id
         locks = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=2)
         try:
             locks.delete(run.key)

@@ -233,7 +233,7 @@ def test_a_loss_during_the_body_is_reported_by_the_release(redis_db: redis.Redis
 
     body.apply().get()
     run = seen["run"]
-    assert run.lost and run._kept.lost_reason == (
+    assert run.lost and run.lost_reason == (
         "the lock was deleted, expired or taken by another holder" if how == "found by the keeper"
         else "the lock was gone when the run ended")
     assert keeper_count() == 0
@@ -255,7 +255,7 @@ def test_a_loss_the_keeper_read_just_before_releasing_is_reported_by_the_release
     @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, shared=False)
     def body(self: Any) -> None:
         run = seen["run"] = self.singleton_run
-        kept = run._kept
+        kept = run
         renew_once = kept.lease.renew_once
 
         def read_then_wait(client: Any = None) -> Any:
@@ -270,7 +270,7 @@ def test_a_loss_the_keeper_read_just_before_releasing_is_reported_by_the_release
 
     body.apply().get()
     run = seen["run"]
-    assert run.lost and run._kept.lost_reason == "the lock was gone when the run ended"
+    assert run.lost and run.lost_reason == "the lock was gone when the run ended"
     wait_for(lambda: keeper_count() == 0, timeout=30, message="the lease forgotten")
     counters.flush()
     assert redis_db.hget(body.singleton_stats_key(), "lost") == b"1"
@@ -340,7 +340,7 @@ def test_a_release_that_cannot_be_sent_is_forgotten(make_redis: Callable[..., Re
 
     @app.task(base=SingletonTask, bind=True, lock_ttl=1.5, shared=False)
     def body(self: Any) -> None:
-        seen["kept"] = self.singleton_run._kept
+        seen["kept"] = self.singleton_run
         server.kill()
 
     body.apply()
@@ -370,7 +370,7 @@ def test_an_exception_inside_the_release_still_forgets(redis_db: redis.Redis, er
 
     @app.task(base=SingletonTask, bind=True, lock_ttl=30, shared=False)
     def body(self: Any) -> None:
-        kept = seen["kept"] = self.singleton_run._kept
+        kept = seen["kept"] = self.singleton_run
         kept.lease.release = raising
 
     if error is KeyboardInterrupt:
@@ -460,11 +460,11 @@ def test_a_nested_run_ending_leaves_the_outer_lease_renewed(redis_db: redis.Redi
     def outer(self: Any) -> None:
         run = seen["outer"] = self.singleton_run
         inner.apply().get()
-        assert not seen["inner"]._kept.active
-        renewals = run._kept.renewals
-        wait_for(lambda: run._kept.renewals >= renewals + 3 or run.lost, timeout=30,
+        assert not seen["inner"].active
+        renewals = run.renewals
+        wait_for(lambda: run.renewals >= renewals + 3 or run.lost, timeout=30,
                  message="the outer lease renewed")
-        assert not run.lost, run._kept.lost_reason
+        assert not run.lost, run.lost_reason
         run.ensure_held()
 
     outer.apply().get()
@@ -503,8 +503,8 @@ runs = []
 def held(self, n):
     run = self.singleton_run
     runs.append(run)
-    renewals = run._kept.renewals
-    while run._kept.renewals < renewals + 2 and not run.lost:
+    renewals = run.renewals
+    while run.renewals < renewals + 2 and not run.lost:
         gevent.sleep(0.01)
     end = __import__("time").perf_counter() + random.uniform(0, 0.05)
     while __import__("time").perf_counter() < end:  # the hub blocked a little, as ending runs do
@@ -512,7 +512,7 @@ def held(self, n):
 
 
 gevent.joinall([gevent.spawn(held.apply, args=(n,), kwargs={}) for n in range(40)])
-lost = [run._kept.lost_reason for run in runs if run.lost]
+lost = [run.lost_reason for run in runs if run.lost]
 left = sum(looker.exists(run.key) for run in runs)
 print(f"RESULT runs={len(runs)} lost={len(lost)} left={left} active={get_keeper()._active} why={lost[:3]}",
       flush=True)
@@ -578,7 +578,7 @@ def test_a_signal_while_the_runs_end_waits_for_the_keeper_never_keeps_the_lease_
 
     @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, shared=False)
     def body(self: Any) -> None:
-        kept = seen["kept"] = self.singleton_run._kept
+        kept = seen["kept"] = self.singleton_run
         if at == "start of the end":
             let_the_keepers_lock_be_taken()
             return

@@ -35,8 +35,8 @@ the soft limit reached the run (its result is ``SoftTimeLimitExceeded``).
    (before: the same ``__call__`` lines broke, and ``fail_open``'s ``return`` after its
    ``raise_held`` held the limit through the body).
 4. The wait of a worker's run for its lock Redis: each line of ``wait_for_redis``,
-   ``OutageWait.after_failure`` and ``in_time`` (the acquire tried again, its lease
-   returned): **held**. Under the retry's publish (``Task.retry`` -> ``apply_async``):
+   ``OutageWait.after_failure`` and ``SingletonTask._take_run_lock`` (the acquire tried
+   again, its lease checked and returned): **held**. Under the retry's publish (``Task.retry`` -> ``apply_async``):
    **broke**. ``retry()`` turns any ``Exception`` its publish raises into ``Reject``
    ("could not publish"): the soft limit was taken for a failed publish and lost, the
    wait went on, got its lock once Redis was back and ran the body past its soft limit
@@ -425,7 +425,8 @@ class Ended:
 
 
 @pytest.mark.parametrize("code", [outage_module.wait_for_redis.__code__,
-                                  outage_module.OutageWait.after_failure.__code__, outage_module.in_time.__code__],
+                                  outage_module.OutageWait.after_failure.__code__,
+                                  SingletonTask._take_run_lock.__code__],
                          ids=lambda code: code.co_name)
 def test_every_line_of_a_wait_for_the_lock_redis(
         code: CodeType, guarded: None, outage_app: tuple[Celery, Outage], keeper: LeaseKeeper,

@@ -30,12 +30,11 @@ import redis
 from celery_singleton_beat.lease.keeper import LeaseKeeper
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
-from celery_singleton_beat.task.run import SingletonRun
+from celery_singleton_beat.task.run import HeldRun
 client = redis.Redis.from_url(sys.argv[1])
 spec = LockSpec(task="skew", ttl=2.0, boot="skewed-boot", live=True, liveness_ttl=3.0, liveness_prefix="singleton")
 result = acquire(client, sys.argv[2], spec, "skewed-task")
-kept = LeaseKeeper().keep(result.lease)
-run = SingletonRun(sys.argv[2], kept)
+kept = run = LeaseKeeper().keep_entry(HeldRun(result.lease, None))
 deadline = time.monotonic() + 10
 while kept.renewals < 2 and time.monotonic() < deadline:
     threading.Event().wait(0.05)  # (time.sleep fails under faketime's clock_nanosleep)

@@ -7,6 +7,10 @@ often. In the leases benchmark's 1,000-run round the collector's time from the f
 to the last was about 0.24 s of CPU in ours against 0.09 s in plain Celery's worker. So
 each thing a held run keeps is counted here (no timing):
 
+* a run that holds its lock is one object with its lease: the run (``self.singleton_run``)
+  is also the lease keeper's entry for the lease (a run, a keeper entry and a lease were
+  three; at 5,000 runs the two more made the collector's sixth full collection of the
+  burst);
 * the report of a lost lease (``KeptLease.on_lost``) is shared by a task's runs (it names the
   run by its lease's task id): none per run (a closure was seven: a function, its tuple of
   cells and a cell for each of its five fields; then one object per run);
@@ -19,6 +23,7 @@ each thing a held run keeps is counted here (no timing):
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import threading
 import time
@@ -29,9 +34,13 @@ from celery import Celery
 from celery.app.task import Context
 
 from celery_singleton_beat import SingletonTask
-from celery_singleton_beat.lease.keeper import KeptLease
+from celery_singleton_beat.lease.keeper import KeptLease, get_keeper
+from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.recovery.server import LockServer
 from celery_singleton_beat.recovery.window import Recovery
+from celery_singleton_beat.task.run import HeldRun
+
+from .support import LOCK_DB, RedisServer
 
 #: Callbacks made in one count (the figure is their tracked objects over this).
 MADE = 200
@@ -71,6 +80,44 @@ def task() -> SingletonTask:
         """A task of the test's app."""
 
     return hold  # type: ignore[no-any-return]
+
+
+def test_a_held_run_keeps_two_tracked_objects_itself_and_its_lease(redis_server: RedisServer) -> None:
+    """A run that took its lock (``_begin``, as a worker's run does) holds two tracked
+    objects while it runs: the run, which the lease keeper renews as its entry, and the
+    lease. The keeper's queue holds the same run (no entry of its own)."""
+    app = Celery("held-run-objects-begin", set_as_current=False)
+    app.conf.singleton_redis_url = redis_server.url(LOCK_DB)
+
+    @app.task(base=SingletonTask, lock_ttl=30, shared=False)
+    def hold(i: int) -> None:
+        """A task of the test's app."""
+
+    numbers = itertools.count()
+    runs: list[Any] = []
+
+    def begin() -> Any:
+        n = next(numbers)
+        request = Context(id=f"held-{n}", hostname="w1@host", is_eager=False, args=(n,), kwargs={})
+        run = hold._begin(request, (n,), {})
+        runs.append(run)
+        return run
+
+    keeper = get_keeper()
+    try:
+        per_run = tracked_objects_per(begin)
+        assert all(run.held for run in runs)
+        with keeper._mutex:
+            queued = {id(entry) for _, _, entry in keeper._queue} | {
+                id(kept) for _, _, entry in keeper._queue for kept in getattr(entry, "leases", ())}
+        assert per_run == 2, f"each held run keeps {per_run:.2f} tracked objects"
+        assert all(id(run) in queued for run in runs), "the keeper renews the run itself"
+        assert all(isinstance(run, HeldRun) for run in runs)
+    finally:
+        for run in runs:
+            keeper.forget(run)
+            run.lease.release()
+        reset_clients()
 
 
 def test_a_lost_lease_report_is_shared_by_the_runs_of_a_task(task: SingletonTask) -> None:

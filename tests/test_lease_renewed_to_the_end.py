@@ -76,7 +76,7 @@ def lend_the_pool(run, kept):
 @app.task(base=SingletonTask, bind=True, lock_ttl=3)
 def held(self):
     run = self.singleton_run
-    kept = run._kept
+    kept = run  # the run is its lease's keeper entry
     seen["kept"] = kept
     gevent.spawn(lend_the_pool, run, kept)
     while not seen.get("lent"):

@@ -20,7 +20,7 @@ from celery_singleton_beat.lease import lock as lock_module
 from celery_singleton_beat.lease.behalf import read_holder
 from celery_singleton_beat.lease.keeper import LeaseKeeper
 from celery_singleton_beat.lease.spec import TAKEOVER_WAIT
-from celery_singleton_beat.task.run import SingletonRun
+from celery_singleton_beat.task.run import HeldRun
 
 from .support import wait_for
 from .support.locking import renew, take_lock
@@ -85,8 +85,8 @@ def test_ensure_held_never_vouches_past_a_take_over(redis_db: redis.Redis) -> No
     lease = take_k("a", "stopped").lease
     assert lease is not None
     keeper = LeaseKeeper()
-    run = SingletonRun(KEY, keeper.keep(lease))
-    keeper.forget(run._kept)  # type: ignore[arg-type]  # no renewal from now on: the process is stopped
+    run = keeper.keep_entry(HeldRun(lease, None))
+    keeper.forget(run)  # no renewal from now on: the process is stopped
     run.ensure_held()
     taker = wait_for(lambda: take_k("b", "other").lease, timeout=20, message="the stopped run's lock taken over")
     assert read_holder(redis_db, KEY).raw == taker.value

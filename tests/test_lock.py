@@ -22,7 +22,7 @@ from celery_singleton_beat.lease.holder import done_key
 from celery_singleton_beat.lease.keeper import LeaseKeeper, get_keeper
 from celery_singleton_beat.lease.scripts import RELEASE
 from celery_singleton_beat.recovery.server import PORTABLE, LockServer, server_of
-from celery_singleton_beat.task.run import SingletonRun
+from celery_singleton_beat.task.run import HeldRun
 
 from .support import LOCK_DB, RedisServer, soak, wait_for
 from .support.keyspace import keyspace_events
@@ -314,11 +314,9 @@ def test_ensure_held_fails_once_the_lease_may_have_lapsed_whatever_the_keeper_sa
     """A process paused past its lease (SIGSTOP, a stalled VM) must not vouch for it after it
     resumes, before its keeper has even looked: ensure_held() reads the clock, not a flag."""
     lease = take(redis_db, ttl=0.5).lease
-    run = SingletonRun(KEY, LeaseKeeper().keep(lease))
+    run = LeaseKeeper().keep_entry(HeldRun(lease, None))
     run.ensure_held()
-    forgotten = run._kept
-    assert forgotten is not None
-    LeaseKeeper().forget(forgotten)  # no renewal: as if the process had been stopped
+    LeaseKeeper().forget(run)  # no renewal: as if the process had been stopped
     wait_for(lambda: time.monotonic() >= lease.valid_until, timeout=5, message="the lease to lapse")
     assert not run.lost, "the keeper never looked"
     with pytest.raises(Exception, match="not renewed"):
@@ -339,8 +337,8 @@ def test_ensure_held_never_vouches_past_a_restarts_recovery_window(make_redis: C
     lease = take(holder_client, ttl=30.0, liveness_ttl=3.0).lease
     assert lease is not None
     keeper = LeaseKeeper()
-    run = SingletonRun(KEY, keeper.keep(lease))
-    keeper.forget(run._kept)  # type: ignore[arg-type]  # no renewal from now on: as if paused
+    run = keeper.keep_entry(HeldRun(lease, None))
+    keeper.forget(run)  # no renewal from now on: as if paused
     assert take_lock(contender, "t:{other}", 30.0, task="demo.task").acquired, "the contender used the server"
     run.ensure_held()
 

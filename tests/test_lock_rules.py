@@ -20,7 +20,7 @@ from celery_singleton_beat.lease.holder import done_key
 from celery_singleton_beat.lease.keeper import LeaseKeeper
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
-from celery_singleton_beat.task.run import SingletonRun
+from celery_singleton_beat.task.run import HeldRun
 
 from .support import LOCK_DB, RedisServer, wait_for
 
@@ -69,10 +69,9 @@ def test_ensure_held_stops_vouching_before_a_take_over_can_happen(locks: redis.R
     lease = acquire(locks, KEY, spec, "paused").lease
     assert lease is not None
     keeper = LeaseKeeper()
-    run = SingletonRun(KEY, keeper.keep(lease))
+    run = keeper.keep_entry(HeldRun(lease, None))
     assert run.ensure_held() == lease.fence
-    assert run._kept is not None
-    keeper.forget(run._kept)  # no renewal from now on: the process is paused
+    keeper.forget(run)  # no renewal from now on: the process is paused
     contender = worker_spec("contender-boot", liveness_ttl=3.0)
     taken = []
 

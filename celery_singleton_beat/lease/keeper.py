@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import native
 from ..connection.flusher import read_all_replies
@@ -43,6 +43,8 @@ from .releases import EXIT_PATIENCE, PendingRelease, send_until_done
 from .rounds import Renewer
 
 __all__ = ["KeptLease", "LeaseKeeper", "get_keeper", "send_pending_releases"]
+
+K = TypeVar("K", bound=KeptLease)
 
 #: Seconds an idle keeper (nothing to renew) waits before it looks at its queue again.
 #: A new lease due later than that needs no wake-up: short runs cost no thread switch.
@@ -91,7 +93,12 @@ class LeaseKeeper:
         start of its acquire), not after this call: in a busy gevent worker the reply
         of an acquire may be read seconds after Redis set the key, and a lease scheduled
         from then could expire before its first renewal."""
-        kept = KeptLease(lease, on_lost)
+        return self.keep_entry(KeptLease(lease, on_lost))
+
+    def keep_entry(self, kept: K) -> K:
+        """:meth:`keep` for an entry made by the caller: a task's run is its own entry
+        (:class:`~celery_singleton_beat.task.run.HeldRun`), one object per held run."""
+        lease = kept.lease
         self._add(kept, lease.confirmed_at + lease.renew_every)
         return kept
 

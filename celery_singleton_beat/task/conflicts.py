@@ -36,7 +36,7 @@ from ..lease.holder import Holder, describe_holder
 from ..lease.lock import AcquireResult
 from ..log import logger
 from .events import TASK_SKIPPED, send_task_event
-from .run import SingletonRun
+from .run import SingletonRun, UnlockedRun
 
 __all__ = ["COPY_HEADER", "ConflictOutcomes", "is_copy"]
 
@@ -129,7 +129,7 @@ class ConflictOutcomes(Task):
         """Fail open: the lock could not be asked for, the run goes ahead without it."""
         logger.error("%s[%s] runs WITHOUT its lock %s: Redis unavailable (fail-open): %s",
                      self.name, self.request.id, key, exc)
-        return SingletonRun(key, None)
+        return UnlockedRun(key)
 
     def _backoff(self, retries: int) -> float:
         """Exponential back-off with full jitter, capped by ``singleton_retry_backoff_max``."""

@@ -27,7 +27,7 @@ from . import worker as worker_support
 from .endings import Release, Report, ending_of
 from .events import TASK_LOCK_LOST, send_task_event_soon
 from .publish import delay_of
-from .run import SingletonRun
+from .run import HeldRun, SingletonRun
 
 __all__ = ["LostReport", "ReleaseAtEnd"]
 
@@ -136,23 +136,22 @@ class ReleaseAtEnd(Task):
 
     def _end(self, request: Context, run: SingletonRun | None, exc: BaseException | None) -> None:
         """Release the run's lock as its ending says (:mod:`.endings`)."""
-        kept = run._kept if run is not None else None
-        if kept is None:
+        if not isinstance(run, HeldRun):  # not begun, or ran unlocked (fail-open)
             return
+        kept = run
         # Renewed until its release is sent: the release may wait (a pooled connection, a busy
         # hub) longer than the lease has left (see LeaseKeeper.releasing).
         keeper = get_keeper()
         try:
             keeper.releasing(kept)
-            self._release(request, run, kept, exc)
+            self._release(request, kept, exc)
         finally:
             keeper.forget(kept)
 
-    def _release(self, request: Context, run: SingletonRun | None, kept: KeptLease,
-                 exc: BaseException | None) -> None:
-        """Send the release of ``kept`` as the run's ending says; report what it found."""
+    def _release(self, request: Context, kept: HeldRun, exc: BaseException | None) -> None:
+        """Send the release of ``kept``, the run, as its ending says; report what it found."""
         ending = ending_of(exc, self.lock_mode)
-        done_ttl = run._done_ttl if ending.marker else None  # type: ignore[union-attr]  # kept: run too
+        done_ttl = kept._done_ttl if ending.marker else None
         claim_ttl = self._retry_claim_ttl(request, exc) if ending.release is Release.CLAIM else None
         if ending.release is Release.SOON and not self._end_is_seen(request, exc):
             try:

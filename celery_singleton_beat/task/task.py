@@ -42,6 +42,7 @@ run decides, with a ready outcome.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -75,7 +76,7 @@ from .outage import claim_back, in_time, wait_for_redis
 from .publish import PublishClaims
 from .release import ReleaseAtEnd
 from .request import compose_request
-from .run import SingletonRun
+from .run import HeldRun, SingletonRun
 
 __all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "SingletonRun", "SingletonTask"]
 
@@ -313,6 +314,27 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         self._singleton_context = (generation, context)
         return context
 
+    def _take_run_lock(self, request: Context, client: Any, key: str, spec: LockSpec, adopt: str | None,
+                       copy: bool) -> AcquireResult:
+        """One acquire of a run's lock. A lease granted by a reply that came too late to be
+        vouched for is given back and fails the acquire as a timeout does (:func:`.outage.in_time`).
+        A method, not a closure of ``_begin``: every start of a gevent worker's burst made two
+        functions and their cells, held while it waited for its reply."""
+        result = acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt, copy=copy)
+        lease = result.lease
+        if lease is not None and time.monotonic() >= lease.vouched_until:
+            in_time(result, functools.partial(self._give_back, request, key, adopt))
+        return result
+
+    def _give_back(self, request: Context, key: str, adopt: str | None, lease: Lease) -> None:
+        """Hand back a lease no run used (a late reply's): released, or, for a queued
+        ``until_executed`` message, turned back into its claim (:func:`.outage.claim_back`)."""
+        if adopt is None or request.is_eager:
+            get_keeper().retry_release(lease, counted=False)  # no run used it
+            return
+        ttl = get_settings(self.app).queue_lock_ttl + self._backoff(request.retries or 0)
+        claim_back(lease, ttl, lambda: self._take(key, ttl, ("claimed", ""), task_id=request.id, claim=True))
+
     def _begin(self, request: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SingletonRun:
         settings, client, spec, _ = self._run_context(bool(request.is_eager))
         key = self._key(settings, args, kwargs)
@@ -320,28 +342,18 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         copy = spec.check_done and is_copy(request)  # its done marker is read before the key is written
         started = time.monotonic()
 
-        def give_back(lease: Lease) -> None:
-            if adopt is None or request.is_eager:
-                get_keeper().retry_release(lease, counted=False)  # no run used it
-            else:  # a queued until_executed message: the key stays its claim
-                ttl = settings.queue_lock_ttl + self._backoff(request.retries or 0)
-                claim_back(lease, ttl, lambda: self._take(key, ttl, ("claimed", ""), task_id=request.id, claim=True))
-
-        def take() -> AcquireResult:
-            return in_time(acquire(client, key, spec, request.id, node=request.hostname, adopt_claim_of=adopt,
-                                   copy=copy), give_back)
-
         # A soft time limit landing in here, or in anything called from here, is held
         # (soft_limit) and raised at the safe point below, where the lease is abandoned.
         result: AcquireResult | None = None
         try:
             try:
-                result = take()
+                result = self._take_run_lock(request, client, key, spec, adopt, copy)
             except redis.RedisError as exc:
                 if settings.fail_open:
                     run = self._run_unlocked(key, exc)
                     soft_limit.raise_held()  # no lock taken: raised before the body
                     return run
+                take = functools.partial(self._take_run_lock, request, client, key, spec, adopt, copy)
                 result = wait_for_redis(self, key, exc, take, started=started, client=client)
             if self.lock_mode == "until_executing":
                 self._release_queue_claim(client, key)
@@ -358,8 +370,8 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
                     self._wait_for_original(key, holder)
                 self._conflict(key, result)
             assert result.lease is not None
-            kept = get_keeper().keep(result.lease, on_lost=self._lease_lost_callback(request))
-            run = SingletonRun(key, kept, settings.done_ttl if spec.check_done else None)
+            run = get_keeper().keep_entry(HeldRun(result.lease, self._lease_lost_callback(request),
+                                                  settings.done_ttl if spec.check_done else None))
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s[%s] holds %s (fence %s)", self.name, request.id, key, result.lease.fence)
             # The safe point, the last call: a run cut short here abandons its lease below;

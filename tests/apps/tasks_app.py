@@ -136,7 +136,7 @@ def hold_lease(self: SingletonTask, key: str) -> dict[str, Any]:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not self.singleton.lost and not r.exists(f"release:{key}"):
         time.sleep(0.05)
-    return {"lost": self.singleton.lost, "reason": self.singleton._kept.lost_reason if self.singleton._kept else None}
+    return {"lost": self.singleton.lost, "reason": getattr(self.singleton, "lost_reason", None)}
 
 
 @app.task(bind=True, base=SingletonTask, lock_ttl=1.0, unique_on=["key"])
