@@ -541,21 +541,21 @@ def test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever(
     begins, once its lease is in the keeper and before the run has it: raised (the body has
     not run), but ``__call__`` never got the run to end, and the keeper renewed the lock for
     as long as the process lived."""
-    keep = LeaseKeeper.keep
+    keep_entry = LeaseKeeper.keep_entry
     fired: list[bool] = []
 
-    def keep_then_late_signal(self: LeaseKeeper, lease: Any, on_lost: Any = None) -> KeptLease:
-        kept = keep(self, lease, on_lost)
+    def keep_then_late_signal(self: LeaseKeeper, kept: Any) -> KeptLease:
+        kept = keep_entry(self, kept)  # the run, now renewed by the keeper
         if not fired:
             fired.append(True)
-            soft_limit_now()  # handled here, on the way back from keep()
-        return kept
+            soft_limit_now()  # handled here, on the way back from keeping the run
+        return kept  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(LeaseKeeper, "keep", keep_then_late_signal)
+    monkeypatch.setattr(LeaseKeeper, "keep_entry", keep_then_late_signal)
 
     result = one_run(eager_app, "adv.merge.beginning")
     assert fired and isinstance(result.result, SoftTimeLimitExceeded)
-    monkeypatch.setattr(LeaseKeeper, "keep", keep)
+    monkeypatch.setattr(LeaseKeeper, "keep_entry", keep_entry)
     counters.flush()  # the run's counts written, as the process's counter writer may at any moment
     wait_for(lambda: not run_locks(redis_db, "adv.merge.beginning"), timeout=15,
              message="the run's lock freed or lapsed")
@@ -564,7 +564,7 @@ def test_a_soft_limit_as_a_run_begins_leaves_no_lock_renewed_for_ever(
 def test_a_soft_limit_as_the_keeper_starts_its_thread_leaves_later_leases_renewed(
         guarded: None, eager_app: Celery, redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process's first run hands its lease to the keeper, which starts its thread; the
-    soft limit lands there. Raised inside :meth:`.LeaseKeeper.keep`, it left the keeper
+    soft limit lands there. Raised inside :meth:`.LeaseKeeper.keep_entry`, it left the keeper
     marked running with no thread: no later lease of the process was ever renewed (each
     later run's lock lapsed at its TTL while the run went on). Held until ``keep`` returns:
     the run is cut short as it began (its lease abandoned) and the keeper's thread runs."""
