@@ -1,0 +1,402 @@
+"""Adversary tests of the held run (adv-held): a run holding its lock is its lease's keeper
+entry (:class:`~celery_singleton_beat.task.run.HeldRun`), a fail-open run an
+:class:`~celery_singleton_beat.task.run.UnlockedRun`, and the run lock is taken by
+``SingletonTask._take_run_lock`` (no closures per run).
+
+Real redis-server of the test session; eager runs, and runs traced as a worker's pool
+traces them (``build_tracer``, not eager). Tried, and what held:
+
+1. Identity: ``self.singleton is self.singleton_run``; it is a ``HeldRun``, the very object
+   in the keeper's queue (no separate entry), its ``key`` the task's ``singleton_key``, its
+   ``fence`` what ``ensure_held()`` returns; forgotten and its lock gone once the run ends,
+   the keeper's count of kept leases back where it was: **held**.
+2. Nested runs (the body calls ``self(...)`` with other arguments): each level its own
+   ``HeldRun`` kept at once; the outer body gets its own run back, still kept and held, once
+   the nested call returned; both forgotten at the end: **held**.
+3. Fail-open (``singleton_fail_open`` and the lock Redis down): an ``UnlockedRun``, held
+   False, lost False, fence None, ``ensure_held`` raises ``LockLost``, its key the task's;
+   nothing kept by the keeper, nothing released: **held**.
+4. A lease taken by another during the run: the keeper marks the run itself lost; the body
+   sees ``lost`` and ``ensure_held`` raises; the lost report names the run's task id and
+   lock; the other's lock is left alone at the end: **held**.
+5. A soft limit held in ``_begin`` raised at its safe point (after ``keep_entry``): the
+   ``HeldRun`` entry abandoned (inactive in the queue), its lock freed, nothing held:
+   **held** (the full line-by-line sweep is tests/test_adversary_soft_hold.py).
+6. ``acks_late`` worker runs: the run carries the done marker's TTL (``_done_ttl``) and its
+   release writes the marker: a second delivery of the same message does not run; an eager
+   run carries none: **held**.
+7. ``until_executed`` worker run whose body retries: its lock turned into the retry's claim
+   at the end (a publish of the same arguments is deduplicated): **held**.
+8. The public ``SingletonRun`` (exported from the package, documented in docs/api.md) as a
+   value object: ``SingletonRun(key, None)`` constructed it before this change (a run
+   without a lock, e.g. for unit tests of a body pushing a request by hand); now its
+   ``__init__`` takes no argument and its ``key`` raises ``NotImplementedError``. Pinned here
+   as what the change does (see the report: an API change without a CHANGELOG line, not a
+   failure of a run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from types import CodeType
+from typing import Any
+
+import pytest
+import redis
+from billiard.exceptions import SoftTimeLimitExceeded
+from celery import Celery, Task, states
+from celery.app.task import Context
+from celery.app.trace import TraceInfo, build_tracer
+
+from celery_singleton_beat import SingletonRun, SingletonTask
+from celery_singleton_beat.exceptions import LockLost, LockUnavailable
+from celery_singleton_beat.lease.holder import parse_holder
+from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
+from celery_singleton_beat.lease.kept import Bucket
+from celery_singleton_beat.recovery.lock_redis import reset_clients
+from celery_singleton_beat.task import outage as outage_module
+from celery_singleton_beat.task import soft_limit
+from celery_singleton_beat.task import task as task_module
+from celery_singleton_beat.task.run import HeldRun, UnlockedRun
+
+from . import test_adversary_soft_hold as soft_hold
+from .support import LOCK_DB, RedisServer, wait_for
+from .support.tasks import lock_keys
+
+guarded = soft_hold.guarded
+lock_app = soft_hold.lock_app
+eager_app = soft_hold.eager_app
+keeper = soft_hold.keeper
+
+
+def _entries() -> list[KeptLease]:
+    """Every kept lease the keeper has: queued (alone or in a bucket) or in flight."""
+    keeper = get_keeper()
+    with keeper._mutex:
+        queued = [kept for _, _, entry in keeper._queue
+                  for kept in (entry.leases if isinstance(entry, Bucket) else (entry,))]
+        return [kept for kept in itertools.chain(queued, keeper._in_flight) if isinstance(kept, KeptLease)]
+
+
+def _active_entries_of(key: str) -> list[KeptLease]:
+    return [kept for kept in _entries() if kept.active and kept.lease.key == key]
+
+
+@pytest.fixture
+def app(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[Celery]:
+    app = Celery("adv-held-run", broker="memory://", set_as_current=False)
+    app.conf.update(singleton_redis_url=redis_server.url(LOCK_DB), singleton_lock_ttl=30, task_always_eager=True)
+    yield app
+    reset_clients()
+
+
+def _run_as_worker(task: Task, task_id: str, args: tuple[object, ...]) -> str:
+    """Run ``task`` as a worker's pool does (not eager); the state it ends in."""
+    tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=False)
+    traced = tracer(task_id, args, {}, {"id": task_id, "retries": 0, "is_eager": False, "hostname": "w1@host",
+                                        "delivery_info": {"routing_key": "celery"}})
+    info: TraceInfo | None = traced[1]
+    return states.SUCCESS if info is None else str(info.state)
+
+
+def test_the_run_is_the_keepers_entry_and_is_forgotten_at_its_end(app: Celery, locks: redis.Redis) -> None:
+    seen: dict[str, Any] = {}
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, x: int) -> int:
+        run = self.singleton_run
+        assert isinstance(run, HeldRun)
+        seen.update(run=run, same=self.singleton is run, entries=[kept for kept in _entries() if kept is run],
+                    active=run.active, held=run.held, lost=run.lost, fence=run.fence, ensured=run.ensure_held(),
+                    key=run.key, in_redis=locks.get(run.key))
+        return x
+
+    before = get_keeper()._active
+    assert job.apply(args=(1,), throw=True).get() == 1
+    run = seen["run"]
+    assert isinstance(run, HeldRun) and isinstance(run, SingletonRun) and isinstance(run, KeptLease)
+    assert seen["same"], "self.singleton is not self.singleton_run"
+    assert seen["entries"] == [run], "the keeper's queue does not hold the run itself (exactly once)"
+    assert seen["active"] and seen["held"] and not seen["lost"]
+    assert seen["fence"] == seen["ensured"] == run.lease.fence
+    assert seen["key"] == job.singleton_key((1,), {}) == run.lease.key
+    assert seen["in_redis"] == run.lease.value.encode()
+    assert not run.active, "the run was not forgotten by the keeper at its end"
+    assert not _active_entries_of(run.key)
+    assert get_keeper()._active == before
+    assert lock_keys(locks) == []
+
+
+def test_nested_runs_each_keep_their_own_run_and_the_outer_gets_its_back(app: Celery, locks: redis.Redis) -> None:
+    seen: dict[str, Any] = {}
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, x: int) -> int:
+        run = self.singleton_run
+        if x == 0:
+            seen["outer"] = run
+            self(1)  # nested: its own request, its own lock
+            seen.update(back=self.singleton_run, outer_active=run.active, outer_held=run.held,  # type: ignore[attr-defined]
+                        inner_active_after=seen["inner"].active, keys_after=lock_keys(locks))
+        else:
+            seen.update(inner=run, both=[kept for kept in _entries() if kept in (seen["outer"], run)],
+                        keys_inside=lock_keys(locks))
+        return x
+
+    before = get_keeper()._active
+    job.apply(args=(0,), throw=True).get()
+    outer, inner = seen["outer"], seen["inner"]
+    assert isinstance(outer, HeldRun) and isinstance(inner, HeldRun) and outer is not inner
+    assert outer.key != inner.key
+    assert {id(kept) for kept in seen["both"]} == {id(outer), id(inner)}, "both levels kept at once"
+    assert sorted(seen["keys_inside"]) == sorted([outer.key, inner.key])
+    assert seen["back"] is outer, "the outer body did not get its own run back"
+    assert seen["outer_active"] and seen["outer_held"]
+    assert not seen["inner_active_after"] and seen["keys_after"] == [outer.key]
+    assert not outer.active and get_keeper()._active == before
+    assert lock_keys(locks) == []
+
+
+def test_a_fail_open_run_is_unlocked_and_keeps_nothing(redis_db: redis.Redis) -> None:
+    app = Celery("adv-held-open", broker="memory://", set_as_current=False)
+    app.conf.update(singleton_redis_url="redis://127.0.0.1:1/0", singleton_fail_open=True, task_always_eager=True,
+                    singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0})
+    seen: dict[str, Any] = {}
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, x: int) -> int:
+        run = self.singleton_run
+        seen.update(run=run, same=self.singleton is run, held=run.held, lost=run.lost, fence=run.fence,
+                    key=run.key, kept=[kept for kept in _entries() if id(kept) == id(run)])
+        with pytest.raises(LockLost, match="holds no lock"):
+            run.ensure_held()
+        seen["raised"] = True
+        return x
+
+    before = get_keeper()._active
+    try:
+        assert job.apply(args=(1,), throw=True).get() == 1
+    finally:
+        reset_clients()
+    run = seen["run"]
+    assert type(run) is UnlockedRun and seen["same"] and seen["raised"]
+    assert seen["held"] is False and seen["lost"] is False and seen["fence"] is None
+    assert seen["key"] == job.singleton_key((1,), {})
+    assert seen["kept"] == [] and get_keeper()._active == before
+
+
+def test_a_lease_taken_by_another_marks_the_run_itself_lost(app: Celery, locks: redis.Redis,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="celery_singleton_beat")
+    seen: dict[str, Any] = {}
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, x: int) -> int:
+        run = self.singleton_run
+        seen["run"] = run
+        locks.set(run.key, "another-holder", keepttl=True)  # taken by another
+        get_keeper().renew_all_soon()
+        wait_for(lambda: run.lost, timeout=30, message="the keeper marks the run lost")
+        seen.update(held=run.held, kept=run.active)  # type: ignore[attr-defined]
+        with pytest.raises(LockLost):
+            run.ensure_held()
+        seen["raised"] = True
+        return x
+
+    result = job.apply(args=(1,), task_id="held-run-lost", throw=True)
+    assert result.get() == 1
+    run = seen["run"]
+    assert seen["raised"] and seen["held"] is False
+    assert run.lost and run.lost_reason
+    assert locks.get(run.key) == b"another-holder", "the run's end touched the other holder's lock"
+    assert not _active_entries_of(run.key)
+    lines = [record.getMessage() for record in caplog.records if "lost its lock" in record.getMessage()]
+    assert any("[held-run-lost]" in line and run.key in line for line in lines), lines
+    locks.delete(run.key)
+
+
+def test_a_soft_limit_held_through_begin_abandons_the_held_run_entry(app: Celery, locks: redis.Redis) -> None:
+    @app.task(base=SingletonTask, shared=False)
+    def job(x: int) -> int:
+        return x
+
+    key = job.singleton_key((1,), {})
+    before = get_keeper()._active
+    request = Context(id="held-soft", hostname="w1@host", is_eager=True, args=(1,), kwargs={})
+    soft_limit.drop_held()
+    soft_limit._held = True  # as if SIGUSR1 landed in _begin: raised at its safe point
+    try:
+        with pytest.raises(SoftTimeLimitExceeded):
+            job._begin(request, (1,), {})
+    finally:
+        soft_limit.drop_held()
+    assert not soft_limit._held
+    assert not _active_entries_of(key), "the abandoned run is still kept by the keeper"
+    assert get_keeper()._active == before
+    assert lock_keys(locks) == [], "the abandoned run's lock was left in Redis"
+
+
+def test_an_acks_late_run_carries_its_done_ttl_and_its_end_writes_the_marker(app: Celery,
+                                                                              locks: redis.Redis) -> None:
+    app.conf.update(task_always_eager=False, singleton_done_ttl=600)
+    ran: list[Any] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, acks_late=True)
+    def job(self: SingletonTask, x: int) -> int:
+        ran.append(self.singleton_run._done_ttl)  # type: ignore[attr-defined]
+        return x
+
+    assert _run_as_worker(job, "held-done", (1,)) == states.SUCCESS
+    assert ran == [600]
+    assert lock_keys(locks) == []
+    assert any(b":done:" in key for key in locks.scan_iter(match="singleton:{*")), "no done marker written"
+    again = _run_as_worker(job, "held-done", (1,))  # the same message delivered again
+    assert ran == [600], "a delivery of a completed message ran again"
+    assert again == states.IGNORED
+
+    eager: list[Any] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, acks_late=True)
+    def eager_job(self: SingletonTask, x: int) -> int:
+        eager.append(self.singleton_run._done_ttl)  # type: ignore[attr-defined]
+        return x
+
+    eager_job.apply(args=(1,), throw=True)
+    assert eager == [None]
+
+
+def test_an_until_executed_run_that_retries_leaves_its_claim(app: Celery, locks: redis.Redis) -> None:
+    app.conf.update(task_always_eager=False)
+    runs: list[Any] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_mode="until_executed")
+    def job(self: SingletonTask, x: int) -> int:
+        runs.append(self.singleton_run)
+        raise self.retry(countdown=60)
+
+    first = job.apply_async(args=(1,))
+    assert _run_as_worker(job, first.id, (1,)) == states.RETRY
+    (run,) = runs
+    assert isinstance(run, HeldRun) and not run.active
+    assert lock_keys(locks) == [run.key], "the retry's claim is not in Redis"
+    second = job.apply_async(args=(1,))
+    assert second.id == first.id, "a publish of the same arguments was queued beside the retry"
+
+
+def test_the_public_singleton_run_is_now_an_abstract_base() -> None:
+    """What the change made of the exported ``SingletonRun``: no constructor arguments (it
+    took ``(key, kept, done_ttl)``), and a bare one has no key."""
+    with pytest.raises(TypeError):
+        SingletonRun("singleton:{job:abc}", None)  # type: ignore[call-arg]
+    bare = SingletonRun()
+    with pytest.raises(NotImplementedError):
+        bare.key  # noqa: B018
+    with pytest.raises(AttributeError):
+        bare.note = 1  # type: ignore[attr-defined]  # __slots__: no attribute of a body's own
+    unlocked = UnlockedRun("singleton:{job:abc}")
+    assert unlocked.key == "singleton:{job:abc}" and not unlocked.held and unlocked.fence is None
+
+
+@pytest.mark.parametrize(("code", "deep"), [(outage_module.in_time.__code__, False),
+                                            (SingletonTask._give_back.__code__, True)],
+                         ids=lambda value: getattr(value, "co_name", str(value)))
+def test_a_soft_limit_at_every_line_of_a_late_replys_give_back(
+        code: CodeType, deep: bool, guarded: None, eager_app: Celery, redis_db: redis.Redis,
+        keeper: LeaseKeeper, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The acquire's reply is read after the lease it grants can no longer be vouched for
+    (this process "paused" after the reply: waited until past ``vouched_until``), so
+    ``_take_run_lock`` hands the lease to ``in_time`` and ``_give_back`` (no longer reached
+    on every acquire: the outage sweep of tests/test_adversary_soft_hold.py now sweeps
+    ``_take_run_lock`` instead of ``in_time``, whose lines run only on this path). The soft
+    limit lands at each line of ``in_time``, and of ``_give_back`` and all it calls (the
+    keeper's pending release, its thread started): the eager run ends ``LockUnavailable``
+    (its late lock given back, the limit dropped with a run that did not begin) or
+    ``SoftTimeLimitExceeded``; no lease kept, the lock freed, nothing held."""
+    real = task_module.acquire
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        lease = result.lease
+        if lease is not None:
+            wait_for(lambda: time.monotonic() >= lease.vouched_until, timeout=30, interval=0.01,
+                     message="the lease past what its holder could vouch for")
+        return result
+
+    monkeypatch.setattr(task_module, "acquire", late)
+    body_ran: list[int] = []
+
+    @eager_app.task(base=SingletonTask, name="adv.held.late", shared=False, lock_ttl=1.0, unique_on=["n"])
+    def swept(n: int) -> str:
+        body_ran.append(n)
+        return "ran"
+
+    problems = soft_hold.sweep(code, lambda n: swept.apply((n,)), redis_db, keeper, "adv.held.late",
+                               deep=deep, body_ran=body_ran, ends=(SoftTimeLimitExceeded, LockUnavailable))
+    assert not problems, "\n".join(problems)
+    assert body_ran == [], "a run went ahead on a late lock"
+    wait_for(lambda: not keeper.pending_releases, timeout=30, message="the late locks given back")
+
+
+@pytest.mark.parametrize("code", [SingletonTask._give_back.__code__, outage_module.claim_back.__code__],
+                         ids=lambda code: code.co_name)
+def test_a_soft_limit_at_every_line_of_an_until_executed_late_give_back(
+        code: CodeType, guarded: None, lock_app: Celery, redis_db: redis.Redis,
+        keeper: LeaseKeeper, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's ``until_executed`` run adopts its message's publish claim, but the reply is
+    late: the lock goes back to being the message's claim (``claim_back``, or claimed anew
+    once it expired) and the run's retry is published. The soft limit lands at each line of
+    ``_give_back`` and of ``claim_back``: the run ends ``RETRY`` (the limit dropped with a
+    run that did not begin) or ``SoftTimeLimitExceeded``; the key is the message's claim,
+    never a run lock nor freed (a publish of the same arguments would be queued beside the
+    retry); no lease kept; nothing held."""
+    lock_app.conf.broker_url = "memory://"
+    real = task_module.acquire
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        lease = result.lease
+        if lease is not None and kwargs.get("adopt_claim_of"):
+            wait_for(lambda: time.monotonic() >= lease.vouched_until, timeout=30, interval=0.01,
+                     message="the lease past what its holder could vouch for")
+        return result
+
+    monkeypatch.setattr(task_module, "acquire", late)
+    body_ran: list[int] = []
+
+    @lock_app.task(base=SingletonTask, name="adv.held.claims", shared=False, lock_ttl=1.0, unique_on=["n"],
+                   lock_mode="until_executed")
+    def claims(n: int) -> str:
+        body_ran.append(n)
+        return "ran"
+
+    def one_run(n: int) -> tuple[str, str, Any]:
+        published = claims.apply_async(args=(n,))
+        state = _run_as_worker(claims, published.id, (n,))
+        return state, published.id, claims.singleton_key((n,), {})
+
+    one_run(0)
+    problems: list[str] = []
+    for nth in itertools.count():
+        landing = soft_hold.Landing(code, nth, deep=False)
+        state, task_id, key = landing.run(lambda n=nth + 1: one_run(n))  # type: ignore[misc]
+        if landing.landed is None:
+            assert nth > 0, f"no line of {code.co_name} executed"
+            break
+        held, soft_limit._held = soft_limit._held, False
+        holder = parse_holder(redis_db.get(key))
+        wrong = [what for what, bad in (
+            ("a soft limit left held", held),
+            (f"lease still kept: {soft_hold.kept_leases(keeper)}", soft_hold.kept_leases(keeper)),
+            (f"the run ended {state}", state not in (states.RETRY, states.FAILURE)),
+            (f"the key is not the message's claim: {holder}",
+             holder is None or not holder.claim or holder.task_id != task_id),
+        ) if bad]
+        if wrong:
+            problems.append(f"landing at {landing.landed}: {'; '.join(wrong)}")
+        for kept in soft_hold.kept_leases(keeper):
+            keeper.forget(kept)
+    assert not problems, "\n".join(problems)
+    assert body_ran == [], "a run went ahead on a late lock"
