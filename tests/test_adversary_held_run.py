@@ -38,7 +38,9 @@ traces them (``build_tracer``, not eager). Tried, and what held:
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from types import CodeType
@@ -52,10 +54,13 @@ from celery.app.task import Context
 from celery.app.trace import TraceInfo, build_tracer
 
 from celery_singleton_beat import SingletonRun, SingletonTask
+from celery_singleton_beat.connection.flusher import read_all_replies
 from celery_singleton_beat.exceptions import LockLost, LockUnavailable
 from celery_singleton_beat.lease.holder import parse_holder
 from celery_singleton_beat.lease.keeper import KeptLease, LeaseKeeper, get_keeper
 from celery_singleton_beat.lease.kept import Bucket
+from celery_singleton_beat.lease.lock import acquire
+from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.task import outage as outage_module
 from celery_singleton_beat.task import soft_limit
@@ -63,7 +68,8 @@ from celery_singleton_beat.task import task as task_module
 from celery_singleton_beat.task.run import HeldRun, UnlockedRun
 
 from . import test_adversary_soft_hold as soft_hold
-from .support import LOCK_DB, RedisServer, wait_for
+from .support import LOCK_DB, RedisServer, TestProcess, importorskip, wait_for
+from .support.processes import child_env
 from .support.tasks import lock_keys
 
 guarded = soft_hold.guarded
@@ -400,3 +406,132 @@ def test_a_soft_limit_at_every_line_of_an_until_executed_late_give_back(
             keeper.forget(kept)
     assert not problems, "\n".join(problems)
     assert body_ran == [], "a run went ahead on a late lock"
+
+
+GREEN_CHILD = r"""
+from gevent import monkey
+monkey.patch_all()
+
+import json
+import sys
+
+import gevent
+import redis
+from celery import Celery
+
+from celery_singleton_beat import SingletonTask
+from celery_singleton_beat.lease.keeper import get_keeper
+from celery_singleton_beat.task.run import HeldRun
+
+url = sys.argv[1]
+app = Celery("adv-held-green", broker="memory://", set_as_current=False)
+app.conf.update(singleton_redis_url=url, singleton_lock_ttl=30, task_always_eager=True)
+wrong = []
+
+
+@app.task(base=SingletonTask, bind=True, shared=False)
+def job(self, n):
+    run = self.singleton_run
+    if not isinstance(run, HeldRun) or self.singleton is not run:
+        wrong.append(f"{n}: not its own held run: {run!r}")
+    if run.key != job.singleton_key((n,), {}):
+        wrong.append(f"{n}: the key of another run: {run.key}")
+    gevent.sleep(0)  # the other greenlets' runs begin meanwhile
+    if n < 1000:
+        self(n + 1000)  # nested, in the same greenlet
+    gevent.sleep(0)
+    if self.singleton_run is not run:
+        wrong.append(f"{n}: saw another run's object after a switch")
+    if run.ensure_held() != run.lease.fence or run.lost or not run.active:
+        wrong.append(f"{n}: its run not held while it runs")
+    return n
+
+
+greenlets = [gevent.spawn(lambda n=n: job.apply(args=(n,), throw=True).get()) for n in range(0, 200, 2)]
+gevent.joinall(greenlets, raise_error=True)
+client = redis.Redis.from_url(url)
+left = sorted(k.decode() for k in client.scan_iter(match="singleton:{*")
+              if not k.endswith(b":fence") and not k.startswith(b"singleton:{stats}"))
+out = {"wrong": wrong, "results": sorted(g.value for g in greenlets), "active": get_keeper()._active, "left": left}
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_green_runs_each_see_their_own_held_run(redis_db: redis.Redis, redis_server: RedisServer) -> None:
+    """A gevent process runs 100 eager runs at once (each with a nested run): every body sees
+    its own ``HeldRun`` (``self.singleton`` is it, its key its arguments'), still after
+    switches to the others' runs; all forgotten and freed at the end."""
+    importorskip("gevent")
+    url = redis_server.url(LOCK_DB)
+    child = TestProcess("adv-held-green", [sys.executable, "-c", GREEN_CHILD, url],
+                        env=child_env(redis_server)).start()
+    try:
+        line = child.wait_for_line("RESULT", timeout=120)
+    finally:
+        child.close()
+    result = json.loads(line.split(" ", 1)[1])
+    assert result["wrong"] == []
+    assert result["results"] == list(range(0, 200, 2))
+    assert result["active"] == 0, "runs left kept by the keeper"
+    assert result["left"] == [], "locks left in Redis"
+
+
+def test_a_release_answered_after_the_run_marks_the_ended_run_lost(app: Celery, locks: redis.Redis,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's run whose end no one sees (no result backend, no events) writes its release
+    and reads the reply later (``release_soon``); its lock was gone by then (deleted as the
+    body ended, before any renewal): the reply marks the run itself lost, and the report
+    names the run's task id and lock, once."""
+    app.conf.update(task_always_eager=False)
+    caplog.set_level(logging.WARNING, logger="celery_singleton_beat")
+    runs: list[Any] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, x: int) -> int:
+        run = self.singleton_run
+        runs.append(run)
+        locks.delete(run.key)
+        return x
+
+    assert _run_as_worker(job, "held-soon", (1,)) == states.SUCCESS
+    (run,) = runs
+    assert isinstance(run, HeldRun) and not run.active
+    assert not run.lost, "the release was not answered late (release_soon): nothing tried"
+    read_all_replies()
+    wait_for(lambda: run.lost, timeout=30, message="the late release reply marks the run lost")
+    assert run.lost_reason == "the lock was gone when the run ended"
+    lines = [record.getMessage() for record in caplog.records if "lost its lock" in record.getMessage()]
+    assert len(lines) == 1 and "[held-soon]" in lines[0] and run.key in lines[0], lines
+    assert lock_keys(locks) == []
+
+
+@pytest.mark.parametrize("where", ["queued", "bucket", "in flight"])
+def test_abandon_finds_the_held_run_wherever_the_keeper_has_it(where: str, redis_db: redis.Redis,
+                                                               locks: redis.Redis) -> None:
+    """``abandon(lease)`` (a run cut short as it began) finds the ``HeldRun`` kept for that
+    lease: alone in the queue, in a bucket of leases renewed together, or taken by a round
+    under way; it is forgotten (not renewed nor put back) and its lock deleted."""
+    keeper = LeaseKeeper()
+    keeper._running = True  # no thread: the test moves the entry where it wants it
+    lease = acquire(locks, "singleton:{adv.held.abandon:1}", LockSpec(task="adv.held.abandon", ttl=30.0),
+                    "abandoned").lease
+    assert lease is not None
+    run = keeper.keep_entry(HeldRun(lease, None))
+    other = acquire(locks, "singleton:{adv.held.abandon:2}", LockSpec(task="adv.held.abandon", ttl=30.0),
+                    "kept").lease
+    assert other is not None
+    neighbour = keeper.keep_entry(HeldRun(other, None))
+    with keeper._mutex:
+        if where == "bucket":
+            keeper._queue = []
+            keeper._schedule(Bucket([neighbour, run]), time.monotonic() + 60)
+        elif where == "in flight":
+            keeper._take_due(time.monotonic() + 60)
+            assert run in keeper._in_flight
+    keeper.abandon(lease)
+    assert not run.active and neighbour.active
+    assert keeper._active == 1
+    assert locks.get(lease.key) is None, "the abandoned run's lock is still in Redis"
+    assert locks.get(other.key) == other.value.encode()
+    keeper.forget(neighbour)
+    other.release()
