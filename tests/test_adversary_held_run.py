@@ -27,7 +27,23 @@ traces them (``build_tracer``, not eager). Tried, and what held:
    run carries none: **held**.
 7. ``until_executed`` worker run whose body retries: its lock turned into the retry's claim
    at the end (a publish of the same arguments is deduplicated): **held**.
-8. The public ``SingletonRun`` (exported from the package, documented in docs/api.md) as a
+8. Soft limits on the late-reply path, which the outage sweep no longer reaches (it sweeps
+   ``_take_run_lock`` now, and ``in_time``'s lines run only for a late lease): each line of
+   ``in_time``, of ``_give_back`` and all it calls (an eager run's pending release, the
+   keeper's thread started), of ``_give_back`` and ``claim_back`` of a worker's
+   ``until_executed`` run (the key must stay the message's claim): **held**.
+9. Each line of making the ``HeldRun`` and of ``keep_entry`` on a keeper that never ran (its
+   thread started by that run): the run cut short at its safe point, not left kept, its lock
+   freed, the keeper's thread running: **held**.
+10. ``abandon(lease)`` finds the ``HeldRun`` alone in the queue, in a bucket, in flight:
+    **held**. A release answered after the run (``release_soon``) that found the lock gone
+    marks the ended run itself lost, reported once with its task id: **held**.
+11. gevent: 100 eager runs at once, each with a nested run, every body sees its own
+    ``HeldRun`` across switches; all forgotten and freed: **held**.
+12. ``singleton_fail_open`` and a late reply: the run goes ahead as an ``UnlockedRun`` (a
+    late reply fails the acquire as a timeout does; as before the change), its late lock
+    given back, not kept. Pinned, not a regression.
+13. The public ``SingletonRun`` (exported from the package, documented in docs/api.md) as a
    value object: ``SingletonRun(key, None)`` constructed it before this change (a run
    without a lock, e.g. for unit tests of a body pushing a request by hand); now its
    ``__init__`` takes no argument and its ``key`` raises ``NotImplementedError``. Pinned here
@@ -63,6 +79,7 @@ from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.task import outage as outage_module
+from celery_singleton_beat.task import release as release_module
 from celery_singleton_beat.task import soft_limit
 from celery_singleton_beat.task import task as task_module
 from celery_singleton_beat.task.run import HeldRun, UnlockedRun
@@ -71,6 +88,7 @@ from . import test_adversary_soft_hold as soft_hold
 from .support import LOCK_DB, RedisServer, TestProcess, importorskip, wait_for
 from .support.processes import child_env
 from .support.tasks import lock_keys
+from .test_adversary_merge import run_locks
 
 guarded = soft_hold.guarded
 lock_app = soft_hold.lock_app
@@ -535,3 +553,98 @@ def test_abandon_finds_the_held_run_wherever_the_keeper_has_it(where: str, redis
     assert locks.get(other.key) == other.value.encode()
     keeper.forget(neighbour)
     other.release()
+
+
+def _thread_waits(keeper: LeaseKeeper) -> bool:
+    """The keeper's own thread reached its wait (it exists and runs its loop)."""
+    try:
+        wait_for(lambda: keeper.waiting, timeout=10, message="the keeper's thread waiting")
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("code", "deep"), [(LeaseKeeper.keep_entry.__code__, True),
+                                            (HeldRun.__init__.__code__, True)],
+                         ids=["keep_entry", "HeldRun.__init__"])
+def test_a_soft_limit_at_every_line_of_keeping_a_run_on_a_cold_keeper(
+        code: CodeType, deep: bool, guarded: None, eager_app: Celery, redis_db: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run on a keeper of its own that never ran (its thread started by this run's
+    ``keep_entry``): the soft limit lands at each line of making the ``HeldRun`` and of
+    keeping it (the queue, the keeper's thread started). The run is cut short at its safe
+    point; the run is not left kept, its lock freed, the keeper's thread running (a keeper
+    marked running with no thread renews no later lease), nothing held."""
+    keepers: list[LeaseKeeper] = []
+
+    def fresh() -> LeaseKeeper:
+        return keepers[-1]
+
+    monkeypatch.setattr(task_module, "get_keeper", fresh)
+    monkeypatch.setattr(release_module, "get_keeper", fresh)
+    monkeypatch.setattr(soft_limit, "_held", False)
+    body_ran: list[int] = []
+    swept = soft_hold.sweep_task(eager_app, "adv.held.cold", body_ran)
+
+    def one_run(n: int) -> Any:
+        keepers.append(LeaseKeeper())
+        return swept.apply((n,))
+
+    problems = []
+    one_run(0)
+    for nth in itertools.count():
+        body_ran.clear()
+        landing = soft_hold.Landing(code, nth, deep=deep)
+        result = landing.run(lambda n=nth + 1: one_run(n))  # type: ignore[misc]
+        if landing.landed is None:
+            assert nth > 0
+            break
+        keeper = keepers[-1]
+        held, soft_limit._held = soft_limit._held, False
+        wrong = [what for what, bad in (
+            ("a soft limit left held", held),
+            (f"lease still kept: {soft_hold.kept_leases(keeper)}", soft_hold.kept_leases(keeper)),
+            ("lock left", not soft_hold.freed(redis_db, "adv.held.cold")),
+            (f"the run ended {result.result!r}", not isinstance(result.result, SoftTimeLimitExceeded)),
+            ("the body ran", body_ran),
+            ("the keeper is marked running without its thread", keeper._running and not _thread_waits(keeper)),
+        ) if bad]
+        if wrong:
+            problems.append(f"landing at {landing.landed}: {'; '.join(wrong)}")
+    assert len(keepers) > 3, "too few landings"
+    assert not problems, "\n".join(problems)
+
+
+def test_a_late_reply_with_fail_open_runs_unlocked_and_gives_the_lock_back(
+        eager_app: Celery, redis_db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``singleton_fail_open``: a late reply fails the acquire as a timeout does, so the run
+    goes ahead as an ``UnlockedRun`` (as before this change: pinned, see the report), and
+    the late lock is given back, not kept."""
+    eager_app.conf.singleton_fail_open = True
+    real = task_module.acquire
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        lease = result.lease
+        if lease is not None:
+            wait_for(lambda: time.monotonic() >= lease.vouched_until, timeout=30, interval=0.01,
+                     message="the lease past what its holder could vouch for")
+        return result
+
+    monkeypatch.setattr(task_module, "acquire", late)
+    seen: list[Any] = []
+
+    @eager_app.task(base=SingletonTask, bind=True, name="adv.held.open-late", shared=False, lock_ttl=1.0)
+    def job(self: SingletonTask) -> str:
+        seen.append(self.singleton_run)
+        return "ran"
+
+    before = get_keeper()._active
+    assert job.apply(throw=True).get() == "ran"
+    (run,) = seen
+    assert type(run) is UnlockedRun and not run.held and run.fence is None
+    assert not _active_entries_of(run.key), "the late lock is kept for the unlocked run"
+    wait_for(lambda: not get_keeper().pending_releases, timeout=30, message="the late lock's give-back sent")
+    assert get_keeper()._active == before
+    wait_for(lambda: not run_locks(redis_db, "adv.held.open-late"), timeout=30,
+             message="the late lock given back")
