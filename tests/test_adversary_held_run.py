@@ -87,6 +87,7 @@ from celery_singleton_beat.task.run import HeldRun, UnlockedRun
 from . import test_adversary_soft_hold as soft_hold
 from .support import LOCK_DB, RedisServer, TestProcess, importorskip, wait_for
 from .support.processes import child_env
+from .support.proxy import DelayProxy
 from .support.tasks import lock_keys
 from .test_adversary_merge import run_locks
 
@@ -648,3 +649,38 @@ def test_a_late_reply_with_fail_open_runs_unlocked_and_gives_the_lock_back(
     assert get_keeper()._active == before
     wait_for(lambda: not run_locks(redis_db, "adv.held.open-late"), timeout=30,
              message="the late lock given back")
+
+
+def test_a_release_that_gets_no_answer_is_sent_again_for_the_ended_run(redis_db: redis.Redis,
+                                                                       redis_server: RedisServer,
+                                                                       locks: redis.Redis) -> None:
+    """An eager run's release (sent and waited for) gets no answer: the link holds every byte
+    from the end of the body on, past the lock client's read timeout. The run ends anyway,
+    forgotten by the keeper; its release is sent again once the link passes bytes again
+    (``retry_release`` of the run's lease): the key is freed, the run not counted lost."""
+    link = DelayProxy(redis_server.port, 0.0).start()
+    app = Celery("adv-held-retry-release", broker="memory://", set_as_current=False)
+    app.conf.update(singleton_redis_url=f"redis://127.0.0.1:{link.port}/{LOCK_DB}", singleton_lock_ttl=30,
+                    task_always_eager=True,
+                    singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0})
+    runs: list[Any] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, x: int) -> int:
+        runs.append(self.singleton_run)
+        link.hold()
+        return x
+
+    try:
+        assert job.apply(args=(1,), throw=True).get() == 1
+        (run,) = runs
+        assert isinstance(run, HeldRun) and not run.active
+        assert locks.get(run.key) is not None, "the release got through: nothing tried"
+        assert [pending.lease for pending in get_keeper().pending_releases] == [run.lease]
+    finally:
+        link.resume()
+    wait_for(lambda: not get_keeper().pending_releases, timeout=30, message="the release sent again")
+    assert locks.get(run.key) is None
+    assert not run.lost
+    reset_clients()
+    link.close()
