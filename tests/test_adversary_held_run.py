@@ -43,7 +43,13 @@ traces them (``build_tracer``, not eager). Tried, and what held:
 12. ``singleton_fail_open`` and a late reply: the run goes ahead as an ``UnlockedRun`` (a
     late reply fails the acquire as a timeout does; as before the change), its late lock
     given back, not kept. Pinned, not a regression.
-13. The public ``SingletonRun`` (exported from the package, documented in docs/api.md) as a
+13. A release that gets no answer (the link holds every byte past the read timeout): the
+    ended run forgotten, its lease's release sent again once the link passes bytes, the key
+    freed, the run not lost: **held**.
+14. Four threads running 100 eager runs at once, every other one's lock taken by another
+    holder mid-run while the keeper renews everything: exactly those runs marked lost, the
+    others held and their own; all forgotten; taken locks left to their holder: **held**.
+15. The public ``SingletonRun`` (exported from the package, documented in docs/api.md) as a
    value object: ``SingletonRun(key, None)`` constructed it before this change (a run
    without a lock, e.g. for unit tests of a body pushing a request by hand); now its
    ``__init__`` takes no argument and its ``key`` raises ``NotImplementedError``. Pinned here
@@ -57,6 +63,7 @@ import itertools
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from types import CodeType
@@ -684,3 +691,49 @@ def test_a_release_that_gets_no_answer_is_sent_again_for_the_ended_run(redis_db:
     assert not run.lost
     reset_clients()
     link.close()
+
+
+def test_threads_running_runs_while_some_are_lost_each_see_their_own(app: Celery, locks: redis.Redis) -> None:
+    """Four threads run 25 eager runs each at once; every other run's lock is taken by
+    another holder mid-run and the keeper renews everything at once: the keeper marks
+    exactly those runs lost (the run objects themselves), the others stay held; every run is
+    forgotten at its end; the taken locks are left to their holder, the others freed."""
+    results: dict[int, tuple[bool, bool, str]] = {}
+    errors: list[BaseException] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, n: int) -> int:
+        run = self.singleton_run
+        assert isinstance(run, HeldRun)
+        if n % 2:
+            locks.set(run.key, f"another-{n}", keepttl=True)
+            get_keeper().renew_all_soon()
+            wait_for(lambda: run.lost, timeout=30, message=f"run {n} marked lost")
+        else:
+            get_keeper().renew_all_soon()
+        results[n] = (run.lost, run.held and self.singleton_run is run, run.key)
+        return n
+
+    def worker(first: int) -> None:
+        try:
+            for n in range(first, 100, 4):
+                job.apply(args=(n,), throw=True)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    before = get_keeper()._active
+    threads = [threading.Thread(target=worker, args=(first,)) for first in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    assert sorted(results) == list(range(100))
+    assert sorted(n for n, (lost, _, _) in results.items() if lost) == [n for n in range(100) if n % 2]
+    assert all(held for n, (_, held, _) in results.items() if not n % 2)
+    wait_for(lambda: get_keeper()._active == before, timeout=30, message="every run forgotten")
+    assert sorted(lock_keys(locks)) == sorted(key for n, (_, _, key) in results.items() if n % 2)
+    for n, (_, _, key) in results.items():
+        if n % 2:
+            assert locks.get(key) == f"another-{n}".encode()
