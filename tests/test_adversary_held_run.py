@@ -49,12 +49,9 @@ traces them (``build_tracer``, not eager). Tried, and what held:
 14. Four threads running 100 eager runs at once, every other one's lock taken by another
     holder mid-run while the keeper renews everything: exactly those runs marked lost, the
     others held and their own; all forgotten; taken locks left to their holder: **held**.
-15. The public ``SingletonRun`` (exported from the package, documented in docs/api.md) as a
-   value object: ``SingletonRun(key, None)`` constructed it before this change (a run
-   without a lock, e.g. for unit tests of a body pushing a request by hand); now its
-   ``__init__`` takes no argument and its ``key`` raises ``NotImplementedError``. Pinned here
-   as what the change does (see the report: an API change without a CHANGELOG line, not a
-   failure of a run).
+15. The public ``SingletonRun`` (exported from the package, documented in docs/api.md):
+    ``SingletonRun(key, None)`` built a run without a lock before this change; now that is
+    ``UnlockedRun(key)`` (CHANGELOG), and no run takes attributes of a body's own.
 """
 
 from __future__ import annotations
@@ -318,18 +315,22 @@ def test_an_until_executed_run_that_retries_leaves_its_claim(app: Celery, locks:
     assert second.id == first.id, "a publish of the same arguments was queued beside the retry"
 
 
-def test_the_public_singleton_run_is_now_an_abstract_base() -> None:
-    """What the change made of the exported ``SingletonRun``: no constructor arguments (it
-    took ``(key, kept, done_ttl)``), and a bare one has no key."""
+def test_a_run_without_its_lock_is_an_unlocked_run_and_runs_hold_no_state_of_a_bodys_own() -> None:
+    """``SingletonRun`` is the type a body reads (``self.singleton_run``): a run holding its
+    lock is a ``HeldRun``, one without it (fail-open, or a stand-in in a body's unit test) an
+    ``UnlockedRun(key)``; ``SingletonRun(key, kept)`` of earlier releases is gone
+    (CHANGELOG). No attribute of a body's own can be set on a run (``__slots__``: a held
+    run is one object with the keeper's entry)."""
+    unlocked = UnlockedRun("singleton:{job:abc}")
+    assert isinstance(unlocked, SingletonRun)
+    assert unlocked.key == "singleton:{job:abc}" and not unlocked.held and not unlocked.lost
+    assert unlocked.fence is None
+    with pytest.raises(LockLost):
+        unlocked.ensure_held()
     with pytest.raises(TypeError):
         SingletonRun("singleton:{job:abc}", None)  # type: ignore[call-arg]
-    bare = SingletonRun()
-    with pytest.raises(NotImplementedError):
-        bare.key  # noqa: B018
     with pytest.raises(AttributeError):
-        bare.note = 1  # type: ignore[attr-defined]  # __slots__: no attribute of a body's own
-    unlocked = UnlockedRun("singleton:{job:abc}")
-    assert unlocked.key == "singleton:{job:abc}" and not unlocked.held and unlocked.fence is None
+        unlocked.note = 1  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("code", "deep"), [(outage_module.in_time.__code__, False),
