@@ -333,6 +333,20 @@ def test_a_run_without_its_lock_is_an_unlocked_run_and_runs_hold_no_state_of_a_b
         unlocked.note = 1  # type: ignore[attr-defined]
 
 
+def read_late(real: Any) -> Any:
+    """``acquire`` whose reply is read once the lease it grants can no longer be vouched for
+    (as if this process paused after the reply came): ``_take_run_lock`` finds it late."""
+    def late(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        lease = result.lease
+        if lease is not None:
+            wait_for(lambda: time.monotonic() >= lease.vouched_until, timeout=30, interval=0.01,
+                     message="the lease past what its holder could vouch for")
+        return result
+
+    return late
+
+
 @pytest.mark.parametrize(("code", "deep"), [(outage_module.in_time.__code__, False),
                                             (SingletonTask._give_back.__code__, True)],
                          ids=lambda value: getattr(value, "co_name", str(value)))
@@ -348,17 +362,7 @@ def test_a_soft_limit_at_every_line_of_a_late_replys_give_back(
     keeper's pending release, its thread started): the eager run ends ``LockUnavailable``
     (its late lock given back, the limit dropped with a run that did not begin) or
     ``SoftTimeLimitExceeded``; no lease kept, the lock freed, nothing held."""
-    real = task_module.acquire
-
-    def late(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
-        lease = result.lease
-        if lease is not None:
-            wait_for(lambda: time.monotonic() >= lease.vouched_until, timeout=30, interval=0.01,
-                     message="the lease past what its holder could vouch for")
-        return result
-
-    monkeypatch.setattr(task_module, "acquire", late)
+    monkeypatch.setattr(task_module, "acquire", read_late(task_module.acquire))
     body_ran: list[int] = []
 
     @eager_app.task(base=SingletonTask, name="adv.held.late", shared=False, lock_ttl=1.0, unique_on=["n"])
@@ -630,17 +634,7 @@ def test_a_late_reply_with_fail_open_runs_unlocked_and_gives_the_lock_back(
     goes ahead as an ``UnlockedRun`` (as before this change: pinned, see the report), and
     the late lock is given back, not kept."""
     eager_app.conf.singleton_fail_open = True
-    real = task_module.acquire
-
-    def late(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
-        lease = result.lease
-        if lease is not None:
-            wait_for(lambda: time.monotonic() >= lease.vouched_until, timeout=30, interval=0.01,
-                     message="the lease past what its holder could vouch for")
-        return result
-
-    monkeypatch.setattr(task_module, "acquire", late)
+    monkeypatch.setattr(task_module, "acquire", read_late(task_module.acquire))
     seen: list[Any] = []
 
     @eager_app.task(base=SingletonTask, bind=True, name="adv.held.open-late", shared=False, lock_ttl=1.0)
