@@ -13,8 +13,10 @@ from celery import Celery, chain, states
 
 from celery_singleton_beat import (
     DuplicateTaskError,
+    LockLost,
     LockUnavailable,
     SingletonKeyError,
+    SingletonRun,
     SingletonTask,
     TaskSkipped,
 )
@@ -129,6 +131,26 @@ def test_singleton_run_is_the_runs_lock_and_says_where_there_is_none(eager_app: 
         job(1)
     with pytest.raises(RuntimeError, match="no singleton run: the task is outside a run"):
         job.singleton_run  # noqa: B018
+
+
+def test_a_run_that_ended_no_longer_vouches_for_its_released_lock(eager_app: Celery, locks: redis.Redis) -> None:
+    """A body may hand its run to work that outlives it (a thread it started, a callback):
+    once the run ended and released its lock, another run can take the key at once, so
+    ``held`` is False and ``ensure_held()`` raises, within the grace the lease still had."""
+    @eager_app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask, x: int) -> tuple[SingletonRun, bool, int]:
+        run = self.singleton_run
+        return run, run.held, run.ensure_held()
+
+    run, held_inside, fence = job.delay(1).get()
+    assert held_inside and isinstance(fence, int), "vouched for while it ran"
+    assert lock_keys(locks) == [], "released as the run ended"
+    assert run.fence == fence and not run.lost
+    assert not run.held, "an ended run's released lock is not held"
+    with pytest.raises(LockLost, match="the run ended"):
+        run.ensure_held()
+    again, _, next_fence = job.delay(1).get()  # the key is free: the next run takes it
+    assert again is not run and next_fence > fence and not run.held
 
 
 def test_eager_with_redis_down_fails_closed_with_a_clear_error() -> None:

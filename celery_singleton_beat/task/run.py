@@ -39,8 +39,9 @@ class SingletonRun:
 
     @property
     def held(self) -> bool:
-        """True while this run can vouch for its lock: not lost, and renewed recently enough
-        that no other holder can have it (False when it runs unlocked, fail-open)."""
+        """True while this run can vouch for its lock: not lost, not ended (its release sent),
+        and renewed recently enough that no other holder can have it (False when it runs
+        unlocked, fail-open)."""
         return False
 
     @property
@@ -63,7 +64,8 @@ class SingletonRun:
         renewal closed (see :class:`~.lease.LockSpec` and ``docs/design.md``).
         Past that -- a pause of this process, or Redis unreachable from it --
         this raises even while the lock may still be in Redis; the keeper's next
-        successful renewal vouches for it again.
+        successful renewal vouches for it again. Once the run ended (its release
+        sent) it raises for good: work the body left running must stop.
         """
         raise LockLost(self.key, "the run holds no lock (Redis was unavailable, fail-open)")
 
@@ -99,7 +101,9 @@ class HeldRun(KeptLease, SingletonRun):
 
     @property
     def held(self) -> bool:
-        return self.lost_reason is None and time.monotonic() < self.lease.vouched_until
+        # ``releasing``: the run ended and its release is on its way (or done): another
+        # run may hold the key the moment it runs, whatever grace the lease had left.
+        return self.lost_reason is None and not self.releasing and time.monotonic() < self.lease.vouched_until
 
     @property
     def fence(self) -> int:
@@ -108,6 +112,8 @@ class HeldRun(KeptLease, SingletonRun):
     def ensure_held(self) -> int:
         if self.lost_reason is not None:
             raise LockLost(self.key, self.lost_reason)
+        if self.releasing:
+            raise LockLost(self.key, "the run ended: its lock is released")
         lease = self.lease
         late = time.monotonic() - lease.vouched_until
         if late >= 0:
