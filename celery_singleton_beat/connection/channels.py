@@ -20,6 +20,7 @@ import redis
 
 from .. import native
 from .channel import Channel
+from .lending import is_plain_pool
 
 __all__ = ["channel_for", "channel_or_none", "close_channels", "close_own_channels", "supports_channel"]
 
@@ -31,7 +32,7 @@ def supports_channel(client: Any) -> TypeGuard[redis.Redis]:
     Sentinel and Cluster clients, and greenlet pools, keep the pooled path.
     """
     return (isinstance(client, redis.Redis)
-            and type(client.connection_pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
+            and is_plain_pool(client.connection_pool)
             and not native.green())
 
 

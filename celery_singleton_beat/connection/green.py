@@ -42,7 +42,7 @@ import redis
 
 from .. import native
 from .channels import _register
-from .lending import request_bound
+from .lending import is_plain_pool, request_bound
 from .wire import (
     BROKEN,
     NOT_SHORT,
@@ -58,8 +58,6 @@ from .wire import (
 )
 
 __all__ = ["GreenChannel", "green_channel_or_none"]
-
-_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
 
 
 def _gevent_patched() -> bool:
@@ -81,7 +79,7 @@ def green_channel_or_none(client: Any) -> GreenChannel | None:
     # None seen yet, or one made by an ended thread whose ident this one was given (its
     # socket waits on that thread's hub, gone): a new one, on this thread's hub.
     channel = None
-    if isinstance(client, redis.Redis) and type(client.connection_pool) in _PLAIN_POOLS and _gevent_patched():
+    if isinstance(client, redis.Redis) and is_plain_pool(client.connection_pool) and _gevent_patched():
         channel = GreenChannel(client)
         _register(channel, client)  # type: ignore[arg-type]  # closed with the client (reset_clients)
     channels[ident] = channel

@@ -27,7 +27,7 @@ import redis
 
 from .wire import Link
 
-__all__ = ["LOOK_AGAIN", "borrow", "give_back", "pool_is_full", "request_bound"]
+__all__ = ["LOOK_AGAIN", "borrow", "give_back", "is_plain_pool", "pool_is_full", "request_bound"]
 
 #: redis-py 5.0-5.2 require ``get_connection``'s command name; 5.3 deprecated passing it.
 _POOL_WANTS_COMMAND = tuple(int(part) for part in redis.__version__.split(".")[:2]) < (5, 3)
@@ -35,6 +35,16 @@ _POOL_WANTS_COMMAND = tuple(int(part) for part in redis.__version__.split(".")[:
 LOOK_AGAIN = 0.05
 #: The wait for a connection when the pool states no timeouts.
 _DEFAULT_WAIT = 10.0
+
+#: redis-py's own pools, exactly: a subclass may act on what its connections read
+#: (Sentinel's does, on replies), so requests through it keep redis-py's own reading.
+_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
+
+
+def is_plain_pool(pool: Any) -> bool:
+    """Whether ``pool`` is one of redis-py's own pools, not a subclass (see :data:`_PLAIN_POOLS`)."""
+    return type(pool) in _PLAIN_POOLS
+
 
 #: One condition per pool, notified when a connection is given back through here.
 _returned: weakref.WeakKeyDictionary[Any, threading.Condition] = weakref.WeakKeyDictionary()

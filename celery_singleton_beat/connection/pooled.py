@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from .client import _outage_as_connection_error, cluster_moved, cluster_reread, group_by_node, is_cluster
-from .lending import borrow, give_back, pool_is_full
+from .lending import borrow, give_back, is_plain_pool, pool_is_full
 from .redirects import AskFollower
 from .wire import (
     BROKEN,
@@ -41,10 +41,6 @@ from .wire import (
 )
 
 __all__ = ["BorrowedLink", "run_by_node", "run_pooled", "run_script"]
-
-#: The pools whose connections a lock request reads off the socket (Sentinel's acts on replies).
-_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
-
 
 class BorrowedLink(SocketLink):
     """A borrowed connection's socket as a :class:`.wire.Link`, for one borrowing, read
@@ -126,7 +122,7 @@ def run_pooled(client: Any, key: str, request: Request, *, after: Callable[[Any,
             cluster_reread(client)  # the slot's node refused: it may be gone, the slot served by another
             continue
         follow = AskFollower(client) if cluster else None
-        direct = raw and after is None and not cluster and type(pool) in _PLAIN_POOLS
+        direct = raw and after is None and not cluster and is_plain_pool(pool)
         link: PoolLink | BorrowedLink | None = None  # made once connected (a BorrowedLink reads its socket)
         written = False
         try:
