@@ -7,7 +7,6 @@ with SIGSTOP and resumed: the monitor must report at least the time it was stopp
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -85,14 +84,27 @@ def test_only_a_liveness_line_a_freeze_explains_is_excused() -> None:
     assert unexplained_errors("INFO only", window_frozen(0)) == []
 
 
-#: A child running the monitor: prints ``ready``, then on any input line its stalls as JSON.
+def test_a_freeze_the_thread_has_not_woken_from_yet_counts() -> None:
+    """Asked right after a freeze, before the monitor's thread ticked again: the gap since
+    its latest tick is a freeze under way."""
+    now = [100.0]
+    monitor = StallMonitor(wait=lambda _: True, clock=lambda: now[0])
+    monitor.run()  # started, no tick yet
+    now[0] += TICK + BOUND
+    assert monitor.stalls == [] and monitor.frozen_for(100, now[0]) == 0.0
+    now[0] = 109.0
+    assert monitor.frozen_for(100, now[0]) == pytest.approx(9.0 - TICK)
+
+
+#: A child running the monitor: prints ``ready``, then for a line ``<start> <end>`` (monotonic)
+#: the longest freeze it saw in that window.
 CHILD = """
-import json, sys
+import sys
 from tests.support.stalls import StallMonitor
 monitor = StallMonitor().start()
 print("ready", flush=True)
-sys.stdin.readline()
-print(json.dumps([[s.start, s.end] for s in monitor.stalls]), flush=True)
+start, end = map(float, sys.stdin.readline().split())
+print(monitor.frozen_for(start, end), flush=True)
 """
 
 
@@ -117,8 +129,7 @@ def test_a_process_stopped_and_resumed_reports_at_least_the_time_it_was_stopped(
     soak(1.0, what="the child stopped")  # the freeze itself: time must pass
     resumed = time.monotonic()  # before SIGCONT: the child cannot tick before this
     os.kill(child.pid, signal.SIGCONT)
-    child.stdin.write("report\n")
+    child.stdin.write(f"{stopped} {resumed}\n")
     child.stdin.flush()
-    stalls = json.loads(child.stdout.readline())
-    covering = [(start, end) for start, end in stalls if start <= stopped and end >= resumed]
-    assert covering, f"no stall from before {stopped} to after {resumed}: {stalls}"
+    frozen = float(child.stdout.readline())
+    assert frozen >= resumed - stopped - TICK - 1e-6, f"stopped {resumed - stopped:.3f} s, saw {frozen:.3f} s"

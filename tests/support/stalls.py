@@ -62,6 +62,7 @@ class StallMonitor:
         self._clock = clock
         self._lock = threading.Lock()
         self._stalls: list[Stall] = []
+        self._last: float | None = None  # the latest tick
         #: When the loop began (monotonic); a window starting earlier is not covered.
         self.started: float | None = None
         self._thread: threading.Thread | None = None
@@ -80,18 +81,24 @@ class StallMonitor:
 
     def run(self) -> None:
         """The loop: tick until ``wait`` says stop, recording the gaps past ``tick + bound``."""
-        last = self.started = self._clock()
+        last = self._last = self.started = self._clock()
         while not self._wait(self.tick):
             now = self._clock()
-            if now - last > self.tick + self.bound:
-                with self._lock:
+            with self._lock:
+                if now - last > self.tick + self.bound:
                     self._stalls.append(Stall(last, now))
-            last = now
+                last = self._last = now
 
     @property
     def stalls(self) -> list[Stall]:
+        """The freezes seen, and the one under way: the thread has not ticked for longer than
+        tick + bound (asked from another thread of this process, just resumed from a freeze
+        the monitor's thread has not woken from yet)."""
+        now = self._clock()
         with self._lock:
-            return list(self._stalls)
+            ongoing = self._last is not None and now - self._last > self.tick + self.bound
+            return [*self._stalls, Stall(self._last, now)] if ongoing and self._last is not None \
+                else list(self._stalls)
 
     def frozen_for(self, start: float, end: float) -> float:
         """The longest freeze seen within ``[start, end]`` (monotonic), in seconds: a gap clipped
