@@ -124,7 +124,8 @@ class Heartbeat:
         request = Request([(b"SET", self.key, self.value, b"PX", self.ttl_ms, b"GET")], _first_reply)
         channel = channel_or_none(client) if own_connection else None
         # Measured on the monotonic clock from the sending of the last write that succeeded:
-        # an upper bound of the key's life without renewal, so at least the TTL when it lapsed.
+        # an upper bound of the key's life without renewal, so at least the TTL when the key
+        # ran out of time (below it when Redis lost the key).
         sent = time.monotonic()
         previous = channel.call(request) if channel is not None else run_pooled(client, self.key, request)
         lapsed = self.beats > 0 and previous is None

@@ -96,9 +96,10 @@ class StallMonitor:
         the monitor's thread has not woken from yet)."""
         now = self._clock()
         with self._lock:
-            ongoing = self._last is not None and now - self._last > self.tick + self.bound
-            return [*self._stalls, Stall(self._last, now)] if ongoing and self._last is not None \
-                else list(self._stalls)
+            seen = list(self._stalls)
+            if self._last is not None and now - self._last > self.tick + self.bound:
+                seen.append(Stall(self._last, now))
+        return seen
 
     def frozen_for(self, start: float, end: float) -> float:
         """The longest freeze seen within ``[start, end]`` (monotonic), in seconds: a gap clipped
