@@ -41,6 +41,7 @@ from .support.fixtures import (  # noqa: F401 - registered as this conftest's fi
 )
 from .support.owners import EVERYTHING
 from .support.skips import ALLOWED_SKIPS, in_ci
+from .support.stalls import stalls  # noqa: F401 - registered as this conftest's fixture
 
 #: Lines of each process log attached to a failure report.
 TAIL_LINES = 40

@@ -63,6 +63,7 @@ from celery_singleton_beat.beat.entries import slot_task_id
 from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 
 from .support import RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
+from .support.stalls import StallWindow, unexplained_errors
 
 APP = "tests.apps.adversary_slots_app"
 TASK = "tests.apps.adversary_slots_app.work"
@@ -174,12 +175,13 @@ def only_runs(slots: Slots, key: str, count: int) -> Callable[[], bool]:
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_a_copy_restored_while_its_acks_late_run_runs_is_settled_by_that_run(
-        slots: Slots, processes: list[CeleryProcess], pool: str) -> None:
+        slots: Slots, processes: list[CeleryProcess], pool: str, stalls: StallWindow) -> None:
     """The run holds its message past ``visibility_timeout``: kombu's restore puts a copy back
     (same delivery tag), which the worker receives while the run goes on (prefetch 4): left
     alone, not run. The run's acknowledgement settles both: nothing of the queue is left in
     the broker (no ``unacked`` entry, nothing waiting), and nothing comes back over three more
-    visibility timeouts. One run."""
+    visibility timeouts. One run. No error logged, but for the worker's liveness key found
+    expired after the machine itself froze that long (a VM paused past the key's TTL)."""
     worker = slots.worker("held", pool=pool, concurrency=2, task_acks_late=True,
                           worker_prefetch_multiplier=4, broker_transport_options=TRANSPORT)
     processes.append(worker)
@@ -205,7 +207,8 @@ def test_a_copy_restored_while_its_acks_late_run_runs_is_settled_by_that_run(
     soak(3 * (VISIBILITY + 1), check=lambda: sweep() and only_runs(slots, "long", 1)() and slots.drained(),
          interval=0.5, what="three visibility timeouts after the run")
     assert len(slots.started("long")) == 1 and slots.ended("long") == 1
-    assert lines(worker, "Traceback", "") == 0 and "ERROR" not in worker.output()
+    assert lines(worker, "Traceback", "") == 0
+    assert unexplained_errors(worker.output(), stalls) == []
 
 
 # ----------------------------------------------------------------- attack 2: pool child lost mid-run

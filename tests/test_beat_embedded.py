@@ -50,6 +50,7 @@ from .support.beat import (
 )
 from .support.dbbeat import all_running, assert_no_errors, assert_took_part, stop_and_drain
 from .support.slots import parse_slot, slot_floor, utc
+from .support.stalls import StallWindow
 
 #: Queue the embedded-beat workers consume: none of the slot messages (see the three-worker test).
 IDLE_QUEUE = "embedded-idle"
@@ -188,7 +189,7 @@ def test_a_foreign_embedded_beat_beside_singleton_beats_warns_at_start(
 
 def test_three_workers_with_embedded_singleton_beats_send_each_slot_once_and_survive_a_kill(
         redis_server: RedisServer, slot_worker: CeleryProcess, processes: list[CeleryProcess],
-        tmp_path: Path) -> None:
+        tmp_path: Path, stalls: StallWindow) -> None:
     """Three ``celery worker -B --scheduler singleton`` (the app's ``beat_scheduler`` is
     Celery's own: the option picks the scheduler), a 1 s entry: one send (in the beats'
     logs) and one run per slot, every
@@ -226,4 +227,4 @@ def test_three_workers_with_embedded_singleton_beats_send_each_slot_once_and_sur
     assert after and winner not in after
     assert_took_part(workers, entry, minimum=1)
     assert_took_part(survivors, entry, minimum=8)
-    assert_no_errors(workers)
+    assert_no_errors(workers, stalls)

@@ -8,6 +8,8 @@ test below removes one piece of that evidence and checks the lock stays.
 from __future__ import annotations
 
 import json
+import re
+import signal
 import time
 from typing import Any
 
@@ -22,8 +24,10 @@ from celery_singleton_beat.lease.keeper import LeaseKeeper
 from celery_singleton_beat.lease.spec import TAKEOVER_WAIT
 from celery_singleton_beat.task.run import HeldRun
 
-from .support import wait_for
+from .support import LOCK_DB, CeleryProcess, RedisServer, start_worker, wait_for
+from .support.keeps_lock import live_key_of
 from .support.locking import renew, take_lock
+from .support.processes import wait_until_stopped
 
 PREFIX = "singleton"
 KEY = "singleton:{t:" + "0" * 64 + "}"
@@ -156,3 +160,33 @@ def test_a_lock_of_an_older_release_is_taken_over_on_its_liveness_key_and_the_wa
     redis_db.set(KEY, old, px=30_000)
     taken = take(redis_db, "new", boot="other")
     assert taken.acquired and taken.taken_over is not None and taken.taken_over.fence == 7
+
+
+def test_a_worker_paused_past_its_liveness_ttl_logs_how_long_it_went_unrenewed(
+        redis_server: RedisServer, names: str, processes: list[CeleryProcess]) -> None:
+    """A worker's main process stopped (SIGSTOP: a paused VM, a starved machine) until its
+    liveness key (TTL 1 s) expired, then resumed: its heartbeat logs the key found expired
+    with the seconds since its last successful renewal, at least the TTL and at least the
+    time it was stopped: what tells a reader the worker was paused, not Redis at fault."""
+    settings = {"singleton_liveness_ttl": 1.0}
+    worker = start_worker(redis_server, "tests.apps.adversary_slots_app", f"paused-{names}", concurrency=1,
+                          env={"CSB_ADV_QUEUE": f"paused-{names}", "CSB_ADV_SETTINGS": json.dumps(settings)})
+    processes.append(worker)
+    key, locks = live_key_of(worker), redis_server.client(LOCK_DB)
+    wait_for(lambda: locks.exists(key), timeout=10, message="the worker's liveness key")
+    worker.signal(signal.SIGSTOP)
+    try:
+        wait_until_stopped(worker.pid)
+        stopped = time.monotonic()  # its last renewal was sent before this
+        wait_for(lambda: not locks.exists(key), timeout=30, message="the liveness key to expire")
+        resumed = time.monotonic()  # before SIGCONT: its next write comes after this
+    finally:
+        worker.signal(signal.SIGCONT)
+    line = worker.wait_for_line("liveness key", "had expired", timeout=30)
+    found = re.search(r"liveness key (\S+) had expired \(last renewed ([\d.]+) s ago, TTL ([\d.]+) s\): "
+                      r"this worker counted as dead", line)
+    assert found and found[1] == key, line
+    ago, ttl = float(found[2]), float(found[3])
+    assert ttl == 1.0 and ago >= ttl, line
+    assert ago + 0.05 >= resumed - stopped, f"stopped {resumed - stopped:.2f} s: {line}"  # 0.05: %.1f rounding
+    wait_for(lambda: locks.exists(key), timeout=10, message="the liveness key written again")

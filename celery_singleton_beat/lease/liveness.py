@@ -78,8 +78,10 @@ class Heartbeat:
     The key is never deleted on a warm shutdown: running tasks still finish
     and release their locks, and the key then expires on its own. When the
     thread finds its key gone (Redis restarted, or unreachable for longer
-    than the TTL), it logs it: other workers may have taken over this
-    worker's locks, and its runs learn it at their next renewal (``LockLost``).
+    than the TTL, or this process paused or starved that long), it logs it
+    with the seconds since its last successful renewal (monotonic clock): other
+    workers may have taken over this worker's locks, and its runs learn it at
+    their next renewal (``LockLost``).
     """
 
     def __init__(self, client: Any, prefix: str, ttl: float, node: str) -> None:
@@ -94,6 +96,11 @@ class Heartbeat:
         self._stopped = False
         self._wake = native.Wakeup()
         self.beats = 0
+        #: ``time.monotonic()`` when the latest write that succeeded was sent (None before one).
+        self.renewed_at: float | None = None
+        #: Seconds from the previous successful write's sending to the reply of the latest
+        #: one, when that found the key expired: how long this worker went unrenewed.
+        self.unrenewed: float | None = None
         #: The client the thread used last (its own copy of it is closed when it stops).
         self._last: Any = None
 
@@ -116,8 +123,15 @@ class Heartbeat:
         server_of(client)  # the record that looks at the connection (a default one for a plain client)
         request = Request([(b"SET", self.key, self.value, b"PX", self.ttl_ms, b"GET")], _first_reply)
         channel = channel_or_none(client) if own_connection else None
+        # Measured on the monotonic clock from the sending of the last write that succeeded:
+        # an upper bound of the key's life without renewal, so at least the TTL when the key
+        # ran out of time (below it when Redis lost the key).
+        sent = time.monotonic()
         previous = channel.call(request) if channel is not None else run_pooled(client, self.key, request)
         lapsed = self.beats > 0 and previous is None
+        if lapsed and self.renewed_at is not None:
+            self.unrenewed = time.monotonic() - self.renewed_at
+        self.renewed_at = sent
         self.beats += 1
         return not lapsed
 
@@ -159,8 +173,11 @@ class Heartbeat:
             try:
                 client = self._last = self.client
                 if not self.beat(thread_client(client), own_connection=True):
-                    logger.error("liveness key %s had expired: this worker counted as dead for a "
-                                 "while; other workers may have taken over its locks", self.key)
+                    # How long since the last renewal tells a paused or starved process (a
+                    # figure past the TTL) from a key lost in Redis (restart, flush: below it).
+                    logger.error("liveness key %s had expired (last renewed %.1f s ago, TTL %g s): this "
+                                 "worker counted as dead for a while; other workers may have taken over "
+                                 "its locks", self.key, self.unrenewed or 0.0, self.ttl_ms / 1000)
                 wait = self.interval
             except redis.RedisError as exc:
                 logger.error("cannot renew liveness key %s: %s", self.key, exc)

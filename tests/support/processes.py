@@ -22,7 +22,7 @@ from .paths import ROOT, scratch_file
 from .servers import RedisServer
 from .waiting import wait_for
 
-__all__ = ["CeleryProcess", "TestProcess", "child_env", "run_command", "start_worker"]
+__all__ = ["CeleryProcess", "TestProcess", "child_env", "run_command", "start_worker", "wait_until_stopped"]
 
 
 def child_env(redis_server: RedisServer, **extra: str) -> dict[str, str]:
@@ -122,3 +122,13 @@ def run_command(argv: list[str], *, timeout: float, **options: Any) -> subproces
     dies with the test session (it is never left running)."""
     options.setdefault("cwd", ROOT)
     return subprocess.run(argv, timeout=timeout, preexec_fn=die_with_parent(signal.SIGKILL), **options)
+
+
+def wait_until_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until the process ``pid`` is stopped (state ``T`` after a SIGSTOP: it runs no
+    more from then on, which ``os.kill`` returning does not promise)."""
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1].startswith("T")
+
+    wait_for(stopped, timeout=timeout, message=f"process {pid} to stop")
