@@ -12,18 +12,29 @@ its run) records every run it makes in
 ``runs:<key>`` (``{"task_id", "note"}``) and ``ended:<task id>`` once its run is over;
 a run lasts while ``hold:<key>`` is set in the record database (at most 60 s),
 so a test decides when it ends.
+
+``CSB_LATE_SLOT_ACK=1`` (a test hook, threads pool): the first acknowledgement of a beat
+slot message that a pool thread asks of the loop (``Consumer.call_soon_ack``) is held until
+the message's channel has closed (the loop ended with its broker connection, and kombu
+restored the channel's unacknowledged messages), then let through: it lands on the next
+connection's loop, as a late one does in the wild. Each acknowledgement of a slot message
+asked is noted in ``slot-acks:<task id>``: ``held``, then ``let through`` (or ``let through
+(timed out)`` after 60 s), and ``asked`` for every other one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from typing import Any
 
 from celery import Celery
 from celery.signals import task_postrun
 
 from celery_singleton_beat import SingletonTask
+from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER
 
 from .records import record_client
 
@@ -50,6 +61,45 @@ if os.environ.get("CSB_LOCK_SOCKET_TIMEOUT"):
 
 if os.environ.get("CSB_ORDER_SETTINGS"):
     app.conf.update(json.loads(os.environ["CSB_ORDER_SETTINGS"]))
+
+
+def _late_slot_ack_hook() -> None:
+    """Install the ``CSB_LATE_SLOT_ACK`` hook (see the module docstring) in this process."""
+    if os.environ.get("CSB_LATE_SLOT_ACK") != "1":
+        return
+    from celery.worker.consumer.consumer import Consumer
+    from kombu.message import Message
+
+    asked = Consumer.call_soon_ack
+    first = threading.Lock()  # taken by the acknowledgement held
+
+    def call_soon_ack(self: Any, p: Any, *args: Any, **kwargs: Any) -> Any:
+        message = getattr(p, "__self__", None)  # p: the message's ack_log_error (or reject_log_error)
+        if not isinstance(message, Message) or not (message.headers or {}).get(CLAIM_HEADER):
+            return asked(self, p, *args, **kwargs)
+        records, noted_in = record_client(BASE), f"slot-acks:{message.headers['id']}"
+        # The loop runs on the main thread; a pool thread is any other.
+        if threading.current_thread() is threading.main_thread() or not first.acquire(blocking=False):
+            records.rpush(noted_in, "asked")
+            return asked(self, p, *args, **kwargs)
+        records.rpush(noted_in, "held")
+        channel = message.channel
+
+        def let_through() -> None:
+            # Transport.close_channel clears channel.connection last, after the restore.
+            deadline = time.monotonic() + 60
+            while channel.connection is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            records.rpush(noted_in, "let through" if channel.connection is None else "let through (timed out)")
+            asked(self, p, *args, **kwargs)
+
+        threading.Thread(target=let_through, name="csb-late-slot-ack", daemon=True).start()
+        return None
+
+    Consumer.call_soon_ack = call_soon_ack
+
+
+_late_slot_ack_hook()
 
 
 @app.task(bind=True, base=SingletonTask, unique_on=["key"])
