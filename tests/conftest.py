@@ -5,6 +5,9 @@
   timeouts included (pytest-timeout fails the test, then this report is made).
 * With ``CI`` set, a skipped test fails, except those in
   ``support.skips.ALLOWED_SKIPS``.
+* An ``xfail`` test counts as the expected failure only if it raised in its
+  ``documented_break()`` step (``support.breaks``): any other exception (a set-up wait
+  that timed out, a fixture, the teardown) fails it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from .support.breaks import NOT_THE_BREAK, shows_the_break
 from .support.dbbeat import django_db  # noqa: F401 - registered as this conftest's fixture
 from .support.fixtures import (  # noqa: F401 - registered as this conftest's fixtures
     OWNER_KEY,
@@ -66,10 +70,21 @@ def _skip_reason(report: Any) -> str:
     return str(longrepr)
 
 
-@pytest.hookimpl(hookwrapper=True)
+def _not_the_break(report: Any, call: pytest.CallInfo[None]) -> bool:
+    """An xfail outcome from an exception raised outside the test's documented_break() step."""
+    excinfo = call.excinfo
+    return (hasattr(report, "wasxfail") and excinfo is not None
+            and not isinstance(excinfo.value, pytest.xfail.Exception) and not shows_the_break(excinfo.value))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest's own: sees its xfail outcome
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     outcome = yield
     report = outcome.get_result()
+    if _not_the_break(report, call):
+        report.outcome = "failed"
+        report.longrepr = f"{NOT_THE_BREAK} (xfail reason: {report.wasxfail})\n\n{report.longrepr}"
+        del report.wasxfail
     if report.failed:
         for title, text in _log_sections(item):
             report.sections.append((f"log of {title}", text))

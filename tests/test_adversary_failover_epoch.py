@@ -63,6 +63,7 @@ from celery_singleton_beat.recovery.window import FAILED_OVER, ServerRecord, mar
 from harness.sentinel import MASTER_NAME, sentinel_args
 
 from .support import wait_for
+from .support.breaks import documented_break
 from .support.locking import renew, take_lock
 from .support.topologies import SentinelGroup, ServerProcess, start_sentinels
 from .test_adversary_putback import breaks, reached, spec
@@ -312,8 +313,9 @@ def test_a_sentinel_that_heard_of_no_failover_is_asked_first(group: SentinelGrou
     reached(epoch_of(p) == 0, "p's first answer came from the isolated sentinel")
     window = server_of(p).recovery().open
     taken = take_lock(p, KEY, 30.0, task="putback", task_id="p")
-    assert window, f"a fresh process on the re-elected former primary waits for a window (p took k: " \
-                   f"{taken.lease is not None})"
+    with documented_break():
+        assert window, f"a fresh process on the re-elected former primary waits for a window (p took k: " \
+                       f"{taken.lease is not None})"
 
 
 @breaks("a failover's window lasts what the processes that used A need, not what B's holders need "
@@ -347,4 +349,5 @@ def test_the_window_of_a_failover_is_as_long_as_the_interim_holders_need(group: 
     reached(server_of(p).recovery().reason == FAILED_OVER, "the fresh process opened the failover's window")
     need = server_of(h).window
     opened = record_on(episode.a).need
-    assert opened >= need, f"the window p opened on A lasts {opened}s; h, the holder on B, needs {need}s"
+    with documented_break():
+        assert opened >= need, f"the window p opened on A lasts {opened}s; h, the holder on B, needs {need}s"

@@ -68,6 +68,7 @@ from celery_singleton_beat.task import soft_limit
 from celery_singleton_beat.task import task as task_module
 
 from .support import BROKER_DB, RedisServer, start_worker, wait_for
+from .support.breaks import documented_break
 from .support.locking import take_lock
 from .support.tasks import lock_keys, runs, started
 
@@ -336,7 +337,7 @@ def hiredis_installed() -> bool:
     return True
 
 
-@pytest.mark.xfail(hiredis_installed(), strict=True,
+@pytest.mark.xfail(hiredis_installed(), strict=True, raises=AssertionError,
                    reason="hiredis (3.5 seen) gives a RESP3 attribute frame as a reply of its own (a plain list, "
                    "nothing to tell it by): only the Python parser skips it. Redis sends attributes for "
                    "DEBUG PROTOCOL attrib only today")
@@ -346,7 +347,8 @@ def test_an_attribute_frame_is_not_taken_for_a_reply(debug_server: RedisServer) 
     client = debug_server.client(protocol=3)
     channel = channel_for(client)
     reply = channel.call(Request([(b"DEBUG", b"PROTOCOL", b"attrib")], plain))
-    assert reply == b"Some real reply following the attribute", reply
+    with documented_break():  # with hiredis
+        assert reply == b"Some real reply following the attribute", reply
     assert channel.call(Request([(b"PING",)], plain)) in (b"PONG", "PONG")
     client.close()
 

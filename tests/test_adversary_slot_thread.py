@@ -58,8 +58,7 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from uuid import uuid4
@@ -72,6 +71,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 
 from .support import RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
+from .support.breaks import documented_break
 from .support.loopback import QuietRelay, close_socket
 from .test_slot_check_loop import APP, QUEUE, SOCKET_TIMEOUT, lock_worker, noted, plain_runs, writes_paused
 
@@ -274,7 +274,8 @@ def test_slot_messages_held_when_the_connection_goes_run_in_the_order_they_came(
     if ending == "warm-shutdown":
         unique_worker(redis_server, lock_server, "back-next", concurrency=1)
     wait_for(lambda: len(noted(redis_server, key)) == 3, timeout=60, message="the slot messages to run")
-    assert noted(redis_server, key) == notes
+    with documented_break():
+        assert noted(redis_server, key) == notes
 
 
 # ----------------------------------------------------------------- held: reconnections in a row
@@ -497,16 +498,6 @@ def test_a_check_answered_as_the_connection_goes_runs_the_message_once(
 # ----------------------------------------------------------------- broke: a pool thread's late acknowledgement
 
 
-@contextmanager
-def setting_up(what: str) -> Iterator[None]:
-    """A step before a strict ``xfail``'s outcome: its AssertionError (a wait that timed out)
-    fails the test instead of passing for the expected one."""
-    try:
-        yield
-    except AssertionError as exc:
-        pytest.fail(f"{what}: {exc}")
-
-
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "threads pool: a pool thread asks for its message's acknowledgement on the loop "
     "(Consumer.call_soon_ack, hub.call_soon); when that lands after the loop ended with its "
@@ -532,8 +523,8 @@ def test_a_threads_pool_acknowledgement_landing_after_the_connection_went_leaves
     places, so kombu still reads the consuming connection (it stops while every place is
     taken) and the loop sees the cut.
 
-    The steps before that check fail the test outright if they time out: only the check on
-    the runs is the expected failure."""
+    The steps before that check fail the test outright if they time out (``support.breaks``):
+    only the check on the runs is the expected failure."""
     lock_server = make_redis()
     client_name = f"adv-late-ack-{uuid4().hex[:6]}"
     worker = start_worker(redis_server, APP, client_name, pool="threads", concurrency=1, env={
@@ -547,19 +538,19 @@ def test_a_threads_pool_acknowledgement_landing_after_the_connection_went_leaves
         """The acknowledgements of the slot message asked of the loop (the hook's notes)."""
         return [raw.decode() for raw in records.lrange(f"slot-acks:{task_id}", 0, -1)]
 
-    with setting_up("the late acknowledgement"):
-        plain_runs(order, "before")
-        task_id = send_slot(order, key, "slot")
-        wait_for(lambda: acks(task_id) == ["held"] and noted(redis_server, key) == ["slot"], timeout=30,
-                 message="the slot message run, its acknowledgement held")
-        cut_consuming_connection(broker, client_name)
-        worker.wait_for_log("Connection to broker lost", timeout=30)
-        wait_for(lambda: {"let through", "asked"} <= set(acks(task_id)), timeout=60,
-                 message="the acknowledgement let through after the old channel closed, and the "
-                         "message delivered again settled on the new connection")
-        plain_runs(order, "after")  # one pool thread: a second run, if any, is over
-        wait_for(lambda: queue_drained(broker, QUEUE), timeout=30, message="the queue drained")
-    assert noted(redis_server, key) == ["slot"], f"the slot ran {len(noted(redis_server, key))} times"
+    plain_runs(order, "before")
+    task_id = send_slot(order, key, "slot")
+    wait_for(lambda: acks(task_id) == ["held"] and noted(redis_server, key) == ["slot"], timeout=30,
+             message="the slot message run, its acknowledgement held")
+    cut_consuming_connection(broker, client_name)
+    worker.wait_for_log("Connection to broker lost", timeout=30)
+    wait_for(lambda: {"let through", "asked"} <= set(acks(task_id)), timeout=60,
+             message="the acknowledgement let through after the old channel closed, and the "
+                     "message delivered again settled on the new connection")
+    plain_runs(order, "after")  # one pool thread: a second run, if any, is over
+    wait_for(lambda: queue_drained(broker, QUEUE), timeout=30, message="the queue drained")
+    with documented_break():
+        assert noted(redis_server, key) == ["slot"], f"the slot ran {len(noted(redis_server, key))} times"
 
 
 # ----------------------------------------------------------------- the gevent pool: the check stays inline
@@ -582,10 +573,11 @@ def test_the_gevent_consumer_takes_tasks_while_a_check_waits(
         send_slot(order, key, "slot")
         wait_for(lambda: redis_server.client(0).llen(QUEUE) == 0, timeout=30, message="the slot message taken")
         result = order.plain.delay("after")
-        try:
-            assert result.get(timeout=15) == "after"
-        except CeleryTimeoutError:
-            raise AssertionError("the plain task did not run while the check waited") from None
+        with documented_break():
+            try:
+                assert result.get(timeout=15) == "after"
+            except CeleryTimeoutError:
+                raise AssertionError("the plain task did not run while the check waited") from None
     wait_for(lambda: noted(redis_server, key) == ["slot"], timeout=30, message="the slot message to run")
 
 
@@ -681,7 +673,8 @@ def test_slot_messages_held_while_celery_restores_its_prefetch_count_leave_it_wh
             wait_for(lambda: len(noted(redis_server, key)) == 3, timeout=60, message="the slot messages to run")
         finally:
             records.delete(f"hold:{first}", f"hold:{second}")
-        prefetch_becomes(sender, worker, 4, "nothing held or running")  # type: ignore[arg-type]
+        with documented_break():  # the count never comes back to 4
+            prefetch_becomes(sender, worker, 4, "nothing held or running")  # type: ignore[arg-type]
     finally:
         client.close()
         relay.close()

@@ -40,6 +40,7 @@ from celery_singleton_beat.recovery.startup import LockRedisDown, check_lock_red
 from harness.redis_cluster import cluster_nodes
 
 from .support import wait_for
+from .support.breaks import documented_break
 from .support.servers import RedisServer
 from .support.topologies import Topology, fail_over_shard, start_cluster
 
@@ -126,7 +127,7 @@ def test_a_runs_first_use_of_a_busy_cluster_waits_for_it(
         reset_clients()
         kills = [busy_script(server) for server in cluster.servers]  # type: ignore[arg-type]  # a node has .client() too
         try:
-            with pytest.raises(LockUnavailable):
+            with documented_break(), pytest.raises(LockUnavailable):
                 job.delay(1)
         finally:
             for kill in kills:

@@ -6,6 +6,12 @@ same name (``<module>.body``) then make a later app's finalize warn
 ``DuplicateTaskNameWarning``, an error under the suite's warning filters: the ``doctor``
 check of an unrelated test failed that way, only when xdist ran both modules on one
 worker in that order. Tasks defined in a function say ``shared=False``.
+
+A strict ``xfail`` test marks the step that shows its documented break with
+``documented_break()`` (``support.breaks``): any other exception fails it, so a set-up
+that timed out is never counted as the known break. A test that marks no step could
+never xfail; that shows only when it runs (some need Cluster, Sentinel, RabbitMQ), so
+it is checked here.
 """
 
 from __future__ import annotations
@@ -52,3 +58,42 @@ def test_the_check_finds_a_shared_task_in_a_function() -> None:
     source = "def test_x(app):\n    @app.task(bind=True)\n    def body(self):\n        pass\n"
     assert _nested_shared_tasks(ast.parse(source)) == [3]
     assert _nested_shared_tasks(ast.parse(source.replace("bind=True", "bind=True, shared=False"))) == []
+
+
+def _xfails_without_their_break(tree: ast.Module, source: str) -> list[int]:
+    """Test functions with an ``xfail`` mark (direct, ``breaks(...)``, or a parametrize case's)
+    and no ``with documented_break()`` step: they could never xfail (see ``support.breaks``)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or not node.name.startswith("test_"):
+            continue
+        marks = " ".join(ast.get_source_segment(source, decorator) or "" for decorator in node.decorator_list)
+        if "xfail(" not in marks and "breaks(" not in marks:
+            continue
+        steps = [item.context_expr for inner in ast.walk(node) if isinstance(inner, ast.With | ast.AsyncWith)
+                 for item in inner.items]
+        if not any(isinstance(step, ast.Call) and isinstance(step.func, ast.Name) and step.func.id == "documented_break"
+                   for step in steps):
+            found.append(node.lineno)
+    return found
+
+
+def test_each_xfail_test_marks_the_step_that_shows_its_break() -> None:
+    offenders = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        source = path.read_text()
+        offenders += [f"{path.relative_to(TESTS.parent)}:{line}"
+                      for line in _xfails_without_their_break(ast.parse(source, str(path)), source)]
+    assert offenders == [], ("xfail tests need a `with documented_break():` step (tests/support/breaks.py): "
+                             + ", ".join(offenders))
+
+
+def test_the_check_finds_an_xfail_without_its_break() -> None:
+    source = ("@pytest.mark.xfail(strict=True, raises=AssertionError)\n"
+              "def test_x():\n    wait_for(started)\n    assert ran == 1\n")
+    assert _xfails_without_their_break(ast.parse(source), source) == [2]
+    fixed = source.replace("    assert ran == 1\n", "    with documented_break():\n        assert ran == 1\n")
+    assert _xfails_without_their_break(ast.parse(fixed), fixed) == []
+    param = ('@pytest.mark.parametrize("n", [1, pytest.param(2, marks=breaks("why"))])\n'
+             "def test_y(n):\n    assert n == 1\n")
+    assert _xfails_without_their_break(ast.parse(param), param) == [2]

@@ -22,6 +22,7 @@ underneath is :mod:`harness`, shared with the benchmarks and the demo.
 * :mod:`.dbbeat`: django-celery-beat rows, database schedulers and their beats.
 * :mod:`.slots`: ``UTC``, ``utc()``, slot labels.
 * :mod:`.skips`: ``require``, ``importorskip``: skips locally, failures in CI.
+* :mod:`.breaks`: ``documented_break``: the one step of a strict ``xfail`` that may fail it as expected.
 * :mod:`.demo_orphan`: the demo, its failover landing between the killed beat's claim and its publish.
 * :mod:`.fixtures`: the fixtures (registered by ``tests/conftest.py``).
 """
