@@ -84,7 +84,8 @@ class TaskSkipped(TaskRevokedError, SingletonError):
 
 
 class LockLost(SingletonError):
-    """The run's lease ended before the run did (expired, deleted or taken over).
+    """The run can no longer vouch for its lease: it was lost (expired, deleted or taken
+    over), went unrenewed past its grace, or the run ended (its lock released).
 
     Raised by ``task.singleton_run.ensure_held()``; code that writes downstream can
     call it before committing, or pass ``task.singleton_run.fence`` to a store that

@@ -13,10 +13,8 @@ traces them (``build_tracer``, not eager). Tried, and what held:
 2. Every ending of a worker's run (success, an exception, ``Ignore``, ``Reject``, a
    ``Retry`` of an ``until_executing`` run, and of an ``until_executed`` run, whose lock
    is *not* released but turned into the retry's claim): ``releasing`` set, ``held``
-   False, ``ensure_held()`` raises, the run not lost: **held**. The claim case is a
-   wording slip only: the key is still in Redis (the retry's claim), and the message
-   says "its lock is released"; false in words, right in effect (the retry may run at
-   once).
+   False, ``ensure_held()`` raises, the run not lost: **held**. In the claim case the key
+   is still in Redis (the retry's claim); the message (``run.ENDED``) names both.
 3. A soft time limit landing at each line executed under ``_end`` (its own and all it
    calls: the keeper's ``releasing``, the release and its reply): held there, raised
    after ``_end``; the ended run never vouches again: **held**.
@@ -30,9 +28,8 @@ traces them (``build_tracer``, not eager). Tried, and what held:
 6. A nested run cut short by a soft time limit held in its ``_begin`` (raised at its safe
    point, its lease abandoned): the outer body gets its own run back, held; the
    abandoned entry never reaches any body (``self.singleton`` is the outer's): **held**.
-   Noted: ``LeaseKeeper.abandon`` does not set ``releasing``: the abandoned ``HeldRun``
-   object, found only in the keeper's queue, still says ``held`` after its lock was
-   released (pinned below as unreachable from a body, not a break).
+   ``LeaseKeeper.abandon`` forgets the entry: the abandoned ``HeldRun``, found only in
+   the keeper's queue, says not held (a run the keeper no longer renews has ended).
 7. A thread reading ``held`` and ``ensure_held()`` in a loop as the run ends (no keeper
    mutex on the read): True until the end, then False for good, the first False with
    ``releasing`` set and "the run ended"; never True again: **held**.
@@ -58,19 +55,16 @@ traces them (``build_tracer``, not eager). Tried, and what held:
     there) landing at each line of ``_end`` and of what it calls without a ``with``
     (``get_keeper``, ``_release``, ``_end_is_seen``, ``ending_of``): an ended run that
     still says held always has its lock in Redis as its own (the safety the change is
-    for): **held**. But **BROKE** (strict xfail, cause older than the change, against its
-    claim "from its end on, held is False"): one landing before ``_end``'s ``try`` -- at the
-    start of ``get_keeper()``, where CPython 3.11 runs a pending ``SIGINT`` handler (the
-    callee's ``RESUME``) -- skips ``keeper.releasing`` and ``keeper.forget``: the ended run
-    says held, and its lease stays kept and renewed for as long as the process lives (its
-    key refused to every later run). Reproduction:
-    ``test_an_interrupt_as_end_gets_its_keeper_leaves_the_run_kept_and_held`` (an eager run;
-    ``KeyboardInterrupt`` raised at ``get_keeper``'s first line under ``_end``; then
-    ``run.active`` and ``run.held`` are True and ``run.renewals`` grows). Reachable where a
+    for): **held**. It **broke** (a cause older than the change) where one landed before
+    ``_end``'s ``try``, at the start of ``get_keeper()``, where CPython 3.11 runs a pending
+    ``SIGINT`` handler (the callee's ``RESUME``): ``keeper.releasing`` and ``keeper.forget``
+    were skipped, the ended run said held, and its lease stayed kept and renewed for as
+    long as the process lived (its key refused to every later run). Reachable where a
     ``SIGINT`` ends an eager run and the process lives on (an interactive session, a
-    command catching ``KeyboardInterrupt``); a worker's ``SIGINT`` raises nothing in the
-    body's thread. A fix: take ``get_keeper()`` before the run's ``try`` in ``__call__``, or
-    start ``_end``'s ``try`` first and mark the region like a soft limit's.
+    command catching ``KeyboardInterrupt``). Fixed: ``_end`` gets the keeper inside its
+    ``try`` and forgets the run in its ``finally``; a run the keeper no longer renews
+    says not held
+    (``test_an_interrupt_as_end_gets_its_keeper_leaves_the_run_forgotten_and_not_held``).
 
 Reverting d365d9f (``held`` and ``ensure_held`` without the ``releasing`` check) fails
 1, 2, 3, 4, 7, 9, 11, 12 and 13's sweep (5, 6 and 8, direction "not held while the
@@ -101,7 +95,7 @@ from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.task import soft_limit
 from celery_singleton_beat.task.endings import ending_of
 from celery_singleton_beat.task.release import ReleaseAtEnd
-from celery_singleton_beat.task.run import HeldRun, UnlockedRun
+from celery_singleton_beat.task.run import ENDED, HeldRun, UnlockedRun
 
 from . import test_adversary_soft_hold as soft_hold
 from .support import LOCK_DB, RedisServer, importorskip, start_worker, wait_for
@@ -135,8 +129,8 @@ def assert_ended(run: SingletonRun) -> None:
     with pytest.raises(LockLost) as raised:
         run.ensure_held()
     assert raised.value.key == run.key
-    assert raised.value.reason == "the run ended: its lock is released"
-    assert str(raised.value) == f"lock {run.key} lost: the run ended: its lock is released"
+    assert raised.value.reason == ENDED
+    assert str(raised.value) == f"lock {run.key} lost: {ENDED}"
 
 
 # ------------------------------------------------------------- 1. a thread outlives the run
@@ -452,7 +446,7 @@ def test_a_thread_polling_held_sees_true_then_false_for_good(app: Celery, locks:
     first_false = helds.index(False)
     assert first_false >= 1 and all(helds[:first_false]) and not any(helds[first_false:]), helds
     assert all(reason is None for _, _, reason in polled[:first_false])
-    assert polled[-1][2] == "the run ended: its lock is released", polled[-1]
+    assert polled[-1][2] == ENDED, polled[-1]
     assert_ended(runs[0])
 
 
@@ -667,15 +661,11 @@ def test_an_interrupt_at_any_line_under_end_never_leaves_held_without_the_lock(a
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK (pre-existing cause, against the new claim 'from its end on held is False'): a "
-    "KeyboardInterrupt landing in _end before its try (here at the start of get_keeper(), where "
-    "CPython 3.11 runs a pending SIGINT handler: a function's RESUME) skips keeper.releasing and "
-    "keeper.forget: the ended run still says held, and its lease stays kept, renewed for the life "
-    "of the process (its key refused to every later run). A soft time limit is held there (_end is "
-    "a HOLD region); other signal-raised exceptions are not."))
-def test_an_interrupt_as_end_gets_its_keeper_leaves_the_run_kept_and_held(app: Celery,
-                                                                          locks: redis.Redis) -> None:
+def test_an_interrupt_as_end_gets_its_keeper_leaves_the_run_forgotten_and_not_held(app: Celery,
+                                                                                   locks: redis.Redis) -> None:
+    """A ``KeyboardInterrupt`` at the start of ``get_keeper()`` in ``_end`` (a function's start
+    runs pending signal handlers): the run is still forgotten (not renewed for the life of
+    the process) and says not held. It used to land before ``_end``'s ``try``."""
     runs: list[SingletonRun] = []
     job = _interrupt_task(app, runs)
     job.apply((0,))  # warmed up
@@ -715,4 +705,4 @@ def test_a_thread_left_by_a_worker_run_sees_its_end(pool: str, tasks: ModuleType
     assert result.get(timeout=60) == key
     wait_for(lambda: records.get(f"outcome:{key}"), timeout=60, message="the left thread's outcome")
     assert records.get(f"during:{key}") == b"True|True", "the run was not held while its body ran"
-    assert records.get(f"outcome:{key}") == b"False|the run ended: its lock is released|gone"
+    assert records.get(f"outcome:{key}") == f"False|{ENDED}|gone".encode()

@@ -140,13 +140,16 @@ class ReleaseAtEnd(Task):
             return
         kept = run
         # Renewed until its release is sent: the release may wait (a pooled connection, a busy
-        # hub) longer than the lease has left (see LeaseKeeper.releasing).
-        keeper = get_keeper()
+        # hub) longer than the lease has left (see LeaseKeeper.releasing). Everything inside
+        # the try: an exception raised by a signal handler at any call (a function's start
+        # runs pending handlers) must not leave the lease kept, renewed for the process's life.
+        keeper = None
         try:
+            keeper = get_keeper()
             keeper.releasing(kept)
             self._release(request, kept, exc)
         finally:
-            keeper.forget(kept)
+            (keeper or get_keeper()).forget(kept)
 
     def _release(self, request: Context, kept: HeldRun, exc: BaseException | None) -> None:
         """Send the release of ``kept``, the run, as its ending says; report what it found."""

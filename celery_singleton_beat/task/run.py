@@ -16,7 +16,11 @@ from ..exceptions import LockLost
 from ..lease.kept import KeptLease
 from ..lease.lease import Lease
 
-__all__ = ["HeldRun", "SingletonRun", "UnlockedRun"]
+__all__ = ["ENDED", "HeldRun", "SingletonRun", "UnlockedRun"]
+
+#: Why ``ensure_held()`` raises once the run ended (the lock released, or kept as the
+#: claim of an ``until_executed`` run's retry: either way, no longer this run's).
+ENDED = "the run ended: its lock is released or handed to its retry"
 
 
 class SingletonRun:
@@ -101,9 +105,14 @@ class HeldRun(KeptLease, SingletonRun):
 
     @property
     def held(self) -> bool:
-        # ``releasing``: the run ended and its release is on its way (or done): another
-        # run may hold the key the moment it runs, whatever grace the lease had left.
-        return self.lost_reason is None and not self.releasing and time.monotonic() < self.lease.vouched_until
+        return self.lost_reason is None and not self._ended and time.monotonic() < self.lease.vouched_until
+
+    @property
+    def _ended(self) -> bool:
+        """The run ended: its release is on its way or done (``releasing``), or the keeper
+        no longer renews it (``active`` False: forgotten, or abandoned as it began). Another
+        run may hold the key at once, whatever grace the lease had left."""
+        return self.releasing or not self.active
 
     @property
     def fence(self) -> int:
@@ -112,8 +121,8 @@ class HeldRun(KeptLease, SingletonRun):
     def ensure_held(self) -> int:
         if self.lost_reason is not None:
             raise LockLost(self.key, self.lost_reason)
-        if self.releasing:
-            raise LockLost(self.key, "the run ended: its lock is released")
+        if self._ended:
+            raise LockLost(self.key, ENDED)
         lease = self.lease
         late = time.monotonic() - lease.vouched_until
         if late >= 0:
