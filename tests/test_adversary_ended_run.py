@@ -399,7 +399,10 @@ def test_a_nested_run_cut_short_in_begin_leaves_the_outer_body_its_held_run(
     # The abandoned nested entry: forgotten, its lock released, and never any body's run.
     (abandoned,) = [kept for kept in kept_runs if kept.lease.key == nested_key]
     assert isinstance(abandoned, HeldRun) and not abandoned.active and abandoned is not run
-    assert not abandoned.releasing  # abandon() does not set it: unreachable from a body (pinned)
+    assert not abandoned.releasing  # abandon() forgets it without a release of the run's own
+    assert not abandoned.held, "a run its keeper no longer renews has ended"
+    with pytest.raises(LockLost, match="the run ended"):
+        abandoned.ensure_held()
     assert lock_keys(locks) == []
 
 

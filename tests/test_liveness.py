@@ -88,9 +88,7 @@ def test_ensure_held_never_vouches_past_a_take_over(redis_db: redis.Redis) -> No
 
     lease = take_k("a", "stopped").lease
     assert lease is not None
-    keeper = LeaseKeeper()
-    run = keeper.keep_entry(HeldRun(lease, None))
-    keeper.forget(run)  # no renewal from now on: the process is stopped
+    run = HeldRun(lease, None)  # never kept: no renewal, the process is stopped
     run.ensure_held()
     taker = wait_for(lambda: take_k("b", "other").lease, timeout=20, message="the stopped run's lock taken over")
     assert read_holder(redis_db, KEY).raw == taker.value

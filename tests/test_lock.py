@@ -314,9 +314,8 @@ def test_ensure_held_fails_once_the_lease_may_have_lapsed_whatever_the_keeper_sa
     """A process paused past its lease (SIGSTOP, a stalled VM) must not vouch for it after it
     resumes, before its keeper has even looked: ensure_held() reads the clock, not a flag."""
     lease = take(redis_db, ttl=0.5).lease
-    run = LeaseKeeper().keep_entry(HeldRun(lease, None))
-    run.ensure_held()
-    LeaseKeeper().forget(run)  # no renewal: as if the process had been stopped
+    run = HeldRun(lease, None)  # never kept: no renewal, as if the process had been stopped
+    run.ensure_held()           # (a run forgotten by its keeper has ended: it never vouches)
     wait_for(lambda: time.monotonic() >= lease.valid_until, timeout=5, message="the lease to lapse")
     assert not run.lost, "the keeper never looked"
     with pytest.raises(Exception, match="not renewed"):
@@ -336,9 +335,7 @@ def test_ensure_held_never_vouches_past_a_restarts_recovery_window(make_redis: C
     holder_client.csb_server, contender.csb_server = LockServer("t", 3.0), LockServer("t", 3.0)
     lease = take(holder_client, ttl=30.0, liveness_ttl=3.0).lease
     assert lease is not None
-    keeper = LeaseKeeper()
-    run = keeper.keep_entry(HeldRun(lease, None))
-    keeper.forget(run)  # no renewal from now on: as if paused
+    run = HeldRun(lease, None)  # never kept: no renewal, as if paused
     assert take_lock(contender, "t:{other}", 30.0, task="demo.task").acquired, "the contender used the server"
     run.ensure_held()
 
