@@ -84,8 +84,7 @@ from typing import Any
 import pytest
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
-from celery import Celery, Task, states
-from celery.app.trace import TraceInfo, build_tracer
+from celery import Celery, states
 from celery.exceptions import Ignore, Reject
 
 from celery_singleton_beat import SingletonRun, SingletonTask
@@ -98,26 +97,15 @@ from celery_singleton_beat.task.release import ReleaseAtEnd
 from celery_singleton_beat.task.run import ENDED, HeldRun, UnlockedRun
 
 from . import test_adversary_soft_hold as soft_hold
-from .support import LOCK_DB, RedisServer, importorskip, start_worker, wait_for
-from .support.proxy import DelayProxy
+from .support import RedisServer, importorskip, start_worker, wait_for
 from .support.tasks import lock_keys
+from .test_adversary_held_run import eager_lock_app, job_whose_release_gets_no_answer, run_as_worker
 
 
 @pytest.fixture
 def app(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[Celery]:
-    app = Celery("adv-ended-run", broker="memory://", set_as_current=False)
-    app.conf.update(singleton_redis_url=redis_server.url(LOCK_DB), singleton_lock_ttl=30, task_always_eager=True)
-    yield app
+    yield eager_lock_app(redis_server, "adv-ended-run")
     reset_clients()
-
-
-def _run_as_worker(task: Task, task_id: str, args: tuple[object, ...]) -> str:
-    """Run ``task`` as a worker's pool does (not eager); the state it ends in."""
-    tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=False)
-    traced = tracer(task_id, args, {}, {"id": task_id, "retries": 0, "is_eager": False, "hostname": "w1@host",
-                                        "delivery_info": {"routing_key": "celery"}})
-    info: TraceInfo | None = traced[1]
-    return states.SUCCESS if info is None else str(info.state)
 
 
 def assert_ended(run: SingletonRun) -> None:
@@ -224,7 +212,7 @@ def test_every_ending_of_a_worker_run_ends_its_vouching(ending: str, mode: str, 
         return x
 
     task_id = job.apply_async(args=(1,)).id if mode == "until_executed" else f"ended-{ending}-{mode}"
-    assert _run_as_worker(job, task_id, (1,)) == state
+    assert run_as_worker(job, task_id, (1,)) == state
     (run,) = runs
     assert isinstance(run, HeldRun) and not run.active
     if claim_left:  # the lock is not released: turned into the retry's claim, the retry's to take
@@ -283,19 +271,7 @@ def test_a_soft_limit_at_any_line_under_end_leaves_the_ended_run_not_held(app: C
 
 def test_an_ended_run_whose_release_got_no_answer_is_not_held(redis_db: redis.Redis, redis_server: RedisServer,
                                                               locks: redis.Redis) -> None:
-    link = DelayProxy(redis_server.port, 0.0).start()
-    app = Celery("adv-ended-no-answer", broker="memory://", set_as_current=False)
-    app.conf.update(singleton_redis_url=f"redis://127.0.0.1:{link.port}/{LOCK_DB}", singleton_lock_ttl=30,
-                    task_always_eager=True,
-                    singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0})
-    runs: list[SingletonRun] = []
-
-    @app.task(base=SingletonTask, bind=True, shared=False)
-    def job(self: SingletonTask, x: int) -> int:
-        runs.append(self.singleton_run)
-        link.hold()
-        return x
-
+    link, job, runs = job_whose_release_gets_no_answer(redis_server, "adv-ended-no-answer")
     try:
         assert job.apply(args=(1,), throw=True).get() == 1
         (run,) = runs
@@ -559,39 +535,27 @@ def test_an_eager_until_executed_retry_runs_beside_the_ended_first_run(app: Cele
 
 # ------------------------------------------------------------- 13. KeyboardInterrupt in _end
 
-class Interrupt:
-    """A ``sys.settrace`` hook raising ``KeyboardInterrupt`` (what a ``SIGINT`` raises, where
-    the interpreter runs the handler) once: at the ``nth`` line event counted in the frames
-    of ``code`` and, under them, of ``under``; or (``at``) at the first line of a frame of
+class Interrupt(soft_hold.LineHook):
+    """A line hook raising ``KeyboardInterrupt`` (what a ``SIGINT`` raises, where the
+    interpreter runs the handler) once: at the ``nth`` line event counted in the frames of
+    ``code`` and, under them, of ``under``; or (``at``) at the first line of a frame of
     ``at`` under ``code``. Only frames without a ``with`` statement are counted: a line hook
     fires on a ``with`` line again just before its ``__exit__`` call, where a signal handler
     never runs (the lock it raised past was left held: a hook artefact, not a finding)."""
 
     def __init__(self, code: CodeType, nth: int = -1, at: CodeType | None = None,
                  under: tuple[CodeType, ...] = ()) -> None:
-        self.code, self.nth, self.at, self.under = code, nth, at, under
-        self.depth = self.count = 0
-        self.landed: tuple[str, int] | None = None
+        super().__init__(code, nth)
+        self.at, self.under = at, under
 
-    def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "return" and frame.f_code is self.code:
-            self.depth -= 1
-        elif event == "line" and self.landed is None:
-            if self.count == self.nth or (self.at is not None and frame.f_code is self.at):
-                self.landed = (frame.f_code.co_name, frame.f_lineno)
-                raise KeyboardInterrupt  # (the hook is unset by the interpreter: once)
-            self.count += 1
-        return self._local
+    def follows(self, frame: FrameType) -> bool:
+        return frame.f_code in self.under or frame.f_code is self.at
 
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if self.landed is not None:
-            return None
-        if frame.f_code is self.code:
-            self.depth += 1
-            return self._local
-        if self.depth > 0 and (frame.f_code in self.under or frame.f_code is self.at):
-            return self._local
-        return None
+    def lands_at(self, frame: FrameType) -> bool:
+        return self.count == self.nth or (self.at is not None and frame.f_code is self.at)
+
+    def land(self, frame: FrameType) -> None:
+        raise KeyboardInterrupt  # (the hook is unset by the interpreter: once)
 
     def run(self, call: Callable[[], Any]) -> str:
         sys.settrace(self)

@@ -114,15 +114,20 @@ def _active_entries_of(key: str) -> list[KeptLease]:
     return [kept for kept in _entries() if kept.active and kept.lease.key == key]
 
 
+def eager_lock_app(redis_server: RedisServer, name: str) -> Celery:
+    """An eager app whose locks are on the session's server (``lock_ttl`` 30 s)."""
+    app = Celery(name, broker="memory://", set_as_current=False)
+    app.conf.update(singleton_redis_url=redis_server.url(LOCK_DB), singleton_lock_ttl=30, task_always_eager=True)
+    return app
+
+
 @pytest.fixture
 def app(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[Celery]:
-    app = Celery("adv-held-run", broker="memory://", set_as_current=False)
-    app.conf.update(singleton_redis_url=redis_server.url(LOCK_DB), singleton_lock_ttl=30, task_always_eager=True)
-    yield app
+    yield eager_lock_app(redis_server, "adv-held-run")
     reset_clients()
 
 
-def _run_as_worker(task: Task, task_id: str, args: tuple[object, ...]) -> str:
+def run_as_worker(task: Task, task_id: str, args: tuple[object, ...]) -> str:
     """Run ``task`` as a worker's pool does (not eager); the state it ends in."""
     tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=False)
     traced = tracer(task_id, args, {}, {"id": task_id, "retries": 0, "is_eager": False, "hostname": "w1@host",
@@ -278,11 +283,11 @@ def test_an_acks_late_run_carries_its_done_ttl_and_its_end_writes_the_marker(app
         ran.append(self.singleton_run._done_ttl)  # type: ignore[attr-defined]
         return x
 
-    assert _run_as_worker(job, "held-done", (1,)) == states.SUCCESS
+    assert run_as_worker(job, "held-done", (1,)) == states.SUCCESS
     assert ran == [600]
     assert lock_keys(locks) == []
     assert any(b":done:" in key for key in locks.scan_iter(match="singleton:{*")), "no done marker written"
-    again = _run_as_worker(job, "held-done", (1,))  # the same message delivered again
+    again = run_as_worker(job, "held-done", (1,))  # the same message delivered again
     assert ran == [600], "a delivery of a completed message ran again"
     assert again == states.IGNORED
 
@@ -307,7 +312,7 @@ def test_an_until_executed_run_that_retries_leaves_its_claim(app: Celery, locks:
         raise self.retry(countdown=60)
 
     first = job.apply_async(args=(1,))
-    assert _run_as_worker(job, first.id, (1,)) == states.RETRY
+    assert run_as_worker(job, first.id, (1,)) == states.RETRY
     (run,) = runs
     assert isinstance(run, HeldRun) and not run.active
     assert lock_keys(locks) == [run.key], "the retry's claim is not in Redis"
@@ -411,7 +416,7 @@ def test_a_soft_limit_at_every_line_of_an_until_executed_late_give_back(
 
     def one_run(n: int) -> tuple[str, str, Any]:
         published = claims.apply_async(args=(n,))
-        state = _run_as_worker(claims, published.id, (n,))
+        state = run_as_worker(claims, published.id, (n,))
         return state, published.id, claims.singleton_key((n,), {})
 
     one_run(0)
@@ -524,7 +529,7 @@ def test_a_release_answered_after_the_run_marks_the_ended_run_lost(app: Celery, 
         locks.delete(run.key)
         return x
 
-    assert _run_as_worker(job, "held-soon", (1,)) == states.SUCCESS
+    assert run_as_worker(job, "held-soon", (1,)) == states.SUCCESS
     (run,) = runs
     assert isinstance(run, HeldRun) and not run.active
     assert not run.lost, "the release was not answered late (release_soon): nothing tried"
@@ -653,19 +658,17 @@ def test_a_late_reply_with_fail_open_runs_unlocked_and_gives_the_lock_back(
              message="the late lock given back")
 
 
-def test_a_release_that_gets_no_answer_is_sent_again_for_the_ended_run(redis_db: redis.Redis,
-                                                                       redis_server: RedisServer,
-                                                                       locks: redis.Redis) -> None:
-    """An eager run's release (sent and waited for) gets no answer: the link holds every byte
-    from the end of the body on, past the lock client's read timeout. The run ends anyway,
-    forgotten by the keeper; its release is sent again once the link passes bytes again
-    (``retry_release`` of the run's lease): the key is freed, the run not counted lost."""
+def job_whose_release_gets_no_answer(redis_server: RedisServer,
+                                     name: str) -> tuple[DelayProxy, Any, list[SingletonRun]]:
+    """An eager task whose lock client goes through a link its body holds (no byte passes
+    from the body's end on, past the client's 1 s read timeout): its run's release gets no
+    answer. Returns the link (``resume()`` it), the task, and the runs it records."""
     link = DelayProxy(redis_server.port, 0.0).start()
-    app = Celery("adv-held-retry-release", broker="memory://", set_as_current=False)
+    app = Celery(name, broker="memory://", set_as_current=False)
     app.conf.update(singleton_redis_url=f"redis://127.0.0.1:{link.port}/{LOCK_DB}", singleton_lock_ttl=30,
                     task_always_eager=True,
                     singleton_redis_options={"socket_timeout": 1.0, "socket_connect_timeout": 1.0})
-    runs: list[Any] = []
+    runs: list[SingletonRun] = []
 
     @app.task(base=SingletonTask, bind=True, shared=False)
     def job(self: SingletonTask, x: int) -> int:
@@ -673,6 +676,17 @@ def test_a_release_that_gets_no_answer_is_sent_again_for_the_ended_run(redis_db:
         link.hold()
         return x
 
+    return link, job, runs
+
+
+def test_a_release_that_gets_no_answer_is_sent_again_for_the_ended_run(redis_db: redis.Redis,
+                                                                       redis_server: RedisServer,
+                                                                       locks: redis.Redis) -> None:
+    """An eager run's release (sent and waited for) gets no answer: the link holds every byte
+    from the end of the body on, past the lock client's read timeout. The run ends anyway,
+    forgotten by the keeper; its release is sent again once the link passes bytes again
+    (``retry_release`` of the run's lease): the key is freed, the run not counted lost."""
+    link, job, runs = job_whose_release_gets_no_answer(redis_server, "adv-held-retry-release")
     try:
         assert job.apply(args=(1,), throw=True).get() == 1
         (run,) = runs

@@ -95,32 +95,64 @@ outage_app = hold.outage_app
 
 
 
-class Landing:
-    """A ``sys.settrace`` hook landing the soft limit once, at the ``nth`` line event (from
-    0) counted in the frames of ``code`` (``deep``: and in every frame under them)."""
+class LineHook:
+    """A ``sys.settrace`` hook that acts once (:meth:`land`), at the ``nth`` line event (from
+    0) counted in the frames of ``code`` it :meth:`enters` and in the frames under them it
+    :meth:`follows`. ``landed``: the function and line it acted at."""
 
-    def __init__(self, code: CodeType, nth: int, *, deep: bool, nested: bool = False) -> None:
-        self.code, self.nth, self.deep, self.nested = code, nth, deep, nested
+    def __init__(self, code: CodeType, nth: int) -> None:
+        self.code, self.nth = code, nth
         self.depth = self.count = 0
         self.landed: tuple[str, int] | None = None
+
+    def enters(self, frame: FrameType) -> bool:
+        return frame.f_code is self.code
+
+    def follows(self, frame: FrameType) -> bool:
+        """A frame under one of ``code``'s is counted too."""
+        return False
+
+    def lands_at(self, frame: FrameType) -> bool:
+        return self.count == self.nth
+
+    def land(self, frame: FrameType) -> None:
+        raise NotImplementedError
 
     def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "return" and frame.f_code is self.code:
             self.depth -= 1
         elif event == "line" and self.landed is None:
-            if self.count == self.nth:
+            if self.lands_at(frame):
                 self.landed = (frame.f_code.co_name, frame.f_lineno)
-                soft_limit._on_soft_limit(signal.SIGUSR1, frame)  # may raise, into the frame
+                self.land(frame)  # may raise, into the frame
             self.count += 1
         return self._local
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
         if self.landed is not None:
             return None
-        if frame.f_code is self.code and (not self.nested or _nested(frame)):
+        if self.enters(frame):
             self.depth += 1
             return self._local
-        return self._local if self.deep and self.depth > 0 else None
+        return self._local if self.depth > 0 and self.follows(frame) else None
+
+
+class Landing(LineHook):
+    """A :class:`LineHook` landing the soft limit, in the frames of ``code`` (``deep``: and in
+    every frame under them; ``nested``: only those of a run nested in another's body)."""
+
+    def __init__(self, code: CodeType, nth: int, *, deep: bool, nested: bool = False) -> None:
+        super().__init__(code, nth)
+        self.deep, self.nested = deep, nested
+
+    def enters(self, frame: FrameType) -> bool:
+        return frame.f_code is self.code and (not self.nested or _nested(frame))
+
+    def follows(self, frame: FrameType) -> bool:
+        return self.deep
+
+    def land(self, frame: FrameType) -> None:
+        soft_limit._on_soft_limit(signal.SIGUSR1, frame)
 
     def run(self, call: Callable[[], Any]) -> Any:
         sys.settrace(self)
