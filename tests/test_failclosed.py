@@ -24,6 +24,7 @@ from celery_singleton_beat.config import clear_settings_cache
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 
 from .support import RedisServer, start_worker, wait_for
+from .support.processes import process_state
 from .support.tasks import lock_keys, runs
 
 APP = "tests.apps.failclosed_app"
@@ -45,12 +46,7 @@ def fc_app(redis_db: redis.Redis, redis_server: RedisServer) -> Iterator[ModuleT
 
 def running(pid: int) -> bool:
     """True while ``pid`` can still execute code: it exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in (b"Z", b"X")
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def test_hard_time_limit_frees_the_lock_only_after_the_child_is_gone(

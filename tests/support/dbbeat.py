@@ -165,9 +165,7 @@ def assert_no_errors(beats: list[CeleryProcess], stalls: StallWindow | None = No
     process itself froze as long (:func:`.stalls.unexplained_errors`)."""
     for beat in beats:
         log = beat.output()
-        bad = [line for line in log.splitlines() if "Traceback" in line]
-        bad += (unexplained_errors(log, stalls, "ERROR/") if stalls is not None
-                else [line for line in log.splitlines() if "ERROR/" in line])
+        bad = [line for line in log.splitlines() if "Traceback" in line] + unexplained_errors(log, stalls, "ERROR/")
         assert not bad, f"{beat.name} logged errors: {bad[:5]}"
 
 

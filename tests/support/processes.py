@@ -22,7 +22,8 @@ from .paths import ROOT, scratch_file
 from .servers import RedisServer
 from .waiting import wait_for
 
-__all__ = ["CeleryProcess", "TestProcess", "child_env", "run_command", "start_worker", "wait_until_stopped"]
+__all__ = ["CeleryProcess", "TestProcess", "child_env", "process_state", "run_command", "start_worker",
+           "wait_until_stopped"]
 
 
 def child_env(redis_server: RedisServer, **extra: str) -> dict[str, str]:
@@ -124,11 +125,17 @@ def run_command(argv: list[str], *, timeout: float, **options: Any) -> subproces
     return subprocess.run(argv, timeout=timeout, preexec_fn=die_with_parent(signal.SIGKILL), **options)
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z``
+    zombie...), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]  # after "pid (comm)": the name may hold spaces
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def wait_until_stopped(pid: int, timeout: float = 10.0) -> None:
     """Wait until the process ``pid`` is stopped (state ``T`` after a SIGSTOP: it runs no
     more from then on, which ``os.kill`` returning does not promise)."""
-    def stopped() -> bool:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1].startswith("T")
-
-    wait_for(stopped, timeout=timeout, message=f"process {pid} to stop")
+    wait_for(lambda: process_state(pid) == "T", timeout=timeout, message=f"process {pid} to stop")
