@@ -234,6 +234,8 @@ def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Serve
     result: dict[str, Any] = {
         "started": len(starts), "ended": len(ends),
         "start_spread_s": max(starts) - min(starts),
+        # the window, by the bodies' own wall-clock stamps, and the worker (for bench_start_profile)
+        "first_start": min(starts), "last_start": max(starts), "worker_pid": pid,
         "start_cpu_s": max(start_cpus) - min(start_cpus),
         # every run still sleeping when the last one started: the N leases were held at once
         "all_at_once": min(ends) >= max(starts),

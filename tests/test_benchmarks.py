@@ -120,3 +120,33 @@ def test_targets_judge_each_server_by_its_own() -> None:
     assert rows["Valkey 9.1.2"][2] == "1.70x (<= 1.50x: NOT met)"
     assert rows["Valkey 9.1.2"][3] == "-"  # no timed run on it
     assert rows["redis-8.2"][1].startswith("skipped: not installed")
+
+
+#: ``perf script -F ip,sym,dso`` output of five samples (leaf first), as the start profile reads it.
+_PERF_SCRIPT = """
+\t    7f01 gc_collect_main (/usr/lib/libpython3.11.so.1.0)
+\t    7f02 _PyObject_Call (/usr/lib/libpython3.11.so.1.0)
+
+\tffffffff8101 tcp_sendmsg ([kernel.kallsyms])
+\tffffffff8102 __x64_sys_sendto ([kernel.kallsyms])
+\tffffffff8103 entry_SYSCALL_64_after_hwframe ([kernel.kallsyms])
+\t    7f03 __send (/usr/lib/libc.so.6)
+
+\tffffffff8104 clear_page_erms ([kernel.kallsyms])
+\tffffffff8105 asm_exc_page_fault ([kernel.kallsyms])
+\t    7f04 _PyObject_Malloc (/usr/lib/libpython3.11.so.1.0)
+
+\t    7f05 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)
+
+\t    7f06 dict_traverse (/usr/lib/libpython3.11.so.1.0)
+"""
+
+
+def test_the_start_profile_sorts_each_sample_by_what_the_hub_did() -> None:
+    """The collector, a send, a page fault and the rest are told apart by the call chain."""
+    from benchmarks.bench_start_profile import categorize, samples
+
+    chains = list(samples(_PERF_SCRIPT))
+    assert [categorize(chain) for chain in chains] == [
+        "collector", "send", "page faults", "Python and libraries", "collector"]
+    assert chains[1][0] == "tcp_sendmsg ([kernel.kallsyms])"
