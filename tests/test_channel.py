@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleton_beat.connection import channel as channel_module
+from celery_singleton_beat.connection import lock_connection
 from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.replies import INCOMPLETE, PyReader
 from celery_singleton_beat.connection.wire import NOT_SHORT, SocketLink
@@ -102,7 +102,7 @@ def test_a_connection_closed_by_a_restart_costs_neither_the_release_nor_the_next
     next acquire does not fail (no fail-closed retry). Either the idle connection is looked
     at before the release is written to it, or the release written onto the dead connection
     is found out when its reply is read and sent again."""
-    monkeypatch.setattr(channel_module, "IDLE_CHECK", idle_check)
+    monkeypatch.setattr(lock_connection, "IDLE_CHECK", idle_check)
     server = make_redis("--appendonly", "yes")  # appendfsync always: see make_redis
     client = server.client()
     lease = take(client, "id-1").lease

@@ -21,7 +21,7 @@ import pytest
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from celery_singleton_beat.connection import channel as channel_module
+from celery_singleton_beat.connection import lock_connection
 from celery_singleton_beat.connection.channels import channel_for
 from celery_singleton_beat.connection.pooled import run_pooled
 from celery_singleton_beat.connection.wire import Request, pack
@@ -246,7 +246,7 @@ def test_bytes_no_request_asked_for_break_an_idle_connection(
         proxy: FaultProxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bytes on an idle lock connection (here: what reads as a free key's acquire reply, from a
     broken middlebox) are nobody's: the connection is replaced before the next request."""
-    monkeypatch.setattr(channel_module, "IDLE_CHECK", 0.0)  # look at it before every use
+    monkeypatch.setattr(lock_connection, "IDLE_CHECK", 0.0)  # look at it before every use
     client = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=10)
     held_by_another(redis_server)
     assert take(client, "warm", key="t:{demo.task:warm}").acquired
