@@ -15,48 +15,44 @@ See ``docs/beat.md`` for the full rules.
 
 The mixin's parts: :mod:`.anchoring` (the start-up rule), :mod:`.sending`
 (reserve, claim, send), :mod:`.claiming` (the Redis round trips: claims,
-marks, hand-backs, take-overs); this module holds Celery's set-up, timing and
-tick hooks and the back-off while Redis is down.
+marks, hand-backs, take-overs), :mod:`.probing` (the claims Redis server looked
+at between ticks), :mod:`.holding` (entries held back, moved down the heap),
+:mod:`.stopping` (close and the stop signals); this module holds Celery's
+set-up, timing and tick hooks.
 """
 
 from __future__ import annotations
 
-import heapq
 import os
 import secrets
-import signal
 import socket
-import sys
 import threading
 import time
 import weakref
 from datetime import datetime, timedelta
 from typing import Any
 
-import celery
-import redis
-from celery import schedules, signals
+from celery import schedules
 from celery.exceptions import ImproperlyConfigured
 
 from ..config import SingletonSettings, get_settings
-from ..connection.sentinel import FOLLOW_EVERY
 from ..connection.url import sanitize_redis_url
 from ..log import logger
 from ..recovery.lock_redis import get_redis
-from ..recovery.startup import EX_CONFIG, LockRedisUnusable, StartupCheck, refuse_to_start
+from ..recovery.startup import StartupCheck, refuse_to_start
 from .anchoring import Provisional, SlotAnchoring
 from .breaker import Breaker
 from .claims import Claim, ClaimStore
 from .entries import ENTRY_OPTION, SlotSpec, entry_spec
 from .handover import Handover
+from .holding import CELERY_REHEAPS, HoldBack
+from .probing import ServerProbing
 from .records import REFRESH, EntryRecords
 from .sending import Reservation, SlotSending
 from .slots import SlotError, current_slot, interval_slot, to_utc
+from .stopping import CleanStop
 
 __all__ = ["SingletonSchedulerMixin"]
-
-#: Celery 5.7+ moves an entry that is not due after all down the heap (celery/celery#7649).
-CELERY_REHEAPS: bool = tuple(int(part) for part in celery.__version__.split(".")[:2]) >= (5, 7)
 
 #: Per app: the instance id a lazy scheduler (the one Celery builds only to print
 #: its start-up banner) showed, and in which process, for the scheduler that runs.
@@ -75,7 +71,7 @@ def _instance_id(app: Any, lazy: bool) -> str:
     return instance
 
 
-class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
+class SingletonSchedulerMixin(SlotAnchoring, SlotSending, ServerProbing, HoldBack, CleanStop):
     """Claim each due entry's slot in Redis; send only the slots this beat won.
 
     Mix it in front of any :class:`celery.beat.Scheduler` subclass::
@@ -97,8 +93,6 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
     #: Back-off (seconds) after Redis failed, doubling up to the maximum.
     redis_retry_min: float = 1.0
     redis_retry_max: float = 30.0
-    #: The thread inside :meth:`tick`, if any (see :meth:`close`).
-    _ticking_in: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         app = kwargs["app"] if "app" in kwargs else args[0]
@@ -168,37 +162,6 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             settings.beat_pending_lease,
             server.describe() if server else sanitize_redis_url(settings.redis_url),
         )
-
-    def _check_server_again(self) -> None:
-        """After an outage at start: a server that answers but cannot be used stops beat.
-
-        Exit code 78, through :meth:`close` (Celery's beat loop turns the
-        ``SystemExit`` raised here into a clean stop, then closes the scheduler).
-        A server that answers and can be used ends the Redis back-off at once: the
-        back-off doubled through the outage (16 s after 15 s), and a beat that waited
-        out its rest sent nothing for that long while Redis answered, as did every
-        beat that started in the same outage (their back-offs run in step).
-        """
-        try:
-            server = self._server_check.poll()
-        except LockRedisUnusable:
-            self._fatal = EX_CONFIG
-            raise SystemExit(EX_CONFIG) from None
-        if server is not None and self.breaker.is_open():
-            self.breaker.ok()
-            # Entries held back for the back-off sit in the heap at its end: build the
-            # heap again from their own next instants (the due ones come first).
-            self._heap = None
-
-    def _probe_claims_redis(self) -> None:
-        """While the Redis back-off runs (fail closed): a server that answers ends it at once,
-        and the entries held back to its end come due again (see :meth:`_check_server_again`)."""
-        try:
-            self.claims.client.ping()
-        except redis.RedisError:
-            return  # still down: the back-off goes on, not doubled by a look
-        self.breaker.ok()
-        self._heap = None
 
     def _check_entries(self) -> None:
         """Reject entries whose singleton option or schedule cannot work (at beat start)."""
@@ -288,6 +251,7 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         return state
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        """One tick, which a stop asked for ends, before it or at its end (see :mod:`.stopping`)."""
         self._stop_if_requested()
         self._ticking_in = threading.get_ident()
         try:
@@ -297,24 +261,9 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         self._stop_if_requested()
         return delay
 
-    def _stop_if_requested(self) -> None:
-        """Raise the ``SystemExit`` of a stop asked for that never reached beat's loop.
-
-        ``celery beat``'s stop handler closes the scheduler and raises ``SystemExit``
-        wherever the main thread is. When that is a finalizer (a ``__del__``, such as
-        Celery's ``AsyncResult.__del__`` right after each publish, or a weakref
-        callback), Python ignores the exception: the handler's only trace is the close
-        it asked for, and the beat ran on, sending every slot, until killed.
-        """
-        if self._stop_requested:
-            raise SystemExit()
-
     def _tick(self, *args: Any, **kwargs: Any) -> float:
         self._next_look = None  # set by a reserve within this tick only
-        if self._server_check.pending:
-            self._check_server_again()
-        elif self.breaker.probe_due():
-            self._probe_claims_redis()
+        self._look_at_server()
         if not self.breaker.is_open():
             self.settle()
             self._renew_records(time.monotonic())
@@ -333,33 +282,8 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
             self._take_over_due(now)
             if self.handover.marks_due(now):
                 self._mark_sent()
-        wake = self.handover.next_wake(time.monotonic())
-        follow = self._follow_server()
-        if follow is not None:
-            wake = follow if wake is None else min(wake, follow)
-        if self._server_check.pending:
-            wake = min(wake, self._server_check.wait()) if wake is not None else self._server_check.wait()
-        probe = self.breaker.next_probe_in()
-        if probe is not None:
-            wake = probe if wake is None else min(wake, probe)
+        wake = self._server_wake(self.handover.next_wake(time.monotonic()))
         return float(delay) if wake is None else min(float(delay), wake)
-
-    def _follow_server(self) -> float | None:
-        """While claims this beat wrote recently could still be taken over by another beat
-        (within a pending lease), look at the server every :data:`.sentinel.FOLLOW_EVERY`
-        seconds: a failover or restart that lost them is then found, and they are
-        written back, before another beat could take them over. Seconds until the next look."""
-        lease = self.singleton_settings.beat_pending_lease
-        if self.breaker.is_open() or not self.claims.kept.written_within(lease):
-            return None
-        wait = self.claims.reached + FOLLOW_EVERY - time.monotonic()
-        if wait <= 0:
-            try:
-                self.claims.reach()
-            except redis.RedisError as exc:
-                logger.debug("beat: could not look at the claims Redis: %s", exc)
-            wait = FOLLOW_EVERY
-        return wait
 
     def schedules_equal(self, old_schedules: Any, new_schedules: Any) -> bool:
         """Compare the schedule with its copy once per burst, not once per tick.
@@ -376,122 +300,3 @@ class SingletonSchedulerMixin(SlotAnchoring, SlotSending):
         equal = bool(super().schedules_equal(old_schedules, new_schedules))
         self._burst_compared = equal
         return equal
-
-    def close(self) -> None:
-        """Clean stop: mark what was sent, hand back what was claimed but not sent.
-
-        Not while this thread is inside :meth:`tick`: that is ``celery beat``'s
-        SIGTERM/SIGINT handler, which closes the scheduler and then raises
-        ``SystemExit``, run in the middle of whatever the tick was doing. Closing
-        there would release connections the interrupted code is reading from (the
-        broker's, during a publish: redis-py then raises "I/O operation on closed
-        file" in place of the ``SystemExit``, and beat logs the entry as not
-        applied and runs on). The ``SystemExit`` unwinds the tick, and beat's
-        service closes the scheduler again on its way out.
-        """
-        if self._ticking_in == threading.get_ident():
-            self._stop_requested = True  # the tick stops at its end if the SystemExit is lost
-            return
-        try:
-            self._hand_back_prefetched()
-            self._mark_sent()
-        except redis.RedisError as exc:  # the pending lease covers it
-            logger.warning("beat: could not settle claims at stop (others take them over): %s", exc)
-        super().close()
-        if self._ends_process and threading.current_thread() is threading.main_thread():
-            # Nothing is left but the interpreter's exit. Python gives its handled signals
-            # back to their default action as it tears down, so a second SIGTERM/SIGINT
-            # (a rolling deploy, a supervisor, Ctrl-C twice) arriving then killed the beat
-            # by the signal. Ignored signals stay ignored: the exit code stays 0 (or 78).
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, signal.SIG_IGN)
-            self._stop_requested = True  # a tick after this close stops (a SystemExit lost)
-        if self._fatal is not None:  # raised again after the schedule was saved: exit code 78
-            raise SystemExit(self._fatal)
-
-    # ----------------------------------------------------------------- Redis trouble
-
-    def _report_blocked(self, entry: Any) -> None:
-        try:
-            slot = current_slot(entry.schedule, self._now(), self._hints.get(entry.name))
-        except SlotError:
-            return
-        if slot is not None:
-            self.breaker.report_unsent(entry.name, slot, "Redis unavailable, waiting to try again")
-
-    def _hold_back_top(self, entry: Any, wait: float) -> None:
-        """Move ``entry`` to its next check if it sits on top of the heap, past its time.
-
-        Its heap time can be out of date: the start-up rule decided, once Redis
-        answered, that its missed slot was not missed after all. Celery 5.7
-        moves such an entry down the heap itself; before, it stayed on top and
-        held back every entry behind it until it came due (celery/celery#7649).
-        """
-        heap = getattr(self, "_heap", None)
-        if heap and heap[0][2] is entry and heap[0][0] <= self._now().timestamp():
-            self._reheap[entry.name] = max(float(wait), 0.0)
-
-    def _move_down_heap(self) -> float:
-        """Give the entries in ``_reheap`` their new time in the heap.
-
-        An entry whose claim failed, or that ``is_due`` held back for the Redis
-        back-off, comes back at the end of the back-off rather than at its next
-        instant; Celery before 5.7 would leave an entry held back on top of the
-        heap, where it kept every entry behind it (opted-out ones included) from
-        being sent. Returns how long beat may sleep: 0 when another entry is due now.
-        """
-        moves, self._reheap = self._reheap, {}
-        delay = min(moves.values())
-        heap = getattr(self, "_heap", None)
-        if isinstance(heap, list) and heap:
-            now = self._now().timestamp()  # heap times follow the scheduler's clock
-            top = heap[0]
-            if len(moves) == 1 and top[2].name in moves and hasattr(top, "_replace"):
-                # The usual case (the entry on top held back): no scan of the whole heap.
-                heapq.heapreplace(heap, top._replace(time=now + moves[top[2].name]))
-                return 0.0 if heap[0][0] <= now else delay
-            changed = False
-            for index, event in enumerate(heap):
-                wait = moves.get(event[2].name)
-                if wait is not None and event[0] != now + wait and hasattr(event, "_replace"):
-                    heap[index] = event._replace(time=now + wait)
-                    changed = True
-            if changed:
-                heapq.heapify(heap)
-            if heap[0][0] <= now:
-                return 0.0
-        return delay
-
-
-@signals.beat_init.connect  # type: ignore[untyped-decorator]  # celery is untyped
-def _own_stop_signals(sender: Any = None, **_: Any) -> None:
-    """In a ``celery beat`` process, mark its scheduler as the one whose close ends it.
-
-    ``celery beat`` installs its stop handler (a Python function) for SIGTERM and
-    SIGINT on the main thread before the service starts; a worker's embedded beat
-    (its own process, SIGTERM left to the default action, or a thread) and a
-    scheduler driven by other code do not qualify.
-    """
-    scheduler = getattr(sender, "scheduler", None)
-    handler = signal.getsignal(signal.SIGTERM)
-    if (isinstance(scheduler, SingletonSchedulerMixin)
-            and threading.current_thread() is threading.main_thread()
-            and callable(handler) and handler is not signal.default_int_handler):
-        scheduler._ends_process = True
-        _quiet_lost_stops(scheduler)
-
-
-def _quiet_lost_stops(scheduler: SingletonSchedulerMixin) -> None:
-    """Say in one line, not a traceback, that the stop handler's ``SystemExit`` was lost in a
-    finalizer (Python reports it through ``sys.unraisablehook``, "Exception ignored in"): the
-    scheduler stops at the end of its tick (see :meth:`SingletonSchedulerMixin.tick`)."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        if isinstance(unraisable.exc_value, SystemExit) and scheduler._stop_requested:
-            logger.info("beat: the stop signal arrived inside a finalizer (%r); stopping after this tick",
-                        unraisable.object)
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
