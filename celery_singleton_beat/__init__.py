@@ -29,6 +29,7 @@ packages of their own: the beat side, and what the CLI reads and changes)::
         scripts        the Lua of the fallbacks and the rare paths
         server         what the server is, its restarts and failovers (recovery windows)
         channel        this thread's connection: one blocking round trip per run
+        lock_connection  that connection's life: replaced when closed, dropped when replies are left
         wire           requests written in one go, replies read in order
       keeper         renews running leases from a real OS thread (native: gevent/eventlet)
       liveness       which worker incarnations are alive (take-over evidence)

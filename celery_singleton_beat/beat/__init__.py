@@ -3,14 +3,19 @@
 * :mod:`.slots`: pure slot math (which instant an entry fires for);
 * :mod:`.entries`: what an entry claims under, message headers, slot task ids;
 * :mod:`.scripted`: script calls in one round trip per server (the claims' compare-and-set);
-* :mod:`.claims`: claims in Redis (claim, pending -> sent, hand back, take over,
-  receive, history, counters);
+* :mod:`.claims`: claims in Redis (claim, pending -> sent, swaps, write-backs, receive,
+  history, counters), written on each server layout by :mod:`.claim_writes`;
+* :mod:`.history`: the record of a claim round;
 * :mod:`.handover`: this beat's claims to mark and slots to take over;
 * :mod:`.records`: since when each entry is scheduled (what makes a slot missed);
-* :mod:`.anchoring`: the start-up rule (which slot an entry continues after);
+* :mod:`.recovery`: the claims confirmed by their beats after a restart or failover;
 * :mod:`.breaker`: back-off while Redis is unreachable;
 * :mod:`.scheduler`: :class:`SingletonSchedulerMixin` wiring them into Celery's
-  ``Scheduler`` hooks;
+  ``Scheduler`` hooks, with its parts: :mod:`.anchoring` (the start-up rule: which slot
+  an entry continues after), :mod:`.sending` (a slot's publish), :mod:`.claiming` (claim
+  rounds and sent marks), :mod:`.claim_handback` (hand-backs and take-overs),
+  :mod:`.probing` (the claims Redis looked at between ticks), :mod:`.holding` (entries
+  held back) and :mod:`.stopping` (close and the stop signals);
 * :mod:`.persistent`: :class:`SingletonScheduler`, Celery's shelve-backed scheduler with it;
 * :mod:`.following`: for schedulers whose entries change while they run;
 * :mod:`.embedded`: beat inside a worker (``-B``): ``-S`` refused, a foreign beat warned.
