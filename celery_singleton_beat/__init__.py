@@ -17,6 +17,7 @@ packages of their own: the beat side, and what the CLI reads and changes)::
     publish        apply_async: publish-time claims (lock_mode until_executed / until_executing)
     worker         the worker: liveness, and locks of pool children that died
     slot_delivery  a beat slot's message is accepted once, whichever beat sent it
+      slot_holding   slot messages waiting for their check, held while Redis does not answer
     task           SingletonTask.__call__: the run between its acquire and its release
       keys           the call's lock key (arguments bound and encoded canonically)
       config         the singleton_* settings;  client / redis_url: the lock Redis client

@@ -65,6 +65,9 @@ for good, and left alone while that message is still unacknowledged with the
 same delivery tag (``acks_late``: its settling settles both). A message the
 worker gave back (rejected with requeue) is run again when it returns, as any
 message.
+
+The holding, and a delivery that takes the place of one that waits, are in
+:class:`SlotGate`'s base, :class:`~.slot_holding.SlotHolding`.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -87,6 +90,7 @@ from ..recovery.lock_redis import get_redis
 from .events import TASK_SKIPPED
 from .keys import beat_stats_key
 from .slot_checker import Outcome, checker_for
+from .slot_holding import RETRY_MAX, RETRY_MIN, SlotHolding, _Delivery, _identity, _names, _Waiting
 from .slot_receive import (
     CLAIM_HEADER,
     ENTRY_HEADER,
@@ -101,8 +105,6 @@ __all__ = ["CLAIM_HEADER", "ENTRY_HEADER", "INSTANCE_HEADER", "RECEIVE_SCRIPT", 
            "SlotDeliveryStep", "SlotGate", "parse_claim", "receive_slot"]
 
 _GUARDED = "_singleton_slot_guard"
-#: Seconds between checks of held slot messages while Redis does not answer (doubling).
-RETRY_MIN, RETRY_MAX = 1.0, 30.0
 #: Settled slot messages a connection remembers having run or dropped (the latest).
 RAN_REMEMBERED = 1024
 
@@ -146,36 +148,7 @@ def _guard(step: SlotDeliveryStep, handler: Callable[..., Any]) -> Callable[...,
     return on_message
 
 
-@dataclass
-class _Delivery:
-    """A slot message and what Celery handed over with it (to run or drop it later)."""
-
-    handler: Callable[..., Any]
-    message: Any
-    body: Any
-    ack: Any
-    reject: Any
-    callbacks: Any
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def headers(self) -> dict[str, Any]:
-        return self.message.headers or {}
-
-    def run(self) -> Any:
-        return self.handler(self.message, self.body, self.ack, self.reject, self.callbacks, **self.kwargs)
-
-
-@dataclass
-class _Waiting:
-    """A slot message waiting for its check (or held), in arrival order. A delivery of the
-    same message that comes meanwhile takes the place of ``delivery``."""
-
-    delivery: _Delivery
-    held: bool = False  # logged as held: its check (or one ahead of it) failed
-
-
-class SlotGate:
+class SlotGate(SlotHolding):
     """The slot check of one consumer connection, and the messages waiting for it
     (see the module docstring).
 
@@ -336,61 +309,6 @@ class SlotGate:
         else:
             qos.decrement_eventually(-n)
 
-    # ----------------------------------------------------------------- holding
-
-    def _hold(self, exc: BaseException) -> None:
-        """The first waiting message's check failed (fail closed): every waiting message is
-        held, and the first is checked again after a back-off."""
-        again = self._queue[0].held
-        for index, waiting in enumerate(self._queue):
-            if waiting.held:
-                continue
-            waiting.held = True
-            if index == 0:
-                logger.warning("%s[%s]: could not check beat slot %s (%s); holding the message "
-                               "until Redis answers (fail closed)", *_names(waiting.delivery.headers), exc)
-            else:
-                logger.warning("%s[%s]: beat slot %s waits for Redis behind %d held message(s)",
-                               *_names(waiting.delivery.headers), index)
-        self._holding = True
-        self._delay = min(max(self._delay * 2, RETRY_MIN), RETRY_MAX)
-        self._timer = self.c.timer.call_after(self._delay, self._retry)
-        if again:
-            logger.info("beat slot checks: Redis still unavailable (%s); %d message(s) held, next "
-                        "check in %.0fs", exc, len(self._queue), self._delay)
-
-    def _retry(self) -> None:
-        with self._lock:
-            self._timer = None  # this call
-        self._pump()
-
-    def _cancel_timer(self) -> None:
-        try:
-            self.c.timer.cancel(self._timer)
-        except Exception as exc:  # the timer may be stopping with the worker
-            logger.debug("could not cancel the beat slot check: %r", exc)
-        self._timer = None
-
-    def _replace(self, delivery: _Delivery) -> bool:
-        """True if a delivery of the same message waits: the newer delivery takes its place.
-
-        Redis broker, held past visibility_timeout: kombu restored the message, which keeps
-        its delivery tag (acknowledging the old delivery would acknowledge the new one).
-        Another message of the same id and beat (a publish sent twice) is acknowledged: one
-        copy of it is enough. A check under way for the old delivery answers for the new.
-        """
-        same = _identity(delivery.headers)
-        for waiting in self._queue:
-            if _identity(waiting.delivery.headers) != same:
-                continue
-            old, waiting.delivery = waiting.delivery, delivery
-            if getattr(old.message, "delivery_tag", None) != getattr(delivery.message, "delivery_tag", None):
-                old.ack(logger, self.c.connection_errors)
-            logger.info("%s[%s]: beat slot %s delivered again while held; one copy kept",
-                        *_names(delivery.headers))
-            return True
-        return False
-
     # ----------------------------------------------------------------- deliveries of a message seen before
 
     def _remember(self, delivery: _Delivery, ran: bool) -> None:
@@ -479,13 +397,3 @@ class _Seen:
     def settled(self) -> bool:
         """Acknowledged or rejected (kombu's ACK_STATES): its delivery tag is no longer held."""
         return bool(getattr(self.message, "acknowledged", False))
-
-
-def _identity(headers: dict[str, Any]) -> tuple[Any, Any]:
-    """What makes two deliveries one message: task id and sending beat instance."""
-    return headers.get("id"), headers.get(INSTANCE_HEADER)
-
-
-def _names(headers: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """Task name, task id and claim key of a slot message, for log lines."""
-    return headers.get("task"), headers.get("id"), headers.get(CLAIM_HEADER)
