@@ -1,4 +1,4 @@
-"""Adversarial review of the slot gate's memory of runs (``SlotGate._ran_here``, e57cd93).
+"""Adversarial review of the slot gate's memory of runs (``SlotGate._seen_here`` and ``_remember``).
 
 A worker connection remembers the slot messages it ran (task id + sending beat instance,
 with the kombu message). A later delivery of one of them is acknowledged and dropped when
