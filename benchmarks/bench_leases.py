@@ -4,8 +4,10 @@ One gevent worker (``-P gevent -c N``, prefetch multiplier so that concurrency x
 multiplier >= N) runs N tasks at once, each with its own key, each sleeping S
 seconds (a gevent sleep). The singleton variant holds a 3 s lease per run
 (``lock_ttl = 3``, renewed every second by the keeper thread); plain Celery's
-``Task`` runs the same bodies. The N messages are queued before the worker
-starts. Broker and records are on one redis-server, the locks on another, so
+``Task`` runs the same bodies. Both tasks are in one app, so plain's worker loads
+the library too: its consumer looks at each message's headers for a beat slot's
+(sampled with py-spy, some 0.2 % of the hub's time) and its liveness heartbeat runs,
+but its runs take no lock. The N messages are queued before the worker starts. Broker and records are on one redis-server, the locks on another, so
 that server's CPU and commands are the locks' alone. The library's connection
 options are its defaults (``max_connections``: see
 ``celery_singleton_beat.connection.url.DEFAULT_REDIS_OPTIONS``).
