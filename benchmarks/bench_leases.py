@@ -7,8 +7,9 @@ seconds (a gevent sleep). The singleton variant holds a 3 s lease per run
 ``Task`` runs the same bodies. Both tasks are in one app, so plain's worker loads
 the library too: its consumer looks at each message's headers for a beat slot's
 (sampled with py-spy, some 0.2 % of the hub's time) and its liveness heartbeat runs,
-but its runs take no lock. The N messages are queued before the worker starts. Broker and records are on one redis-server, the locks on another, so
-that server's CPU and commands are the locks' alone. The library's connection
+but its runs take no lock. The N messages are queued before the worker starts.
+Broker and records are on one redis-server, the locks on another, so that server's
+CPU and commands are the locks' alone. The library's connection
 options are its defaults (``max_connections``: see
 ``celery_singleton_beat.connection.url.DEFAULT_REDIS_OPTIONS``).
 

@@ -19,6 +19,7 @@ packages of their own: the beat side, and what the CLI reads and changes)::
     slot_delivery  a beat slot's message is accepted once, whichever beat sent it
       slot_holding   slot messages waiting for their check, held while Redis does not answer
     task           SingletonTask.__call__: the run between its acquire and its release
+      run_settings   the settings, lock client and lock spec of its runs, kept on the task
       keys           the call's lock key (arguments bound and encoded canonically)
       config         the singleton_* settings;  client / redis_url: the lock Redis client
       lock           acquire one lock (one request); the names below, importable from it

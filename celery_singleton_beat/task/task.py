@@ -52,47 +52,39 @@ from typing import Any, ClassVar
 import celery
 import redis
 from celery.app.task import Context
-from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.functional import maybe_list
 
-from .. import config
 from ..config import SingletonSettings, get_settings
 from ..lease.holder import describe_holder
 from ..lease.keeper import get_keeper
 from ..lease.lease import Lease
-from ..lease.liveness import boot_id, publishes_liveness
+from ..lease.liveness import boot_id
 from ..lease.lock import AcquireResult, acquire
 from ..lease.spec import LockSpec
 from ..log import logger
-from ..recovery import lock_redis
 from ..recovery.lock_redis import get_redis
 from . import soft_limit
 from . import worker as worker_support
 from .conflicts import ConflictOutcomes, is_copy
-from .keys import UniqueOn, lock_key, task_signature, task_stats_key
+from .keys import UniqueOn, lock_key, task_signature
 from .options import LOCK_MODES, ON_CONFLICT, OPTIONS, check_options, misspelt_option
 from .outage import claim_back, in_time, wait_for_redis
 from .publish import PublishClaims
 from .release import ReleaseAtEnd
 from .request import compose_request
 from .run import HeldRun, SingletonRun
+from .run_settings import RunSettings
 
 __all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "SingletonRun", "SingletonTask"]
 
 
-def _stores_results(task: celery.Task) -> bool:
-    """The task's app has a result backend (results of runs that do not ignore them are stored)."""
-    return not isinstance(task.backend, DisabledBackend)
-
 #: Endings a body decides and has recorded itself: a soft limit held in ``_end`` is dropped.
 _DECIDED = (Ignore, Reject, Retry)
 
-#: Counter bumped when a run finds its lock held, by ``on_conflict``.
-_CONFLICT_COUNTERS = {"skip": "skipped", "return_existing": "skipped", "raise": "refused", "retry": "deferred"}
 
 
-class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
+class SingletonTask(RunSettings, ConflictOutcomes, PublishClaims, ReleaseAtEnd):
     """Base class for tasks that must not run twice at once for the same arguments.
 
     Use it as ``@app.task(base=SingletonTask, unique_on=[...], lock_ttl=60)``.
@@ -161,15 +153,6 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
             kwargs or {},  # only read
             self.unique_on,
         )
-
-    def singleton_stats_key(self) -> str | None:
-        """The counter hash of this task, or None when counters are off."""
-        return self._stats_key(get_settings(self.app))
-
-    @property
-    def effective_lock_ttl(self) -> float:
-        """The lease of this task in seconds (task option, else the app setting)."""
-        return float(self.lock_ttl) if self.lock_ttl is not None else get_settings(self.app).lock_ttl
 
     @property
     def singleton(self) -> SingletonRun | None:
@@ -277,42 +260,6 @@ class SingletonTask(ConflictOutcomes, PublishClaims, ReleaseAtEnd):
         spec = LockSpec(task=self.name, ttl=ttl, boot=boot_id(), claim=claim, stats_key=self._stats_key(settings),
                         counters=counters, wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
         return acquire(get_redis(self.app), key, spec, task_id)
-
-    def _run_spec(self, settings: SingletonSettings, eager: bool) -> LockSpec:
-        """How a run of this task takes its lock under ``settings``; built once and kept."""
-        live = publishes_liveness()
-        cached = self.__dict__.get("_singleton_spec")
-        if cached is not None and cached[0] is settings and cached[1] == (eager, live):
-            return cached[2]  # type: ignore[no-any-return]
-        spec = LockSpec(
-            task=self.name, ttl=float(self.lock_ttl) if self.lock_ttl is not None else settings.lock_ttl,
-            boot=boot_id(), live=live, liveness_ttl=settings.liveness_ttl, liveness_prefix=settings.key_prefix,
-            check_done=bool(self.acks_late) and not eager, stats_key=self._stats_key(settings),
-            counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
-            wait_replicas=settings.wait_replicas, wait_timeout=settings.wait_timeout)
-        self._singleton_spec = (settings, (eager, live), spec)
-        return spec
-
-    def _stats_key(self, settings: SingletonSettings) -> str | None:
-        """This task's counter hash under ``settings`` (None when counters are off), kept per settings."""
-        cached = self.__dict__.get("_singleton_stats")
-        if cached is None or cached[0] is not settings:
-            cached = self._singleton_stats = (
-                settings, task_stats_key(settings.key_prefix, self.name) if settings.stats else None)
-        return cached[1]
-
-    def _run_context(self, eager: bool) -> tuple[SingletonSettings, Any, LockSpec, bool]:
-        """Settings, lock client, spec of a run and whether the app stores results, kept on
-        the task until a cache is reset (settings cleared, clients dropped, a fork): four
-        look-ups a run would repeat."""
-        generation = (config.GENERATION[0], lock_redis.GENERATION[0], eager, publishes_liveness())
-        cached = self.__dict__.get("_singleton_context")
-        if cached is not None and cached[0] == generation:
-            return cached[1]  # type: ignore[no-any-return]
-        settings = get_settings(self.app)
-        context = (settings, get_redis(self.app), self._run_spec(settings, eager), _stores_results(self))
-        self._singleton_context = (generation, context)
-        return context
 
     def _take_run_lock(self, request: Context, client: Any, key: str, spec: LockSpec, adopt: str | None,
                        copy: bool) -> AcquireResult:
