@@ -64,7 +64,7 @@ class ServerProbing:
     def _check_server_again(self) -> None:
         """After an outage at start: a server that answers but cannot be used stops beat.
 
-        Exit code 78, through :meth:`close` (Celery's beat loop turns the
+        Exit code 78, through :meth:`.stopping.CleanStop.close` (Celery's beat loop turns the
         ``SystemExit`` raised here into a clean stop, then closes the scheduler).
         A server that answers and can be used ends the Redis back-off at once: the
         back-off doubled through the outage (16 s after 15 s), and a beat that waited

@@ -38,7 +38,7 @@ else:
 class CleanStop(ClaimRounds, _SchedulerBase):
     """The close and stop path (see the module docstring); a base of the mixin."""
 
-    #: The thread inside :meth:`tick`, if any (see :meth:`close`).
+    #: The thread inside :meth:`.scheduler.SingletonSchedulerMixin.tick`, if any (see :meth:`close`).
     _ticking_in: int | None = None
     # Set by SingletonSchedulerMixin.__init__.
     _fatal: int | None  # an exit code to raise at the end of close (see .probing)
@@ -60,7 +60,7 @@ class CleanStop(ClaimRounds, _SchedulerBase):
     def close(self) -> None:
         """Clean stop: mark what was sent, hand back what was claimed but not sent.
 
-        Not while this thread is inside :meth:`tick`: that is ``celery beat``'s
+        Not while this thread is inside :meth:`.scheduler.SingletonSchedulerMixin.tick`: that is ``celery beat``'s
         SIGTERM/SIGINT handler, which closes the scheduler and then raises
         ``SystemExit``, run in the middle of whatever the tick was doing. Closing
         there would release connections the interrupted code is reading from (the

@@ -92,7 +92,7 @@ class LockConnection:
         #: The pending sends are to be written (again) before anything else: their
         #: connection was dropped, or they met ``NOSCRIPT``. Always all of them at once.
         self._unsent = False
-        #: Closed by :meth:`close` and not used since (a later use connects again).
+        #: Closed by :meth:`.channel.Channel.close` and not used since (a later use connects again).
         self.closed = False
 
     # ----------------------------------------------------------------- internals
