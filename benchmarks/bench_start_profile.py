@@ -64,10 +64,9 @@ def categorize(frames: list[str]) -> str:
     """The category of one sample, from its call chain (leaf first: ``symbol`` or
     ``symbol (dso)`` per frame, as ``perf script -F sym,dso`` prints them)."""
     names = [frame.split(" (", 1)[0].strip() for frame in frames]
-    kernel = [frame for frame in frames if "[kernel.kallsyms]" in frame]
-    if not kernel:
-        leaf = names[0] if names else ""
-        return "collector" if leaf in _COLLECTOR or leaf.endswith(("_traverse", "traverse")) else "Python and libraries"
+    if not any("[kernel.kallsyms]" in frame for frame in frames):
+        leaf = names[0] if names else ""  # a type's tp_traverse: dict_traverse, tupletraverse, ...
+        return "collector" if leaf in _COLLECTOR or leaf.endswith("traverse") else "Python and libraries"
     if "asm_exc_page_fault" in names:
         return "page faults"
     for name in names:
