@@ -79,9 +79,11 @@ from .common import (
     Server,
     bench_cli,
     bench_env,
+    core_split,
     markdown_table,
     process_cpu_seconds,
     progress,
+    running_on,
     start_celery,
 )
 from .thread_stats import delta as stats_delta
@@ -170,7 +172,7 @@ def log_lines(log: Path) -> dict[str, list[str]]:
 
 
 def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Server, log: Path,
-              thread_stats: bool = False) -> dict[str, Any]:
+              thread_stats: bool = False, cpus: frozenset[int] | None = None) -> dict[str, Any]:
     task_name, sampled = VARIANTS[variant]
     env = bench_env(BENCH_BROKER=broker.url, BENCH_LOCKS=locks.url)
     if thread_stats:  # the first and the N-th body snapshot the worker's threads and collector
@@ -193,7 +195,8 @@ def one_round(variant: str, n: int, seconds: float, broker: Server, locks: Serve
     before = lock_server_counters(locks)
     worker = start_celery(["-A", "benchmarks.leases_app", "worker", "-P", "gevent", "-c", str(concurrency),
                            "--prefetch-multiplier", str(multiplier), "-Q", queue, "-l", "warning",
-                           "--without-gossip", "--without-mingle", "--without-heartbeat"], env, None, log)
+                           "--without-gossip", "--without-mingle", "--without-heartbeat"], env, None, log,
+                          cpus)
     sampler = PttlSampler(locks, task.name) if sampled else None
     try:
         def ready() -> Any:
@@ -274,26 +277,31 @@ def _median(rounds: list[dict[str, Any]], name: str) -> float:
 
 
 def run(sizes: tuple[int, ...] = (100, 1000, 5000), seconds: float = 20.0, rounds: int = 1,
-        thread_stats: int = 0) -> dict[str, Any]:
+        thread_stats: int = 0, split_cores: int = 1) -> dict[str, Any]:
     sizes = tuple(sorted(sizes))
-    broker, locks = Server(), Server()
+    split = core_split() if split_cores else None
+    worker_cpus, other_cpus = split if split is not None else (None, None)
     log = Path(tempfile.mkstemp(prefix="csb-bench-leases-", suffix=".log")[1])
     results: dict[int, dict[str, list[dict[str, Any]]]] = {n: {v: [] for v in VARIANTS} for n in sizes}
     variants = tuple(VARIANTS)
-    try:
-        for n in sizes:
-            for r in range(rounds):
-                for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
-                    progress(f"N={n} round {r + 1}/{rounds}: {variant}, {seconds:g} s sleeps")
-                    results[n][variant].append(one_round(variant, n, seconds, broker, locks, log,
-                                                                  bool(thread_stats)))
-    finally:
-        broker.stop()
-        locks.stop()
-        log.unlink(missing_ok=True)
+    with running_on(other_cpus):  # the servers (started here) and the harness off the worker's CPU
+        broker, locks = Server(), Server()
+        try:
+            for n in sizes:
+                for r in range(rounds):
+                    for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
+                        progress(f"N={n} round {r + 1}/{rounds}: {variant}, {seconds:g} s sleeps")
+                        results[n][variant].append(one_round(variant, n, seconds, broker, locks, log,
+                                                             bool(thread_stats), worker_cpus))
+        finally:
+            broker.stop()
+            locks.stop()
+            log.unlink(missing_ok=True)
     report: dict[str, Any] = {
         "date": date.today().isoformat(), "sizes": list(sizes), "seconds": seconds, "rounds": rounds,
-        "lock_ttl": 3, "max_connections": DEFAULT_REDIS_OPTIONS.get("max_connections"), "by_size": {}}
+        "lock_ttl": 3, "max_connections": DEFAULT_REDIS_OPTIONS.get("max_connections"),
+        "cpus": None if split is None else {"worker": sorted(split[0]), "others": sorted(split[1])},
+        "by_size": {}}
     for n in sizes:
         plain, ours, sampled = (results[n][v] for v in variants)
         every = plain + ours + sampled
@@ -317,6 +325,10 @@ def run(sizes: tuple[int, ...] = (100, 1000, 5000), seconds: float = 20.0, round
         entry["lock_cpu_us_per_lease_s_net"] = entry["ours"]["lock_cpu_us_per_lease_s"] - entry["plain"][
             "lock_cpu_us_per_lease_s"]
         entry["start_spread_ratio"] = entry["ours"]["start_spread_s"] / max(entry["plain"]["start_spread_s"], 1e-9)
+        # each round's ours over that round's plain (run minutes apart, not hours): a machine's slow spell
+        # weighs on both sides of a pair
+        entry["start_spread_round_ratios"] = [o["start_spread_s"] / max(p["start_spread_s"], 1e-9)
+                                              for p, o in zip(plain, ours, strict=True)]
         entry["start_cpu_ratio"] = entry["ours"]["start_cpu_s"] / max(entry["plain"]["start_cpu_s"], 1e-9)
         lowest = [r["pttl"]["lowest_ms"] for r in sampled if r["pttl"]["lowest_ms"] is not None]
         entry["lowest_pttl_ms"] = min(lowest) if lowest else None
@@ -396,8 +408,16 @@ def table(report: dict[str, Any]) -> str:
              "pipelined or not); reads are the server's reads of client input (about one per round trip)."]
     notes.append(f"Renewals per run: the `renewed` counter over N ({seconds - 1:g} to {seconds:g} when each "
                  "lease is renewed every second). Most leases at once: the most lock keys one PTTL sample found.")
+    cpus = report.get("cpus")
+    notes.append("CPUs: the worker alone on CPU " + ", ".join(map(str, cpus["worker"])) + "; the redis-servers "
+                 "and the harness on " + ", ".join(map(str, cpus["others"])) + " (as on hosts of their own)."
+                 if cpus else "CPUs: the worker, the redis-servers and the harness share every CPU.")
     for n in sizes:
         entry = _entry(report, n)
+        ratios = entry.get("start_spread_round_ratios")
+        if ratios:
+            notes.append(f"N={n:,}: start spread ours / plain, round by round: "
+                         + ", ".join(f"{r:.2f}x" for r in ratios) + f" (median {statistics.median(ratios):.2f}x).")
         if not entry["all_at_once"]:
             notes.append(f"N={n:,}: some run ended before the last one started (start spread >= S = {seconds:g} s): "
                          "the N leases were not all held at once; use a longer --seconds.")
@@ -415,7 +435,8 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_cli(__doc__, run, table, argv, sizes=(100, 1000, 5000), seconds=20.0, rounds=1, thread_stats=0)
+    return bench_cli(__doc__, run, table, argv, sizes=(100, 1000, 5000), seconds=20.0, rounds=1, thread_stats=0,
+                     split_cores=1)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ once the server on its port reports the pid of the process we started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ from harness.processes import ChildProcess
 from harness.redis_server import RedisServerProcess, find_redis_server, free_port
 from harness.waiting import wait_until as _wait_until
 
-__all__ = ["ROOT", "Server", "bench_cli", "bench_env", "free_port", "markdown_table", "process_cpu_seconds",
-           "progress", "start_celery", "summary", "wait_until"]
+__all__ = ["ROOT", "Server", "bench_cli", "bench_env", "core_split", "free_port", "markdown_table",
+           "process_cpu_seconds", "progress", "running_on", "start_celery", "summary", "wait_until"]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Databases the benchmark apps keep their locks in.
@@ -105,13 +106,15 @@ class Server:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_celery(args: Sequence[str], env: dict[str, str], ready: str | None, log: Path) -> ChildProcess:
+def start_celery(args: Sequence[str], env: dict[str, str], ready: str | None, log: Path,
+                 cpus: Collection[int] | None = None) -> ChildProcess:
     """``python -m celery <args>``, output in ``log``; waits for ``ready`` in the log if given.
+    ``cpus``: the only CPUs it may run on (every thread of it), else any.
 
     Stop it with ``.stop()`` (SIGTERM, then SIGKILL of its group) or ``.terminate()``.
     """
     process = ChildProcess(Path(log).stem, [sys.executable, "-m", "celery", *args], env=env, cwd=ROOT,
-                           log=Path(log))
+                           log=Path(log), cpus=cpus)
     process.error = RuntimeError
     process.log.write_bytes(b"")
     process.start()
@@ -122,6 +125,26 @@ def start_celery(args: Sequence[str], env: dict[str, str], ready: str | None, lo
             process.stop(timeout=10)
             raise
     return process
+
+
+def core_split() -> tuple[frozenset[int], frozenset[int]] | None:
+    """This process's CPUs in two: the lowest for a measured worker, the rest for everything
+    else (its servers, the harness), as if those ran on hosts of their own. None with fewer
+    than two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (frozenset(cpus[:1]), frozenset(cpus[1:])) if len(cpus) > 1 else None
+
+
+@contextlib.contextmanager
+def running_on(cpus: Collection[int] | None) -> Iterator[None]:
+    """This process (and every process it starts meanwhile) on ``cpus`` only; None: unchanged."""
+    before = os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def bench_env(**extra: str) -> dict[str, str]:

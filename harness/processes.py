@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from .waiting import wait_until
@@ -62,6 +62,19 @@ def die_with_parent(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
         prctl(PR_SET_PDEATHSIG, number)
         if os.getppid() != parent:
             os._exit(1)
+
+    return preexec
+
+
+def _preexec(first: Callable[[], None] | None, cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """``first``, then (``cpus`` given) the child's CPU affinity: one ``preexec_fn``."""
+    if cpus is None:
+        return first
+
+    def preexec() -> None:  # pragma: no cover - runs in the child, before exec
+        if first is not None:
+            first()
+        os.sched_setaffinity(0, cpus)
 
     return preexec
 
@@ -113,14 +126,16 @@ class ChildProcess:
     ``error`` is the exception class raised when the process exits early or a
     wait times out (tests use AssertionError, the demo its DemoError).
     ``user`` runs it as another user (its uid and primary group, no other
-    groups); that needs root.
+    groups); that needs root. ``cpus`` confines it, and every thread it makes, to
+    those CPUs (set in the child before it runs anything).
     """
 
     error: type[Exception] = ProcessError
 
     def __init__(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
                  cwd: Path | str | None = None, log: Path,
-                 death_signal: int = signal.SIGKILL, user: str | None = None) -> None:
+                 death_signal: int = signal.SIGKILL, user: str | None = None,
+                 cpus: Collection[int] | None = None) -> None:
         self.name = name
         self.argv = argv
         self.env = env
@@ -128,6 +143,7 @@ class ChildProcess:
         self.log = Path(log)
         self.death_signal = death_signal
         self.user = user
+        self.cpus = frozenset(cpus) if cpus is not None else None
         self.process: subprocess.Popen[bytes] | None = None
 
     def __repr__(self) -> str:
@@ -151,7 +167,7 @@ class ChildProcess:
             self.process = subprocess.Popen(  # type: ignore[call-overload]
                 self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent(self.death_signal), **as_user,
+                preexec_fn=_preexec(die_with_parent(self.death_signal), self.cpus), **as_user,
             )
         return self
 

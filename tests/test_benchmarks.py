@@ -3,12 +3,13 @@ the servers they compare are found, or reported as skipped; the targets table ju
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_peers
+from benchmarks import bench_peers, common
 from benchmarks.servers import DEFAULT, PACKAGED, select_servers
 from benchmarks.targets import summary_table
 
@@ -36,6 +37,8 @@ def test_every_benchmark_runs_with_tiny_sizes(tmp_path: Path, redis_server: Redi
     assert "| plain |" in text and "| singleton |" in text
     assert "| plain Celery Task |" in text and "| SingletonTask (ours, default mode) |" in text
     assert "| SingletonTask (ours), acks_late |" in text
+    leases = text.split("### Leases", 1)[1].split("###", 1)[0]
+    assert "CPUs: the worker alone on CPU" in leases and "round by round" in leases, leases
     # Instructions per task: counted under callgrind where valgrind is installed (CI installs it);
     # the quick run counts the lock Redis only (a worker under callgrind takes minutes to start).
     instructions = text.split("### Instructions per task", 1)[1].split("###", 1)[0]
@@ -150,3 +153,41 @@ def test_the_start_profile_sorts_each_sample_by_what_the_hub_did() -> None:
     assert [categorize(chain) for chain in chains] == [
         "collector", "send", "page faults", "Python and libraries", "collector"]
     assert chains[1][0] == "tcp_sendmsg ([kernel.kallsyms])"
+
+
+def _allowed_cpus(pid: int) -> str:
+    """Every thread's ``Cpus_allowed_list`` of process ``pid``, joined ("0" or "1,1" ...)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return ",".join(sorted((task / "status").read_text().split("Cpus_allowed_list:", 1)[1].split()[0]
+                           for task in tasks.iterdir()))
+
+
+def test_a_measured_worker_runs_alone_on_its_cpu_and_the_rest_on_the_others(tmp_path: Path) -> None:
+    """The leases benchmark's layout: the worker (every thread of it, those it starts later
+    too) on one CPU, the servers and the harness on the others, the harness's own CPUs given
+    back after."""
+    split = common.core_split()
+    assert split is not None, "the benchmarks' CPU layout needs two CPUs (CI has two)"
+    worker_cpus, other_cpus = split
+    assert worker_cpus and other_cpus and not worker_cpus & other_cpus
+    assert worker_cpus | other_cpus == os.sched_getaffinity(0)
+    mine = os.sched_getaffinity(0)
+    started = tmp_path / "started"
+    code = ("import threading, time, pathlib; t = threading.Thread(target=time.sleep, args=(60,), daemon=True); "
+            f"t.start(); pathlib.Path({str(started)!r}).touch(); time.sleep(60)")
+    with common.running_on(other_cpus):
+        assert os.sched_getaffinity(0) == other_cpus
+        server = TestProcess("other", [sys.executable, "-c", "import time; time.sleep(60)"],
+                             log=tmp_path / "other.log").start()
+        worker = TestProcess("worker", [sys.executable, "-c", code], log=tmp_path / "worker.log",
+                             cpus=worker_cpus).start()
+    try:
+        assert os.sched_getaffinity(0) == mine
+        wait_for(started.exists, timeout=30, message="the worker's thread to start")
+        assert os.sched_getaffinity(worker.pid) == worker_cpus
+        only = str(min(worker_cpus))
+        assert _allowed_cpus(worker.pid) == f"{only},{only}"  # its main thread and the one it started
+        assert os.sched_getaffinity(server.pid) == other_cpus
+    finally:
+        worker.stop(timeout=10)
+        server.stop(timeout=10)

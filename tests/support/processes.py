@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,8 @@ class TestProcess(ChildProcess):
     error = AssertionError
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-                 cwd: Path | str | None = ROOT, log: Path | None = None) -> None:
-        super().__init__(name, argv, env=env, cwd=cwd, log=log or scratch_file(name))
+                 cwd: Path | str | None = ROOT, log: Path | None = None, cpus: Collection[int] | None = None) -> None:
+        super().__init__(name, argv, env=env, cwd=cwd, log=log or scratch_file(name), cpus=cpus)
 
     def start(self) -> TestProcess:
         register(self)  # before anything can fail
