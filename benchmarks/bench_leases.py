@@ -80,6 +80,7 @@ from .common import (
     bench_cli,
     bench_env,
     core_split,
+    cpu_layout_note,
     markdown_table,
     process_cpu_seconds,
     progress,
@@ -408,10 +409,7 @@ def table(report: dict[str, Any]) -> str:
              "pipelined or not); reads are the server's reads of client input (about one per round trip)."]
     notes.append(f"Renewals per run: the `renewed` counter over N ({seconds - 1:g} to {seconds:g} when each "
                  "lease is renewed every second). Most leases at once: the most lock keys one PTTL sample found.")
-    cpus = report.get("cpus")
-    notes.append("CPUs: the worker alone on CPU " + ", ".join(map(str, cpus["worker"])) + "; the redis-servers "
-                 "and the harness on " + ", ".join(map(str, cpus["others"])) + " (as on hosts of their own)."
-                 if cpus else "CPUs: the worker, the redis-servers and the harness share every CPU.")
+    notes.append(cpu_layout_note(report.get("cpus"), "the redis-servers and the harness"))
     for n in sizes:
         entry = _entry(report, n)
         ratios = entry.get("start_spread_round_ratios")

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_leases import one_round
-from .common import Server, bench_cli, markdown_table, progress
+from .common import Server, bench_cli, core_split, cpu_layout_note, markdown_table, progress, running_on
 
 #: Samples per second and CPU.
 FREQUENCY = 1999
@@ -98,14 +98,15 @@ def hub_profile(data: Path, pid: int, first: float, last: float) -> dict[str, in
     return {category: counts.get(category, 0) for category in CATEGORIES}
 
 
-def one_profile(variant: str, n: int, broker: Server, locks: Server, work: Path) -> dict[str, Any]:
+def one_profile(variant: str, n: int, broker: Server, locks: Server, work: Path,
+                cpus: frozenset[int] | None = None) -> dict[str, Any]:
     """One ``bench_leases`` round of ``variant`` under ``perf record``: the hub's samples in its window."""
     data = work / f"{variant}-{n}-{time.monotonic_ns()}.data"
     recorder = subprocess.Popen(["perf", "record", "-q", "-a", "-g", "-k", "CLOCK_REALTIME", "-e", "cpu-clock",
                                  "-F", str(FREQUENCY), "-o", str(data)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        result = one_round(variant, n, SLEEP, broker, locks, work / "worker.log")
+        result = one_round(variant, n, SLEEP, broker, locks, work / "worker.log", cpus=cpus)
     finally:
         recorder.send_signal(signal.SIGINT)
         _, error = recorder.communicate(timeout=120)
@@ -122,20 +123,25 @@ def run(sizes: tuple[int, ...] = (1000, 5000), rounds: int = 1) -> dict[str, Any
     if shutil.which("perf") is None:
         return {"skipped": "needs perf (apt-get install linux-perf)"}
     work = Path(tempfile.mkdtemp(prefix="csb-bench-start-profile-"))
-    broker, locks = Server(), Server()
+    # As bench_leases: the worker alone on one CPU, the servers, perf and the harness on the others.
+    split = core_split()
+    worker_cpus, other_cpus = split if split is not None else (None, None)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    try:
-        for n in sizes:
-            results[str(n)] = {v: [] for v in VARIANTS}
-            for r in range(rounds):
-                for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-                    progress(f"start profile: N={n} round {r + 1}/{rounds}: {variant} under perf")
-                    results[str(n)][variant].append(one_profile(variant, n, broker, locks, work))
-    finally:
-        broker.stop()
-        locks.stop()
-        shutil.rmtree(work, ignore_errors=True)
-    return {"date": date.today().isoformat(), "rounds": rounds, "frequency": FREQUENCY, "results": results}
+    with running_on(other_cpus):
+        broker, locks = Server(), Server()
+        try:
+            for n in sizes:
+                results[str(n)] = {v: [] for v in VARIANTS}
+                for r in range(rounds):
+                    for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+                        progress(f"start profile: N={n} round {r + 1}/{rounds}: {variant} under perf")
+                        results[str(n)][variant].append(one_profile(variant, n, broker, locks, work, worker_cpus))
+        finally:
+            broker.stop()
+            locks.stop()
+            shutil.rmtree(work, ignore_errors=True)
+    return {"date": date.today().isoformat(), "rounds": rounds, "frequency": FREQUENCY, "results": results,
+            "cpus": None if split is None else {"worker": sorted(split[0]), "others": sorted(split[1])}}
 
 
 def _mean(rounds: list[dict[str, Any]], category: str) -> float:
@@ -147,7 +153,8 @@ def table(report: dict[str, Any]) -> str:
         return f"Skipped: {report['skipped']}."
     lines = [f"Measured {report['date']}: the hub's CPU per start in the start window, sampled by perf "
              f"({report['frequency']} Hz, cpu-clock), mean of {report['rounds']} round(s) per variant; "
-             f"microseconds per start.", ""]
+             f"microseconds per start.",
+             cpu_layout_note(report.get("cpus"), "the redis-servers, perf and the harness"), ""]
     for n, variants in report["results"].items():
         plain, ours = variants["plain"], variants["ours"]
         rows = []

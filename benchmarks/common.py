@@ -135,6 +135,14 @@ def core_split() -> tuple[frozenset[int], frozenset[int]] | None:
     return (frozenset(cpus[:1]), frozenset(cpus[1:])) if len(cpus) > 1 else None
 
 
+def cpu_layout_note(cpus: dict[str, list[int]] | None, others: str) -> str:
+    """The report's line on where the worker and ``others`` ran (``cpus`` as the report keeps it)."""
+    if not cpus:
+        return f"CPUs: the worker, {others} share every CPU."
+    return (f"CPUs: the worker alone on CPU {', '.join(map(str, cpus['worker']))}; {others} on "
+            f"{', '.join(map(str, cpus['others']))} (as on hosts of their own).")
+
+
 @contextlib.contextmanager
 def running_on(cpus: Collection[int] | None) -> Iterator[None]:
     """This process (and every process it starts meanwhile) on ``cpus`` only; None: unchanged."""

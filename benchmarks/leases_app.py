@@ -90,29 +90,31 @@ def _mark() -> None:
         _MARKS.csb_dump()
 
 
-def _stats() -> None:
-    """Snapshot the worker's threads at the first start and at the ``BENCH_THREAD_STATS``-th."""
-    nth = next(_stats_started)
-    if nth in (1, _STATS_LAST):
-        snap = thread_stats.snapshot()
-        if nth == _STATS_LAST:
-            # after the snapshot: outside the window
-            tracked = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
-            snap["gc_objects"] = sum(tracked.values())
-            snap["gc_types"] = dict(tracked.most_common(60))
-        records().hset("thread_stats", "first" if nth == 1 else "last", json.dumps(snap))
+def _stats(nth: int) -> None:
+    """Snapshot the worker's threads: the first body before its start stamp (the window opens
+    at it), the ``BENCH_THREAD_STATS``-th after its own (the window has closed): neither the
+    snapshot's write nor the count of the collector's objects falls inside the window."""
+    snap = thread_stats.snapshot()
+    if nth == _STATS_LAST:
+        tracked = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
+        snap["gc_objects"] = sum(tracked.values())
+        snap["gc_types"] = dict(tracked.most_common(60))
+    records().hset("thread_stats", "first" if nth == 1 else "last", json.dumps(snap))
 
 
 def body(i: int, seconds: float) -> None:
     if _MARKS is not None:
         _mark()
-    if _STATS_LAST:
-        _stats()
+    nth = next(_stats_started) if _STATS_LAST else 0
+    if nth == 1:
+        _stats(nth)
     started = time.time()
     # the member also carries the worker process's CPU so far (every thread's: the keeper's
     # too), so that the CPU spent from the first start to the last is known, whatever share
     # of the machine the worker had: no extra command, the same write as plain's
     records().zadd("starts", {f"{i}:{time.process_time():.6f}": started})
+    if nth > 1 and nth == _STATS_LAST:
+        _stats(nth)
     time.sleep(seconds)  # gevent's sleep: Celery patched the time module for -P gevent
     records().zadd("ends", {str(i): time.time()})
 

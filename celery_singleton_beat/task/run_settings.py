@@ -47,7 +47,11 @@ class RunSettings(Task):
     @property
     def effective_lock_ttl(self) -> float:
         """The lease of this task in seconds (task option, else the app setting)."""
-        return float(self.lock_ttl) if self.lock_ttl is not None else get_settings(self.app).lock_ttl
+        return self._lock_ttl(get_settings(self.app))
+
+    def _lock_ttl(self, settings: SingletonSettings) -> float:
+        """The lease under ``settings``: the task's ``lock_ttl`` option, else the app's setting."""
+        return float(self.lock_ttl) if self.lock_ttl is not None else settings.lock_ttl
 
     def _run_spec(self, settings: SingletonSettings, eager: bool) -> LockSpec:
         """How a run of this task takes its lock under ``settings``; built once and kept."""
@@ -56,7 +60,7 @@ class RunSettings(Task):
         if cached is not None and cached[0] is settings and cached[1] == (eager, live):
             return cached[2]  # type: ignore[no-any-return]
         spec = LockSpec(
-            task=self.name, ttl=float(self.lock_ttl) if self.lock_ttl is not None else settings.lock_ttl,
+            task=self.name, ttl=self._lock_ttl(settings),
             boot=boot_id(), live=live, liveness_ttl=settings.liveness_ttl, liveness_prefix=settings.key_prefix,
             check_done=bool(self.acks_late) and not eager, stats_key=self._stats_key(settings),
             counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
