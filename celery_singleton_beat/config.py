@@ -16,6 +16,7 @@ broker's, and reuses what those settings say about that Redis: kombu's
 from __future__ import annotations
 
 import difflib
+import math
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -150,8 +151,14 @@ def _first_redis_url(value: Any) -> str | None:
     return next((c for c in candidates if url_scheme(c) in REDIS_SCHEMES), None)
 
 
+def is_seconds(value: Any) -> bool:
+    """``value`` can be a duration: an int or a float (not a bool), above 0 and finite (an
+    infinite or NaN one cannot be written as a key's TTL in milliseconds)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
 def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    if not is_seconds(value):
         raise ImproperlyConfigured(
             f"{SETTING_PREFIX}{name} must be a number of seconds > 0, got {value!r}"
         )

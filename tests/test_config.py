@@ -85,6 +85,17 @@ def test_a_misspelt_singleton_option_fails_at_registration_with_a_suggestion(
     assert str(info.value).startswith("task proj.sync: ") and message in str(info.value)
 
 
+@pytest.mark.parametrize("ttl", [0, -1, True, "5", float("inf"), float("nan")])
+def test_a_lock_ttl_that_is_not_a_finite_positive_number_fails_at_registration(app: Celery, ttl: object) -> None:
+    """Not left to the first run: an infinite or NaN lease passed the check and every run then
+    failed converting it to milliseconds (``OverflowError``, ``ValueError``)."""
+    with pytest.raises(ImproperlyConfigured, match=r"^task proj.sync: lock_ttl must be a number of seconds > 0"):
+        @app.task(base=SingletonTask, name="proj.sync", shared=False, lock_ttl=ttl)
+        def sync(customer_id: int) -> None: ...
+
+        app.finalize()
+
+
 def test_checking_options_leaves_the_base_class_unbound(app: Celery) -> None:
     """Looking at a task's attributes must not bind ``SingletonTask`` itself to an app
     (``Task.app`` is a property that does): every later task would inherit that app's
@@ -138,6 +149,9 @@ def test_celery_options_and_own_attributes_are_not_taken_for_typos(app: Celery) 
     [
         ("singleton_redis_url", "amqp://guest@localhost//", "must be a Redis URL"),
         ("singleton_lock_ttl", 0, "singleton_lock_ttl must be a number of seconds > 0"),
+        # A lease of "forever" or NaN cannot be written as PX (it failed at the first acquire).
+        ("singleton_lock_ttl", float("inf"), "singleton_lock_ttl must be a number of seconds > 0"),
+        ("singleton_liveness_ttl", float("nan"), "singleton_liveness_ttl must be a number of seconds > 0"),
         ("singleton_lock_tll", 10, "unknown setting singleton_lock_tll; did you mean singleton_lock_ttl?"),
         ("singleton_fail_open", "yes", "singleton_fail_open must be True or False"),
         ("singleton_key_prefix", "a{b}", "singleton_key_prefix must be a non-empty string"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from celery.exceptions import ImproperlyConfigured
 
+from ..config import is_seconds
 from .keys import check_unique_on, task_signature
 
 __all__ = ["LOCK_MODES", "ON_CONFLICT", "OPTIONS", "check_options", "misspelt_option"]
@@ -57,7 +58,7 @@ def check_options(cls: type, base: type) -> None:
         raise bad("lock_mode", f"must be one of {', '.join(LOCK_MODES)}; got {lock_mode!r}")
     if on_conflict not in ON_CONFLICT:
         raise bad("on_conflict", f"must be one of {', '.join(ON_CONFLICT)}; got {on_conflict!r}")
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
+    if ttl is not None and not is_seconds(ttl):
         raise bad("lock_ttl", f"must be a number of seconds > 0; got {ttl!r}")
     try:
         check_unique_on(name, task_signature(cls), cls.unique_on)  # type: ignore[attr-defined]

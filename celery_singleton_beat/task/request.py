@@ -42,7 +42,6 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from ..config import get_settings
 from ..lease.behalf import read_holder, release_for
 from ..lease.holder import Holder, describe_holder
 from ..lease.liveness import boot_id
@@ -181,7 +180,7 @@ def _release_for_request(request: Request, why: str, *, pid: int | None) -> None
     try:
         freed = release()
     except redis.RedisError as exc:
-        ttl = float(getattr(task, "lock_ttl", None) or get_settings(task.app).lock_ttl)
+        ttl = task.effective_lock_ttl
         logger.error("%s[%s] %s; could not free %s yet, sent again until Redis answers (at most %.0fs, its "
                      "lease): %s", request.name, request.id, why, key, ttl, exc)
         threading.Thread(target=_resend, args=(request, why, key, release, time.monotonic() + ttl),

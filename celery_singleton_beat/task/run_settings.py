@@ -47,9 +47,9 @@ class RunSettings(Task):
     @property
     def effective_lock_ttl(self) -> float:
         """The lease of this task in seconds (task option, else the app setting)."""
-        return self._lock_ttl(get_settings(self.app))
+        return self._singleton_lock_ttl(get_settings(self.app))
 
-    def _lock_ttl(self, settings: SingletonSettings) -> float:
+    def _singleton_lock_ttl(self, settings: SingletonSettings) -> float:
         """The lease under ``settings``: the task's ``lock_ttl`` option, else the app's setting."""
         return float(self.lock_ttl) if self.lock_ttl is not None else settings.lock_ttl
 
@@ -60,7 +60,7 @@ class RunSettings(Task):
         if cached is not None and cached[0] is settings and cached[1] == (eager, live):
             return cached[2]  # type: ignore[no-any-return]
         spec = LockSpec(
-            task=self.name, ttl=self._lock_ttl(settings),
+            task=self.name, ttl=self._singleton_lock_ttl(settings),
             boot=boot_id(), live=live, liveness_ttl=settings.liveness_ttl, liveness_prefix=settings.key_prefix,
             check_done=bool(self.acks_late) and not eager, stats_key=self._stats_key(settings),
             counters=("acquired", _CONFLICT_COUNTERS[self.on_conflict]),
