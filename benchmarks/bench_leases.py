@@ -80,6 +80,7 @@ from .common import (
     bench_cli,
     bench_env,
     core_split,
+    cpu_layout,
     cpu_layout_note,
     markdown_table,
     process_cpu_seconds,
@@ -301,7 +302,7 @@ def run(sizes: tuple[int, ...] = (100, 1000, 5000), seconds: float = 20.0, round
     report: dict[str, Any] = {
         "date": date.today().isoformat(), "sizes": list(sizes), "seconds": seconds, "rounds": rounds,
         "lock_ttl": 3, "max_connections": DEFAULT_REDIS_OPTIONS.get("max_connections"),
-        "cpus": None if split is None else {"worker": sorted(split[0]), "others": sorted(split[1])},
+        "cpus": cpu_layout(split),
         "by_size": {}}
     for n in sizes:
         plain, ours, sampled = (results[n][v] for v in variants)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_leases import one_round
-from .common import Server, bench_cli, core_split, cpu_layout_note, markdown_table, progress, running_on
+from .common import Server, bench_cli, core_split, cpu_layout, cpu_layout_note, markdown_table, progress, running_on
 
 #: Samples per second and CPU.
 FREQUENCY = 1999
@@ -141,7 +141,7 @@ def run(sizes: tuple[int, ...] = (1000, 5000), rounds: int = 1) -> dict[str, Any
             locks.stop()
             shutil.rmtree(work, ignore_errors=True)
     return {"date": date.today().isoformat(), "rounds": rounds, "frequency": FREQUENCY, "results": results,
-            "cpus": None if split is None else {"worker": sorted(split[0]), "others": sorted(split[1])}}
+            "cpus": cpu_layout(split)}
 
 
 def _mean(rounds: list[dict[str, Any]], category: str) -> float:

@@ -135,6 +135,11 @@ def core_split() -> tuple[frozenset[int], frozenset[int]] | None:
     return (frozenset(cpus[:1]), frozenset(cpus[1:])) if len(cpus) > 1 else None
 
 
+def cpu_layout(split: tuple[frozenset[int], frozenset[int]] | None) -> dict[str, list[int]] | None:
+    """``split`` (:func:`core_split`) as a report keeps it (JSON): None when every CPU was shared."""
+    return None if split is None else {"worker": sorted(split[0]), "others": sorted(split[1])}
+
+
 def cpu_layout_note(cpus: dict[str, list[int]] | None, others: str) -> str:
     """The report's line on where the worker and ``others`` ran (``cpus`` as the report keeps it)."""
     if not cpus:

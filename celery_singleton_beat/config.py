@@ -43,6 +43,7 @@ __all__ = [
     "SingletonSettings",
     "clear_settings_cache",
     "get_settings",
+    "is_seconds",
     "validate_settings",
 ]
 
