@@ -27,8 +27,8 @@ from harness.processes import ChildProcess
 from harness.redis_server import RedisServerProcess, find_redis_server, free_port
 from harness.waiting import wait_until as _wait_until
 
-__all__ = ["ROOT", "Server", "bench_cli", "bench_env", "core_split", "free_port", "markdown_table",
-           "process_cpu_seconds", "progress", "running_on", "start_celery", "summary", "wait_until"]
+__all__ = ["ROOT", "Server", "bench_cli", "bench_env", "core_split", "cpu_layout", "cpu_layout_note", "free_port",
+           "markdown_table", "process_cpu_seconds", "progress", "running_on", "start_celery", "summary", "wait_until"]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Databases the benchmark apps keep their locks in.
