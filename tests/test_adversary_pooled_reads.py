@@ -25,7 +25,7 @@ from celery_singleton_beat.lease.batches import combined
 from celery_singleton_beat.lease.commands import AcquireReply, acquire_request, release_request
 from celery_singleton_beat.lease.executor import execute
 
-from .support import RedisServer, TestProcess, importorskip, wait_for
+from .support import RedisServer, TestProcess, importorskip, kill_named, wait_for
 from .support.fault_proxy import FaultProxy, Rates, reply_length
 from .support.loopback import LoopbackProxy, close_socket
 from .support.paths import ROOT
@@ -369,7 +369,8 @@ def test_a_connection_closed_under_a_borrowed_read_is_retried_or_unknown(held: R
     Closed once a release ran: sent again, "not ours" is unknown (None), never False.
     Closed by the server while idle in the pool: replaced. Each next request reads its own."""
     with RefusingProxy(held.port, Rates(0, 0, 0, 0, 0, 0), seed=2) as proxy:
-        client = redis.Redis(port=proxy.port, socket_timeout=10, protocol=protocol, max_connections=1)
+        client = redis.Redis(port=proxy.port, socket_timeout=10, protocol=protocol, max_connections=1,
+                             client_name="borrowed")
         assert type(acquire(client, "t:warm", "w")) is int
         proxy.force(b"SET", "close_before")
         assert type(acquire(client, "t:closed", "mine")) is int
@@ -380,6 +381,6 @@ def test_a_connection_closed_under_a_borrowed_read_is_retried_or_unknown(held: R
         assert release(client, "t:warm", "w") is None
         assert proxy.faults["close_after"] == 1
         assert held.client().get("t:warm") is None
-        assert held.client().client_kill_filter(_type="normal", skipme=True) >= 1  # idle in the pool
+        assert kill_named(held.client(), "borrowed") >= 1  # idle in the pool
         assert release(client, "t:closed", "mine") is True
         assert_told_held(client)

@@ -12,6 +12,13 @@ A strict ``xfail`` test marks the step that shows its documented break with
 that timed out is never counted as the known break. A test that marks no step could
 never xfail; that shows only when it runs (some need Cluster, Sentinel, RabbitMQ), so
 it is checked here.
+
+A test that closes connections at a server kills its own, by id or by name, never every
+client of a type (``client_kill_filter(_type="normal")``): on the session's server that
+also closed the idle broker connection kept in a shared app's pool (``tests.apps.tasks_app``
+lives for the whole xdist worker), and a later test's first ``control.inspect()`` there
+failed with "Connection closed by server", only when xdist ran both modules on one worker
+in that order.
 """
 
 from __future__ import annotations
@@ -97,3 +104,29 @@ def test_the_check_finds_an_xfail_without_its_break() -> None:
     param = ('@pytest.mark.parametrize("n", [1, pytest.param(2, marks=breaks("why"))])\n'
              "def test_y(n):\n    assert n == 1\n")
     assert _xfails_without_their_break(ast.parse(param), param) == [2]
+
+
+def _kills_by_type(tree: ast.Module) -> list[int]:
+    """Calls ``client_kill_filter(_type=...)`` of client types other tests' connections have:
+    every normal or pub/sub client of the server, not only the test's own."""
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "client_kill_filter"
+            and any(keyword.arg == "_type" and not (isinstance(keyword.value, ast.Constant)
+                                                    and keyword.value.value in ("replica", "slave", "master"))
+                    for keyword in node.keywords)]
+
+
+def test_tests_kill_their_own_connections_not_every_client() -> None:
+    offenders = [f"{path.relative_to(TESTS.parent)}:{line}"
+                 for path in sorted(TESTS.rglob("*.py"))
+                 for line in _kills_by_type(ast.parse(path.read_text(), str(path)))]
+    assert offenders == [], ("kill the test's own connections by id or name (support.kill_named), not every "
+                             "client of a type: " + ", ".join(offenders))
+
+
+def test_the_check_finds_a_kill_of_every_normal_client() -> None:
+    source = 'admin.client_kill_filter(_type="normal", skipme=True)\n'
+    assert _kills_by_type(ast.parse(source)) == [1]
+    assert _kills_by_type(ast.parse('admin.client_kill_filter(_id=7)\n')) == []
+    assert _kills_by_type(ast.parse('primary.client_kill_filter(_type="replica")\n')) == []

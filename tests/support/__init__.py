@@ -40,6 +40,7 @@ from .servers import (
                       NotOurServer,
                       RabbitMQServer,
                       RedisServer,
+                      kill_named,
                       queue_drained,
                       redis_server_binary,
 )
@@ -50,7 +51,7 @@ from .waiting import soak, wait_for, wait_for_phase
 __all__ = [
     "BACKEND_DB", "BROKER_DB", "LOCK_DB", "RECORD_DB", "ROOT", "UTC", "CeleryProcess", "NotOurServer",
     "Owner", "RabbitMQServer", "RedisServer", "TestProcess", "child_env", "free_port", "importorskip", "in_ci",
-    "owning", "parse_slot", "queue_drained", "redis_server_binary", "register", "require", "run_command",
+    "kill_named", "owning", "parse_slot", "queue_drained", "redis_server_binary", "register", "require", "run_command",
     "scratch", "scratch_dir",
     "skip_or_fail", "slot_label", "soak", "start_worker", "utc", "wait_for", "wait_for_phase",
 ]

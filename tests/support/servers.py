@@ -269,6 +269,17 @@ def queue_drained(broker: redis.Redis, queue: str) -> bool:
     return True
 
 
+def kill_named(admin: redis.Redis, name: str) -> int:
+    """Close, at ``admin``'s server, every connection named ``name`` (``CLIENT SETNAME``, redis-py's
+    ``client_name``), as a restart or a proxy would close them; how many. A test kills its
+    own connections: on the session's server other clients (a shared app's idle broker
+    connection, kept for later tests) must live on."""
+    ids = [client["id"] for client in admin.client_list() if client.get("name") == name]
+    for client_id in ids:
+        admin.client_kill_filter(_id=client_id)
+    return len(ids)
+
+
 def server_busy(probe: redis.Redis) -> bool:
     """Whether the server answers ``-BUSY`` (another client's script runs past ``lua-time-limit``)."""
     try:
