@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -168,6 +169,30 @@ class RabbitMQServerProcess(ChildProcess):
                 connection.close()
             except (OSError, amqp.exceptions.AMQPError):
                 connection.collect()
+
+    def unacknowledged(self, queue: str) -> int:
+        """How many of ``queue``'s messages the node has delivered and not yet seen
+        acknowledged (``rabbitmqctl list_queues``), 0 for a queue it does not have.
+
+        A worker's view of its acknowledgements ("acknowledged" in ``inspect active``)
+        says the frame was written, not that the node has it: only the node's count tells
+        a test that cutting the connection now will not redeliver the message.
+        """
+        if self.node is None or self.home is None:
+            raise self.error(f"{self.name} was never started")
+        ctl = str(Path(self.binary).with_name("rabbitmqctl"))
+        cookie = (self.home / ".erlang.cookie").read_text().strip()  # the node wrote it at boot
+        done = subprocess.run(
+            [ctl, "-n", f"{self.node}@localhost", "--erlang-cookie", cookie, "-q",
+             "list_queues", "name", "messages_unacknowledged"],
+            env=self.env, capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            raise self.error(f"rabbitmqctl list_queues failed ({done.returncode}): {done.stderr[-2000:]}")
+        for line in done.stdout.splitlines():
+            name, _, count = line.rpartition("\t")
+            if name == queue:
+                return int(count)
+        return 0
 
     def kill(self) -> None:
         """SIGKILL the node's process group (its data is thrown away anyway) and wait

@@ -70,7 +70,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from celery_singleton_beat.task.slot_delivery import CLAIM_HEADER, ENTRY_HEADER, INSTANCE_HEADER, SLOT_HEADER
 
-from .support import RECORD_DB, CeleryProcess, RedisServer, queue_drained, soak, start_worker, wait_for
+from .support import RECORD_DB, CeleryProcess, RabbitMQServer, RedisServer, queue_drained, soak, start_worker, wait_for
 from .support.breaks import documented_break
 from .support.loopback import QuietRelay, close_socket
 from .test_slot_check_loop import APP, QUEUE, SOCKET_TIMEOUT, lock_worker, noted, plain_runs, writes_paused
@@ -634,6 +634,7 @@ class CutRelay(QuietRelay):
     "below its prefetch count for good (RabbitMQ: global QoS; Celery's ETA tasks share this)"))
 def test_slot_messages_held_while_celery_restores_its_prefetch_count_leave_it_whole(
     redis_server: RedisServer, make_redis: Callable[..., RedisServer], rabbitmq: str,
+    rabbitmq_server: RabbitMQServer,
 ) -> None:
     """RabbitMQ broker, two processes, multiplier 2: a prefetch count of 4. A task runs when
     the broker connection is cut: Celery reconnects with a lowered count (2), to be restored as
@@ -658,6 +659,10 @@ def test_slot_messages_held_while_celery_restores_its_prefetch_count_leave_it_wh
         try:
             client.send_task(f"{APP}.waits", (first,))
             wait_for(lambda: running(redis_server, first), timeout=30, message="the first task to run")
+            # Acknowledged as it starts, by the parent once the child says so: the run can be
+            # under way before the node has the acknowledgement, and a cut then redelivers it.
+            wait_for(lambda: rabbitmq_server.unacknowledged(QUEUE) == 0, timeout=30,
+                     message="the node to have the first task's acknowledgement")
             assert relay.cut() >= 1
             worker.wait_for_line("Temporarily reducing the prefetch count to 2", timeout=30)
             prefetch_becomes(sender, worker, 2, "lowered after the reconnection")  # type: ignore[arg-type]

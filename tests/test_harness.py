@@ -16,12 +16,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import kombu
 import pytest
 
 import harness.redis_server
 from harness.processes import group_alive, signal_group
 
-from .support import ROOT, NotOurServer, RedisServer, TestProcess, free_port, run_command, wait_for
+from .support import ROOT, NotOurServer, RabbitMQServer, RedisServer, TestProcess, free_port, run_command, wait_for
 from .support.servers import rabbitmq_server_binary
 from .support.tasks import EventCapture
 
@@ -106,6 +107,26 @@ def test_a_rabbitmq_node_dies_with_its_parent_even_by_sigkill(tmp_path: Path) ->
     finally:  # what the dead parent could not clean up (the node too, should this test fail)
         signal_group(int(pid), signal.SIGKILL)
         shutil.rmtree(home, ignore_errors=True)
+
+
+
+def test_a_rabbitmq_nodes_unacknowledged_count_is_the_nodes_own(rabbitmq_server: RabbitMQServer) -> None:
+    """``unacknowledged`` reads the node's count: a message delivered and not acknowledged
+    counts until the node has the acknowledgement, and an unknown queue counts 0."""
+    queue = f"csb-unacked-{uuid.uuid4().hex[:8]}"
+    with kombu.Connection(rabbitmq_server.url, connect_timeout=10) as connection:
+        messages = connection.SimpleQueue(queue)
+        try:
+            messages.put("one")
+            message = messages.get(timeout=10)  # delivered, not acknowledged
+            assert rabbitmq_server.unacknowledged(queue) == 1
+            message.ack()
+            wait_for(lambda: rabbitmq_server.unacknowledged(queue) == 0, timeout=30,
+                     message="the node to count the acknowledgement")
+        finally:
+            messages.close()
+            connection.default_channel.queue_delete(queue)
+    assert rabbitmq_server.unacknowledged(queue) == 0
 
 
 PROBE = '''
