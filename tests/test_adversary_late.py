@@ -2,7 +2,14 @@
 (never run on), and a worker frees a discarded message's claims on a thread of its own.
 
 Real redis-server from the test session; the slow link is the tests' delaying proxy,
-whose delay is changed while it runs (a fast publish, then a slow acquire).
+whose delay is changed while it runs (a fast publish, then a slow acquire), or a holding
+proxy in front of a real worker stopped while its reply waits (SIGSTOP).
+
+An ``until_executed`` run whose late lock is given back as its message's claim was
+suspected of being lost: its retry (same task id) refused by that very claim. It is
+not: the retry is published (a task's own re-publish never conflicts with its claim)
+and its run adopts the claim; the body runs once (a real worker, with and without a
+result backend, the late lock expired or still standing).
 """
 
 from __future__ import annotations
@@ -21,16 +28,18 @@ from celery.app.trace import TraceInfo, build_tracer
 
 from celery_singleton_beat import LockUnavailable, SingletonTask
 from celery_singleton_beat.lease import counters
+from celery_singleton_beat.lease.holder import parse_holder
 from celery_singleton_beat.lease.keeper import get_keeper
 from celery_singleton_beat.lease.lock import acquire
 from celery_singleton_beat.lease.spec import LockSpec
 from celery_singleton_beat.recovery.lock_redis import reset_clients
 from celery_singleton_beat.task.request import _in_background
 
-from .support import LOCK_DB, RedisServer, start_worker, wait_for
+from .support import BROKER_DB, LOCK_DB, RECORD_DB, CeleryProcess, RedisServer, start_worker, wait_for
 from .support.holding_proxy import HoldingProxy
 from .support.proxy import DelayProxy
 from .support.tasks import lock_keys
+from .test_redelivery import entries, load_app, worker
 
 #: The lease of the runs here, and the delay of each chunk through the proxy while the
 #: link is slow: a round trip takes at least twice the delay, longer than the lease.
@@ -224,3 +233,76 @@ def test_a_forked_child_frees_its_own_discards() -> None:
     finally:
         os.close(reader)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("results", ["backend", "no-backend"])
+@pytest.mark.parametrize("lease", ["expired", "still-held"])
+def test_an_until_executed_run_whose_adoption_reply_comes_late_runs_once_from_its_retry(
+    lease: str, results: str, redis_server: RedisServer, redis_db: redis.Redis, locks: redis.Redis,
+    processes: list[CeleryProcess], delivery_env: dict[str, str],
+) -> None:
+    """``until_executed``: the run of a published message adopts its publish claim, and the
+    adoption's reply comes later than the lease could be vouched for (worker A, solo pool,
+    its lock connection through a proxy: the adoption is held, A stopped, the adoption let
+    through, A continued once that long had passed). The late lock is given back as the
+    message's claim again (turned back into it while it stands, ``still-held``; claimed
+    anew once it expired, ``expired``), and the run waits for Redis: its retry is
+    published under the same task id. That retry must not be refused by the claim the
+    give-back left (same task id): the body runs exactly once, from the retry; a publish of
+    the same arguments meanwhile returns the waiting message's result; the key is free at
+    the end and the next publish runs. With and without a result backend."""
+    ttl = 2.0 if lease == "expired" else 300.0  # expired: the lock is gone before A reads the reply
+    delivery_env.update(CSB_LOCK_TTL=str(ttl))
+    if results == "no-backend":
+        delivery_env.update(CSB_BACKEND="")
+    app = load_app(redis_server, **delivery_env)  # the client: its claims go straight to Redis
+    records = redis_server.client(RECORD_DB)
+    grace = LockSpec(task="late", ttl=ttl, live=True, liveness_ttl=float(app.app.conf.singleton_liveness_ttl)).grace
+    with HoldingProxy(redis_server.port, "late-adoption") as link:
+        a = worker(redis_server, processes, "late-a", {**delivery_env, "CSB_LOCK_REDIS": link.url(LOCK_DB)},
+                   pool="solo")
+        records.set("hold:k", "1")  # the run, once it starts, holds the key until the test lets it end
+        link.hold(b'"claim":true')  # the adoption names the claim it replaces; the run's first SET does not
+        first = app.queued_once.delay("k", 0)
+        key = app.queued_once.singleton_key(("k", 0), {})
+        claim = parse_holder(locks.get(key))
+        assert claim is not None and claim.claim and claim.task_id == first.id, "the publish claim is written"
+        held = wait_for(lambda: link.held_with(b'"claim":true'), timeout=60, message="A's adoption held")
+        a.signal(signal.SIGSTOP)
+        try:
+            link.let_go([held[0][1]], timeout=30)  # returns once Redis answered: A's lock is written
+            lock = parse_holder(locks.get(key))
+            assert lock is not None and not lock.claim and lock.task_id == first.id, "the adoption ran"
+            if lease == "expired":
+                wait_for(lambda: not locks.exists(key), timeout=30, message="A's lock expired")
+            else:  # written longer ago than A can vouch for it, still there
+                wait_for(lambda: 0 < locks.pttl(key) <= (ttl - grace) * 1000, timeout=30,
+                         message=f"A's lock older than its {grace:g}s grace")
+        finally:
+            a.signal(signal.SIGCONT)
+        # Only the late reply's path logs this: the acquire failed as a timeout, past the grace.
+        late = a.wait_for_line(first.id, "not started, Redis unavailable", "could vouch for it", timeout=60)
+        # The give-back ran before that line: the key stands for the message (its claim, or
+        # by now its retried run, held by the test).
+        holder = parse_holder(locks.get(key))
+        assert holder is not None and holder.task_id == first.id, f"the key left to {holder} after: {late}"
+        second = app.queued_once.delay("k", 0)
+        assert second.id == first.id, "a duplicate was published beside the message waiting for its retry"
+        started = wait_for(lambda: entries(records, "started:k"), timeout=60, message="the retried run started")
+        assert [run["task_id"] for run in started] == [first.id]
+        records.delete("hold:k")
+        wait_for(lambda: entries(records, "runs:k"), timeout=60, message="the retried run ended")
+        if results == "backend":
+            assert first.get(timeout=30).startswith("late-a@"), "the caller of the message gets its run's result"
+            assert first.state == states.SUCCESS
+        wait_for(lambda: lock_keys(locks) == [], timeout=30, message="the key free once the run ended")
+        assert [run["task_id"] for run in entries(records, "runs:k")] == [first.id], "the body ran exactly once"
+        assert not records.exists("overlap:k")
+        third = app.queued_once.delay("k", 0)
+        assert third.id != first.id, "a publish after the run ended was taken for a duplicate of it"
+        wait_for(lambda: len(entries(records, "runs:k")) == 2, timeout=60, message="the next publish ran")
+        assert [run["task_id"] for run in entries(records, "runs:k")] == [first.id, third.id]
+        with redis_server.client(BROKER_DB) as queue:
+            wait_for(lambda: queue.llen("celery") == 0 and queue.hlen("unacked") == 0, timeout=30,
+                     message="no copy of a message left in the queue or unacknowledged")
