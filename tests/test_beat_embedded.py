@@ -34,7 +34,6 @@ from .support import (
     run_command,
     soak,
     wait_for,
-    wait_for_phase,
 )
 from .support.beat import (
     BEAT_APP,
@@ -46,7 +45,8 @@ from .support.beat import (
     fresh_beat_state,
     logged_sends,
     module_beat_worker,
-    read_runs,
+    runs_of,
+    wait_between_sends,
 )
 from .support.dbbeat import all_running, assert_no_errors, assert_took_part, stop_and_drain
 from .support.slots import parse_slot, slot_floor, utc
@@ -205,18 +205,18 @@ def test_three_workers_with_embedded_singleton_beats_send_each_slot_once_and_sur
                                  ["--scheduler", "singleton"],
                                  {"beat_scheduler": "celery.beat:PersistentScheduler"})
     processes.extend(workers)
-    wait_for(lambda: len([run for run in read_runs(redis_server) if run["entry"] == entry]) >= 4,
+    wait_for(lambda: len(runs_of(redis_server, entry)) >= 4,
              timeout=30, message="four runs")
-    winner = [run for run in read_runs(redis_server) if run["entry"] == entry][-1]["instance"]
+    wait_between_sends(redis_server, entry, 1, 1.0, 0.45, 0.55)  # no send in flight
+    winner = runs_of(redis_server, entry)[-1]["instance"]
     victim = next(worker for worker in workers if f"beat: singleton scheduler {winner}" in worker.output())
-    wait_for_phase(1.0, 0.45, 0.55)  # half-way between two slots: no send in flight
     victim.kill_group()
     killed_at = time.time()
     survivors = [worker for worker in workers if worker is not victim]
     soak(killed_at + 6 - time.time(), check=all_running(survivors), what="two workers after a kill")
     stopped = stop_and_drain(redis_server, workers)
 
-    runs = [run for run in read_runs(redis_server) if run["entry"] == entry]
+    runs = runs_of(redis_server, entry)
     until = slot_floor(stopped - 1, 1)  # sent a second before the first stop
     slots = assert_once_per_slot(runs, entry, timedelta(seconds=1), until)
     sends = {slot: n for slot, n in logged_sends(workers, entry).items() if parse_slot(slot) <= until}

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,7 +23,6 @@ from .support import (
     RedisServer,
     soak,
     wait_for,
-    wait_for_phase,
 )
 from .support.beat import (
     RUNS_KEY,
@@ -32,8 +30,9 @@ from .support.beat import (
     drain_worker,
     fresh_beat_state,
     module_beat_worker,
-    read_runs,
+    runs_of,
     start_beat,
+    wait_between_sends,
     wait_for_slot,
 )
 from .support.slots import UTC, parse_slot, slot_floor
@@ -66,10 +65,6 @@ def all_running(processes: list[CeleryProcess]) -> Callable[[], bool]:
 
 
 
-
-
-def runs_of(redis_server: RedisServer, entry: str) -> list[dict[str, Any]]:
-    return [run for run in read_runs(redis_server) if run["entry"] == entry]
 
 
 def decisions(beat: CeleryProcess, entry: str) -> int:
@@ -133,11 +128,10 @@ def test_sigkill_of_one_beat_leaves_no_gap(
     for name in ("a", "b", "c"):
         processes.append(start_beat(redis_server, tmp_path, name, schedule))
     run_until_each_claimed(processes, entry, 3)
-    # Kill the beat that won the latest slot, half-way between two slots.
-    wait_for(lambda: runs_of(redis_server, entry), timeout=20, message="a first run")
+    # Kill the beat that won the latest slot, half-way between two slots, its send done.
+    wait_between_sends(redis_server, entry, 1, 1.0, 0.45, 0.55)
     winner = runs_of(redis_server, entry)[-1]["instance"]
     victim = next((beat for beat in processes if f":{beat.pid}:" in winner), processes[1])
-    wait_for_phase(1.0, 0.45, 0.55)
     victim.kill_group()
     killed_at = time.time()
     survivors = [beat for beat in processes if beat is not victim]

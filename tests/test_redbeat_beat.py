@@ -27,6 +27,8 @@ from .support.beat import (
     logged_sends,
     module_beat_worker,
     read_runs,
+    runs_of,
+    wait_between_sends,
 )
 from .support.dbbeat import all_running, assert_follows_edit, assert_no_errors, assert_took_part, stop_and_drain
 from .support.extras import assert_needs_extra
@@ -54,10 +56,6 @@ def sent_names(scheduler: Any) -> list[str]:
 
 def runs_of_entry(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [run for run in runs if run["entry"] == name]
-
-
-def runs_of(redis_server: RedisServer, name: str) -> list[dict[str, Any]]:
-    return runs_of_entry(read_runs(redis_server), name)
 
 
 def test_base_install_does_not_import_redbeat() -> None:
@@ -290,10 +288,10 @@ def side_by_side(redis_server: RedisServer, redbeat_worker: CeleryProcess) -> It
                           for beat in ours]
             wait_for(lambda: len([run for run in runs_of(redis_server, names["ours-edited"])
                                   if run["at"] > settled]) >= 2, timeout=30, message="runs on the new grid")
+            plain_victim = next(beat for beat in plain if "beat: Acquired lock" in beat.output())
+            wait_between_sends(redis_server, names["ours-1s"], 1, 1.0, 0.45, 0.55)  # no send of ours in flight
             winner = runs_of(redis_server, names["ours-1s"])[-1]["instance"]
             our_victim = next(beat for beat in ours if f":{beat.pid}:" in winner)
-            plain_victim = next(beat for beat in plain if "beat: Acquired lock" in beat.output())
-            wait_for_phase(1.0, 0.45, 0.55)  # half-way between two slots: no send in flight
             our_victim.kill_group()
             plain_victim.kill_group()
             killed_at = time.time()

@@ -24,7 +24,7 @@ from celery_singleton_beat.beat import SingletonScheduler, SingletonSchedulerMix
 from .owners import Owner, owning
 from .processes import CeleryProcess, child_env, start_worker
 from .servers import LOCK_DB, RECORD_DB, RedisServer, flushdb, queue_drained
-from .slots import UTC, expected_slots, parse_slot
+from .slots import UTC, expected_slots, parse_slot, slot_floor
 from .waiting import wait_for
 
 __all__ = [
@@ -48,10 +48,12 @@ __all__ = [
     "read_runs",
     "run_ticks",
     "runs_by_slot",
+    "runs_of",
     "sent_slots",
     "slot_counts",
     "start_beat",
     "start_beat_pair",
+    "wait_between_sends",
     "wait_for_slot",
     "worker_idle",
 ]
@@ -162,6 +164,33 @@ def read_runs(redis_server: RedisServer) -> list[dict[str, Any]]:
     """Every execution recorded by the worker so far, in order."""
     client = redis_server.client(RECORD_DB)
     return [json.loads(raw) for raw in client.lrange(RUNS_KEY, 0, -1)]
+
+
+def runs_of(redis_server: RedisServer, entry: str) -> list[dict[str, Any]]:
+    """The recorded executions of ``entry``, in order."""
+    return [run for run in read_runs(redis_server) if run["entry"] == entry]
+
+
+def wait_between_sends(redis_server: RedisServer, entry: str, every: float, period: float, low: float,
+                       high: float, timeout: float = 30.0) -> float:
+    """Wait until the wall clock is in ``[low, high)`` modulo ``period`` *and* the run of
+    ``entry``'s current slot (``every`` seconds) is recorded; return the epoch time seen.
+
+    A beat killed then dies between two sends of ``entry``, not in one. The clock alone
+    does not say so: on a busy machine a send can come half a period late, and a beat
+    killed after its "won by ..., sending" and before its publish is taken over by
+    another, which logs a second send of the slot."""
+    def between() -> float | None:
+        now = time.time()
+        if not low <= now % period < high:
+            return None
+        current = slot_floor(now, every)
+        done = any(run["slot"] and parse_slot(run["slot"]) >= current for run in runs_of(redis_server, entry))
+        return now if done else None
+
+    seen: float = wait_for(between, timeout=timeout, interval=0.005,
+                           message=f"a moment in [{low}, {high}) modulo {period} with {entry}'s current slot run")
+    return seen
 
 
 def runs_by_slot(redis_server: RedisServer, prefix: str) -> dict[str, dict[str, int]]:

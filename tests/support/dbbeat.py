@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from .beat import SendRecorder, beat_app, read_runs, slot_counts
+from .beat import SendRecorder, beat_app, runs_of, slot_counts
 from .processes import CeleryProcess, child_env
 from .servers import LOCK_DB, RedisServer, queue_drained
 from .skips import importorskip
@@ -150,10 +150,6 @@ def stop_and_drain(redis_server: RedisServer, beats: list[CeleryProcess]) -> flo
     wait_for(lambda: queue_drained(broker, QUEUE),
              timeout=60, message="the worker to drain the queue")
     return stopped
-
-
-def runs_of(redis_server: RedisServer, entry: str) -> list[dict[str, Any]]:
-    return [run for run in read_runs(redis_server) if run["entry"] == entry]
 
 
 def assert_no_errors(beats: list[CeleryProcess], stalls: StallWindow | None = None) -> None:
