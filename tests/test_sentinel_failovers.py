@@ -15,6 +15,13 @@ slot every 0.5 s (no slot sent twice: each beat writes back the claims the new
 primary lacks, and claims no new slot during the recovery window; slots that come
 due in the window are sent when it ends, the latest of them for an entry due more
 often than that, as after an outage).
+
+A round whose leases were lost while the machine's wall clock stepped forward (by at
+least the two thirds of the lease a renewal on time leaves) is void, not a failure: Redis
+keeps TTLs on its wall clock, so such a step expires the 1 s leases (and the 2 s
+liveness keys) at once, however punctually their holders renewed them on their
+monotonic clocks, and the library rightly reports them lost; the sentinels then sit in
+TILT mode for 30 s (see ``tests/support/stalls.py``). A loss without such a step fails.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from .support import CeleryProcess, RedisServer, start_worker, wait_for
 from .support.beat import sent_slots
 from .support.failover_load import HOT_KEYS, FailoverLoad
 from .support.slots import duplicates_and_misses
+from .support.stalls import monitor
 from .support.tasks import settled
 from .support.topologies import MASTER_NAME, SentinelGroup, start_sentinels, wait_for_new_primary
 
@@ -76,6 +84,7 @@ def _held_on_primary(group: SentinelGroup, keys: list[str]) -> bool:
 def test_ten_sentinel_failovers_in_a_row_lose_no_lease_and_run_no_key_twice(
         tasks: ModuleType, records: redis.Redis, redis_server: RedisServer,
         processes: list[CeleryProcess]) -> None:
+    watch = monitor()  # steps of the wall clock (see the module's docstring)
     group = start_sentinels(down_after_ms=1000)
     load: FailoverLoad | None = None
     try:
@@ -91,7 +100,12 @@ def test_ten_sentinel_failovers_in_a_row_lose_no_lease_and_run_no_key_twice(
 
         leases: list[AsyncResult] = []
         failover_times: list[float] = []
+        # A renewal on time leaves two thirds of the lease: a forward step of the wall clock
+        # that long expires the leases whose renewal is about due.
+        expiring_step = tasks.hold_lease.lock_ttl * 2 / 3
+        void: list[str] = []
         for round_ in range(FAILOVERS):
+            began = time.monotonic()
             names = [f"lease{round_}-{i}" for i in range(3)]
             runs = [tasks.hold_lease.delay(name) for name in names]
             leases += runs
@@ -112,7 +126,13 @@ def test_ten_sentinel_failovers_in_a_row_lose_no_lease_and_run_no_key_twice(
                 records.set(f"release:{name}", "1")
             wait_for(lambda: settled(runs), timeout=60, message="the lease runs ended")  # noqa: B023
             lost = [(r.id, r.result) for r in runs if r.state != "SUCCESS" or r.result.get("lost")]
-            assert not lost, f"failover {round_ + 1}: leases lost: {lost}"
+            stepped = watch.stepped(began, time.monotonic())
+            if lost and stepped >= expiring_step:
+                void.append(f"failover {round_ + 1}: {len(lost)} leases expired by a {stepped:.1f} s step of the "
+                            f"wall clock")
+                continue
+            assert not lost, f"failover {round_ + 1}: leases lost: {lost}" + \
+                (f" (the wall clock stepped {stepped:.2f} s forward meanwhile)" if stepped else "")
 
         load.finish()
         wait_for(lambda: settled(published), timeout=120, message="every task settled")
@@ -120,7 +140,7 @@ def test_ten_sentinel_failovers_in_a_row_lose_no_lease_and_run_no_key_twice(
         overlaps = {k: int(records.get(f"overlap:{k}") or 0) for k in HOT_KEYS}
         slots = duplicates_and_misses(sent_slots(*beats).elements(), timedelta(seconds=0.5))
         print(f"\nFAILOVERS {FAILOVERS}: leases {len(leases)} kept, tasks {dict(states)}, overlaps {overlaps}, "
-              f"beat {slots}, hot runs {sum(records.llen(f'runs:{k}') for k in HOT_KEYS)}")
+              f"beat {slots}, hot runs {sum(records.llen(f'runs:{k}') for k in HOT_KEYS)}, void rounds {void}")
         duplicated = {label: sorted(round(sent["at"] - min(failover_times, key=lambda t: abs(t - sent["at"])), 2)
                                     for beat in beats for sent in beat.sent if sent["slot"] == label)
                       for label, count in sent_slots(*beats).items() if count > 1}

@@ -28,19 +28,23 @@ EXPIRED = ("[2026-12-05 01:02:03,456: ERROR/MainProcess] liveness key singleton:
 OTHER = "[2026-12-05 01:02:03,456: ERROR/MainProcess] cannot renew liveness key singleton:live:ab12: Timeout"
 
 
-def driven(gaps: list[float], start: float = 100.0) -> StallMonitor:
-    """A monitor whose loop ran once per entry of ``gaps``: the clock moved that much each tick."""
+def driven(gaps: list[float], start: float = 100.0, steps: dict[int, float] | None = None) -> StallMonitor:
+    """A monitor whose loop ran once per entry of ``gaps``: the clock moved that much each tick,
+    the wall clock too, plus ``steps[i]`` seconds at tick ``i`` (counted from 0)."""
     now = [start]
-    steps = iter(gaps)
+    wall = [1_800_000_000.0]
+    ticks = iter(enumerate(gaps))
 
     def wait(_: float) -> bool:
-        step = next(steps, None)
-        if step is None:
+        tick = next(ticks, None)
+        if tick is None:
             return True  # stop
-        now[0] += step
+        index, gap = tick
+        now[0] += gap
+        wall[0] += gap + (steps or {}).get(index, 0.0)
         return False
 
-    monitor = StallMonitor(wait=wait, clock=lambda: now[0])
+    monitor = StallMonitor(wait=wait, clock=lambda: now[0], wall=lambda: wall[0])
     monitor.run()
     return monitor
 
@@ -54,6 +58,18 @@ def test_regular_ticks_record_nothing_and_a_gap_is_one_stall() -> None:
 
 #: One second of regular ticks.
 SECOND = [TICK] * round(1 / TICK)
+
+
+def test_a_step_of_the_wall_clock_is_recorded_a_freeze_is_none() -> None:
+    assert driven([*SECOND, 9.0, *SECOND]).steps == [], "a freeze moves both clocks alike"
+    assert driven(SECOND * 3, steps={i: 0.0005 * TICK for i in range(60)}).steps == [], \
+        "NTP's slew (at most 500 ppm) is no step"
+    assert driven(SECOND, steps={5: BOUND}).steps == [], "up to the bound is no step"
+    monitor = driven([*SECOND, *SECOND, *SECOND], steps={30: 2.2, 45: -1.0})  # forward at 101.55, back at 102.3
+    assert [(round(s.at, 2), round(s.seconds, 2)) for s in monitor.steps] == [(101.55, 2.2), (102.3, -1.0)]
+    assert monitor.stepped(100, 103) == pytest.approx(2.2), "forward steps only: a step back lets keys live longer"
+    assert monitor.stepped(101.6, 103) == 0.0, "after it"
+    assert monitor.stepped(99, 103) == 0.0, "a window the monitor did not watch from its start"
 
 
 def test_a_window_sees_the_part_of_a_freeze_inside_it() -> None:
@@ -97,14 +113,14 @@ def test_a_freeze_the_thread_has_not_woken_from_yet_counts() -> None:
 
 
 #: A child running the monitor: prints ``ready``, then for a line ``<start> <end>`` (monotonic)
-#: the longest freeze it saw in that window.
+#: the longest freeze it saw in that window, and how far the wall clock stepped forward there.
 CHILD = """
 import sys
 from tests.support.stalls import StallMonitor
 monitor = StallMonitor().start()
 print("ready", flush=True)
 start, end = map(float, sys.stdin.readline().split())
-print(monitor.frozen_for(start, end), flush=True)
+print(monitor.frozen_for(start, end), monitor.stepped(start, end), flush=True)
 """
 
 
@@ -131,5 +147,6 @@ def test_a_process_stopped_and_resumed_reports_at_least_the_time_it_was_stopped(
     os.kill(child.pid, signal.SIGCONT)
     child.stdin.write(f"{stopped} {resumed}\n")
     child.stdin.flush()
-    frozen = float(child.stdout.readline())
+    frozen, stepped = map(float, child.stdout.readline().split())
     assert frozen >= resumed - stopped - TICK - 1e-6, f"stopped {resumed - stopped:.3f} s, saw {frozen:.3f} s"
+    assert stepped == 0.0, "a freeze is no step of the wall clock: both clocks went on"

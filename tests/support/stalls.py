@@ -13,6 +13,18 @@ span in which this process ran no Python at all (its VM paused, the machine star
 or, rarely, a C call held the GIL). :func:`unexplained_errors` excuses a worker's
 liveness-expired line only when this process was itself frozen, during the test, long
 enough for the worker's key to expire; every other error line stays an error.
+
+The same loop watches for **steps of the wall clock**: the wall clock moving more (or
+less) than the monotonic clock between two ticks, by more than :data:`BOUND`. The host
+can set the VM's wall clock forward after a pause its monotonic clock did not count (no
+freeze shows then: only ``time.time()`` jumps, for every process of the machine at
+once). Redis keeps TTLs on its wall clock: a forward step expires at once every key whose
+TTL left is shorter than the step, however punctually its holder renewed it on its
+monotonic clock (a 1 s lease is reported lost, a heartbeat logs its liveness key
+expired "last renewed 0.7 s ago", below its TTL), and each sentinel, seeing its timer
+move more than 2 s, enters TILT mode for 30 s (no failover, no reconfiguration of the
+old primary). :meth:`StallMonitor.stepped` says how far the wall clock stepped forward
+within a window: a test can tell such a loss from one the library caused.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ from dataclasses import dataclass
 
 import pytest
 
-__all__ = ["BOUND", "TICK", "Stall", "StallMonitor", "StallWindow", "monitor", "stalls", "unexplained_errors"]
+__all__ = ["BOUND", "TICK", "Stall", "StallMonitor", "StallWindow", "Step", "monitor", "stalls", "unexplained_errors"]
 
 #: Seconds between two ticks of the monitor.
 TICK = 0.05
@@ -45,23 +57,36 @@ class Stall:
     end: float
 
 
-class StallMonitor:
-    """Records each span in which its thread could not run (see the module's docstring).
+@dataclass(frozen=True)
+class Step:
+    """The wall clock moved ``seconds`` more than the monotonic clock (negative: less) between
+    the tick before ``at`` and the tick at ``at`` (``time.monotonic()``)."""
 
-    ``wait`` (``Event.wait``-like: True means stop) and ``clock`` are injectable so that a
-    unit test can drive the loop (:meth:`run`) tick by tick.
+    at: float
+    seconds: float
+
+
+class StallMonitor:
+    """Records each span in which its thread could not run, and each step of the wall clock
+    (see the module's docstring).
+
+    ``wait`` (``Event.wait``-like: True means stop), ``clock`` and ``wall`` are injectable so
+    that a unit test can drive the loop (:meth:`run`) tick by tick.
     """
 
     def __init__(self, tick: float = TICK, bound: float = BOUND, *,
                  wait: Callable[[float], bool] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.tick = tick
         self.bound = bound
         self._stop = threading.Event()
         self._wait = wait or self._stop.wait
         self._clock = clock
+        self._wall = wall
         self._lock = threading.Lock()
         self._stalls: list[Stall] = []
+        self._steps: list[Step] = []
         self._last: float | None = None  # the latest tick
         #: When the loop began (monotonic); a window starting earlier is not covered.
         self.started: float | None = None
@@ -80,13 +105,20 @@ class StallMonitor:
             self._thread.join()
 
     def run(self) -> None:
-        """The loop: tick until ``wait`` says stop, recording the gaps past ``tick + bound``."""
+        """The loop: tick until ``wait`` says stop, recording the gaps past ``tick + bound`` and
+        the wall clock's moves off the monotonic clock past ``bound`` (from tick to tick: a
+        clock slewed by NTP, a few hundred microseconds a second at most, never adds up to one)."""
         last = self._last = self.started = self._clock()
+        offset = self._wall() - last
         while not self._wait(self.tick):
             now = self._clock()
+            moved = self._wall() - now - offset
             with self._lock:
                 if now - last > self.tick + self.bound:
                     self._stalls.append(Stall(last, now))
+                if abs(moved) > self.bound:
+                    self._steps.append(Step(now, moved))
+                offset += moved
                 last = self._last = now
 
     @property
@@ -100,6 +132,21 @@ class StallMonitor:
             if self._last is not None and now - self._last > self.tick + self.bound:
                 seen.append(Stall(self._last, now))
         return seen
+
+    @property
+    def steps(self) -> list[Step]:
+        """The steps of the wall clock seen."""
+        with self._lock:
+            return list(self._steps)
+
+    def stepped(self, start: float, end: float) -> float:
+        """How far the wall clock stepped forward within ``[start, end]`` (monotonic), in
+        seconds: the sum of the forward steps seen there (backward ones let keys live longer,
+        and do not count). 0.0 when there is none, or when the monitor did not run from
+        ``start`` on (what it did not watch proves nothing)."""
+        if self.started is None or self.started > start:
+            return 0.0
+        return sum(s.seconds for s in self.steps if start <= s.at <= end and s.seconds > 0)
 
     def frozen_for(self, start: float, end: float) -> float:
         """The longest freeze seen within ``[start, end]`` (monotonic), in seconds: a gap clipped
