@@ -134,6 +134,8 @@ def test_ten_sentinel_failovers_in_a_row_lose_no_lease_and_run_no_key_twice(
             assert not lost, f"failover {round_ + 1}: leases lost: {lost}" + \
                 (f" (the wall clock stepped {stepped:.2f} s forward meanwhile)" if stepped else "")
 
+        # A void round proves nothing: most rounds must count.
+        assert len(void) <= FAILOVERS // 5, f"too many rounds voided by steps of the wall clock: {void}"
         load.finish()
         wait_for(lambda: settled(published), timeout=120, message="every task settled")
         states = Counter(r.state for r in published)
